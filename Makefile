@@ -1,0 +1,37 @@
+# Every target sets itself up on first use (idempotently) in .venv.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.usaf-installed
+# A CPU build of PyTorch when none is installed; users bring their own CUDA/ROCm build.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: setup test demo bench bench-compare lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet $(TORCH_CPU)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+demo: $(STAMP)
+	$(BIN)/usaf demo
+
+bench: $(STAMP)
+	$(BIN)/python bench/engine.py
+
+bench-compare: $(STAMP)
+	$(BIN)/python bench/compare.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

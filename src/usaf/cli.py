@@ -1,0 +1,45 @@
+"""`usaf` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+from .errors import UsafError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="usaf",
+        description="Fine-tune a Mixture-of-Experts model's own expert weights, sparsely, on a frozen base.",
+    )
+    parser.add_argument("--version", action="version", version=f"usaf {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = sub.add_parser("demo", help="fine-tune the bundled small MoE on the bundled task")
+    demo.add_argument("--out", default=None, help="run directory (default: a temporary one)")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def _demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except UsafError as err:
+        print(f"usaf: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The experts implementation usaf registers with transformers' ExpertsInterface.
+
+One forward for every fused-experts family: route, run the up (or gate+up) projection, the family's own gate or
+activation, the down projection, the optional post-expert norm, and weight by the router. Each projection is a
+`SparseGroupedLinear`: a grouped matmul over the routed experts' effective weights (frozen base with the trained
+values written in), whose backward gives the input gradient through those weights and value gradients only at
+the trained entries.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ExpertsInterface
+
+from .sparse import ElementEntries
+
+IMPLEMENTATION_NAME = "usaf"
+
+
+class RoutingPlan:
+    """Token-expert pairs sorted by expert: which token each row is, and how many rows each expert has."""
+
+    def __init__(self, top_k_index: torch.Tensor, num_experts: int):
+        flat = top_k_index.reshape(-1)
+        self.num_tokens, self.num_top_k = flat.numel() // top_k_index.shape[-1], top_k_index.shape[-1]
+        self.expert_of_row, self.order = torch.sort(flat, stable=True)
+        self.token_of_row = torch.div(self.order, self.num_top_k, rounding_mode="floor")
+        self.counts: list[int] = torch.bincount(self.expert_of_row, minlength=num_experts).tolist()  # one sync
+        self.row_offsets = [0, *itertools.accumulate(self.counts)]
+
+    def chunks(self, resident: bool, bytes_per_expert: int, workspace_bytes: int):
+        """(expert ids or None for all, first row, last row, rows per expert) per chunk of routed experts.
+
+        A resident store is used whole (grouped matmul skips empty experts). Otherwise only experts that received
+        tokens are materialized, as many at a time as fit the workspace.
+        """
+        if resident:
+            yield None, 0, self.row_offsets[-1], self.counts
+            return
+        per_chunk = max(1, workspace_bytes // max(1, bytes_per_expert))
+        active = [e for e, c in enumerate(self.counts) if c]
+        for i in range(0, len(active), per_chunk):
+            ids = active[i : i + per_chunk]
+            yield ids, self.row_offsets[ids[0]], self.row_offsets[ids[-1] + 1], [self.counts[e] for e in ids]
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """rows of x (grouped by expert, `counts` rows each) @ weight[e] ([k, K, N]) -> [rows, N]."""
+    if x.shape[0] == 0:
+        return x.new_zeros(0, weight.shape[2])
+    if hasattr(torch.nn.functional, "grouped_mm"):
+        offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
+        try:
+            return torch.nn.functional.grouped_mm(x, weight, offs=offsets)
+        except (RuntimeError, NotImplementedError):
+            pass  # unaligned strides, old GPU or unsupported dtype: the portable path below
+    out = x.new_empty(x.shape[0], weight.shape[2])
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            torch.mm(x[start : start + count], weight[e], out=out[start : start + count])
+        start += count
+    return out
+
+
+class Projection:
+    """One projection of an experts module: its frozen store, trained entries, and optional bias."""
+
+    def __init__(self, store, entries, bias_store, bias_entries, transposed: bool, workspace_bytes: int):
+        self.store, self.entries = store, entries
+        self.bias_store, self.bias_entries = bias_store, bias_entries
+        self.transposed = transposed
+        self.workspace_bytes = workspace_bytes
+
+    def weights(self, expert_ids):
+        """Effective weights [k, A, B] of a chunk (the whole patched stack for a resident store)."""
+        if expert_ids is None:
+            return self.store.full()  # already patched once per forward, see `SparseGroupedLinear.forward`
+        weight = self.store.materialize(expert_ids)
+        if self.entries is not None:
+            self.entries.write_into(weight, expert_ids)
+        return weight
+
+    def chunks(self, plan: RoutingPlan):
+        _, a, b = self.store.shape
+        bytes_per_expert = a * b * torch.empty((), dtype=self.store.dtype).element_size()
+        return plan.chunks(self.store.resident, bytes_per_expert, self.workspace_bytes)
+
+
+class SparseGroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, values, bias_values, proj: Projection, plan: RoutingPlan):
+        ctx.x_dtype = x.dtype
+        x = x.to(proj.store.dtype)
+        if proj.store.resident and proj.entries is not None:
+            proj.entries.write_into(proj.store.full(), None)
+        out = None
+        for expert_ids, r0, r1, counts in proj.chunks(plan):
+            weight = proj.weights(expert_ids)
+            oriented = weight if proj.transposed else weight.transpose(1, 2)  # [k, in, out]
+            y = grouped_matmul(x[r0:r1], oriented, counts)
+            if out is None:
+                out = y if (r0, r1) == (0, x.shape[0]) else x.new_zeros(x.shape[0], y.shape[1])
+            if out is not y:
+                out[r0:r1] = y
+        if out is None:  # no rows at all
+            out_dim = proj.store.shape[2] if proj.transposed else proj.store.shape[1]
+            out = x.new_zeros(0, out_dim)
+        if proj.bias_store is not None:
+            bias = proj.bias_store.full()
+            if proj.bias_entries is not None:
+                proj.bias_entries.write_into(bias, None)
+            out = out + bias.view(bias.shape[0], -1)[plan.expert_of_row]
+        ctx.proj, ctx.plan = proj, plan
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        proj, plan = ctx.proj, ctx.plan
+        need_x, need_values, need_bias = ctx.needs_input_grad[:3]
+        gy = grad_out.to(x.dtype)
+        grad_x = torch.zeros_like(x) if need_x else None
+        grad_values = torch.zeros_like(proj.entries.values) if need_values else None
+        if need_x or need_values:
+            for expert_ids, r0, r1, counts in proj.chunks(plan):
+                if need_x:
+                    weight = proj.weights(expert_ids)
+                    oriented = weight.transpose(1, 2) if proj.transposed else weight  # [k, out, in]
+                    grad_x[r0:r1] = grouped_matmul(gy[r0:r1], oriented, counts)
+                if need_values:
+                    U, V = (x, gy) if proj.transposed else (gy, x)
+                    ids = list(range(len(counts))) if expert_ids is None else expert_ids
+                    local_offsets = [0, *itertools.accumulate(counts)]
+                    proj.entries.add_grad(grad_values, U[r0:r1], V[r0:r1], ids, local_offsets)
+        grad_bias = None
+        if need_bias:
+            entries: ElementEntries = proj.bias_entries
+            per_expert = gy.new_zeros(entries.shape[0], gy.shape[1], dtype=torch.float32)
+            per_expert.index_add_(0, plan.expert_of_row, gy.float())
+            grad_bias = per_expert.view(-1)[entries.flat_indices]
+        if grad_x is not None:
+            grad_x = grad_x.to(ctx.x_dtype)
+        return grad_x, grad_values, grad_bias, None, None
+
+
+class SparseExperts(nn.ModuleDict):
+    """usaf's state on one experts module: trained entries per tensor (as submodules) and the frozen stores."""
+
+    def __init__(self, stores: dict, entries: dict, transposed: bool, workspace_bytes: int):
+        super().__init__(entries)
+        self.stores = stores
+        self.transposed = transposed
+        self.workspace_bytes = workspace_bytes
+        self.num_experts = next(iter(stores.values())).shape[0]
+
+    def projection(self, name: str) -> Projection:
+        bias = name + "_bias"
+        return Projection(
+            self.stores[name],
+            self[name] if name in self else None,
+            self.stores.get(bias),
+            self[bias] if bias in self else None,
+            self.transposed,
+            self.workspace_bytes,
+        )
+
+    def project(self, name: str, x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        proj = self.projection(name)
+        values = proj.entries.values if proj.entries is not None else None
+        bias_values = proj.bias_entries.values if proj.bias_entries is not None else None
+        return SparseGroupedLinear.apply(x, values, bias_values, proj, plan)
+
+
+def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Drop-in for transformers' experts forward (same signature and result as `grouped_mm`)."""
+    state: SparseExperts = self.usaf
+    plan = RoutingPlan(top_k_index, state.num_experts)
+    x = hidden_states[plan.token_of_row]
+    h = state.project("gate_up_proj" if self.has_gate else "up_proj", x, plan)
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    y = state.project("down_proj", h, plan)
+    if self.has_post_expert_norm:
+        y = self.post_expert_norm(y)
+    y = y * top_k_weights.reshape(-1)[plan.order].unsqueeze(-1)
+    # back to token order; a reshape+sum (as transformers does) is deterministic, unlike index_add_ on CUDA
+    inverse = torch.empty_like(plan.order)
+    inverse[plan.order] = torch.arange(plan.order.numel(), device=plan.order.device)
+    out = y[inverse].view(plan.num_tokens, plan.num_top_k, -1).sum(dim=1)
+    return out.to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Make "usaf" a valid `experts_implementation` (idempotent)."""
+    if IMPLEMENTATION_NAME not in ExpertsInterface._global_mapping:
+        ExpertsInterface.register(IMPLEMENTATION_NAME, usaf_experts_forward)

@@ -1,0 +1,204 @@
+"""Sparse trainable state of one expert tensor: which entries are trained, their values, and their gradients.
+
+Two granularities share one interface:
+- `ElementEntries`: arbitrary entries, as sorted flat indices into the [E, A, B] tensor.
+- `LineEntries`: whole lines of expert matrices (a row W[e, a, :] or a column W[e, :, b]); an expert neuron is a
+  row of gate and up and a column of down (or the transpose, for transposed layouts).
+
+Gradients are sampled products of the two activations that meet in a weight (U indexed by A, V indexed by B):
+dL/dW[e, a, b] = sum_t U[t, a] * V[t, b] over the tokens routed to e. They are computed only at the trained
+entries (a sampled dense-dense product, or a small matmul for whole lines) and never as a dense expert matrix.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+# torch's sampled dense-dense product needs a CSR pattern; building one warns on every call.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+
+
+def _expert_offsets(expert_of_entry: torch.Tensor, num_experts: int) -> list[int]:
+    counts = torch.bincount(expert_of_entry, minlength=num_experts)
+    return [0, *torch.cumsum(counts, 0).tolist()]
+
+
+class _Entries(nn.Module):
+    """Common parts: the values parameter, base values, per-expert grouping of entries."""
+
+    shape: tuple[int, int, int]
+
+    def __init__(self, shape, values_shape_base: torch.Tensor):
+        super().__init__()
+        self.shape = tuple(int(s) for s in shape)
+        self.register_buffer("base_values", values_shape_base.detach().clone())
+        self.values = nn.Parameter(values_shape_base.detach().float().clone())
+        self._grouping: tuple | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.shape[0]
+
+    def numel(self) -> int:
+        return self.values.numel()
+
+    def invalidate(self) -> None:
+        """Call after changing which entries are trained."""
+        self._grouping = None
+
+
+class ElementEntries(_Entries):
+    def __init__(self, shape, flat_indices: torch.Tensor, base_values: torch.Tensor):
+        flat_indices = flat_indices.to(torch.int64)
+        if flat_indices.numel() > 1 and not bool((flat_indices[1:] > flat_indices[:-1]).all()):
+            raise ValueError("ElementEntries needs sorted, unique flat indices.")
+        super().__init__(shape, base_values)
+        self.register_buffer("flat_indices", flat_indices)
+
+    def grouping(self):
+        """(entry offsets per expert, row a and column b of each entry, CSR row pointers per expert), cached."""
+        key = (self.flat_indices.data_ptr(), self.flat_indices.numel())
+        if self._grouping is None or self._grouping[0] != key:
+            _, rows_a, cols_b = self.shape
+            per_expert = rows_a * cols_b
+            expert = torch.div(self.flat_indices, per_expert, rounding_mode="floor")
+            within = self.flat_indices - expert * per_expert
+            rows = torch.div(within, cols_b, rounding_mode="floor")
+            cols = within - rows * cols_b
+            offsets = _expert_offsets(expert, self.num_experts)
+            self._grouping = (key, offsets, rows, cols, {})
+        return self._grouping[1:]
+
+    def expanded_flat_indices(self) -> torch.Tensor:
+        return self.flat_indices
+
+    @torch.no_grad()
+    def write_into(self, weight: torch.Tensor, expert_ids: list[int] | None) -> None:
+        """Write the trained values into `weight` ([E, A, B] when expert_ids is None, else [k, A, B])."""
+        if self.values.numel() == 0:
+            return
+        values = self.values.detach().to(weight.dtype)
+        flat = weight.view(-1)
+        if expert_ids is None:
+            flat.index_copy_(0, self.flat_indices, values)
+            return
+        offsets, _, _, _ = self.grouping()
+        per_expert = self.shape[1] * self.shape[2]
+        for local, e in enumerate(expert_ids):
+            k0, k1 = offsets[e], offsets[e + 1]
+            if k0 < k1:
+                local_index = self.flat_indices[k0:k1] - (e - local) * per_expert
+                flat.index_copy_(0, local_index, values[k0:k1])
+
+    def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, expert_ids, row_offsets) -> None:
+        """grad[k] += sum_t U[t, a_k] * V[t, b_k] over the rows of entry k's expert."""
+        offsets, rows, cols, csr_cache = self.grouping()
+        for local, e in enumerate(expert_ids):
+            k0, k1 = offsets[e], offsets[e + 1]
+            r0, r1 = row_offsets[local], row_offsets[local + 1]
+            if k0 == k1 or r0 == r1:
+                continue
+            grad[k0:k1] += _sampled_dots(U[r0:r1], V[r0:r1], rows[k0:k1], cols[k0:k1], e, csr_cache, self.shape)
+
+
+def _sampled_dots(Ue, Ve, rows, cols, expert, csr_cache, shape) -> torch.Tensor:
+    """(Ue^T @ Ve)[rows, cols] without forming Ue^T @ Ve: torch's sampled dense-dense product where it has a
+    kernel for the dtype, else dot products over chunks of gathered columns."""
+    if Ue.dtype in (torch.float32, torch.float64) or Ue.is_cuda:
+        try:
+            crow = csr_cache.get(expert)
+            if crow is None:
+                crow = torch.zeros(shape[1] + 1, dtype=torch.int64, device=rows.device)
+                crow[1:] = torch.cumsum(torch.bincount(rows, minlength=shape[1]), 0)
+                csr_cache[expert] = crow
+            pattern = torch.sparse_csr_tensor(
+                crow, cols, torch.zeros(cols.numel(), dtype=Ue.dtype, device=Ue.device), (shape[1], shape[2]),
+                check_invariants=False,
+            )
+            return torch.sparse.sampled_addmm(pattern, Ue.t(), Ve, beta=0.0).values().float()
+        except (RuntimeError, NotImplementedError):
+            pass
+    out = torch.empty(rows.numel(), dtype=torch.float32, device=Ue.device)
+    Ut, Vt = Ue.t().contiguous(), Ve.t().contiguous()
+    step = 512
+    for i in range(0, rows.numel(), step):
+        out[i : i + step] = torch.linalg.vecdot(Ut[rows[i : i + step]], Vt[cols[i : i + step]]).float()
+    return out
+
+
+class LineEntries(_Entries):
+    """Whole lines: axis 1 trains rows W[e, a, :] (line index a), axis 2 trains columns W[e, :, b]."""
+
+    def __init__(self, shape, axis: int, line_ids: torch.Tensor, base_values: torch.Tensor):
+        if axis not in (1, 2):
+            raise ValueError("LineEntries axis must be 1 (rows) or 2 (columns).")
+        line_ids = line_ids.to(torch.int64)
+        if line_ids.numel() > 1 and not bool((line_ids[1:] > line_ids[:-1]).all()):
+            raise ValueError("LineEntries needs sorted, unique line ids.")
+        super().__init__(shape, base_values)
+        self.axis = axis
+        self.register_buffer("line_ids", line_ids)  # expert * lines_per_expert + line
+
+    @property
+    def lines_per_expert(self) -> int:
+        return self.shape[self.axis]
+
+    def grouping(self):
+        key = (self.line_ids.data_ptr(), self.line_ids.numel())
+        if self._grouping is None or self._grouping[0] != key:
+            expert = torch.div(self.line_ids, self.lines_per_expert, rounding_mode="floor")
+            line = self.line_ids - expert * self.lines_per_expert
+            self._grouping = (key, _expert_offsets(expert, self.num_experts), expert, line)
+        return self._grouping[1:]
+
+    def expanded_flat_indices(self) -> torch.Tensor:
+        """Flat indices of every trained entry, in the order of `values.view(-1)`."""
+        return line_flat_indices(self.shape, self.axis, self.line_ids)
+
+    @torch.no_grad()
+    def write_into(self, weight: torch.Tensor, expert_ids: list[int] | None) -> None:
+        if self.values.numel() == 0:
+            return
+        offsets, expert, line = self.grouping()
+        values = self.values.detach().to(weight.dtype)
+        if expert_ids is None:
+            self._write(weight, expert, line, values)
+            return
+        for local, e in enumerate(expert_ids):
+            k0, k1 = offsets[e], offsets[e + 1]
+            if k0 < k1:
+                self._write(weight, torch.full_like(line[k0:k1], local), line[k0:k1], values[k0:k1])
+
+    def _write(self, weight, expert, line, values) -> None:
+        if self.axis == 1:
+            weight[expert, line, :] = values
+        else:
+            weight[expert, :, line] = values
+
+    def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, expert_ids, row_offsets) -> None:
+        """Rows: grad[k, :] = U[:, a_k]^T V; columns: grad[k, :] = V[:, b_k]^T U (small matmuls per expert)."""
+        offsets, _, line = self.grouping()
+        for local, e in enumerate(expert_ids):
+            k0, k1 = offsets[e], offsets[e + 1]
+            r0, r1 = row_offsets[local], row_offsets[local + 1]
+            if k0 == k1 or r0 == r1:
+                continue
+            fixed, spanning = (U, V) if self.axis == 1 else (V, U)
+            picked = fixed[r0:r1].index_select(1, line[k0:k1])  # [t, n]
+            grad[k0:k1] += (picked.t() @ spanning[r0:r1]).float()
+
+
+def line_flat_indices(shape, axis: int, line_ids: torch.Tensor) -> torch.Tensor:
+    """Flat indices into [E, A, B] of whole lines (`line_ids` = expert * lines_per_expert + line), line-major."""
+    _, rows_a, cols_b = shape
+    lines_per_expert = shape[axis]
+    expert = torch.div(line_ids, lines_per_expert, rounding_mode="floor")
+    line = line_ids - expert * lines_per_expert
+    if axis == 1:
+        start = (expert * rows_a + line) * cols_b
+        return (start[:, None] + torch.arange(cols_b, device=start.device)).reshape(-1)
+    start = expert * rows_a * cols_b + line
+    return (start[:, None] + torch.arange(rows_a, device=start.device) * cols_b).reshape(-1)
