@@ -14,7 +14,8 @@ IDS = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
 def prepared(family, granularity="element", **kw):
     reference = tiny_model(family)
     model = usaf.prepare_model(
-        copy.deepcopy(reference), usaf.UsafConfig(density=0.15, granularity=granularity, selection="random", **kw)
+        copy.deepcopy(reference),
+        usaf.UsafConfig(density=0.15, granularity=granularity, selection="random", **kw),
     )
     return reference, model
 
@@ -32,7 +33,9 @@ def patched_reference(reference, model):
     params = dict(ref.named_parameters())
     with torch.no_grad():
         for name, delta in usaf.get_delta(model).items():
-            params[name].view(-1)[delta.flat_indices] = delta.values.detach().reshape(-1).to(params[name].dtype)
+            params[name].view(-1)[delta.flat_indices] = (
+                delta.values.detach().reshape(-1).to(params[name].dtype)
+            )
     return ref
 
 
@@ -120,7 +123,9 @@ def test_magnitude_selection_picks_largest_entries():
 
 def test_selection_is_seeded():
     picks = [
-        usaf.get_delta(usaf.prepare_model(tiny_model("qwen3_moe"), usaf.UsafConfig(selection="random", seed=s)))
+        usaf.get_delta(
+            usaf.prepare_model(tiny_model("qwen3_moe"), usaf.UsafConfig(selection="random", seed=s))
+        )
         for s in (1, 1, 2)
     ]
     name = next(iter(picks[0]))

@@ -2,10 +2,10 @@
 
 __version__ = "0.1.0"
 
-from .config import UsafConfig  # noqa: E402
-from .errors import UsafError  # noqa: E402
-from .loss import chunked_causal_lm_loss  # noqa: E402
-from .prepare import get_delta, prepare_model, trainable_summary  # noqa: E402
+from .config import UsafConfig
+from .errors import UsafError
+from .loss import chunked_causal_lm_loss
+from .prepare import get_delta, prepare_model, trainable_summary
 
 __all__ = [
     "UsafConfig",

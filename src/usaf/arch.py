@@ -66,7 +66,9 @@ def expert_tensors(experts: nn.Module, where: str) -> tuple[ExpertTensor, ...]:
         if not isinstance(getattr(experts, flag, False), bool):
             raise UsafError(f"Unknown experts layout at '{where}': flag {flag}={getattr(experts, flag)!r}.")
     if getattr(experts, "has_post_expert_norm", False) and not hasattr(experts, "post_expert_norm"):
-        raise UsafError(f"Unknown experts layout at '{where}': has_post_expert_norm without a post_expert_norm.")
+        raise UsafError(
+            f"Unknown experts layout at '{where}': has_post_expert_norm without a post_expert_norm."
+        )
     return tuple(found)
 
 
@@ -79,7 +81,9 @@ def _layer_number(path: str, fallback: int) -> int:
     return int(match.group(1)) if match else fallback
 
 
-def _find_router(parent: nn.Module, experts: nn.Module, num_experts: int, hidden: int) -> tuple[str, nn.Module] | None:
+def _find_router(
+    parent: nn.Module, experts: nn.Module, num_experts: int, hidden: int
+) -> tuple[str, nn.Module] | None:
     """The sibling of the experts module that scores tokens against the experts: it owns an [E, hidden] weight.
 
     Among several candidates (e.g. an attention projection of coincidental shape), a child named or typed as a
@@ -112,14 +116,18 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
             continue
         tensors = expert_tensors(module, path)
         if getattr(module, "_is_expert_parallel", False):
-            raise UsafError(f"'{path}' is sharded for expert parallelism; usaf trains unsharded experts only.")
-        down = getattr(module, "down_proj")
+            raise UsafError(
+                f"'{path}' is sharded for expert parallelism; usaf trains unsharded experts only."
+            )
+        down = module.down_proj
         num_experts = down.shape[0]
         hidden = down.shape[2] if module.is_transposed else down.shape[1]
         parent_path = path.rsplit(".", 1)[0] if "." in path else ""
         parent = modules[parent_path]
         router = _find_router(parent, module, num_experts, hidden)
-        router_name = f"{parent_path}.{router[0]}" if router and parent_path else (router[0] if router else None)
+        router_name = (
+            f"{parent_path}.{router[0]}" if router and parent_path else (router[0] if router else None)
+        )
         layers.append(
             MoELayer(
                 index=len(layers),

@@ -8,6 +8,9 @@ import sys
 from . import __version__
 from .errors import UsafError
 
+# Each command lives in its own module exposing `add_command(subparsers)`; add new ones here.
+COMMANDS: tuple[str, ...] = ()
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -16,6 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"usaf {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    import importlib
+
+    for name in COMMANDS:
+        importlib.import_module(f"usaf.commands.{name}").add_command(sub)
     demo = sub.add_parser("demo", help="fine-tune the bundled small MoE on the bundled task")
     demo.add_argument("--out", default=None, help="run directory (default: a temporary one)")
     demo.set_defaults(func=_demo)

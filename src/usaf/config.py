@@ -38,9 +38,13 @@ class UsafConfig:
         if not isinstance(self.density, (int, float)) or not 0.0 < float(self.density) <= 1.0:
             raise UsafError(f"UsafConfig.density must be in (0, 1], got {self.density!r}.")
         if self.num_entries is not None and (not isinstance(self.num_entries, int) or self.num_entries < 1):
-            raise UsafError(f"UsafConfig.num_entries must be a positive integer or None, got {self.num_entries!r}.")
+            raise UsafError(
+                f"UsafConfig.num_entries must be a positive integer or None, got {self.num_entries!r}."
+            )
         if self.granularity not in GRANULARITIES:
-            raise UsafError(f"UsafConfig.granularity must be one of {GRANULARITIES}, got {self.granularity!r}.")
+            raise UsafError(
+                f"UsafConfig.granularity must be one of {GRANULARITIES}, got {self.granularity!r}."
+            )
         if self.selection not in SELECTIONS:
             raise UsafError(f"UsafConfig.selection must be one of {SELECTIONS}, got {self.selection!r}.")
         if self.workspace_mb < 1:

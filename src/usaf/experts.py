@@ -28,7 +28,9 @@ class RoutingPlan:
         self.num_tokens, self.num_top_k = flat.numel() // top_k_index.shape[-1], top_k_index.shape[-1]
         self.expert_of_row, self.order = torch.sort(flat, stable=True)
         self.token_of_row = torch.div(self.order, self.num_top_k, rounding_mode="floor")
-        self.counts: list[int] = torch.bincount(self.expert_of_row, minlength=num_experts).tolist()  # one sync
+        self.counts: list[int] = torch.bincount(
+            self.expert_of_row, minlength=num_experts
+        ).tolist()  # one sync
         self.row_offsets = [0, *itertools.accumulate(self.counts)]
 
     def chunks(self, resident: bool, bytes_per_expert: int, workspace_bytes: int):

@@ -40,7 +40,9 @@ def chunked_causal_lm_loss(
     for start in range(0, targets.numel(), chunk_tokens):
         piece = slice(start, start + chunk_tokens)
         if torch.is_grad_enabled() and hidden.requires_grad:
-            total = total + checkpoint(_chunk_loss_sum, hidden[piece], targets[piece], head, use_reentrant=False)
+            total = total + checkpoint(
+                _chunk_loss_sum, hidden[piece], targets[piece], head, use_reentrant=False
+            )
         else:
             total = total + _chunk_loss_sum(hidden[piece], targets[piece], head)
     if reduction == "sum":
@@ -66,7 +68,9 @@ def output_head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor
     return apply
 
 
-def causal_lm_loss(model: torch.nn.Module, input_ids, labels, attention_mask=None, chunk_tokens: int = 1024, **kw):
+def causal_lm_loss(
+    model: torch.nn.Module, input_ids, labels, attention_mask=None, chunk_tokens: int = 1024, **kw
+):
     """Run the decoder and the chunked loss: the training forward that never builds full logits."""
     body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     out = body(input_ids=input_ids, attention_mask=attention_mask, **kw)

@@ -29,7 +29,9 @@ def prepare_model(model: nn.Module, config: UsafConfig | None = None) -> nn.Modu
     experts to usaf's implementation. Returns the same model."""
     config = config or UsafConfig()
     if any(isinstance(m, SparseExperts) for m in model.modules()):
-        raise UsafError("This model was already prepared by usaf.prepare_model; prepare a fresh model instead.")
+        raise UsafError(
+            "This model was already prepared by usaf.prepare_model; prepare a fresh model instead."
+        )
     layers = find_moe_layers(model)
     trained = _trained_layers(layers, config)
     for param in model.parameters():
@@ -67,7 +69,9 @@ def _trained_layers(layers: list[MoELayer], config: UsafConfig) -> set[int]:
     by_number = {layer.layer_index: layer.index for layer in layers}
     missing = sorted(set(config.layers) - set(by_number))
     if missing:
-        raise UsafError(f"UsafConfig.layers names {missing}, which are not MoE layers; MoE layers: {sorted(by_number)}.")
+        raise UsafError(
+            f"UsafConfig.layers names {missing}, which are not MoE layers; MoE layers: {sorted(by_number)}."
+        )
     return {by_number[i] for i in config.layers}
 
 
@@ -99,7 +103,9 @@ def _select_entries(layer: MoELayer, stores: dict, budgets: dict, config: UsafCo
     weight_tensors = [t for t in layer.tensors if not t.is_bias]
     if config.granularity == "element":
         for t in weight_tensors:
-            entries[t.name] = _element_entries(stores[t.name], budgets[f"{name}.{t.name}"], config, f"{name}.{t.name}")
+            entries[t.name] = _element_entries(
+                stores[t.name], budgets[f"{name}.{t.name}"], config, f"{name}.{t.name}"
+            )
     else:
         entries.update(_neuron_entries(layer, stores, budgets[name], config))
     if config.train_biases:
@@ -129,7 +135,9 @@ def _neuron_entries(layer: MoELayer, stores: dict, budget: int, config: UsafConf
     intermediate = _intermediate_size(experts)
     num_experts = layer.num_experts
     axes = {first: 2 if experts.is_transposed else 1, "down_proj": 1 if experts.is_transposed else 2}
-    per_neuron = sum(stores[n].shape[3 - axis] * (2 if n == "gate_up_proj" else 1) for n, axis in axes.items())
+    per_neuron = sum(
+        stores[n].shape[3 - axis] * (2 if n == "gate_up_proj" else 1) for n, axis in axes.items()
+    )
     count = min(num_experts * intermediate, max(1, budget // per_neuron))
     if config.selection == "random":
         chosen = select.random_flat_indices(
@@ -196,7 +204,13 @@ def trainable_summary(model: nn.Module) -> dict[str, int]:
     summary = {"expert_entries": 0, "routers": 0, "other": 0}
     for param in model.parameters():
         if param.requires_grad:
-            kind = "expert_entries" if id(param) in expert_values else "routers" if id(param) in router_params else "other"
+            kind = (
+                "expert_entries"
+                if id(param) in expert_values
+                else "routers"
+                if id(param) in router_params
+                else "other"
+            )
             summary[kind] += param.numel()
     summary["total"] = summary["expert_entries"] + summary["routers"] + summary["other"]
     summary["expert_entries_in_model"] = expert_entries

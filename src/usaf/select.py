@@ -61,7 +61,9 @@ def magnitude_flat_indices(store, count: int) -> torch.Tensor:
     return best_index.sort().values
 
 
-def neuron_lines(neurons: torch.Tensor, intermediate: int, gate_lines: bool, concatenated: bool) -> torch.Tensor:
+def neuron_lines(
+    neurons: torch.Tensor, intermediate: int, gate_lines: bool, concatenated: bool
+) -> torch.Tensor:
     """Line indices within an expert for neurons j: gate and up lines (j, I+j or 2j, 2j+1), else j itself."""
     if not gate_lines:
         return neurons

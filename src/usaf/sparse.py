@@ -101,7 +101,9 @@ class ElementEntries(_Entries):
             r0, r1 = row_offsets[local], row_offsets[local + 1]
             if k0 == k1 or r0 == r1:
                 continue
-            grad[k0:k1] += _sampled_dots(U[r0:r1], V[r0:r1], rows[k0:k1], cols[k0:k1], e, csr_cache, self.shape)
+            grad[k0:k1] += _sampled_dots(
+                U[r0:r1], V[r0:r1], rows[k0:k1], cols[k0:k1], e, csr_cache, self.shape
+            )
 
 
 def _sampled_dots(Ue, Ve, rows, cols, expert, csr_cache, shape) -> torch.Tensor:
@@ -115,7 +117,10 @@ def _sampled_dots(Ue, Ve, rows, cols, expert, csr_cache, shape) -> torch.Tensor:
                 crow[1:] = torch.cumsum(torch.bincount(rows, minlength=shape[1]), 0)
                 csr_cache[expert] = crow
             pattern = torch.sparse_csr_tensor(
-                crow, cols, torch.zeros(cols.numel(), dtype=Ue.dtype, device=Ue.device), (shape[1], shape[2]),
+                crow,
+                cols,
+                torch.zeros(cols.numel(), dtype=Ue.dtype, device=Ue.device),
+                (shape[1], shape[2]),
                 check_invariants=False,
             )
             return torch.sparse.sampled_addmm(pattern, Ue.t(), Ve, beta=0.0).values().float()

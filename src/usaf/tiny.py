@@ -31,15 +31,30 @@ FAMILIES: dict[str, dict] = {
     "mixtral": {},
     "gpt_oss": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=8),
     "deepseek_v3": dict(
-        head_dim=None, num_key_value_heads=4, n_group=2, topk_group=1, first_k_dense_replace=1,
-        n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=8, num_hidden_layers=3,
+        head_dim=None,
+        num_key_value_heads=4,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        num_hidden_layers=3,
     ),
-    "glm4_moe": dict(n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, num_hidden_layers=3),
+    "glm4_moe": dict(
+        n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, num_hidden_layers=3
+    ),
     "granitemoe": {},
     "gemma4_text": dict(
-        enable_moe_block=True, hidden_size_per_layer_input=0, sliding_window=8, global_head_dim=8,
-        layer_types=["sliding_attention", "full_attention"], num_global_key_value_heads=2,
+        enable_moe_block=True,
+        hidden_size_per_layer_input=0,
+        sliding_window=8,
+        global_head_dim=8,
+        layer_types=["sliding_attention", "full_attention"],
+        num_global_key_value_heads=2,
     ),
 }
 
@@ -57,6 +72,8 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
     with torch.no_grad():
         for name, param in model.named_parameters():
             # zero-initialised routers/biases would hide routing and bias bugs
-            if param.abs().sum() == 0 or name.endswith(("router.weight", "gate.weight", "_bias", "router.bias")):
+            if param.abs().sum() == 0 or name.endswith(
+                ("router.weight", "gate.weight", "_bias", "router.bias")
+            ):
                 param.normal_(0.0, 0.5 if "router" in name or "gate" in name else 0.05)
     return model.eval()

@@ -1,0 +1,1 @@
+"""One module per `usaf` subcommand, each exposing `add_command(subparsers)`."""
