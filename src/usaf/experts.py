@@ -164,9 +164,9 @@ class SparseExperts(nn.ModuleDict):
         bias = name + "_bias"
         return Projection(
             self.stores[name],
-            self[name] if name in self else None,
+            self[name] if name in self else None,  # noqa: SIM401 (ModuleDict has no .get)
             self.stores.get(bias),
-            self[bias] if bias in self else None,
+            self[bias] if bias in self else None,  # noqa: SIM401
             self.transposed,
             self.workspace_bytes,
         )

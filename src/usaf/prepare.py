@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +25,23 @@ class Delta:
     values: torch.Tensor
 
 
-def prepare_model(model: nn.Module, config: UsafConfig | None = None) -> nn.Module:
+def prepare_model(
+    model: nn.Module,
+    config: UsafConfig | None = None,
+    *,
+    stores: dict | None = None,
+    original_values: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> nn.Module:
     """Freeze `model`, make a sparse set of its expert entries (and its routers) trainable, and switch its
-    experts to usaf's implementation. Returns the same model."""
+    experts to usaf's implementation. Returns the same model.
+
+    stores: frozen storage per expert tensor, keyed "<experts module path>.<tensor name>" (e.g. quantized stores
+        from `usaf.load`); tensors not named use the module's own parameter in place.
+    original_values: (key, flat indices) -> the original full-precision values there, used to initialise the
+        trained values when the store holds only an approximation (a quantized base).
+    """
     config = config or UsafConfig()
+    stores = stores or {}
     if any(isinstance(m, SparseExperts) for m in model.modules()):
         raise UsafError(
             "This model was already prepared by usaf.prepare_model; prepare a fresh model instead."
@@ -40,17 +54,20 @@ def prepare_model(model: nn.Module, config: UsafConfig | None = None) -> nn.Modu
     budgets = _weight_budgets([layer for layer in layers if layer.index in trained], config)
     for layer in layers:
         experts = layer.experts
-        stores = {t.name: DenseStore(experts, t.name) for t in layer.tensors}
+        layer_stores = {
+            t.name: stores.get(f"{layer.experts_name}.{t.name}") or DenseStore(experts, t.name)
+            for t in layer.tensors
+        }
         entries = {}
         if layer.index in trained:
-            entries = _select_entries(layer, stores, budgets, config)
+            entries = _select_entries(layer, layer_stores, budgets, config, original_values)
             if config.train_router and layer.router is not None:
                 for param in layer.router.parameters():
                     param.requires_grad_(True)
         experts.usaf = SparseExperts(
-            stores, entries, transposed=experts.is_transposed, workspace_bytes=config.workspace_mb << 20
+            layer_stores, entries, transposed=experts.is_transposed, workspace_bytes=config.workspace_mb << 20
         )
-        experts.usaf.to(device=experts.down_proj.device)
+        experts.usaf.to(device=layer_stores["down_proj"].device)
 
     register()
     if hasattr(model, "set_experts_implementation"):
@@ -97,38 +114,43 @@ def _weight_budgets(layers: list[MoELayer], config: UsafConfig) -> dict[str, int
     return {k: min(n, max(1, round(config.density * n))) for k, n in numels.items()}
 
 
-def _select_entries(layer: MoELayer, stores: dict, budgets: dict, config: UsafConfig) -> dict[str, nn.Module]:
+def _select_entries(layer: MoELayer, stores: dict, budgets: dict, config: UsafConfig, original_values):
     name = layer.experts_name
+
+    def initial(key: str, store, flat: torch.Tensor) -> torch.Tensor:
+        return original_values(key, flat) if original_values is not None else store.read(flat)
+
     entries: dict[str, nn.Module] = {}
     weight_tensors = [t for t in layer.tensors if not t.is_bias]
     if config.granularity == "element":
         for t in weight_tensors:
-            entries[t.name] = _element_entries(
-                stores[t.name], budgets[f"{name}.{t.name}"], config, f"{name}.{t.name}"
-            )
+            key = f"{name}.{t.name}"
+            entries[t.name] = _element_entries(stores[t.name], budgets[key], config, key, initial)
     else:
-        entries.update(_neuron_entries(layer, stores, budgets[name], config))
+        entries.update(_neuron_entries(layer, stores, budgets[name], config, initial))
     if config.train_biases:
         for t in layer.tensors:
             if t.is_bias:
                 store = stores[t.name]
                 numel = store.shape[0] * store.shape[2]
                 count = min(numel, max(1, round(config.density * numel)))
-                entries[t.name] = _element_entries(store, count, config, f"{name}.{t.name}")
+                entries[t.name] = _element_entries(store, count, config, f"{name}.{t.name}", initial)
     return entries
 
 
-def _element_entries(store, count: int, config: UsafConfig, key: str) -> ElementEntries:
+def _element_entries(store, count: int, config: UsafConfig, key: str, initial) -> ElementEntries:
     numel = store.shape[0] * store.shape[1] * store.shape[2]
     if config.selection == "random":
         flat = select.random_flat_indices(numel, count, select.generator_for(config.seed, key))
     else:
         flat = select.magnitude_flat_indices(store, count)
     flat = flat.to(store.device)
-    return ElementEntries(store.shape, flat, store.read(flat))
+    return ElementEntries(store.shape, flat, initial(key, store, flat).to(store.dtype))
 
 
-def _neuron_entries(layer: MoELayer, stores: dict, budget: int, config: UsafConfig) -> dict[str, LineEntries]:
+def _neuron_entries(
+    layer: MoELayer, stores: dict, budget: int, config: UsafConfig, initial
+) -> dict[str, LineEntries]:
     """Whole neurons j of experts e: row j of gate and up, column j of down (transposed layouts: the reverse)."""
     experts = layer.experts
     first = "gate_up_proj" if experts.has_gate else "up_proj"
@@ -152,7 +174,10 @@ def _neuron_entries(layer: MoELayer, stores: dict, budget: int, config: UsafConf
         lines = select.neuron_lines(neuron, intermediate, gate, experts.is_concatenated)
         owners = torch.cat([expert, expert]) if gate else expert
         line_ids = (owners * stores[name].shape[axis] + lines).sort().values.to(stores[name].device)
-        base = stores[name].read(line_flat_indices(stores[name].shape, axis, line_ids))
+        key = f"{layer.experts_name}.{name}"
+        base = initial(key, stores[name], line_flat_indices(stores[name].shape, axis, line_ids)).to(
+            stores[name].dtype
+        )
         entries[name] = LineEntries(stores[name].shape, axis, line_ids, base.view(line_ids.numel(), -1))
     return entries
 
