@@ -5,13 +5,14 @@ __version__ = "0.1.0"
 from .config import UsafConfig
 from .errors import UsafError
 from .loss import chunked_causal_lm_loss
-from .prepare import get_delta, prepare_model, trainable_summary
+from .prepare import enable_recomputation, get_delta, prepare_model, trainable_summary
 
 __all__ = [
     "UsafConfig",
     "UsafError",
     "__version__",
     "chunked_causal_lm_loss",
+    "enable_recomputation",
     "get_delta",
     "prepare_model",
     "trainable_summary",

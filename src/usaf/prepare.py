@@ -240,3 +240,17 @@ def trainable_summary(model: nn.Module) -> dict[str, int]:
     summary["total"] = summary["expert_entries"] + summary["routers"] + summary["other"]
     summary["expert_entries_in_model"] = expert_entries
     return summary
+
+
+def enable_recomputation(model: nn.Module, offload: bool = False) -> nn.Module:
+    """Per-layer recomputation: keep only each decoder layer's input and recompute the layer in backward.
+
+    Non-reentrant checkpointing, because every base parameter is frozen (the reentrant variant drops gradients
+    when no input of a checkpointed block requires grad). `offload` keeps the saved layer inputs in host memory.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model

@@ -1,0 +1,147 @@
+"""Chunked loss, recomputation, the chunked (non-resident) store path, and clear errors on bad input."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import usaf
+from usaf.arch import find_moe_layers
+from usaf.loss import causal_lm_loss, chunked_causal_lm_loss, output_head
+from usaf.store import DenseStore
+from usaf.tiny import tiny_model
+
+IDS = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1024])
+def test_chunked_loss_equals_plain_loss(chunk):
+    hidden = torch.randn(2, 11, 16, dtype=torch.float64, requires_grad=True)
+    head = torch.nn.Linear(16, 300, bias=False).double()
+    labels = torch.randint(0, 300, (2, 11))
+    labels[0, :4] = -100
+    plain = F.cross_entropy(
+        head(hidden)[:, :-1].reshape(-1, 300), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+    (g_plain,) = torch.autograd.grad(plain, hidden)
+    chunked = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=chunk)
+    (g_chunked,) = torch.autograd.grad(chunked, hidden)
+    assert abs(chunked.item() - plain.item()) <= 1e-6 * abs(plain.item())
+    assert torch.allclose(g_chunked, g_plain, rtol=1e-6, atol=1e-12)
+
+
+def test_chunked_loss_never_builds_full_logits():
+    model = tiny_model("qwen3_moe")
+    shapes = []
+    head = output_head(model)
+
+    def spy(h):
+        out = head(h)
+        shapes.append(tuple(out.shape))
+        return out
+
+    hidden = torch.randn(2, 11, 32, requires_grad=True)
+    chunked_causal_lm_loss(hidden, IDS, spy, chunk_tokens=4).backward()
+    assert shapes and max(s[0] for s in shapes) <= 4
+
+
+def test_model_loss_matches_transformers_loss():
+    for family in ("qwen3_moe", "granitemoe"):  # granite scales its logits
+        model = tiny_model(family)
+        with torch.no_grad():
+            ours = causal_lm_loss(model, IDS, IDS, chunk_tokens=3)
+            theirs = model(IDS, labels=IDS).loss
+        assert abs(ours.item() - theirs.item()) < 1e-5, family
+
+
+def test_recomputation_gives_the_same_gradients():
+    base = usaf.prepare_model(tiny_model("olmoe"), usaf.UsafConfig(density=0.2, selection="random"))
+    recomputed = copy.deepcopy(base)
+    usaf.enable_recomputation(recomputed)
+    grads = []
+    for model in (base, recomputed):
+        model.train()
+        causal_lm_loss(model, IDS, IDS).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7), name
+
+
+class CopyingStore(DenseStore):
+    """A store that must be materialized expert by expert, as quantized and offloaded stores are."""
+
+    resident = False
+
+    def full(self):
+        raise AssertionError("a non-resident store is never used whole")
+
+    def materialize(self, expert_ids):
+        assert len(expert_ids) == 1, "the 1-byte workspace allows one expert per chunk"
+        return self.tensor.view(self.shape)[expert_ids]
+
+
+@pytest.mark.parametrize("granularity", ["element", "neuron"])
+def test_chunked_store_path_matches_resident_path(granularity):
+    config = dict(density=0.2, granularity=granularity, selection="random")
+    resident = usaf.prepare_model(tiny_model("gpt_oss"), usaf.UsafConfig(**config))
+    chunked_model = tiny_model("gpt_oss")
+    stores = {
+        f"{layer.experts_name}.{t.name}": CopyingStore(layer.experts, t.name)
+        for layer in find_moe_layers(chunked_model)
+        for t in layer.tensors
+        if not t.is_bias
+    }
+    chunked = usaf.prepare_model(chunked_model, usaf.UsafConfig(**config), stores=stores)
+    for layer in find_moe_layers(chunked):
+        layer.experts.usaf.workspace_bytes = 1  # one expert per chunk
+    results = []
+    for model in (resident, chunked):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".values"):
+                    p.add_(0.1)
+        loss = causal_lm_loss(model, IDS, IDS)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    assert abs(results[0][0] - results[1][0]) < 1e-6
+    for name, grad in results[0][1].items():
+        assert torch.allclose(grad, results[1][1][name], rtol=1e-5, atol=1e-7), name
+
+
+def test_dense_model_is_refused():
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        vocab_size=97,
+    )
+    with pytest.raises(usaf.UsafError, match="no Mixture-of-Experts layers"):
+        usaf.prepare_model(AutoModelForCausalLM.from_config(config))
+
+
+def test_unknown_experts_layout_is_refused():
+    model = tiny_model("qwen3_moe")
+    experts = find_moe_layers(model)[0].experts
+    experts.has_gate = False  # now it claims an `up_proj` that does not exist
+    with pytest.raises(usaf.UsafError, match=r"Unknown experts layout.*up_proj"):
+        usaf.prepare_model(model)
+
+
+@pytest.mark.parametrize("density", [0, -0.1, 1.5, float("nan")])
+def test_density_outside_unit_interval_is_refused(density):
+    with pytest.raises(usaf.UsafError, match="density must be in"):
+        usaf.UsafConfig(density=density)
+
+
+def test_other_bad_config_values_are_refused():
+    with pytest.raises(usaf.UsafError, match="granularity"):
+        usaf.UsafConfig(granularity="block")
+    with pytest.raises(usaf.UsafError, match="not MoE layers"):
+        usaf.prepare_model(tiny_model("qwen3_moe"), usaf.UsafConfig(layers=[7]))
+    with pytest.raises(usaf.UsafError, match="already prepared"):
+        usaf.prepare_model(usaf.prepare_model(tiny_model("qwen3_moe")))
