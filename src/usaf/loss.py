@@ -16,7 +16,8 @@ IGNORE_INDEX = -100
 
 
 def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Callable) -> torch.Tensor:
-    logits = head(hidden).float()
+    logits = head(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 logits: fp32 softmax
     return F.cross_entropy(logits, labels, reduction="sum")
 
 
@@ -36,7 +37,7 @@ def chunked_causal_lm_loss(
     targets = labels[:, 1:].reshape(-1)
     keep = targets != IGNORE_INDEX
     hidden, targets = hidden[keep], targets[keep]
-    total = hidden_states.new_zeros((), dtype=torch.float32)
+    total = hidden_states.new_zeros((), dtype=torch.promote_types(hidden_states.dtype, torch.float32))
     for start in range(0, targets.numel(), chunk_tokens):
         piece = slice(start, start + chunk_tokens)
         if torch.is_grad_enabled() and hidden.requires_grad:
