@@ -28,9 +28,10 @@ class RoutingPlan:
         self.num_tokens, self.num_top_k = flat.numel() // top_k_index.shape[-1], top_k_index.shape[-1]
         self.expert_of_row, self.order = torch.sort(flat, stable=True)
         self.token_of_row = torch.div(self.order, self.num_top_k, rounding_mode="floor")
-        self.counts: list[int] = torch.bincount(
-            self.expert_of_row, minlength=num_experts
-        ).tolist()  # one sync
+        self.inverse = torch.empty_like(self.order)
+        self.inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+        # the one host sync of a layer: chunking and the grouped matmul need the counts
+        self.counts: list[int] = torch.bincount(self.expert_of_row, minlength=num_experts).tolist()
         self.row_offsets = [0, *itertools.accumulate(self.counts)]
 
     def chunks(self, resident: bool, bytes_per_expert: int, workspace_bytes: int):
@@ -92,6 +93,28 @@ class Projection:
         return plan.chunks(self.store.resident, bytes_per_expert, self.workspace_bytes)
 
 
+class GatherRows(torch.autograd.Function):
+    """rows = source[index], where `index` is a permutation of `repeats` copies of each source row.
+
+    Autograd's own backward for indexing is a scatter-add (slow, and non-deterministic on CUDA); knowing the
+    index is a permutation, the backward is a gather by the inverse permutation and a sum over the copies.
+    """
+
+    @staticmethod
+    def forward(ctx, source, index, inverse, repeats: int):
+        ctx.save_for_backward(inverse)
+        ctx.repeats = repeats
+        return source.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (inverse,) = ctx.saved_tensors
+        grad = grad_rows.index_select(0, inverse)
+        if ctx.repeats > 1:
+            grad = grad.view(-1, ctx.repeats, grad.shape[-1]).sum(dim=1)
+        return grad, None, None, None
+
+
 class SparseGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, values, bias_values, proj: Projection, plan: RoutingPlan):
@@ -104,8 +127,8 @@ class SparseGroupedLinear(torch.autograd.Function):
             weight = proj.weights(expert_ids)
             oriented = weight if proj.transposed else weight.transpose(1, 2)  # [k, in, out]
             y = grouped_matmul(x[r0:r1], oriented, counts)
-            if out is None:
-                out = y if (r0, r1) == (0, x.shape[0]) else x.new_zeros(x.shape[0], y.shape[1])
+            if out is None:  # every row belongs to exactly one chunk: no need to zero
+                out = y if (r0, r1) == (0, x.shape[0]) else x.new_empty(x.shape[0], y.shape[1])
             if out is not y:
                 out[r0:r1] = y
         if out is None:  # no rows at all
@@ -126,7 +149,7 @@ class SparseGroupedLinear(torch.autograd.Function):
         proj, plan = ctx.proj, ctx.plan
         need_x, need_values, need_bias = ctx.needs_input_grad[:3]
         gy = grad_out.to(x.dtype)
-        grad_x = torch.zeros_like(x) if need_x else None
+        grad_x = torch.empty_like(x) if need_x else None  # every row belongs to exactly one chunk
         grad_values = torch.zeros_like(proj.entries.values) if need_values else None
         if need_x or need_values:
             for expert_ids, r0, r1, counts in proj.chunks(plan):
@@ -182,7 +205,7 @@ def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """Drop-in for transformers' experts forward (same signature and result as `grouped_mm`)."""
     state: SparseExperts = self.usaf
     plan = RoutingPlan(top_k_index, state.num_experts)
-    x = hidden_states[plan.token_of_row]
+    x = GatherRows.apply(hidden_states, plan.token_of_row, plan.inverse, plan.num_top_k)
     h = state.project("gate_up_proj" if self.has_gate else "up_proj", x, plan)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
     y = state.project("down_proj", h, plan)
@@ -190,9 +213,9 @@ def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         y = self.post_expert_norm(y)
     y = y * top_k_weights.reshape(-1)[plan.order].unsqueeze(-1)
     # back to token order; a reshape+sum (as transformers does) is deterministic, unlike index_add_ on CUDA
-    inverse = torch.empty_like(plan.order)
-    inverse[plan.order] = torch.arange(plan.order.numel(), device=plan.order.device)
-    out = y[inverse].view(plan.num_tokens, plan.num_top_k, -1).sum(dim=1)
+    out = (
+        GatherRows.apply(y, plan.inverse, plan.order, 1).view(plan.num_tokens, plan.num_top_k, -1).sum(dim=1)
+    )
     return out.to(hidden_states.dtype)
 
 
