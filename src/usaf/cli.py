@@ -9,7 +9,7 @@ from . import __version__
 from .errors import UsafError
 
 # Each command lives in its own module exposing `add_command(subparsers)`; add new ones here.
-COMMANDS: tuple[str, ...] = ()
+COMMANDS: tuple[str, ...] = ("plan", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +38,9 @@ def _demo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars would bury usaf's own progress
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from .errors import UsafError
 
@@ -62,3 +62,235 @@ class UsafConfig:
         if unknown:
             raise UsafError(f"Unknown UsafConfig keys {unknown}; allowed keys: {sorted(known)}.")
         return cls(**data)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The whole job's configuration: one typed tree, from a YAML file plus `--set section.key=value` overrides.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def option(default, doc: str, choices: tuple | None = None):
+    """A documented config field; `choices` are enforced on load."""
+    factory = (lambda d=default: list(d)) if isinstance(default, list) else None
+    meta = {"doc": doc, "choices": choices}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelSection:
+    path: str = option("", "model directory, prepared store, or hub id (the hub needs the network)")
+    dtype: str = option("auto", "weights and compute dtype", ("auto", "float32", "bfloat16", "float16"))
+    quant: str = option("none", "frozen expert storage", ("none", "nf4", "int8", "int4"))
+    residency: str = option("device", "where frozen experts live", ("device", "host", "mmap"))
+    device: str = option("auto", "compute device: auto, cpu, cuda, cuda:1, mps, xpu ...")
+
+
+@dataclass
+class RouterSection:
+    lr_multiplier: float = option(1.0, "router learning rate = optim.lr x this")
+    freeze_steps: int = option(0, "keep routers frozen for the first N optimizer steps")
+
+
+@dataclass
+class OptimSection:
+    lr: float = option(1e-3, "peak learning rate of trained expert values")
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay (towards zero, applied to values)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.999, "AdamW beta2")
+    eps: float = option(1e-8, "AdamW epsilon")
+    eight_bit: bool = option(False, "8-bit optimizer state via bitsandbytes (where it has kernels)")
+    clip_grad_norm: float = option(1.0, "clip the global gradient norm to this (0: off)")
+
+
+@dataclass
+class ScheduleSection:
+    max_steps: int = option(100, "optimizer steps to run")
+    warmup_steps: int = option(10, "linear warm-up steps, then cosine decay")
+    min_lr_ratio: float = option(0.1, "final learning rate as a share of the peak")
+    grad_accum: int = option(1, "micro-batches per optimizer step")
+
+
+@dataclass
+class DataSection:
+    train: list = option([], "training data files (jsonl, json, parquet, txt)")
+    eval: list = option([], "held-out files; empty: split eval_fraction off the training data")
+    max_seq_len: int = option(512, "tokens per sequence; longer records are truncated and counted")
+    pack: bool = option(True, "pack short records into full sequences (no attention across records)")
+    batch_size: int = option(4, "sequences per micro-batch")
+    eval_fraction: float = option(0.05, "share of training records held out when no eval file is given")
+    eval_batches: int = option(0, "batches per evaluation (0: all)")
+    skip_bad_records: bool = option(False, "skip malformed records (and report how many) instead of failing")
+
+
+@dataclass
+class CheckpointSection:
+    every_steps: int = option(50, "save a checkpoint every N optimizer steps (and on SIGINT/SIGTERM)")
+    keep_last: int = option(2, "checkpoints to keep")
+
+
+@dataclass
+class LogSection:
+    every_steps: int = option(1, "write metrics every N steps")
+    eval_every_steps: int = option(0, "evaluate every N steps (0: only before and after)")
+    progress: bool = option(True, "live progress bar")
+    tensorboard: bool = option(True, "TensorBoard event files when tensorboard is installed")
+
+
+@dataclass
+class TrainSection:
+    seed: int = option(0, "seed for selection, data order and everything random")
+    precision: str = option("auto", "autocast dtype", ("auto", "none", "bf16", "fp16"))
+    recompute: bool = option(True, "per-layer recomputation (activation checkpointing)")
+    max_bad_steps: int = option(10, "stop after this many steps with NaN/Inf loss or gradients")
+    logits_chunk_tokens: int = option(1024, "tokens per chunk of the output layer in the loss")
+    prefix_cache: str = option(
+        "off", "cache hidden states entering the lowest trained layer", ("off", "ram", "disk")
+    )
+
+
+SECTIONS = {
+    "model": ModelSection,
+    "select": UsafConfig,
+    "router": RouterSection,
+    "optim": OptimSection,
+    "schedule": ScheduleSection,
+    "data": DataSection,
+    "checkpoint": CheckpointSection,
+    "log": LogSection,
+    "train": TrainSection,
+}
+
+
+@dataclass
+class RunConfig:
+    """Every option of a `usaf train` run, by section (see `usaf train --print-config`)."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    select: UsafConfig = field(default_factory=UsafConfig)
+    router: RouterSection = field(default_factory=RouterSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: dict | None, source: str = "config") -> RunConfig:
+        data = data or {}
+        if not isinstance(data, dict):
+            raise UsafError(f"{source}: the top level must be a mapping of sections {sorted(SECTIONS)}.")
+        unknown = sorted(set(data) - set(SECTIONS))
+        if unknown:
+            raise UsafError(f"{source}: unknown section(s) {unknown}; allowed sections: {sorted(SECTIONS)}.")
+        built = {}
+        for name, section_cls in SECTIONS.items():
+            built[name] = _build_section(section_cls, data.get(name) or {}, f"{source}: {name}")
+        return cls(**built)
+
+    @classmethod
+    def load(cls, path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+        """A YAML file (optional) with `section.key=value` overrides applied on top."""
+        import yaml
+
+        data: dict = {}
+        if path:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = yaml.safe_load(f) or {}
+            except FileNotFoundError:
+                raise UsafError(f"Config file {path} does not exist.") from None
+            except yaml.YAMLError as err:
+                raise UsafError(f"{path} is not valid YAML: {err}") from None
+        for item in overrides or []:
+            apply_override(data, item)
+        return cls.from_dict(data, source=path or "config")
+
+
+def apply_override(data: dict, item: str) -> None:
+    """`section.key=value` (value parsed as YAML: numbers, booleans, lists) into a nested dict."""
+    import yaml
+
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise UsafError(f"--set {item!r}: expected section.key=value, e.g. --set optim.lr=3e-4.")
+    key, raw = item.split("=", 1)
+    section, name = key.split(".", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    data.setdefault(section, {})
+    if not isinstance(data[section], dict):
+        raise UsafError(f"--set {item!r}: '{section}' is not a section.")
+    data[section][name] = value
+
+
+def _build_section(section_cls, values: dict, where: str):
+    if not isinstance(values, dict):
+        raise UsafError(f"{where} must be a mapping of keys to values.")
+    known = {f.name: f for f in fields(section_cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise UsafError(f"{where}: unknown key(s) {unknown}; allowed keys: {sorted(known)}.")
+    checked = {}
+    for name, value in values.items():
+        spec = known[name]
+        default = spec.default if spec.default is not MISSING else spec.default_factory()
+        checked[name] = _coerce(value, default, f"{where}.{name}")
+        choices = spec.metadata.get("choices")
+        if choices and checked[name] not in choices:
+            raise UsafError(f"{where}.{name} = {value!r} is not allowed; allowed values: {list(choices)}.")
+    try:
+        return section_cls(**checked)
+    except UsafError as err:
+        raise UsafError(f"{where}: {err}") from None
+
+
+def _coerce(value, default, where: str):
+    """Check a value against the type of the field's default (ints accepted for floats, scalars for lists)."""
+    if default is None or value is None:
+        return value
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        raise UsafError(f"{where} must be true or false, got {value!r}.")
+    if isinstance(default, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise UsafError(f"{where} must be an integer, got {value!r}.")
+    if isinstance(default, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+            return float(value)
+        except (TypeError, ValueError):
+            raise UsafError(f"{where} must be a number, got {value!r}.") from None
+    if isinstance(default, list):
+        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
+        return [str(v) for v in items]
+    if isinstance(default, str):
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UsafError(f"{where} must be a string, got {value!r}.")
+    return value
+
+
+def describe() -> str:
+    """Every option with its default and documentation, for `--help`-style listings."""
+    lines = []
+    for name, section_cls in SECTIONS.items():
+        for f in fields(section_cls):
+            default = f.default if f.default is not MISSING else f.default_factory()
+            choices = f.metadata.get("choices")
+            doc = f.metadata.get("doc", "")
+            extra = f" (one of {', '.join(choices)})" if choices else ""
+            lines.append(f"{name}.{f.name} = {default!r}  {doc}{extra}")
+    return "\n".join(lines)

@@ -70,9 +70,19 @@ def output_head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor
 
 
 def causal_lm_loss(
-    model: torch.nn.Module, input_ids, labels, attention_mask=None, chunk_tokens: int = 1024, **kw
+    model: torch.nn.Module,
+    input_ids,
+    labels,
+    attention_mask=None,
+    chunk_tokens: int = 1024,
+    reduction: str = "mean",
+    **kw,
 ):
-    """Run the decoder and the chunked loss: the training forward that never builds full logits."""
+    """Run the decoder and the chunked loss: the training forward that never builds full logits.
+
+    No KV cache: a cache is useless in training and disables transformers' detection of packed sequences
+    (restarting position_ids), which keeps packed documents from attending to each other.
+    """
     body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    out = body(input_ids=input_ids, attention_mask=attention_mask, **kw)
-    return chunked_causal_lm_loss(out.last_hidden_state, labels, output_head(model), chunk_tokens)
+    out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kw)
+    return chunked_causal_lm_loss(out.last_hidden_state, labels, output_head(model), chunk_tokens, reduction)

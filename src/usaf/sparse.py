@@ -45,12 +45,22 @@ class _Entries(nn.Module):
     def numel(self) -> int:
         return self.values.numel()
 
-    def invalidate(self) -> None:
-        """Call after changing which entries are trained."""
+    def set_selection(
+        self, selection: torch.Tensor, base_values: torch.Tensor, values: torch.Tensor | None = None
+    ):
+        """Train a different set of entries: new indices (flat indices or line ids), their base values, and
+        their trained values (default: the base values). Replaces the `values` parameter: rebuild optimizers."""
+        device = self.base_values.device
+        setattr(self, self.selection_name, selection.to(device=device, dtype=torch.int64))
+        self.base_values = base_values.to(device=device, dtype=self.base_values.dtype)
+        start = base_values if values is None else values
+        self.values = nn.Parameter(start.detach().to(device=device, dtype=torch.float32).clone())
         self._grouping = None
 
 
 class ElementEntries(_Entries):
+    selection_name = "flat_indices"
+
     def __init__(self, shape, flat_indices: torch.Tensor, base_values: torch.Tensor):
         flat_indices = flat_indices.to(torch.int64)
         if flat_indices.numel() > 1 and not bool((flat_indices[1:] > flat_indices[:-1]).all()):
@@ -136,6 +146,8 @@ def _sampled_dots(Ue, Ve, rows, cols, expert, csr_cache, shape) -> torch.Tensor:
 
 class LineEntries(_Entries):
     """Whole lines: axis 1 trains rows W[e, a, :] (line index a), axis 2 trains columns W[e, :, b]."""
+
+    selection_name = "line_ids"
 
     def __init__(self, shape, axis: int, line_ids: torch.Tensor, base_values: torch.Tensor):
         if axis not in (1, 2):

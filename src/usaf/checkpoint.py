@@ -1,0 +1,156 @@
+"""Atomic checkpoints of a run: trained entries, routers, optimizer, scheduler, RNG, data position, config.
+
+Layout: RUN_DIR/checkpoints/step-00000010/{trainable,optimizer,rng}.safetensors + state.json. A checkpoint is
+written into a temporary folder, every file fsynced, and renamed into place: a folder named step-* is always
+complete. Only safetensors and JSON: nothing is unpickled on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import __version__
+from .errors import UsafError
+from .prepare import sparse_modules
+
+PREFIX = "step-"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    folder = checkpoints_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = [
+        p
+        for p in folder.iterdir()
+        if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").exists()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def latest(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable parameter plus the sparse selection (indices and base values) it belongs to."""
+    tensors = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    for path, state in sparse_modules(model):
+        for tensor_name, entries in state.items():
+            for buffer_name, buffer in entries.named_buffers():
+                tensors[f"{path}.usaf.{tensor_name}.{buffer_name}"] = buffer
+    return tensors
+
+
+def _fsync_write(path: Path, write) -> None:
+    write(path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save(
+    run_dir: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    state: dict,
+    keep_last: int,
+) -> Path:
+    """Write checkpoint `step` atomically and keep the newest `keep_last`."""
+    folder = checkpoints_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"{PREFIX}{step:08d}"
+    tmp = folder / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+    tensors = {k: v.contiguous().cpu() for k, v in trainable_tensors(model).items()}
+    _fsync_write(tmp / "trainable.safetensors", lambda p: save_file(tensors, str(p)))
+    opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+    _fsync_write(tmp / "optimizer.safetensors", lambda p: save_file(opt_tensors, str(p)))
+    rng = state.pop("rng")
+    rng_tensors = {"torch": rng.pop("torch")}
+    for i, t in enumerate(rng.pop("cuda", [])):
+        rng_tensors[f"cuda.{i}"] = t
+    _fsync_write(tmp / "rng.safetensors", lambda p: save_file(rng_tensors, str(p)))
+    meta = {
+        "usaf_version": __version__,
+        "step": step,
+        "optimizer": opt_meta,
+        "scheduler": scheduler.state_dict(),
+        "rng": rng,
+        **state,
+    }
+    _fsync_write(tmp / "state.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
+
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(folder)
+    for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _flatten_optimizer(optimizer) -> tuple[dict, dict]:
+    state_dict = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, per_param in state_dict["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{key}"] = value.contiguous().cpu()
+            else:
+                scalars[f"{index}.{key}"] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def load(path: Path) -> dict:
+    """Everything in a checkpoint folder (tensors on CPU)."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "state.json").read_text())
+        meta["trainable"] = load_file(str(path / "trainable.safetensors"))
+        meta["optimizer_tensors"] = load_file(str(path / "optimizer.safetensors"))
+        rng = load_file(str(path / "rng.safetensors"))
+    except (OSError, ValueError) as err:
+        raise UsafError(
+            f"Checkpoint {path} is unreadable ({err}); delete it to resume from an earlier one."
+        ) from None
+    meta["rng"]["torch"] = rng["torch"]
+    cuda = sorted(k for k in rng if k.startswith("cuda."))
+    if cuda:
+        meta["rng"]["cuda"] = [rng[k] for k in cuda]
+    return meta
+
+
+def restore_optimizer(optimizer, checkpoint: dict) -> None:
+    meta = checkpoint["optimizer"]
+    state: dict = {}
+    for key, value in checkpoint["optimizer_tensors"].items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    for key, value in meta["scalars"].items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})

@@ -1,0 +1,85 @@
+"""`usaf train` and `usaf eval`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..config import RunConfig, describe
+from ..errors import UsafError
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="fine-tune a model's experts and routers on data files",
+        description="Fine-tune sparsely. Every option lives in one configuration: a YAML file (--config) with "
+        "--set section.key=value overrides; --print-config shows the effective result, --list-options all keys.",
+    )
+    p.add_argument("--model", help="model directory or hub id (model.path)")
+    p.add_argument("--data", help="training files, comma separated (data.train)")
+    p.add_argument("--eval-data", help="held-out files, comma separated (data.eval)")
+    p.add_argument("--config", help="YAML run configuration")
+    p.add_argument("--out", help="run directory (checkpoints, metrics, summary)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. optim.lr=3e-4"
+    )
+    p.add_argument("--skip-bad-records", action="store_true", help="skip malformed records and count them")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run exactly where it stopped")
+    p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
+    p.add_argument("--list-options", action="store_true", help="list every option with its default and exit")
+    p.set_defaults(func=run_train)
+
+    e = sub.add_parser("eval", help="held-out loss and perplexity of a model or a run")
+    e.add_argument("target", help="model directory, or a run directory (its latest checkpoint is evaluated)")
+    e.add_argument("--data", required=True, help="files to evaluate on, comma separated")
+    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    e.set_defaults(func=run_eval)
+
+
+def effective_config(args) -> RunConfig:
+    overrides = list(args.set)
+    config_path = args.config
+    if getattr(args, "resume", None):
+        saved = Path(args.resume) / "config.yaml"
+        if not saved.exists():
+            raise UsafError(f"--resume {args.resume}: no config.yaml there; is it a usaf run directory?")
+        config_path = config_path or str(saved)
+    if args.model:
+        overrides.append(f"model.path={args.model}")
+    if args.data:
+        overrides.append(f"data.train={args.data}")
+    if getattr(args, "eval_data", None):
+        overrides.append(f"data.eval={args.eval_data}")
+    if getattr(args, "skip_bad_records", False):
+        overrides.append("data.skip_bad_records=true")
+    return RunConfig.load(config_path, overrides)
+
+
+def run_train(args) -> int:
+    from ..train import format_summary, train
+
+    if args.list_options:
+        print(describe())
+        return 0
+    config = effective_config(args)
+    if args.print_config:
+        print(config.to_yaml(), end="")
+        return 0
+    run_dir = args.resume or args.out
+    if not run_dir:
+        raise UsafError("give --out RUN_DIR for a new run (or --resume RUN_DIR).")
+    summary = train(config, run_dir, resume=bool(args.resume))
+    if not summary.get("stopped"):
+        print(format_summary(summary))
+    return 0
+
+
+def run_eval(args) -> int:
+    from ..evaluate import evaluate_target
+
+    result = evaluate_target(args.target, args.data.split(","), args.set)
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0

@@ -1,0 +1,456 @@
+"""`usaf train`: one run, top to bottom.
+
+set up the run dir -> load and prepare the model -> load the data -> optimizer and schedule -> (resume) ->
+evaluate -> loop { micro-batches, backward, skip bad steps, clip, step, log, checkpoint } -> evaluate -> summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from . import __version__, checkpoint, runtime
+from .arch import find_moe_layers
+from .config import RunConfig
+from .data import Batches, load_dataset
+from .errors import UsafError
+from .evaluate import evaluate
+from .loss import IGNORE_INDEX, causal_lm_loss
+from .metrics import MetricsLog
+from .prefix_cache import FrozenPrefixCache
+from .prepare import enable_recomputation, prepare_model, sparse_modules, trainable_summary
+
+CONFIG_FILE = "config.yaml"
+# Settings a resumed run must share with the original: changing them would make the checkpoint meaningless.
+RESUME_MUST_MATCH = ("model", "select", "data", "train.seed", "schedule.grad_accum")
+
+
+def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
+    run_dir = Path(run_dir)
+    config = _prepare_run_dir(config, run_dir, resume)
+    device = runtime.resolve_device(config.model.device)
+    dtype = runtime.resolve_dtype(config.model.dtype, device)
+    runtime.seed_everything(config.train.seed)
+
+    model, tokenizer = load_model(config, device, dtype)
+    train_data, eval_data, data_stats = load_dataset(
+        config.data.train,
+        tokenizer,
+        config.data.max_seq_len,
+        pack=config.data.pack,
+        skip_bad_records=config.data.skip_bad_records,
+        eval_paths=config.data.eval or None,
+        eval_fraction=config.data.eval_fraction,
+        seed=config.train.seed,
+    )
+    batches = Batches(train_data, config.data.batch_size, seed=config.train.seed)
+    prefix_cache = _prefix_cache(model, config, run_dir)
+
+    state = {
+        "step": 0,
+        "bad_steps": 0,
+        "tokens": 0,
+        "train_seconds": 0.0,
+        "eval_before": None,
+        "first_loss": None,
+    }
+    saved = checkpoint.latest(run_dir) if resume else None
+    if saved is not None:
+        restored = checkpoint.load(saved)
+        restore_trainable(model, restored["trainable"], saved)
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config)
+    if saved is not None:
+        checkpoint.restore_optimizer(optimizer, restored)
+        scheduler.load_state_dict(restored["scheduler"])
+        batches.load_state_dict(restored["data"])
+        runtime.set_rng_state(restored["rng"])
+        state.update({k: restored[k] for k in state if k in restored})
+
+    autocast = runtime.autocast(config.train.precision, device, dtype)
+    summary_entries = trainable_summary(model)
+    log = MetricsLog(
+        run_dir, config.schedule.max_steps, state["step"], config.log.progress, config.log.tensorboard
+    )
+    log.message(
+        f"usaf {__version__}: training {summary_entries['expert_entries']:,} expert entries + "
+        f"{summary_entries['routers']:,} router weights on {device} ({dtype}); {data_stats.summary()}"
+    )
+    if eval_data is not None and state["eval_before"] is None:
+        state["eval_before"] = _evaluate(model, eval_data, config, device, autocast)
+        log.log(state["step"], {f"eval/{k}": v for k, v in state["eval_before"].items()})
+
+    stop = _StopRequest()
+    router_params = _router_params(model)
+    model.train()
+    try:
+        while state["step"] < config.schedule.max_steps and not stop.requested:
+            started = time.perf_counter()
+            loss, tokens = _accumulate_gradients(model, batches, config, device, autocast, prefix_cache)
+            grad_norm = _clip(model, config.optim.clip_grad_norm)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                state["bad_steps"] += 1
+                optimizer.zero_grad(set_to_none=True)
+                log.message(f"step {state['step'] + 1}: loss {loss} / grad norm {grad_norm}: skipped")
+                if state["bad_steps"] > config.train.max_bad_steps:
+                    _save(run_dir, model, optimizer, scheduler, batches, state, config)
+                    raise UsafError(
+                        f"{state['bad_steps']} steps had NaN/Inf loss or gradients (limit train.max_bad_steps="
+                        f"{config.train.max_bad_steps}); stopped with a checkpoint. Lower optim.lr, check the "
+                        "data, or use train.precision=bf16 instead of fp16."
+                    )
+                continue
+            if state["step"] < config.router.freeze_steps:
+                for param in router_params:
+                    param.grad = None  # AdamW skips parameters without gradients
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state["step"] += 1
+            state["tokens"] += tokens
+            elapsed = time.perf_counter() - started
+            state["train_seconds"] += elapsed
+            if state["first_loss"] is None:
+                state["first_loss"] = loss
+            state["last_loss"] = loss
+
+            record = {
+                "loss": loss,
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm,
+                "tokens": state["tokens"],
+                "tokens_per_s": tokens / elapsed,
+                "peak_memory_mb": runtime.peak_memory_bytes(device) / 2**20,
+                "skipped_steps": state["bad_steps"],
+            }
+            every_eval = config.log.eval_every_steps
+            if eval_data is not None and every_eval and state["step"] % every_eval == 0:
+                record.update(
+                    {f"eval/{k}": v for k, v in _evaluate(model, eval_data, config, device, autocast).items()}
+                )
+            if state["step"] % config.log.every_steps == 0:
+                log.log(
+                    state["step"],
+                    record,
+                    {
+                        "loss": f"{loss:.4f}",
+                        "lr": f"{record['lr']:.2e}",
+                        "tok/s": f"{record['tokens_per_s']:.0f}",
+                        "mem": f"{record['peak_memory_mb']:.0f}MB",
+                    },
+                )
+            log.advance()
+            if state["step"] % config.checkpoint.every_steps == 0:
+                _save(run_dir, model, optimizer, scheduler, batches, state, config)
+        if stop.requested:
+            path = _save(run_dir, model, optimizer, scheduler, batches, state, config)
+            log.message(
+                f"stopped at step {state['step']} ({stop.signal_name}); checkpoint {path}. "
+                f"Resume with: usaf train --resume {run_dir}"
+            )
+            return {"stopped": True, "step": state["step"]}
+    finally:
+        stop.restore()
+        log.close()
+
+    eval_after = _evaluate(model, eval_data, config, device, autocast) if eval_data is not None else None
+    _save(run_dir, model, optimizer, scheduler, batches, state, config)
+    summary = _summary(state, eval_after, summary_entries, data_stats, prefix_cache)
+    _write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the steps above, in order
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> RunConfig:
+    saved_config = run_dir / CONFIG_FILE
+    if resume:
+        if not saved_config.exists():
+            raise UsafError(f"--resume {run_dir}: no {CONFIG_FILE} there; is it a usaf run directory?")
+        if checkpoint.latest(run_dir) is None:
+            raise UsafError(f"--resume {run_dir}: the run has no finished checkpoint to resume from.")
+        original = RunConfig.load(str(saved_config))
+        _check_resumable(original, config)
+        return config
+    if checkpoint.latest(run_dir) is not None:
+        raise UsafError(f"{run_dir} already holds a run; resume it with --resume or choose another --out.")
+    if not config.data.train:
+        raise UsafError("no training data: give --data FILE (or data.train in the config file).")
+    if not config.model.path:
+        raise UsafError("no model: give --model DIR (or model.path in the config file).")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = saved_config.with_suffix(".tmp")
+    tmp.write_text(config.to_yaml())
+    os.replace(tmp, saved_config)
+    return config
+
+
+def _check_resumable(original: RunConfig, now: RunConfig) -> None:
+    old, new = original.to_dict(), now.to_dict()
+    for key in RESUME_MUST_MATCH:
+        section, _, name = key.partition(".")
+        a, b = old[section], new[section]
+        if name:
+            a, b = a[name], b[name]
+        if a != b:
+            raise UsafError(
+                f"cannot resume: '{key}' differs from the original run ({a!r} there, {b!r} now). Resume with the "
+                "original settings (only the schedule length, logging and checkpointing may change)."
+            )
+
+
+def load_model(config: RunConfig, device: torch.device, dtype: torch.dtype):
+    """The base model (from a directory or the hub), prepared for sparse training; and its tokenizer."""
+    path = config.model.path
+    if config.model.quant != "none":
+        from .load import load_for_training
+
+        return load_for_training(config, device, dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as err:
+        raise UsafError(f"cannot load the model at {path!r}: {err}") from None
+    model.to(device)
+    prepare_model(model, config.select)
+    if config.train.recompute:
+        enable_recomputation(model)
+    return model, tokenizer
+
+
+def _prefix_cache(model, config: RunConfig, run_dir: Path) -> FrozenPrefixCache | None:
+    if config.train.prefix_cache == "off":
+        return None
+    trained = config.select.layers
+    lowest = min(trained) if trained else 0
+    if lowest < 1:
+        raise UsafError(
+            "train.prefix_cache needs select.layers to leave the lowest layers frozen (e.g. [2, 3])."
+        )
+    for layer in find_moe_layers(model):
+        if layer.layer_index < lowest and any(p.requires_grad for p in layer.router.parameters()):
+            raise UsafError("train.prefix_cache: a router below the lowest trained layer is trainable.")
+    return FrozenPrefixCache(model, lowest, config.train.prefix_cache, run_dir / "prefix_cache")
+
+
+def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor], where: Path) -> None:
+    """Load trained values, routers and the selection from a checkpoint; refuse a different base model."""
+    for path, state in sparse_modules(model):
+        for name, entries in state.items():
+            prefix = f"{path}.usaf.{name}."
+            selection = saved.get(prefix + entries.selection_name)
+            if selection is None:
+                raise UsafError(
+                    f"checkpoint {where} has no selection for {path}.{name}: different model or config."
+                )
+            current = getattr(entries, entries.selection_name)
+            same = torch.isin(selection, current.cpu())
+            base_now = entries.base_values.cpu()[torch.isin(current.cpu(), selection)]
+            if not torch.equal(base_now, saved[prefix + "base_values"][same].to(base_now.dtype)):
+                raise UsafError(
+                    f"checkpoint {where} was trained on a different base model: the original weights of "
+                    f"{path}.{name} differ. Resume with the model the run started from."
+                )
+            if not torch.equal(selection, current.cpu()):
+                entries.set_selection(selection, saved[prefix + "base_values"])
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if param.requires_grad:
+                if name not in saved:
+                    raise UsafError(
+                        f"checkpoint {where} lacks '{name}': it was made with another configuration."
+                    )
+                param.copy_(saved[name])
+
+
+def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    routers = {id(p) for p in _router_params(model)}
+    values = [p for p in model.parameters() if p.requires_grad and id(p) not in routers]
+    groups = [{"params": values, "lr": config.optim.lr, "weight_decay": config.optim.weight_decay}]
+    router_list = [p for p in model.parameters() if p.requires_grad and id(p) in routers]
+    if router_list:
+        groups.append(
+            {"params": router_list, "lr": config.optim.lr * config.router.lr_multiplier, "weight_decay": 0.0}
+        )
+    kwargs = {"betas": (config.optim.beta1, config.optim.beta2), "eps": config.optim.eps}
+    if config.optim.eight_bit:
+        try:
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit(groups, **kwargs)
+        except (ImportError, RuntimeError) as err:
+            raise UsafError(
+                f"optim.eight_bit needs bitsandbytes with kernels for this device: {err}"
+            ) from None
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def build_scheduler(optimizer, config: RunConfig):
+    warmup, total = config.schedule.warmup_steps, max(1, config.schedule.max_steps)
+    floor = config.schedule.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _router_params(model) -> list[torch.nn.Parameter]:
+    return [
+        p
+        for layer in find_moe_layers(model)
+        if layer.router is not None
+        for p in layer.router.parameters()
+        if p.requires_grad
+    ]
+
+
+def _accumulate_gradients(model, batches, config, device, autocast, prefix_cache) -> tuple[float, int]:
+    """Forward and backward over grad_accum micro-batches; the loss is the mean over all supervised tokens."""
+    micro = []
+    for _ in range(config.schedule.grad_accum):
+        micro.append((next(batches), list(batches.last_indices)))
+    supervised = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b, _ in micro)
+    total, tokens = 0.0, 0
+    for batch, rows in micro:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        if prefix_cache is not None:
+            lengths = [
+                int((r != IGNORE_INDEX).nonzero().max()) + 1 if (r != IGNORE_INDEX).any() else r.numel()
+                for r in batch["labels"]
+            ]
+            prefix_cache.begin_batch(rows, lengths, batch["input_ids"])
+        with autocast:
+            loss_sum = causal_lm_loss(
+                model,
+                batch["input_ids"],
+                batch["labels"],
+                position_ids=batch["position_ids"],
+                chunk_tokens=config.train.logits_chunk_tokens,
+                reduction="sum",
+            )
+        (loss_sum / max(supervised, 1)).backward()
+        if prefix_cache is not None:
+            prefix_cache.end_batch()
+        total += float(loss_sum.detach())
+        tokens += batch["input_ids"].numel()
+    return total / max(supervised, 1), tokens
+
+
+def _clip(model, max_norm: float) -> float:
+    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    if not params:
+        return 0.0
+    if max_norm and max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False))
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+
+
+def _evaluate(model, dataset, config: RunConfig, device, autocast) -> dict:
+    return evaluate(
+        model,
+        dataset,
+        config.data.batch_size,
+        device,
+        autocast,
+        config.data.eval_batches,
+        config.train.logits_chunk_tokens,
+    )
+
+
+def _save(run_dir, model, optimizer, scheduler, batches, state, config) -> Path:
+    # the forward writes trained values into resident weights; the checkpoint needs only the values
+    return checkpoint.save(
+        run_dir,
+        state["step"],
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        state={**state, "data": batches.state_dict(), "rng": runtime.rng_state(), "config": config.to_dict()},
+        keep_last=config.checkpoint.keep_last,
+    )
+
+
+def _summary(state, eval_after, entries, data_stats, prefix_cache) -> dict:
+    before = state.get("eval_before") or {}
+    return {
+        "steps": state["step"],
+        "tokens": state["tokens"],
+        "train_seconds": round(state["train_seconds"], 2),
+        "first_loss": state.get("first_loss"),
+        "last_loss": state.get("last_loss"),
+        "eval_loss_before": before.get("loss"),
+        "eval_loss_after": (eval_after or {}).get("loss"),
+        "eval_perplexity_before": before.get("perplexity"),
+        "eval_perplexity_after": (eval_after or {}).get("perplexity"),
+        "trained_expert_entries": entries["expert_entries"],
+        "trained_router_weights": entries["routers"],
+        "skipped_steps": state["bad_steps"],
+        "prefix_cache_hits": prefix_cache.hits if prefix_cache else 0,
+        "data": data_stats.summary(),
+    }
+
+
+def format_summary(summary: dict) -> str:
+    rows = [
+        ("steps", summary["steps"]),
+        ("tokens", f"{summary['tokens']:,}"),
+        ("time", f"{summary['train_seconds']:.1f} s"),
+        ("train loss first → last", _pair(summary["first_loss"], summary["last_loss"])),
+        ("eval loss before → after", _pair(summary["eval_loss_before"], summary["eval_loss_after"])),
+        (
+            "eval perplexity before → after",
+            _pair(summary["eval_perplexity_before"], summary["eval_perplexity_after"]),
+        ),
+        ("trained expert entries", f"{summary['trained_expert_entries']:,}"),
+        ("trained router weights", f"{summary['trained_router_weights']:,}"),
+        ("skipped steps", summary["skipped_steps"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _pair(a, b) -> str:
+    fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    return f"{fmt(a)} → {fmt(b)}"
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM ask the loop to checkpoint and stop after the current step."""
+
+    def __init__(self):
+        self.requested, self.signal_name = False, ""
+        self.previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread: no handler
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.requested, self.signal_name = True, signal.Signals(signum).name
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,156 @@
+"""`usaf train` end to end: it learns, it resumes exactly after SIGKILL, it refuses what it must refuse."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_model_dir, write_copy_task
+from safetensors.torch import load_file
+
+from usaf.cli import main
+from usaf.config import RunConfig
+from usaf.errors import UsafError
+from usaf.train import train
+
+BASE = [
+    "data.max_seq_len=48",
+    "data.batch_size=4",
+    "select.density=0.1",
+    "optim.lr=0.01",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "schedule.warmup_steps=2",
+]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    make_model_dir(root / "model")
+    write_copy_task(root / "train.jsonl", 160)
+    return root
+
+
+def config_for(workspace, *extra):
+    return RunConfig.load(
+        None, [f"model.path={workspace / 'model'}", f"data.train={workspace / 'train.jsonl'}", *BASE, *extra]
+    )
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_training_lowers_eval_loss(workspace, tmp_path):
+    summary = train(config_for(workspace, "schedule.max_steps=25"), tmp_path / "run")
+    assert summary["steps"] == 25
+    assert summary["eval_loss_after"] < summary["eval_loss_before"] - 0.05
+    assert (tmp_path / "run" / "summary.json").exists()
+    assert summary["trained_expert_entries"] > 0 and summary["skipped_steps"] == 0
+
+
+KILLER = """
+import os, signal, sys
+import usaf.checkpoint as checkpoint
+from usaf.cli import main
+save = checkpoint.save
+def save_then_die(run_dir, step, **kw):
+    path = save(run_dir, step, **kw)
+    if step == 10:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return path
+checkpoint.save = save_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_resume_after_sigkill_is_exact(workspace, tmp_path):
+    args = [f"--model={workspace / 'model'}", f"--data={workspace / 'train.jsonl'}"]
+    sets = [
+        f"--set={s}" for s in [*BASE, "schedule.max_steps=20", "checkpoint.every_steps=10", "train.seed=3"]
+    ]
+    assert main(["train", *args, f"--out={tmp_path / 'straight'}", *sets]) == 0
+
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLER, "train", *args, f"--out={tmp_path / 'killed'}", *sets],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (tmp_path / "killed" / "checkpoints" / "step-00000020").exists()
+    assert main(["train", f"--resume={tmp_path / 'killed'}"]) == 0
+
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "killed")
+    assert sorted(resumed) == list(range(1, 21))
+    assert all(straight[s] == resumed[s] for s in range(1, 21)), (straight, resumed)
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step-00000020" / "trainable.safetensors"))
+    b = load_file(str(tmp_path / "killed" / "checkpoints" / "step-00000020" / "trainable.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_incompatible_config_and_other_base(workspace, tmp_path):
+    run = tmp_path / "run"
+    train(config_for(workspace, "schedule.max_steps=2", "checkpoint.every_steps=1"), run)
+    with pytest.raises(UsafError, match="'select' differs"):
+        train(config_for(workspace, "schedule.max_steps=4", "select.density=0.2"), run, resume=True)
+    other = make_model_dir(tmp_path / "other", seed=7)
+    with pytest.raises(UsafError, match="different base model"):
+        moved = RunConfig.load(str(run / "config.yaml"), [f"model.path={other}", "schedule.max_steps=4"])
+        saved = RunConfig.load(str(run / "config.yaml"))
+        saved.model = moved.model  # same settings, other weights behind the path
+        (run / "config.yaml").write_text(saved.to_yaml())
+        train(saved, run, resume=True)
+    with pytest.raises(UsafError, match="already holds a run"):
+        train(config_for(workspace, "schedule.max_steps=2"), run)
+
+
+def test_prefix_cache_gives_equal_losses(workspace, tmp_path):
+    common = ["schedule.max_steps=12", "select.layers=[1]", "data.batch_size=8", "train.recompute=false"]
+    plain = train(config_for(workspace, *common), tmp_path / "plain")
+    cached = train(config_for(workspace, *common, "train.prefix_cache=ram"), tmp_path / "cached")
+    assert cached["prefix_cache_hits"] > 0
+    a, b = losses(tmp_path / "plain"), losses(tmp_path / "cached")
+    assert all(math.isclose(a[s], b[s], rel_tol=1e-5) for s in a), (a, b)
+    assert plain["eval_loss_after"] == pytest.approx(cached["eval_loss_after"], rel=1e-5)
+
+
+def test_nan_steps_are_skipped_then_the_run_stops(workspace, tmp_path, monkeypatch):
+    import usaf.train as train_module
+
+    real = train_module.causal_lm_loss
+    calls = {"n": 0}
+
+    def sometimes_nan(*args, **kwargs):
+        calls["n"] += 1
+        loss = real(*args, **kwargs)
+        return loss * float("nan") if calls["n"] in (3, 5) or calls["n"] > 8 else loss
+
+    monkeypatch.setattr(train_module, "causal_lm_loss", sometimes_nan)
+    with pytest.raises(UsafError, match="NaN/Inf"):
+        train(
+            config_for(workspace, "schedule.max_steps=50", "train.max_bad_steps=3", "data.eval_fraction=0"),
+            tmp_path / "run",
+        )
+    state = json.loads(
+        sorted((tmp_path / "run" / "checkpoints").iterdir())[-1].joinpath("state.json").read_text()
+    )
+    assert state["bad_steps"] == 4 and state["step"] == 6
+
+
+def test_cli_config_validation_and_print_config(workspace, capsys):
+    assert (
+        main(["train", "--model", "m", "--data", "d.jsonl", "--set", "optim.lr=3e-4", "--print-config"]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "lr: 0.0003" in printed and "d.jsonl" in printed
+    assert main(["train", "--model", "m", "--data", "d", "--set", "optim.lrr=1", "--out", "x"]) == 2
+    assert "unknown key(s) ['lrr']" in capsys.readouterr().err
+    assert main(["train", "--model", "m", "--data", "d", "--set", "model.quant=nf5", "--out", "x"]) == 2
+    assert "allowed values: ['none', 'nf4', 'int8', 'int4']" in capsys.readouterr().err
