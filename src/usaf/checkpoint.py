@@ -53,6 +53,21 @@ def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def selection_layout(model: torch.nn.Module) -> dict[str, dict]:
+    """How to read each selection in `trainable_tensors`: element flat indices, or whole lines along an axis
+    of the [E, A, B] tensor (the tensor's name in the model is the key without `.usaf`)."""
+    layout = {}
+    for path, state in sparse_modules(model):
+        for tensor_name, entries in state.items():
+            layout[f"{path}.{tensor_name}"] = {
+                "kind": "lines" if hasattr(entries, "axis") else "elements",
+                "axis": getattr(entries, "axis", None),
+                "shape": list(entries.shape),
+                "prefix": f"{path}.usaf.{tensor_name}.",
+            }
+    return layout
+
+
 def _fsync_write(path: Path, write) -> None:
     write(path)
     with open(path, "rb") as f:
@@ -92,6 +107,7 @@ def save(
         "optimizer": opt_meta,
         "scheduler": scheduler.state_dict(),
         "rng": rng,
+        "selection": selection_layout(model),
         **state,
     }
     _fsync_write(tmp / "state.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
