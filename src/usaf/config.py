@@ -7,7 +7,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from .errors import UsafError
 
 GRANULARITIES = ("element", "neuron")
-SELECTIONS = ("random", "magnitude")
+SELECTIONS = ("random", "magnitude", "gradient")
+STRATEGIES = ("uniform", "routing", "gradient", "file")
 
 
 @dataclass
@@ -17,7 +18,16 @@ class UsafConfig:
     density: share of each expert tensor's entries to train, in (0, 1].
     num_entries: a global budget of trained expert entries; overrides `density` when set.
     granularity: "element" (arbitrary entries) or "neuron" (row j of gate and up, column j of down).
-    selection: "random" or "magnitude" (largest |w| first); seeded by `seed`.
+    strategy: how the budget is spread: "uniform" (every expert tensor alike), "routing" (experts covering
+        `routing_coverage` of the task's routed tokens, in proportion to their share; cold experts get nothing),
+        "gradient" (global top-k by gradient importance across layers), or "file" (a saved selection, `file`).
+    selection: how entries are chosen inside the budget: "random", "magnitude" (largest |w|), or "gradient"
+        (importance from calibration batches); seeded by `seed`.
+    calibration_batches: batches of the task used by "routing", "gradient" (and selection="gradient").
+    oversample: candidate entries scored exactly per trained entry (gradient selection), >= 1.
+    reselect_every: every K optimizer steps drop the entries that moved least and grow where the gradient is
+        largest (0: never); `reselect_fraction` of the entries at first, decaying (cosine) to zero at
+        `reselect_until` (a share of the run); gradients of candidates are gathered over `reselect_probe_steps`.
     train_router: routers' weights (and real biases) become trainable.
     train_biases: expert biases (gpt-oss) get trainable entries at the same density.
     layers: indices of the MoE layers to train (None: all); the others stay frozen.
@@ -27,7 +37,16 @@ class UsafConfig:
     density: float = 0.005
     num_entries: int | None = None
     granularity: str = "element"
+    strategy: str = "uniform"
     selection: str = "magnitude"
+    routing_coverage: float = 0.5
+    calibration_batches: int = 8
+    oversample: float = 4.0
+    file: str | None = None
+    reselect_every: int = 0
+    reselect_fraction: float = 0.3
+    reselect_until: float = 0.75
+    reselect_probe_steps: int = 2
     seed: int = 0
     train_router: bool = True
     train_biases: bool = True
@@ -35,7 +54,7 @@ class UsafConfig:
     workspace_mb: int = 256
 
     def __post_init__(self) -> None:
-        if not isinstance(self.density, (int, float)) or not 0.0 < float(self.density) <= 1.0:
+        if not isinstance(self.density, (int, float)) or not 0.0 < float(self.density) <= 1.0:  # NaN fails too
             raise UsafError(f"UsafConfig.density must be in (0, 1], got {self.density!r}.")
         if self.num_entries is not None and (not isinstance(self.num_entries, int) or self.num_entries < 1):
             raise UsafError(
@@ -47,6 +66,18 @@ class UsafConfig:
             )
         if self.selection not in SELECTIONS:
             raise UsafError(f"UsafConfig.selection must be one of {SELECTIONS}, got {self.selection!r}.")
+        if self.strategy not in STRATEGIES:
+            raise UsafError(f"UsafConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}.")
+        if self.strategy == "file" and not self.file:
+            raise UsafError("UsafConfig.strategy='file' needs `file`: a selection.safetensors saved by a run.")
+        if not 0.0 < self.routing_coverage <= 1.0:
+            raise UsafError(f"UsafConfig.routing_coverage must be in (0, 1], got {self.routing_coverage!r}.")
+        if self.calibration_batches < 1 or self.oversample < 1.0:
+            raise UsafError("UsafConfig.calibration_batches must be >= 1 and oversample >= 1.")
+        if self.reselect_every < 0 or not 0.0 <= self.reselect_fraction < 1.0 or not 0.0 < self.reselect_until <= 1.0:
+            raise UsafError(
+                "UsafConfig: reselect_every must be >= 0, reselect_fraction in [0, 1), reselect_until in (0, 1]."
+            )
         if self.workspace_mb < 1:
             raise UsafError(f"UsafConfig.workspace_mb must be >= 1, got {self.workspace_mb!r}.")
         if self.layers is not None:
@@ -89,6 +120,19 @@ class ModelSection:
 class RouterSection:
     lr_multiplier: float = option(1.0, "router learning rate = optim.lr x this")
     freeze_steps: int = option(0, "keep routers frozen for the first N optimizer steps")
+    balance_coef: float = option(0.01, "Switch load-balancing loss coefficient, raw router logits (0: off)")
+    z_coef: float = option(0.001, "router z-loss coefficient (0: off)")
+    health_every_steps: int = option(
+        10, "router health (loads, cv, entropy, dead, drift) every N steps (0: off)"
+    )
+    health_window_steps: int = option(20, "steps of routed tokens the load statistics cover")
+    guard_max_cv: float = option(2.0, "collapse guard: max coefficient of variation of layer loads (0: off)")
+    guard_min_entropy: float = option(0.5, "collapse guard: min normalised entropy of layer loads (0: off)")
+    guard_max_dead_share: float = option(0.5, "collapse guard: max share of experts without tokens (1: off)")
+    guard_action: str = option(
+        "warn", "collapse guard action", ("warn", "raise_balance", "freeze_router", "stop")
+    )
+    guard_balance_cap: float = option(0.1, "raise_balance doubles balance_coef up to this")
 
 
 @dataclass

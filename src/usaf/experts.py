@@ -72,8 +72,10 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> 
 class Projection:
     """One projection of an experts module: its frozen store, trained entries, and optional bias."""
 
-    def __init__(self, store, entries, bias_store, bias_entries, transposed: bool, workspace_bytes: int):
-        self.store, self.entries = store, entries
+    def __init__(
+        self, store, entries, bias_store, bias_entries, transposed: bool, workspace_bytes: int, probe=None
+    ):
+        self.store, self.entries, self.probe = store, entries, probe
         self.bias_store, self.bias_entries = bias_store, bias_entries
         self.transposed = transposed
         self.workspace_bytes = workspace_bytes
@@ -151,17 +153,20 @@ class SparseGroupedLinear(torch.autograd.Function):
         gy = grad_out.to(x.dtype)
         grad_x = torch.empty_like(x) if need_x else None  # every row belongs to exactly one chunk
         grad_values = torch.zeros_like(proj.entries.values) if need_values else None
-        if need_x or need_values:
+        if need_x or need_values or proj.probe is not None:
             for expert_ids, r0, r1, counts in proj.chunks(plan):
                 if need_x:
                     weight = proj.weights(expert_ids)
                     oriented = weight.transpose(1, 2) if proj.transposed else weight  # [k, out, in]
                     grad_x[r0:r1] = grouped_matmul(gy[r0:r1], oriented, counts)
-                if need_values:
+                if need_values or proj.probe is not None:
                     U, V = (x, gy) if proj.transposed else (gy, x)
                     ids = list(range(len(counts))) if expert_ids is None else expert_ids
                     local_offsets = [0, *itertools.accumulate(counts)]
-                    proj.entries.add_grad(grad_values, U[r0:r1], V[r0:r1], ids, local_offsets)
+                    if need_values:
+                        proj.entries.add_grad(grad_values, U[r0:r1], V[r0:r1], ids, local_offsets)
+                    if proj.probe is not None:
+                        proj.probe.accumulate(U[r0:r1], V[r0:r1], ids, local_offsets)
         grad_bias = None
         if need_bias:
             entries: ElementEntries = proj.bias_entries
@@ -179,9 +184,15 @@ class SparseExperts(nn.ModuleDict):
     def __init__(self, stores: dict, entries: dict, transposed: bool, workspace_bytes: int):
         super().__init__(entries)
         self.stores = stores
+        self.observers: list = []  # callables (state, plan, top_k_weights, intermediate) run in each forward
+        self.probes: dict = {}  # tensor name -> LineProbe: gradients of candidate lines (see usaf.sparse)
         self.transposed = transposed
         self.workspace_bytes = workspace_bytes
         self.num_experts = next(iter(stores.values())).shape[0]
+        # Trainer and save_pretrained read (and restore) the experts' own parameters: keep them the effective weights.
+        # The parent's parameters enter a state dict as views before this child's hook runs, so writing here counts.
+        self.register_state_dict_pre_hook(_write_before_save)
+        self.register_load_state_dict_post_hook(_write_after_load)
 
     def projection(self, name: str) -> Projection:
         bias = name + "_bias"
@@ -192,13 +203,39 @@ class SparseExperts(nn.ModuleDict):
             self[bias] if bias in self else None,  # noqa: SIM401
             self.transposed,
             self.workspace_bytes,
+            self.probes.get(name),
         )
+
+    @torch.no_grad()
+    def write_resident(self) -> None:
+        """Write the trained values into resident (unquantized) stores now. The forward does this lazily, so after an
+        optimizer step the module's own parameters lag one step; `state_dict` and `save_pretrained` (what
+        `transformers.Trainer` checkpoints) must see the effective weights."""
+        for name, entries in self.items():
+            store = self.stores.get(name)
+            if store is not None and store.resident:
+                entries.write_into(store.full(), None)
+
+    def after_load(self) -> None:
+        """After `load_state_dict` (e.g. Trainer's resume or best-model reload) replaced values and selections in
+        place: forget cached groupings (keyed by storage) and write the loaded values through."""
+        for entries in self.values():
+            entries._grouping = None
+        self.write_resident()
 
     def project(self, name: str, x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         proj = self.projection(name)
         values = proj.entries.values if proj.entries is not None else None
         bias_values = proj.bias_entries.values if proj.bias_entries is not None else None
         return SparseGroupedLinear.apply(x, values, bias_values, proj, plan)
+
+
+def _write_before_save(state: SparseExperts, prefix: str, keep_vars: bool) -> None:
+    state.write_resident()
+
+
+def _write_after_load(state: SparseExperts, incompatible_keys) -> None:
+    state.after_load()
 
 
 def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -208,6 +245,8 @@ def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     x = GatherRows.apply(hidden_states, plan.token_of_row, plan.inverse, plan.num_top_k)
     h = state.project("gate_up_proj" if self.has_gate else "up_proj", x, plan)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    for observe in state.observers:
+        observe(state, plan, top_k_weights, h)
     y = state.project("down_proj", h, plan)
     if self.has_post_expert_norm:
         y = self.post_expert_norm(y)

@@ -31,6 +31,7 @@ def prepare_model(
     *,
     stores: dict | None = None,
     original_values: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    calibration_batches=None,
 ) -> nn.Module:
     """Freeze `model`, make a sparse set of its expert entries (and its routers) trainable, and switch its
     experts to usaf's implementation. Returns the same model.
@@ -39,6 +40,8 @@ def prepare_model(
         from `usaf.load`); tensors not named use the module's own parameter in place.
     original_values: (key, flat indices) -> the original full-precision values there, used to initialise the
         trained values when the store holds only an approximation (a quantized base).
+    calibration_batches: batches of the task (dicts with input_ids, labels, position_ids) for data-driven
+        strategies ("routing", "gradient") and selection="gradient".
     """
     config = config or UsafConfig()
     stores = stores or {}
@@ -47,28 +50,38 @@ def prepare_model(
             "This model was already prepared by usaf.prepare_model; prepare a fresh model instead."
         )
     layers = find_moe_layers(model)
-    trained = _trained_layers(layers, config)
+    trained = [layer for layer in layers if layer.index in _trained_layers(layers, config)]
     for param in model.parameters():
         param.requires_grad_(False)
 
-    budgets = _weight_budgets([layer for layer in layers if layer.index in trained], config)
+    # the engine goes in first, with nothing trained: calibration runs through it
+    layer_stores = {}
     for layer in layers:
         experts = layer.experts
-        layer_stores = {
+        layer_stores[layer.experts_name] = {
             t.name: stores.get(f"{layer.experts_name}.{t.name}") or DenseStore(experts, t.name)
             for t in layer.tensors
         }
-        entries = {}
-        if layer.index in trained:
-            entries = _select_entries(layer, layer_stores, budgets, config, original_values)
-            if config.train_router and layer.router is not None:
-                for param in layer.router.parameters():
-                    param.requires_grad_(True)
         experts.usaf = SparseExperts(
-            layer_stores, entries, transposed=experts.is_transposed, workspace_bytes=config.workspace_mb << 20
+            layer_stores[layer.experts_name],
+            {},
+            transposed=experts.is_transposed,
+            workspace_bytes=config.workspace_mb << 20,
         )
-        experts.usaf.to(device=layer_stores["down_proj"].device)
+    _switch_implementation(model, layers)
 
+    chosen = select.choose(trained, layer_stores, config, calibration_batches, model)
+    install_selection(model, chosen, original_values)
+    if config.train_router:
+        for layer in trained:
+            for param in layer.router.parameters() if layer.router is not None else ():
+                param.requires_grad_(True)
+    model.usaf_config = config
+    model.usaf_original_values = original_values
+    return model
+
+
+def _switch_implementation(model: nn.Module, layers: list[MoELayer]) -> None:
     register()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(IMPLEMENTATION_NAME)
@@ -76,8 +89,40 @@ def prepare_model(
         config_of = getattr(layer.experts, "config", None)
         if config_of is not None and config_of._experts_implementation != IMPLEMENTATION_NAME:
             config_of._experts_implementation_internal = IMPLEMENTATION_NAME
-    model.usaf_config = config
-    return model
+
+
+def install_selection(model: nn.Module, chosen: dict, original_values=None) -> None:
+    """Make the chosen entries trainable: values start from the original weights at those entries."""
+    states = dict(sparse_modules(model))
+    for key, (axis, indices) in chosen.items():
+        path, name = key.rsplit(".", 1)
+        if path not in states or name not in states[path].stores:
+            raise UsafError(f"The selection names '{key}', which is not an expert tensor of this model.")
+        store = states[path].stores[name]
+        device = store.device
+        indices = indices.to(device=device, dtype=torch.int64)
+        flat = indices if axis is None else line_flat_indices(store.shape, axis, indices)
+        numel = store.shape[0] * store.shape[1] * store.shape[2]
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= numel):
+            raise UsafError(
+                f"The selection for '{key}' points outside the tensor (shape {list(store.shape)})."
+            )
+        base = original_values(key, flat) if original_values is not None else store.read(flat)
+        base = base.to(store.dtype)
+        if axis is None:
+            entries = ElementEntries(store.shape, indices, base)
+        else:
+            entries = LineEntries(store.shape, axis, indices, base.view(indices.numel(), -1))
+        states[path][name] = entries.to(device)
+
+
+def current_selection(model: nn.Module) -> dict:
+    """The selection a prepared model trains, as `usaf.select.Chosen` per tensor key (for saving and reuse)."""
+    return {
+        f"{path}.{name}": select.Chosen(getattr(e, "axis", None), getattr(e, e.selection_name).detach().cpu())
+        for path, state in sparse_modules(model)
+        for name, e in state.items()
+    }
 
 
 def _trained_layers(layers: list[MoELayer], config: UsafConfig) -> set[int]:
@@ -90,112 +135,6 @@ def _trained_layers(layers: list[MoELayer], config: UsafConfig) -> set[int]:
             f"UsafConfig.layers names {missing}, which are not MoE layers; MoE layers: {sorted(by_number)}."
         )
     return {by_number[i] for i in config.layers}
-
-
-def _intermediate_size(experts: nn.Module) -> int:
-    down = experts.down_proj
-    return down.shape[1] if experts.is_transposed else down.shape[2]
-
-
-def _weight_budgets(layers: list[MoELayer], config: UsafConfig) -> dict[str, int]:
-    """Trained entries per expert weight tensor (element) or per layer (neuron), keyed by name."""
-    numels = {}
-    for layer in layers:
-        for t in layer.tensors:
-            if not t.is_bias:
-                numels[f"{layer.experts_name}.{t.name}"] = getattr(layer.experts, t.name).numel()
-    if config.granularity == "neuron":
-        numels = {
-            layer.experts_name: sum(v for k, v in numels.items() if k.startswith(layer.experts_name + "."))
-            for layer in layers
-        }
-    if config.num_entries is not None:
-        return select.split_budget(config.num_entries, numels)
-    return {k: min(n, max(1, round(config.density * n))) for k, n in numels.items()}
-
-
-def _select_entries(layer: MoELayer, stores: dict, budgets: dict, config: UsafConfig, original_values):
-    name = layer.experts_name
-
-    def initial(key: str, store, flat: torch.Tensor) -> torch.Tensor:
-        return original_values(key, flat) if original_values is not None else store.read(flat)
-
-    entries: dict[str, nn.Module] = {}
-    weight_tensors = [t for t in layer.tensors if not t.is_bias]
-    if config.granularity == "element":
-        for t in weight_tensors:
-            key = f"{name}.{t.name}"
-            entries[t.name] = _element_entries(stores[t.name], budgets[key], config, key, initial)
-    else:
-        entries.update(_neuron_entries(layer, stores, budgets[name], config, initial))
-    if config.train_biases:
-        for t in layer.tensors:
-            if t.is_bias:
-                store = stores[t.name]
-                numel = store.shape[0] * store.shape[2]
-                count = min(numel, max(1, round(config.density * numel)))
-                entries[t.name] = _element_entries(store, count, config, f"{name}.{t.name}", initial)
-    return entries
-
-
-def _element_entries(store, count: int, config: UsafConfig, key: str, initial) -> ElementEntries:
-    numel = store.shape[0] * store.shape[1] * store.shape[2]
-    if config.selection == "random":
-        flat = select.random_flat_indices(numel, count, select.generator_for(config.seed, key))
-    else:
-        flat = select.magnitude_flat_indices(store, count)
-    flat = flat.to(store.device)
-    return ElementEntries(store.shape, flat, initial(key, store, flat).to(store.dtype))
-
-
-def _neuron_entries(
-    layer: MoELayer, stores: dict, budget: int, config: UsafConfig, initial
-) -> dict[str, LineEntries]:
-    """Whole neurons j of experts e: row j of gate and up, column j of down (transposed layouts: the reverse)."""
-    experts = layer.experts
-    first = "gate_up_proj" if experts.has_gate else "up_proj"
-    intermediate = _intermediate_size(experts)
-    num_experts = layer.num_experts
-    axes = {first: 2 if experts.is_transposed else 1, "down_proj": 1 if experts.is_transposed else 2}
-    per_neuron = sum(
-        stores[n].shape[3 - axis] * (2 if n == "gate_up_proj" else 1) for n, axis in axes.items()
-    )
-    count = min(num_experts * intermediate, max(1, budget // per_neuron))
-    if config.selection == "random":
-        chosen = select.random_flat_indices(
-            num_experts * intermediate, count, select.generator_for(config.seed, layer.experts_name)
-        )
-    else:
-        chosen = _magnitude_neurons(experts, stores, axes, intermediate, count)
-    expert, neuron = chosen // intermediate, chosen % intermediate
-    entries = {}
-    for name, axis in axes.items():
-        gate = name == "gate_up_proj"
-        lines = select.neuron_lines(neuron, intermediate, gate, experts.is_concatenated)
-        owners = torch.cat([expert, expert]) if gate else expert
-        line_ids = (owners * stores[name].shape[axis] + lines).sort().values.to(stores[name].device)
-        key = f"{layer.experts_name}.{name}"
-        base = initial(key, stores[name], line_flat_indices(stores[name].shape, axis, line_ids)).to(
-            stores[name].dtype
-        )
-        entries[name] = LineEntries(stores[name].shape, axis, line_ids, base.view(line_ids.numel(), -1))
-    return entries
-
-
-def _magnitude_neurons(experts, stores, axes, intermediate: int, count: int) -> torch.Tensor:
-    """Neurons with the largest squared norm over their gate, up and down lines."""
-    scores = torch.zeros(stores["down_proj"].shape[0], intermediate)
-    for name, axis in axes.items():
-        for e in range(stores[name].shape[0]):
-            w = stores[name].materialize([e])[0].float().cpu()
-            line_norms = w.pow(2).sum(dim=2 - axis)  # one value per line along `axis`
-            if name == "gate_up_proj":
-                if experts.is_concatenated:
-                    line_norms = line_norms[:intermediate] + line_norms[intermediate:]
-                else:
-                    line_norms = line_norms[0::2] + line_norms[1::2]
-            scores[e] += line_norms
-    return torch.topk(scores.reshape(-1), count, sorted=False).indices.sort().values
 
 
 def sparse_modules(model: nn.Module):

@@ -49,12 +49,16 @@ class _Entries(nn.Module):
         self, selection: torch.Tensor, base_values: torch.Tensor, values: torch.Tensor | None = None
     ):
         """Train a different set of entries: new indices (flat indices or line ids), their base values, and
-        their trained values (default: the base values). Replaces the `values` parameter: rebuild optimizers."""
+        their trained values (default: the base values).
+
+        The `values` parameter stays the same object (its data is swapped), so optimizers keep referring to it;
+        their per-entry state must be remapped by the caller (see `usaf.reselect`)."""
         device = self.base_values.device
         setattr(self, self.selection_name, selection.to(device=device, dtype=torch.int64))
         self.base_values = base_values.to(device=device, dtype=self.base_values.dtype)
         start = base_values if values is None else values
-        self.values = nn.Parameter(start.detach().to(device=device, dtype=torch.float32).clone())
+        self.values.data = start.detach().to(device=device, dtype=torch.float32).clone()
+        self.values.grad = None
         self._grouping = None
 
 
@@ -166,9 +170,7 @@ class LineEntries(_Entries):
     def grouping(self):
         key = (self.line_ids.data_ptr(), self.line_ids.numel())
         if self._grouping is None or self._grouping[0] != key:
-            expert = torch.div(self.line_ids, self.lines_per_expert, rounding_mode="floor")
-            line = self.line_ids - expert * self.lines_per_expert
-            self._grouping = (key, _expert_offsets(expert, self.num_experts), expert, line)
+            self._grouping = (key, *_line_grouping(self.line_ids, self.shape, self.axis))
         return self._grouping[1:]
 
     def expanded_flat_indices(self) -> torch.Tensor:
@@ -196,16 +198,51 @@ class LineEntries(_Entries):
             weight[expert, :, line] = values
 
     def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, expert_ids, row_offsets) -> None:
-        """Rows: grad[k, :] = U[:, a_k]^T V; columns: grad[k, :] = V[:, b_k]^T U (small matmuls per expert)."""
         offsets, _, line = self.grouping()
-        for local, e in enumerate(expert_ids):
-            k0, k1 = offsets[e], offsets[e + 1]
-            r0, r1 = row_offsets[local], row_offsets[local + 1]
-            if k0 == k1 or r0 == r1:
-                continue
-            fixed, spanning = (U, V) if self.axis == 1 else (V, U)
-            picked = fixed[r0:r1].index_select(1, line[k0:k1])  # [t, n]
-            grad[k0:k1] += (picked.t() @ spanning[r0:r1]).float()
+        _add_line_grads(grad, U, V, expert_ids, row_offsets, offsets, line, self.axis)
+
+
+def _line_grouping(line_ids: torch.Tensor, shape, axis: int):
+    """(entry offsets per expert, expert of each line, line index within its expert)."""
+    expert = torch.div(line_ids, shape[axis], rounding_mode="floor")
+    line = line_ids - expert * shape[axis]
+    return _expert_offsets(expert, shape[0]), expert, line
+
+
+def _add_line_grads(grad, U, V, expert_ids, row_offsets, offsets, line, axis: int) -> None:
+    """Rows: grad[k, :] += U[:, a_k]^T V; columns: grad[k, :] += V[:, b_k]^T U (small matmuls per expert)."""
+    fixed, spanning = (U, V) if axis == 1 else (V, U)
+    for local, e in enumerate(expert_ids):
+        k0, k1 = offsets[e], offsets[e + 1]
+        r0, r1 = row_offsets[local], row_offsets[local + 1]
+        if k0 == k1 or r0 == r1:
+            continue
+        picked = fixed[r0:r1].index_select(1, line[k0:k1])  # [t, n]
+        grad[k0:k1] += (picked.t() @ spanning[r0:r1]).float()
+
+
+class LineProbe:
+    """Gradient magnitudes of candidate lines that are not trained: used to choose what to train next.
+
+    Each backward adds |dL/dW| over the candidate lines to `score` (a sum of per-micro-batch magnitudes);
+    nothing is written into the weights and nothing is trained.
+    """
+
+    def __init__(self, shape, axis: int, line_ids: torch.Tensor):
+        self.shape, self.axis = tuple(shape), axis
+        self.line_ids = line_ids.to(torch.int64)
+        self.offsets, _, self.line = _line_grouping(self.line_ids, self.shape, axis)
+        length = self.shape[3 - axis]
+        self.score = torch.zeros(self.line_ids.numel(), length, device=line_ids.device)
+
+    def accumulate(self, U, V, expert_ids, row_offsets) -> None:
+        grad = torch.zeros_like(self.score)
+        _add_line_grads(grad, U, V, expert_ids, row_offsets, self.offsets, self.line, self.axis)
+        self.score += grad.abs()
+
+    def flat_indices(self) -> torch.Tensor:
+        """Flat indices of the candidate entries, in the order of `score.view(-1)`."""
+        return line_flat_indices(self.shape, self.axis, self.line_ids)
 
 
 def line_flat_indices(shape, axis: int, line_ids: torch.Tensor) -> torch.Tensor:

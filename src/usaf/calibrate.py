@@ -1,0 +1,162 @@
+"""Calibration: what a task's tokens do to the experts, accumulated over many batches (never one sample).
+
+Pass 1 (cheap, bounded by [layers, E, I]): per layer and expert, routed tokens and summed gate weight; and, when
+gradients are wanted, a first-order importance per expert neuron, sum over its tokens of (h * dL/dh)^2, from the
+intermediate activation h the engine exposes to observers.
+Pass 2 (`probe_lines`): exact gradient magnitudes of the entries of candidate lines only (neurons that survived
+pass 1), through the engine's probes: nothing the size of an expert stack is ever scored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .loss import causal_lm_loss
+from .sparse import LineProbe
+
+
+@dataclass
+class Calibration:
+    tokens: dict[str, torch.Tensor] = field(default_factory=dict)  # experts path -> [E] routed tokens
+    gate_weight: dict[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # experts path -> [E] summed gate weight
+    neuron_score: dict[str, torch.Tensor] = field(default_factory=dict)  # experts path -> [E, I]
+    batches: int = 0
+
+    def share(self, path: str) -> torch.Tensor:
+        """Share of the layer's routed slots that went to each expert."""
+        t = self.tokens[path].double()
+        return t / t.sum().clamp_min(1)
+
+    def mean_gate(self, path: str) -> torch.Tensor:
+        return self.gate_weight[path] / self.tokens[path].clamp_min(1)
+
+    def summary(self) -> dict:
+        return {
+            "batches": self.batches,
+            "layers": {
+                path: {"share": self.share(path).tolist(), "mean_gate": self.mean_gate(path).tolist()}
+                for path in self.tokens
+            },
+        }
+
+
+class _Observer:
+    """Routing counts and neuron importance of one experts module, only while `active` (so that activation
+    recomputation in backward, which re-runs forwards, does not count twice)."""
+
+    def __init__(self, calibration: Calibration, path: str, num_experts: int, with_gradients: bool):
+        self.calibration, self.path, self.with_gradients = calibration, path, with_gradients
+        self.active = False
+        calibration.tokens.setdefault(path, torch.zeros(num_experts, dtype=torch.float64))
+        calibration.gate_weight.setdefault(path, torch.zeros(num_experts, dtype=torch.float64))
+
+    def __call__(self, state, plan, top_k_weights, h):
+        if not self.active:
+            return
+        cal = self.calibration
+        cal.tokens[self.path] += torch.tensor(plan.counts, dtype=torch.float64)
+        gates = top_k_weights.detach().reshape(-1)[plan.order].double().cpu()
+        cal.gate_weight[self.path].index_add_(0, plan.expert_of_row.cpu(), gates)
+        if self.with_gradients and h.requires_grad:
+            experts = plan.expert_of_row
+
+            def accumulate(grad_h):
+                taylor = (h.detach() * grad_h).float().pow(2)
+                score = cal.neuron_score.setdefault(
+                    self.path, torch.zeros(state.num_experts, h.shape[1], device=h.device)
+                )
+                score.index_add_(0, experts, taylor)
+
+            h.register_hook(accumulate)
+
+
+def _require_input_grad(model):
+    """Make the embeddings' output require grad so the backward reaches every layer (all weights are frozen)."""
+    return model.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_(True))
+
+
+def run_batches(
+    model, batches, num_batches: int, backward: bool, observers=(), chunk_tokens: int = 1024
+) -> int:
+    """Forward (and backward) `num_batches` batches; gradients of trainable parameters are discarded."""
+    device = next(model.parameters()).device
+    hook = _require_input_grad(model) if backward else None
+    done = 0
+    try:
+        for batch in batches:
+            if done >= num_batches:
+                break
+            batch = {k: v.to(device) for k, v in batch.items()}
+            for o in observers:
+                o.active = True
+            with torch.set_grad_enabled(backward):
+                loss = causal_lm_loss(
+                    model,
+                    batch["input_ids"],
+                    batch["labels"],
+                    position_ids=batch.get("position_ids"),
+                    chunk_tokens=chunk_tokens,
+                )
+            for o in observers:
+                o.active = False
+            if backward:
+                loss.backward()
+            done += 1
+    finally:
+        if hook is not None:
+            hook.remove()
+        for o in observers:
+            o.active = False
+        for p in model.parameters():
+            p.grad = None
+    return done
+
+
+def calibrate(model, batches, num_batches: int, with_gradients: bool) -> Calibration:
+    from .prepare import sparse_modules
+
+    calibration = Calibration()
+    observers = []
+    for path, state in sparse_modules(model):
+        observer = _Observer(calibration, path, state.num_experts, with_gradients)
+        state.observers.append(observer)
+        observers.append((state, observer))
+    try:
+        calibration.batches = run_batches(
+            model, batches, num_batches, with_gradients, [o for _, o in observers]
+        )
+    finally:
+        for state, observer in observers:
+            state.observers.remove(observer)
+    calibration.neuron_score = {k: v.cpu() for k, v in calibration.neuron_score.items()}
+    return calibration
+
+
+def probe_lines(model, candidates: dict[str, tuple[int, torch.Tensor]], batches, num_batches: int) -> dict:
+    """Gradient magnitudes of candidate lines: {tensor key: (flat indices, summed |grad|)}.
+
+    candidates: {"<experts path>.<tensor name>": (axis, sorted line ids)}.
+    """
+    from .prepare import sparse_modules
+
+    installed = []
+    for path, state in sparse_modules(model):
+        for name, store in state.stores.items():
+            key = f"{path}.{name}"
+            if key in candidates:
+                axis, lines = candidates[key]
+                state.probes[name] = LineProbe(store.shape, axis, lines.to(store.device))
+                installed.append((state, name, key))
+    try:
+        run_batches(model, batches, num_batches, backward=True)
+        return {
+            key: (state.probes[name].flat_indices().cpu(), state.probes[name].score.reshape(-1).cpu())
+            for state, name, key in installed
+        }
+    finally:
+        for state, name, _ in installed:
+            state.probes.pop(name, None)

@@ -1,0 +1,134 @@
+"""Choosing what to train: strategies honour the budget, routing skips cold experts, calibration accumulates."""
+
+import pytest
+import torch
+
+import usaf
+from usaf.arch import find_moe_layers
+from usaf.calibrate import calibrate
+from usaf.prepare import current_selection
+from usaf.select import load_selection, save_selection
+from usaf.tiny import tiny_model
+
+
+def batches(n, seed=0, length=12):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 97, (2, length), generator=g)
+        out.append(
+            {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(length).repeat(2, 1)}
+        )
+    return out
+
+
+def cold_gpt_oss():
+    """gpt-oss whose routers never pick experts 4 and 5 (a large negative router bias)."""
+    model = tiny_model("gpt_oss")
+    with torch.no_grad():
+        for layer in find_moe_layers(model):
+            layer.router.bias[4:] = -1e4
+    return model
+
+
+def trained_entries(model):
+    return usaf.trainable_summary(model)["expert_entries"]
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "routing", "gradient"])
+@pytest.mark.parametrize("selection", ["random", "magnitude", "gradient"])
+def test_element_budget_is_honoured_exactly(strategy, selection):
+    config = usaf.UsafConfig(
+        num_entries=1500, strategy=strategy, selection=selection, train_biases=False, calibration_batches=3
+    )
+    model = usaf.prepare_model(cold_gpt_oss(), config, calibration_batches=batches(3))
+    assert trained_entries(model) == 1500
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "routing", "gradient"])
+@pytest.mark.parametrize("selection", ["random", "magnitude", "gradient"])
+def test_neuron_budget_is_honoured_in_whole_neurons(strategy, selection):
+    config = usaf.UsafConfig(
+        density=0.2, granularity="neuron", strategy=strategy, selection=selection, train_biases=False
+    )
+    model = usaf.prepare_model(cold_gpt_oss(), config, calibration_batches=batches(2))
+    per_neuron = 3 * 32  # gate, up (rows of gate_up) and down: hidden 32 each
+    total = sum(
+        getattr(layer.experts, n).numel()
+        for layer in find_moe_layers(model)
+        for n in ("gate_up_proj", "down_proj")
+    )
+    neurons_per_layer = round(0.2 * total / 2) // per_neuron
+    assert trained_entries(model) == 2 * neurons_per_layer * per_neuron
+
+
+@pytest.mark.parametrize("granularity", ["element", "neuron"])
+@pytest.mark.parametrize("selection", ["random", "magnitude", "gradient"])
+def test_routing_strategy_gives_nothing_to_cold_experts(granularity, selection):
+    config = usaf.UsafConfig(
+        density=0.2,
+        strategy="routing",
+        granularity=granularity,
+        selection=selection,
+        routing_coverage=1.0,
+        train_biases=False,
+    )
+    model = usaf.prepare_model(cold_gpt_oss(), config, calibration_batches=batches(2))
+    for name, delta in usaf.get_delta(model).items():
+        shape = dict(model.named_parameters())[name].shape
+        experts = torch.unique(delta.flat_indices // (shape[1] * shape[2]))
+        assert experts.numel() > 0 and int(experts.max()) < 4, (name, experts)
+
+
+def test_calibration_accumulates_over_batches():
+    model = usaf.prepare_model(tiny_model("qwen3_moe"), usaf.UsafConfig(density=0.1))
+    data = batches(3, seed=5)
+    together = calibrate(model, data, 3, with_gradients=True)
+    separate = [calibrate(model, [b], 1, with_gradients=True) for b in data]
+    assert together.batches == 3
+    for path in together.tokens:
+        assert torch.equal(together.tokens[path], sum(c.tokens[path] for c in separate))
+        assert together.tokens[path].sum() == 3 * 2 * 12 * 2  # batches x rows x tokens x top-k
+        assert torch.allclose(
+            together.neuron_score[path], sum(c.neuron_score[path] for c in separate), rtol=1e-4
+        )
+
+
+def test_gradient_selection_prefers_entries_the_task_moves():
+    """Entries chosen by gradient have larger calibration gradients than randomly chosen ones."""
+    data = batches(3, seed=1)
+    grad_model = usaf.prepare_model(
+        tiny_model("mixtral"), usaf.UsafConfig(density=0.05, selection="gradient"), calibration_batches=data
+    )
+    rand_model = usaf.prepare_model(tiny_model("mixtral"), usaf.UsafConfig(density=0.05, selection="random"))
+    norms = []
+    for model in (grad_model, rand_model):
+        for batch in data:
+            usaf.loss.causal_lm_loss(model, batch["input_ids"], batch["labels"]).backward()
+        norms.append(sum(float(d.values.grad.abs().sum()) for d in usaf.get_delta(model).values()))
+    assert norms[0] > 2 * norms[1]
+
+
+def test_saved_selection_is_reused(tmp_path):
+    data = batches(2)
+    first = usaf.prepare_model(
+        tiny_model("qwen3_moe"),
+        usaf.UsafConfig(strategy="routing", granularity="neuron"),
+        calibration_batches=data,
+    )
+    chosen = current_selection(first)
+    save_selection(tmp_path / "selection.safetensors", chosen, {"strategy": "routing"})
+    again = usaf.prepare_model(
+        tiny_model("qwen3_moe"),
+        usaf.UsafConfig(strategy="file", file=str(tmp_path / "selection.safetensors")),
+    )
+    loaded = load_selection(tmp_path / "selection.safetensors")
+    for key, c in current_selection(again).items():
+        assert torch.equal(c.indices, chosen[key].indices) and c.axis == chosen[key].axis == loaded[key].axis
+
+
+def test_data_driven_strategy_without_data_is_a_clear_error():
+    with pytest.raises(usaf.UsafError, match="needs calibration data"):
+        usaf.prepare_model(tiny_model("qwen3_moe"), usaf.UsafConfig(strategy="routing"))
+    with pytest.raises(usaf.UsafError, match="strategy='file' needs"):
+        usaf.UsafConfig(strategy="file")
