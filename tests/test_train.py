@@ -62,7 +62,7 @@ from usaf.cli import main
 save = checkpoint.save
 def save_then_die(run_dir, step, **kw):
     path = save(run_dir, step, **kw)
-    if step == 10:
+    if step == int(os.environ["KILL_AT_STEP"]):
         os.kill(os.getpid(), signal.SIGKILL)
     return path
 checkpoint.save = save_then_die
@@ -70,18 +70,32 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_resume_after_sigkill_is_exact(workspace, tmp_path):
+@pytest.mark.parametrize(
+    "kill_at, extra",
+    [
+        (10, ["checkpoint.every_steps=10"]),
+        # data-driven selection, and a kill inside a reselection's gradient-probe window (steps 11-12)
+        (
+            11,
+            [
+                "checkpoint.every_steps=11",
+                "select.strategy=routing",
+                "select.selection=gradient",
+                "select.reselect_every=4",
+            ],
+        ),
+    ],
+)
+def test_resume_after_sigkill_is_exact(workspace, tmp_path, kill_at, extra):
     args = [f"--model={workspace / 'model'}", f"--data={workspace / 'train.jsonl'}"]
-    sets = [
-        f"--set={s}" for s in [*BASE, "schedule.max_steps=20", "checkpoint.every_steps=10", "train.seed=3"]
-    ]
+    sets = [f"--set={s}" for s in [*BASE, "schedule.max_steps=20", "train.seed=3", *extra]]
     assert main(["train", *args, f"--out={tmp_path / 'straight'}", *sets]) == 0
 
     killed = subprocess.run(
         [sys.executable, "-c", KILLER, "train", *args, f"--out={tmp_path / 'killed'}", *sets],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "KILL_AT_STEP": str(kill_at)},
     )
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (tmp_path / "killed" / "checkpoints" / "step-00000020").exists()

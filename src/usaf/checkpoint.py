@@ -83,6 +83,7 @@ def save(
     scheduler,
     state: dict,
     keep_last: int,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically and keep the newest `keep_last`."""
     folder = checkpoints_dir(run_dir)
@@ -101,6 +102,8 @@ def save(
     for i, t in enumerate(rng.pop("cuda", [])):
         rng_tensors[f"cuda.{i}"] = t
     _fsync_write(tmp / "rng.safetensors", lambda p: save_file(rng_tensors, str(p)))
+    extra = {k: v.contiguous().cpu() for k, v in (extra_tensors or {}).items()}
+    _fsync_write(tmp / "extra.safetensors", lambda p: save_file(extra, str(p)))
     meta = {
         "usaf_version": __version__,
         "step": step,
@@ -149,6 +152,7 @@ def load(path: Path) -> dict:
         meta["trainable"] = load_file(str(path / "trainable.safetensors"))
         meta["optimizer_tensors"] = load_file(str(path / "optimizer.safetensors"))
         rng = load_file(str(path / "rng.safetensors"))
+        meta["extra"] = load_file(str(path / "extra.safetensors"))
     except (OSError, ValueError) as err:
         raise UsafError(
             f"Checkpoint {path} is unreadable ({err}); delete it to resume from an earlier one."

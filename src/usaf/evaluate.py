@@ -53,7 +53,7 @@ def evaluate_target(target: str, data_files: list[str], overrides: list[str]) ->
     from .config import RunConfig
     from .data import load_dataset
     from .errors import UsafError
-    from .train import load_model, restore_trainable
+    from .train import load_model, load_tokenizer, restore_trainable
 
     run_dir = Path(target)
     is_run = (run_dir / "config.yaml").exists()
@@ -66,7 +66,10 @@ def evaluate_target(target: str, data_files: list[str], overrides: list[str]) ->
         config = RunConfig.load(None, [f"model.path={target}", *overrides])
     device = runtime.resolve_device(config.model.device)
     dtype = runtime.resolve_dtype(config.model.dtype, device)
-    model, tokenizer = load_model(config, device, dtype)
+    tokenizer = load_tokenizer(config.model.path)
+    model = load_model(
+        config, device, dtype, selection_file=run_dir / "selection.safetensors" if is_run else None
+    )
     if is_run:
         restore_trainable(model, checkpoint.load(saved)["trainable"], saved)
     data, _, stats = load_dataset(

@@ -94,10 +94,16 @@ def _switch_implementation(model: nn.Module, layers: list[MoELayer]) -> None:
 def install_selection(model: nn.Module, chosen: dict, original_values=None) -> None:
     """Make the chosen entries trainable: values start from the original weights at those entries."""
     states = dict(sparse_modules(model))
-    for key, (axis, indices) in chosen.items():
+    # model order, whatever the order of `chosen`: parameter order must not depend on where a selection came
+    # from, or a resumed optimizer state would be matched to the wrong tensors
+    keys = [f"{path}.{name}" for path, state in states.items() for name in state.stores]
+    order = {key: i for i, key in enumerate(keys)}
+    unknown = sorted(set(chosen) - set(order))
+    if unknown:
+        raise UsafError(f"The selection names {unknown[:3]}, which are not expert tensors of this model.")
+    for key in sorted(chosen, key=order.__getitem__):
+        axis, indices = chosen[key]
         path, name = key.rsplit(".", 1)
-        if path not in states or name not in states[path].stores:
-            raise UsafError(f"The selection names '{key}', which is not an expert tensor of this model.")
         store = states[path].stores[name]
         device = store.device
         indices = indices.to(device=device, dtype=torch.int64)

@@ -7,6 +7,7 @@ evaluate -> loop { micro-batches, backward, skip bad steps, clip, step, log, che
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -26,7 +27,9 @@ from .evaluate import evaluate
 from .loss import IGNORE_INDEX, causal_lm_loss
 from .metrics import MetricsLog
 from .prefix_cache import FrozenPrefixCache
-from .prepare import enable_recomputation, prepare_model, sparse_modules, trainable_summary
+from .prepare import current_selection, enable_recomputation, prepare_model, sparse_modules, trainable_summary
+from .reselect import Reselector
+from .select import save_selection
 
 CONFIG_FILE = "config.yaml"
 # Settings a resumed run must share with the original: changing them would make the checkpoint meaningless.
@@ -40,7 +43,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
     dtype = runtime.resolve_dtype(config.model.dtype, device)
     runtime.seed_everything(config.train.seed)
 
-    model, tokenizer = load_model(config, device, dtype)
+    tokenizer = load_tokenizer(config.model.path)
     train_data, eval_data, data_stats = load_dataset(
         config.data.train,
         tokenizer,
@@ -52,6 +55,14 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
         seed=config.train.seed,
     )
     batches = Batches(train_data, config.data.batch_size, seed=config.train.seed)
+    calibration = Batches(train_data, config.data.batch_size, seed=config.train.seed + 1)  # its own order
+    # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
+    saved_selection = run_dir / "selection.safetensors" if resume else None
+    model = load_model(config, device, dtype, calibration_batches=calibration, selection_file=saved_selection)
+    if not resume:
+        save_selection(
+            run_dir / "selection.safetensors", current_selection(model), selection_summary(model, config)
+        )
     prefix_cache = _prefix_cache(model, config, run_dir)
 
     state = {
@@ -88,20 +99,29 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
         state["eval_before"] = _evaluate(model, eval_data, config, device, autocast)
         log.log(state["step"], {f"eval/{k}": v for k, v in state["eval_before"].items()})
 
+    reselector = None
+    if config.select.reselect_every:
+        reselector = Reselector(model, config.select, config.schedule.max_steps, config.optim.eight_bit)
+        if saved is not None:
+            reselector.load_state_dict(restored["extra"])
     stop = _StopRequest()
     router_params = _router_params(model)
     model.train()
     try:
         while state["step"] < config.schedule.max_steps and not stop.requested:
             started = time.perf_counter()
-            loss, tokens = _accumulate_gradients(model, batches, config, device, autocast, prefix_cache)
+            if reselector is not None:
+                reselector.before_step(state["step"] + 1)
+            loss, tokens = _accumulate_gradients(
+                model, batches, config, device, autocast, prefix_cache, reselector
+            )
             grad_norm = _clip(model, config.optim.clip_grad_norm)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 state["bad_steps"] += 1
                 optimizer.zero_grad(set_to_none=True)
                 log.message(f"step {state['step'] + 1}: loss {loss} / grad norm {grad_norm}: skipped")
                 if state["bad_steps"] > config.train.max_bad_steps:
-                    _save(run_dir, model, optimizer, scheduler, batches, state, config)
+                    _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector)
                     raise UsafError(
                         f"{state['bad_steps']} steps had NaN/Inf loss or gradients (limit train.max_bad_steps="
                         f"{config.train.max_bad_steps}); stopped with a checkpoint. Lower optim.lr, check the "
@@ -115,6 +135,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state["step"] += 1
+            reselected = reselector.after_step(state["step"], optimizer) if reselector is not None else None
             state["tokens"] += tokens
             elapsed = time.perf_counter() - started
             state["train_seconds"] += elapsed
@@ -130,6 +151,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
                 "tokens_per_s": tokens / elapsed,
                 "peak_memory_mb": runtime.peak_memory_bytes(device) / 2**20,
                 "skipped_steps": state["bad_steps"],
+                **(reselected or {}),
             }
             every_eval = config.log.eval_every_steps
             if eval_data is not None and every_eval and state["step"] % every_eval == 0:
@@ -149,9 +171,9 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
                 )
             log.advance()
             if state["step"] % config.checkpoint.every_steps == 0:
-                _save(run_dir, model, optimizer, scheduler, batches, state, config)
+                _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector)
         if stop.requested:
-            path = _save(run_dir, model, optimizer, scheduler, batches, state, config)
+            path = _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector)
             log.message(
                 f"stopped at step {state['step']} ({stop.signal_name}); checkpoint {path}. "
                 f"Resume with: usaf train --resume {run_dir}"
@@ -162,7 +184,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
         log.close()
 
     eval_after = _evaluate(model, eval_data, config, device, autocast) if eval_data is not None else None
-    _save(run_dir, model, optimizer, scheduler, batches, state, config)
+    _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector)
     summary = _summary(state, eval_after, summary_entries, data_stats, prefix_cache)
     _write_json(run_dir / "summary.json", summary)
     return summary
@@ -210,23 +232,49 @@ def _check_resumable(original: RunConfig, now: RunConfig) -> None:
             )
 
 
-def load_model(config: RunConfig, device: torch.device, dtype: torch.dtype):
-    """The base model (from a directory or the hub), prepared for sparse training; and its tokenizer."""
+def load_tokenizer(path: str):
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise UsafError(f"cannot load the tokenizer of {path!r}: {err}") from None
+
+
+def load_model(
+    config: RunConfig, device: torch.device, dtype: torch.dtype, calibration_batches=None, selection_file=None
+):
+    """The base model (from a directory or the hub), prepared for sparse training (with the selection in
+    `selection_file` instead of choosing one, when given)."""
     path = config.model.path
+    if selection_file is not None:
+        config = copy.deepcopy(config)
+        config.select.strategy, config.select.file = "file", str(selection_file)
     if config.model.quant != "none":
         from .load import load_for_training
 
-        return load_for_training(config, device, dtype)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as err:
-        raise UsafError(f"cannot load the model at {path!r}: {err}") from None
-    model.to(device)
-    prepare_model(model, config.select)
+        model = load_for_training(config, device, dtype, calibration_batches=calibration_batches)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except OSError as err:
+            raise UsafError(f"cannot load the model at {path!r}: {err}") from None
+        model.to(device)
+        prepare_model(model, config.select, calibration_batches=calibration_batches)
     if config.train.recompute:
         enable_recomputation(model)
-    return model, tokenizer
+    return model
+
+
+def selection_summary(model, config: RunConfig) -> dict:
+    from .select import choose
+
+    calibration = getattr(choose, "last_calibration", None)
+    return {
+        "strategy": config.select.strategy,
+        "selection": config.select.selection,
+        "granularity": config.select.granularity,
+        "entries": {key: int(c.indices.numel()) for key, c in current_selection(model).items()},
+        "calibration": calibration.summary() if calibration is not None else None,
+    }
 
 
 def _prefix_cache(model, config: RunConfig, run_dir: Path) -> FrozenPrefixCache | None:
@@ -320,7 +368,9 @@ def _router_params(model) -> list[torch.nn.Parameter]:
     ]
 
 
-def _accumulate_gradients(model, batches, config, device, autocast, prefix_cache) -> tuple[float, int]:
+def _accumulate_gradients(
+    model, batches, config, device, autocast, prefix_cache, reselector
+) -> tuple[float, int]:
     """Forward and backward over grad_accum micro-batches; the loss is the mean over all supervised tokens."""
     micro = []
     for _ in range(config.schedule.grad_accum):
@@ -335,6 +385,8 @@ def _accumulate_gradients(model, batches, config, device, autocast, prefix_cache
                 for r in batch["labels"]
             ]
             prefix_cache.begin_batch(rows, lengths, batch["input_ids"])
+        if reselector is not None:
+            reselector.set_observing(True)
         with autocast:
             loss_sum = causal_lm_loss(
                 model,
@@ -344,6 +396,8 @@ def _accumulate_gradients(model, batches, config, device, autocast, prefix_cache
                 chunk_tokens=config.train.logits_chunk_tokens,
                 reduction="sum",
             )
+        if reselector is not None:
+            reselector.set_observing(False)  # recomputation in backward re-runs forwards: count them once
         (loss_sum / max(supervised, 1)).backward()
         if prefix_cache is not None:
             prefix_cache.end_batch()
@@ -373,7 +427,7 @@ def _evaluate(model, dataset, config: RunConfig, device, autocast) -> dict:
     )
 
 
-def _save(run_dir, model, optimizer, scheduler, batches, state, config) -> Path:
+def _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector=None) -> Path:
     # the forward writes trained values into resident weights; the checkpoint needs only the values
     return checkpoint.save(
         run_dir,
@@ -383,6 +437,7 @@ def _save(run_dir, model, optimizer, scheduler, batches, state, config) -> Path:
         scheduler=scheduler,
         state={**state, "data": batches.state_dict(), "rng": runtime.rng_state(), "config": config.to_dict()},
         keep_last=config.checkpoint.keep_last,
+        extra_tensors=reselector.state_dict() if reselector is not None else None,
     )
 
 
