@@ -168,3 +168,11 @@ def test_cli_config_validation_and_print_config(workspace, capsys):
     assert "unknown key(s) ['lrr']" in capsys.readouterr().err
     assert main(["train", "--model", "m", "--data", "d", "--set", "model.quant=nf5", "--out", "x"]) == 2
     assert "allowed values: ['none', 'nf4', 'int8', 'int4']" in capsys.readouterr().err
+
+
+def test_packing_probe_detects_models_that_let_packed_documents_mix():
+    from usaf.tiny import tiny_model
+    from usaf.train import packed_documents_are_isolated
+
+    assert packed_documents_are_isolated(tiny_model("qwen3_moe"), torch.device("cpu"))
+    assert not packed_documents_are_isolated(tiny_model("gpt_oss"), torch.device("cpu"))

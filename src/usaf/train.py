@@ -43,6 +43,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
     dtype = runtime.resolve_dtype(config.model.dtype, device)
     runtime.seed_everything(config.train.seed)
 
+    notes: list[str] = []
     tokenizer = load_tokenizer(config.model.path)
     train_data, eval_data, data_stats = load_dataset(
         config.data.train,
@@ -59,6 +60,23 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
     # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
     saved_selection = run_dir / "selection.safetensors" if resume else None
     model = load_model(config, device, dtype, calibration_batches=calibration, selection_file=saved_selection)
+    if config.data.pack and not packed_documents_are_isolated(model, device):
+        # this family's attention ignores restarting position_ids (gpt-oss in transformers 5.24): packed
+        # documents would attend to each other, so each document gets its own row instead
+        notes.append("this model lets packed documents attend to each other: packing is off for this run")
+        config = copy.deepcopy(config)
+        config.data.pack = False
+        train_data, eval_data, data_stats = load_dataset(
+            config.data.train,
+            tokenizer,
+            config.data.max_seq_len,
+            pack=False,
+            skip_bad_records=config.data.skip_bad_records,
+            eval_paths=config.data.eval or None,
+            eval_fraction=config.data.eval_fraction,
+            seed=config.train.seed,
+        )
+        batches = Batches(train_data, config.data.batch_size, seed=config.train.seed)
     if not resume:
         save_selection(
             run_dir / "selection.safetensors", current_selection(model), selection_summary(model, config)
@@ -95,6 +113,8 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
         f"usaf {__version__}: training {summary_entries['expert_entries']:,} expert entries + "
         f"{summary_entries['routers']:,} router weights on {device} ({dtype}); {data_stats.summary()}"
     )
+    for note in notes:
+        log.message(f"note: {note}")
     if eval_data is not None and state["eval_before"] is None:
         state["eval_before"] = _evaluate(model, eval_data, config, device, autocast)
         log.log(state["step"], {f"eval/{k}": v for k, v in state["eval_before"].items()})
@@ -262,6 +282,19 @@ def load_model(
     if config.train.recompute:
         enable_recomputation(model)
     return model
+
+
+@torch.no_grad()
+def packed_documents_are_isolated(model, device) -> bool:
+    """Whether the model keeps packed documents apart: the second of two packed documents must give the same
+    logits as alone. Six tokens through the model, once per run."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.arange(1, 7, device=device).remainder(vocab).unsqueeze(0)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]], device=device)
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    packed = body(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[:, 3:]
+    alone = body(input_ids=ids[:, 3:], position_ids=positions[:, 3:], use_cache=False).last_hidden_state
+    return bool(torch.allclose(packed.float(), alone.float(), atol=1e-3, rtol=1e-3))
 
 
 def selection_summary(model, config: RunConfig) -> dict:
