@@ -81,7 +81,9 @@ class ElementEntries(_Entries):
             expert = torch.div(self.flat_indices, per_expert, rounding_mode="floor")
             within = self.flat_indices - expert * per_expert
             rows = torch.div(within, cols_b, rounding_mode="floor")
-            cols = within - rows * cols_b
+            # int32 halves this cache (8 B per entry for both); expert matrices are far below 2^31 per side
+            cols = (within - rows * cols_b).to(torch.int32)
+            rows = rows.to(torch.int32)
             offsets = _expert_offsets(expert, self.num_experts)
             self._grouping = (key, offsets, rows, cols, {})
         return self._grouping[1:]
@@ -127,7 +129,7 @@ def _sampled_dots(Ue, Ve, rows, cols, expert, csr_cache, shape) -> torch.Tensor:
         try:
             crow = csr_cache.get(expert)
             if crow is None:
-                crow = torch.zeros(shape[1] + 1, dtype=torch.int64, device=rows.device)
+                crow = torch.zeros(shape[1] + 1, dtype=torch.int32, device=rows.device)
                 crow[1:] = torch.cumsum(torch.bincount(rows, minlength=shape[1]), 0)
                 csr_cache[expert] = crow
             pattern = torch.sparse_csr_tensor(
