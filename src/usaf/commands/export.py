@@ -1,0 +1,83 @@
+"""`usaf export` (a run, or a transformers.Trainer checkpoint, as a delta file or a merged checkpoint) and `usaf apply`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import UsafError
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a run's trained model: a small delta file, or a full merged checkpoint",
+        description="Export the latest finished checkpoint of RUN_DIR (or, with --from-trainer, a checkpoint written "
+        "by transformers.Trainer for a model prepared by usaf) as a delta file (--delta: trained entries and routers "
+        "only) and/or a merged checkpoint (--merged: the base's shards with the trained entries written in, loadable "
+        "by plain transformers).",
+    )
+    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="usaf run directory")
+    p.add_argument("--delta", metavar="OUT.safetensors", help="write a delta file")
+    p.add_argument("--merged", metavar="OUT_DIR", help="write a merged checkpoint directory")
+    p.add_argument("--fp32", action="store_true", help="delta values in float32 instead of the base's dtype")
+    p.add_argument("--base", metavar="MODEL_DIR", help="the base checkpoint (default: the run's model.path)")
+    p.add_argument("--from-trainer", metavar="CKPT_DIR", help="a transformers.Trainer checkpoint-N folder")
+    p.add_argument("--force", action="store_true", help="replace existing outputs")
+    p.set_defaults(func=run_export)
+
+    a = sub.add_parser(
+        "apply",
+        help="write a merged checkpoint from a base checkpoint and a delta file",
+        description="Stream BASE_DIR's shards into OUT_DIR with the entries of DELTA written in; refuses a base "
+        "whose tensors differ from the one the delta was made against.",
+    )
+    a.add_argument("base_dir", metavar="BASE_DIR")
+    a.add_argument("delta", metavar="DELTA")
+    a.add_argument("out_dir", metavar="OUT_DIR")
+    a.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    a.set_defaults(func=run_apply)
+
+
+def run_export(args) -> int:
+    from .. import export
+
+    if not (args.delta or args.merged):
+        raise UsafError("say what to write: --delta OUT.safetensors and/or --merged OUT_DIR.")
+    # refuse existing outputs before any work is done
+    if args.delta:
+        export.check_output_file(Path(args.delta), args.force)
+    if args.merged:
+        export.check_output_dir(Path(args.merged), args.base, args.force)
+    if args.from_trainer:
+        if args.run_dir:
+            raise UsafError("give either RUN_DIR or --from-trainer CKPT_DIR, not both.")
+        if not args.base:
+            raise UsafError(
+                "--from-trainer needs --base MODEL_DIR: the checkpoint the trained model was loaded from."
+            )
+        base = export.BaseCheckpoint(args.base)
+        delta = export.trainer_checkpoint_delta(args.from_trainer, base)
+    elif args.run_dir:
+        delta = export.delta_from_run(args.run_dir)
+        base = export.BaseCheckpoint(export.run_base_dir(Path(args.run_dir), args.base))
+    else:
+        raise UsafError("give RUN_DIR (a usaf run directory) or --from-trainer CKPT_DIR --base MODEL_DIR.")
+    if args.delta:
+        path = export.write_delta(delta, base, args.delta, fp32=args.fp32, force=args.force)
+        print(f"delta: {path} ({_size(path)}, {sum(c.count for c in delta.changes.values()):,} values)")
+    if args.merged:
+        path = export.write_merged(base, delta, args.merged, force=args.force)
+        print(f"merged checkpoint: {path}")
+    return 0
+
+
+def run_apply(args) -> int:
+    from ..export import apply_delta
+
+    path = apply_delta(args.base_dir, args.delta, args.out_dir, force=args.force)
+    print(f"merged checkpoint: {path}")
+    return 0
+
+
+def _size(path: Path) -> str:
+    return f"{Path(path).stat().st_size:,} bytes"
