@@ -1,0 +1,108 @@
+"""`usaf plan`: will this fine-tune fit, where, and how fast - from a config alone."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import UsafError
+
+
+def add_command(subparsers) -> None:
+    from .. import plan as planner
+
+    p = subparsers.add_parser(
+        "plan",
+        help="memory ledger, verdict and step-time estimate for a model, from its config alone",
+        description="Plan a sparse fine-tune: where memory goes, whether it fits, and settings that would.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"model directory, config.json, or a preset: {', '.join(planner.list_presets())}",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help=f"device preset: {', '.join(planner.DEVICES)} (default: "
+        "rtx-3060-12gb, or the preset whose memory matches --vram)",
+    )
+    p.add_argument("--vram", default=None, help="device memory, e.g. 12GB (default: the device preset's)")
+    p.add_argument("--ram", default=None, help="host RAM, e.g. 32GB (default: this machine's)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument(
+        "--density", type=float, default=0.005, help="share of expert entries trained (default 0.005)"
+    )
+    p.add_argument("--quant", default="nf4", choices=list(planner.QUANTS), help="frozen experts' format")
+    p.add_argument(
+        "--quant-dense",
+        action="store_true",
+        help="store dense linear layers as int8 too (on disk: loading dequantizes them)",
+    )
+    p.add_argument("--granularity", default="element", choices=["element", "neuron"])
+    p.add_argument(
+        "--residency",
+        default="auto",
+        choices=["auto", *planner.RESIDENCIES],
+        help="where the frozen experts live (auto: the device if they fit, else pinned host memory, "
+        "else memory-mapped)",
+    )
+    p.add_argument(
+        "--no-recompute", action="store_true", help="keep every layer's activations (no recomputation)"
+    )
+    p.add_argument(
+        "--logits-chunk", type=int, default=1024, help="tokens per logits chunk of the loss (default 1024)"
+    )
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=list(planner.OPTIMIZERS),
+        help="adamw: fp32 moments (8 B per value); adamw8bit: 2 B per value",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=list(planner.DTYPE_BYTES),
+        help="compute and dense-weight dtype (default bf16 on GPUs, fp32 on the CPU)",
+    )
+    p.add_argument("--workspace-mb", type=int, default=256, help="dequantized routed-expert workspace bound")
+    p.set_defaults(func=run)
+
+
+def _device(args) -> tuple:
+    from .. import plan as planner
+
+    vram = planner.parse_size(args.vram) if args.vram is not None else None
+    if args.device is None:
+        matching = [d for d in planner.DEVICES.values() if d.is_gpu and d.memory == vram]
+        device = matching[0] if matching else planner.DEVICES["rtx-3060-12gb"]
+    elif args.device in planner.DEVICES:
+        device = planner.DEVICES[args.device]
+    else:
+        raise UsafError(f"Unknown device {args.device!r}; device presets: {', '.join(planner.DEVICES)}.")
+    return device, vram if vram is not None else (device.memory if device.is_gpu else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import plan as planner
+
+    name, config = planner.load_model_config(args.model)
+    device, vram = _device(args)
+    ram = planner.parse_size(args.ram) if args.ram is not None else None
+    settings = planner.PlanSettings(
+        seq=args.seq,
+        batch=args.batch,
+        density=args.density,
+        quant=args.quant,
+        quant_dense=args.quant_dense,
+        granularity=args.granularity,
+        recompute=not args.no_recompute,
+        logits_chunk=args.logits_chunk,
+        optimizer=args.optimizer,
+        dtype=args.dtype or planner.default_dtype(device),
+        workspace_mb=args.workspace_mb,
+    )
+    shape = planner.model_shape(config, name)
+    verdict = planner.decide(shape, settings, device, vram, ram, residency=args.residency)
+    print(planner.format_verdict(args.model, verdict))
+    return 0 if verdict.status != "does not fit" else 1

@@ -1,0 +1,58 @@
+"""Frozen storage formats for expert weights: quantize one matrix, dequantize a stack of them.
+
+Every format is a module of small pure functions with explicit state, in the style of bitsandbytes' `functional`:
+
+    layout(rows, cols, source_dtype) -> {part: (dtype, shape)}   how one [rows, cols] matrix is stored
+    quantize(weight)   -> {part: tensor}               weight [rows, cols] -> its parts (packed data + state)
+    dequantize(parts, rows, cols, dtype) -> tensor     parts stacked over k matrices ([k, *shape]) -> [k, rows, cols]
+    pieces(weight, max_elements) -> pieces of weight   quantized one by one, their parts concatenate to the whole's
+
+Parts are plain tensors, so a stack of experts is stored as one tensor per part ([E, *shape]) and any subset of
+experts is dequantized by indexing those tensors: nothing ever needs a whole layer in full precision.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from ..errors import UsafError
+from . import int4, int8, nf4, none
+
+FORMATS: dict[str, ModuleType] = {"nf4": nf4, "int8": int8, "int4": int4, "none": none}
+
+
+def get_format(name: str) -> ModuleType:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise UsafError(f"Unknown quantization format {name!r}; choose one of {sorted(FORMATS)}.") from None
+
+
+def resolve_format(name: str, device: torch.device | str | None = None) -> str:
+    """The format to use for `name` on `device`: NF4 needs bitsandbytes kernels for the device; where it has none
+    (e.g. ROCm without a ROCm build of bitsandbytes), the pure-PyTorch int4 takes its place."""
+    get_format(name)
+    if name == "nf4" and not nf4.has_kernels(torch.device(device or default_device())):
+        return "int4"
+    return name
+
+
+def default_device() -> torch.device:
+    """The accelerator torch sees (CUDA/ROCm, XPU, MPS, ...), else the CPU."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        return torch.device(accelerator.current_accelerator().type)
+    return torch.device("cpu")
+
+
+def stored_bytes(name: str, rows: int, cols: int, source_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes one [rows, cols] matrix takes in format `name` (data and state)."""
+    total = 0
+    for dtype, shape in get_format(name).layout(rows, cols, source_dtype).values():
+        numel = 1
+        for size in shape:
+            numel *= size
+        total += numel * torch.empty((), dtype=dtype).element_size()
+    return total

@@ -1,0 +1,75 @@
+"""NF4 through bitsandbytes' functional API: 4-bit NormalFloat codes in blocks of `BLOCK_SIZE` values, one fp32
+absmax per block, each expert matrix quantized on its own (flattened), two codes per byte."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+BLOCK_SIZE = 64
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hpu": "HPU"}
+
+
+def _functional():
+    # bitsandbytes logs a warning about optional CPU kernels on import; it is noise for usaf's users.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    import bitsandbytes.functional as F
+
+    return F
+
+
+def has_kernels(device: torch.device) -> bool:
+    """Whether bitsandbytes has a native NF4 dequantization kernel for `device` (not only its slow fallback)."""
+    key = _DISPATCH_KEYS.get(device.type)
+    if key is None:
+        return False
+    try:
+        _functional()
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key("bitsandbytes::dequantize_4bit", key))
+    except Exception:  # bitsandbytes missing or broken on this platform
+        return False
+
+
+def layout(rows: int, cols: int, source_dtype: torch.dtype) -> dict:
+    numel = rows * cols
+    return {
+        "data": (torch.uint8, ((numel + 1) // 2,)),
+        "absmax": (torch.float32, (-(-numel // BLOCK_SIZE),)),
+    }
+
+
+def pieces(weight: torch.Tensor, max_elements: int):
+    """Consecutive pieces of the flattened matrix, whole blocks each: quantized one by one, their parts
+    concatenated are the parts of the whole (so the quantizer's temporaries stay bounded)."""
+    step = max(BLOCK_SIZE, max_elements // BLOCK_SIZE * BLOCK_SIZE)
+    flat = weight.reshape(-1)
+    for start in range(0, flat.numel(), step):
+        yield flat[start : start + step]
+
+
+def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    F = _functional()
+    w = weight if weight.dtype in (torch.float32, torch.float16, torch.bfloat16) else weight.float()
+    data, state = F.quantize_4bit(w.contiguous(), blocksize=BLOCK_SIZE, quant_type="nf4")
+    return {"data": data.reshape(-1), "absmax": state.absmax.float().reshape(-1)}
+
+
+def dequantize(parts: dict[str, torch.Tensor], rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    F = _functional()
+    data, absmax = parts["data"], parts["absmax"]
+    numel = rows * cols
+    k = data.numel() // ((numel + 1) // 2)
+
+    def run(data, absmax, count):
+        # A flat shape: bitsandbytes 0.50's CPU kernel blocks 2-D shapes per row, which is wrong (not merely
+        # different) when a row is not a whole number of blocks; quantization blocks the flattened tensor.
+        state = F.QuantState(absmax, shape=(count,), blocksize=BLOCK_SIZE, quant_type="nf4", dtype=dtype)
+        return F.dequantize_4bit(data.reshape(-1, 1), quant_state=state)
+
+    if (
+        numel % BLOCK_SIZE == 0
+    ):  # whole blocks (and bytes) per expert: k experts are one long quantized vector
+        return run(data, absmax.reshape(-1), k * numel).view(k, rows, cols)
+    data, absmax = data.reshape(k, -1), absmax.reshape(k, -1)
+    return torch.stack([run(data[i], absmax[i], numel).view(rows, cols) for i in range(k)])

@@ -1,0 +1,420 @@
+"""Preparing a quantized store from a checkpoint and loading it back: equality with naive references, original
+values, gradients, residency modes, bounded memory, and clear failures that leave no store behind."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import usaf
+from usaf import shards
+from usaf.cli import main as cli_main
+from usaf.errors import UsafError
+from usaf.load import load_prepared, prepare_store, read_store_metadata
+from usaf.quant import get_format
+from usaf.quant.store import QuantizedStore
+from usaf.store import StoredExpertTensor
+from usaf.tiny import tiny_model
+
+IDS = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+CONFIG = dict(density=0.1, selection="random")
+
+
+def save_checkpoint(folder: Path, family="qwen3_moe", **overrides):
+    """A tiny model saved as a multi-shard checkpoint (transformers' on-disk layout: per-expert tensors for most
+    families)."""
+    reference = tiny_model(family, **overrides)
+    reference.save_pretrained(folder, max_shard_size="20KB")
+    return reference
+
+
+def load(out, src=None, **kw):
+    kw.setdefault("device", "cpu")
+    kw.setdefault("dtype", torch.float32)
+    return load_prepared(out, src, usaf.UsafConfig(**CONFIG), **kw)
+
+
+def naive_reference(reference, prepared_dir, model):
+    """A plain transformers model holding every stored tensor dequantized in full, with the trained values of
+    `model` written in at their entries."""
+    metadata = read_store_metadata(prepared_dir)
+    entries = {}
+    for file in metadata["files"]:
+        entries.update(shards.read_header(prepared_dir / file)[0])
+    plain = copy.deepcopy(reference)
+    tensors = dict(plain.named_parameters()) | dict(plain.named_buffers())
+    with torch.no_grad():
+        for name, info in metadata["tensors"].items():
+            parts = {key.rsplit(":", 1)[1]: shards.read_tensor(entries[key]) for key in info["stored"]}
+            shape = info["shape"]
+            rows_cols = (
+                shape[1:] if info["kind"] == "experts" else shape if len(shape) == 2 else (1, shape[0])
+            )
+            if info["format"] == "none":
+                value = parts["data"]
+            else:
+                value = get_format(info["format"]).dequantize(parts, *rows_cols, torch.float32)
+            tensors[name].copy_(value.reshape(tensors[name].shape))
+        for name, delta in usaf.get_delta(model).items():
+            tensors[name].view(-1)[delta.flat_indices] = delta.values.detach().reshape(-1)
+    return plain
+
+
+def no_store_left(out: Path):
+    return not out.exists() and not list(out.parent.glob(f".{out.name}.usaf-tmp-*"))
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """(reference model, checkpoint dir, nf4 store dir), made once."""
+    root = tmp_path_factory.mktemp("qwen")
+    reference = save_checkpoint(root / "src")
+    prepare_store(root / "src", root / "nf4", "nf4")
+    return reference, root / "src", root / "nf4"
+
+
+FORMATS_AND_FAMILIES = [
+    ("qwen3_moe", "nf4"),
+    ("qwen3_moe", "int8"),
+    ("qwen3_moe", "int4"),
+    ("qwen3_moe", "none"),
+    ("gpt_oss", "nf4"),  # fused, transposed experts with biases, stored under their own names
+    ("mixtral", "nf4"),  # per-expert w1/w2/w3 under block_sparse_moe, renamed and fused on load
+    ("deepseek_v3", "nf4"),  # a dense first layer and shared experts
+]
+
+
+@pytest.mark.parametrize("family,quant", FORMATS_AND_FAMILIES)
+def test_forward_equals_naive_reference_and_trained_values_are_the_originals(tmp_path, qwen, family, quant):
+    if (family, quant) == ("qwen3_moe", "nf4"):
+        reference, src, out = qwen
+    else:
+        src, out = tmp_path / "src", tmp_path / "out"
+        reference = save_checkpoint(src, family)
+        prepare_store(src, out, quant, quant_dense=quant == "int8")
+    model = load(out, src)
+    with torch.no_grad():
+        logits = model(IDS).logits
+        assert (logits - naive_reference(reference, out, model)(IDS).logits).abs().max() < 1e-5
+        if quant == "none":
+            assert (logits - reference(IDS).logits).abs().max() < 1e-5
+    originals = reference.state_dict()
+    deltas = usaf.get_delta(model)
+    assert deltas
+    for name, delta in deltas.items():
+        assert torch.equal(delta.values.detach().reshape(-1), originals[name].reshape(-1)[delta.flat_indices])
+    # nothing can use the experts' own (dataless) parameters by accident
+    layer = next(m for m in model.modules() if hasattr(m, "usaf"))
+    assert isinstance(layer.down_proj, StoredExpertTensor)
+    assert not any(n.endswith((".experts.down_proj", ".experts.gate_up_proj")) for n in model.state_dict())
+    assert isinstance(layer.usaf.stores["down_proj"], QuantizedStore)
+
+
+def test_without_source_trained_values_start_from_the_dequantized_base(qwen):
+    reference, _, out = qwen
+    model = load(out)
+    for name, delta in usaf.get_delta(model).items():
+        store = model.get_submodule(name.rpartition(".")[0]).usaf.stores[name.rpartition(".")[2]]
+        assert torch.equal(delta.values.detach().reshape(-1), store.read(delta.flat_indices))
+        assert not torch.equal(
+            delta.values.detach().reshape(-1), reference.state_dict()[name].reshape(-1)[delta.flat_indices]
+        )
+
+
+def test_gradients_match_a_patched_dequantized_reference(qwen):
+    reference, src, out = qwen
+    model = load(out, src)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".values"):
+                param.add_(torch.randn_like(param) * 0.2)
+    plain = naive_reference(reference, out, model)
+    for param in plain.parameters():
+        param.requires_grad_(True)
+    embeds = plain.get_input_embeddings()(IDS).detach()
+    target = torch.randn(2, 7, 97, generator=torch.Generator().manual_seed(2))
+
+    def run(m):
+        x = embeds.clone().requires_grad_(True)
+        logits = m(inputs_embeds=x).logits
+        (logits * target).sum().backward()
+        return logits.detach(), x.grad
+
+    ref_logits, ref_grad = run(plain)
+    logits, grad = run(model)
+    assert (logits - ref_logits).abs().max() < 1e-5
+    assert rel(grad, ref_grad) < 1e-4
+    dense = dict(plain.named_parameters())
+    for name, delta in usaf.get_delta(model).items():
+        assert rel(delta.values.grad.reshape(-1), dense[name].grad.reshape(-1)[delta.flat_indices]) < 1e-4
+    routers = [(n, p) for n, p in model.named_parameters() if p.requires_grad and not n.endswith(".values")]
+    assert routers
+    for name, param in routers:
+        assert rel(param.grad, dense[name].grad) < 1e-4, name
+
+
+def test_only_routed_experts_are_dequantized(qwen, monkeypatch):
+    _, src, out = qwen
+    model = load(out, src)
+    routed, asked = {}, []
+    for path, module in model.named_modules():
+        if hasattr(module, "usaf"):
+            module.register_forward_pre_hook(
+                lambda m, args, path=path: routed.__setitem__(path, set(args[1].reshape(-1).tolist()))
+            )
+    for path, module in model.named_modules():
+        for store in getattr(getattr(module, "usaf", None), "stores", {}).values():
+            if isinstance(store, QuantizedStore):
+                original = store.materialize
+                monkeypatch.setattr(
+                    store,
+                    "materialize",
+                    lambda ids, o=original, p=path: asked.append((p, list(ids))) or o(ids),
+                )
+    with torch.no_grad():
+        model(IDS[:, :1])  # two tokens, two experts each: at most 4 of 6 experts per layer
+    assert asked
+    for path, ids in asked:
+        assert set(ids) <= routed[path] and len(ids) < 6
+
+
+def test_residency_modes_and_the_device_cache_give_identical_training(qwen):
+    _, _, out = qwen
+    runs = {}
+    for residency, cache_mb in [("device", 0), ("host", 0), ("mmap", 1)]:
+        model = load(out, residency=residency, cache_mb=cache_mb)
+        model.train()
+        if residency == "mmap":  # the experts' quantized data is a view of the store's files
+            assert str(out.resolve()) in Path("/proc/self/maps").read_text()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for _ in range(2):
+            loss = model(IDS, labels=IDS).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        with torch.no_grad():
+            runs[residency] = (losses, model(IDS).logits, model.usaf_store["streamer"])
+    losses, logits, _ = runs["device"]
+    assert losses[1] < losses[0]  # the trained values do train
+    for residency, (other_losses, other_logits, _) in runs.items():
+        assert other_losses == losses and torch.equal(other_logits, logits), residency
+    uncached, cached = runs["host"][2], runs["mmap"][2]
+    assert uncached.bytes_streamed > 0 and uncached.cache.hits == 0
+    assert cached.cache.hits > 0 and cached.bytes_streamed < uncached.bytes_streamed
+
+
+def test_tied_embeddings_and_dense_int8(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    reference = save_checkpoint(src, tie_word_embeddings=True)
+    prepare_store(src, out, "none", quant_dense=True)
+    tensors = read_store_metadata(out)["tensors"]
+    assert "lm_head.weight" not in tensors
+    assert tensors["model.layers.0.self_attn.q_proj.weight"]["format"] == "int8"
+    assert (
+        tensors["model.layers.0.mlp.gate.weight"]["format"] == "none"
+    )  # routers are trained: never quantized
+    model = load(out, src)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        error = (model(IDS).logits - reference(IDS).logits).abs().max()
+    assert 0 < error < 0.05  # only the int8 attention weights differ
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
+def test_prepare_streams_a_multi_shard_checkpoint_within_bounded_memory(tmp_path):
+    """Peak RSS of the preparing process (a subprocess) grows by far less than the checkpoint's size."""
+    src = tmp_path / "src"
+    experts = dict(num_experts=16, num_local_experts=16, n_routed_experts=16)
+    model = tiny_model(
+        "qwen3_moe", hidden_size=256, moe_intermediate_size=512, num_hidden_layers=4, **experts
+    )
+    model.save_pretrained(src, max_shard_size="16MB")
+    checkpoint_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    assert checkpoint_bytes > 80 << 20 and len(list(src.glob("*.safetensors"))) >= 4
+    script = textwrap.dedent(
+        f"""
+        import json, torch
+        from transformers import AutoConfig
+        from usaf.load import build_skeleton, prepare_store
+        from usaf.quant import nf4
+        torch.set_num_threads(2)
+        build_skeleton(AutoConfig.from_pretrained({str(src)!r}))  # imports everything preparing needs
+        nf4.quantize(torch.randn(64, 64))
+        def status(field):
+            return next(int(l.split()[1]) << 10 for l in open("/proc/self/status") if l.startswith(field + ":"))
+        baseline = status("VmRSS")
+        open("/proc/self/clear_refs", "w").write("5")  # restart the peak (VmHWM) from here
+        prepare_store({str(src)!r}, {str(tmp_path / "out")!r}, "nf4", device="cpu")
+        print(json.dumps({{"baseline": baseline, "peak": status("VmHWM")}}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rss = json.loads(done.stdout.strip().splitlines()[-1])
+    growth = rss["peak"] - rss["baseline"]
+    assert growth < checkpoint_bytes / 4, (growth >> 20, checkpoint_bytes >> 20)
+    assert read_store_metadata(tmp_path / "out")["quant"] == "nf4"
+
+
+def shard_holding(src: Path, key: str) -> Path:
+    return src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][key]
+
+
+EXPERT_KEY = "model.layers.1.mlp.experts.3.up_proj.weight"
+
+
+def truncate(src):
+    path = shard_holding(src, EXPERT_KEY)
+    os.truncate(path, path.stat().st_size - 100)
+    return path.name, "truncated"
+
+
+def garble_header(src):
+    path = shard_holding(src, EXPERT_KEY)
+    with open(path, "r+b") as f:
+        f.seek(12)
+        f.write(b"\x00\xff" * 8)
+    return path.name, "corrupted"
+
+
+def garble_data(src):
+    path = shard_holding(src, EXPERT_KEY)
+    entry = shards.read_header(path)[0][EXPERT_KEY]
+    with open(path, "r+b") as f:
+        f.seek(entry.begin)
+        f.write(b"\xff" * 64)
+    return EXPERT_KEY, "corrupted"
+
+
+def drop_tensor(src):
+    path = shard_holding(src, EXPERT_KEY)
+    tensors = load_file(path)
+    del tensors[EXPERT_KEY]
+    save_file(tensors, path, metadata={"format": "pt"})
+    return EXPERT_KEY, "missing"
+
+
+def drop_tensor_and_index(src):
+    drop_tensor(src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    del index["weight_map"][EXPERT_KEY]
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    return EXPERT_KEY, "lacks"
+
+
+@pytest.mark.parametrize("damage", [truncate, garble_header, garble_data, drop_tensor, drop_tensor_and_index])
+def test_a_damaged_checkpoint_fails_clearly_and_leaves_no_store(tmp_path, damage):
+    src, out = tmp_path / "src", tmp_path / "out"
+    save_checkpoint(src)
+    named, word = damage(src)
+    with pytest.raises(UsafError, match=word) as err:
+        prepare_store(src, out, "int8")
+    assert named in str(err.value)
+    assert no_store_left(out)
+
+
+def test_an_interrupted_preparation_leaves_no_store(tmp_path, monkeypatch):
+    from usaf.source import SourceCheckpoint
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    save_checkpoint(src)
+    calls = []
+    build = SourceCheckpoint.build_expert
+
+    def failing(self, name, expert):
+        calls.append(name)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return build(self, name, expert)
+
+    monkeypatch.setattr(SourceCheckpoint, "build_expert", failing)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_store(src, out, "int8")
+    assert no_store_left(out)
+
+
+def rewrite_tensor(path: Path, key: str, keep_mtime: bool):
+    stat = path.stat()
+    tensors = load_file(path)
+    tensors[key] = tensors[key] + 1e-3
+    save_file(tensors, path, metadata={"format": "pt"})
+    if keep_mtime:  # the same size and time: found only when the tensor is read
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True])
+def test_a_source_that_changed_since_preparation_is_refused(tmp_path, keep_mtime):
+    src, out = tmp_path / "src", tmp_path / "out"
+    save_checkpoint(src)
+    prepare_store(src, out, "int8")
+    path = shard_holding(src, EXPERT_KEY)
+    rewrite_tensor(path, EXPERT_KEY, keep_mtime)
+    with pytest.raises(UsafError, match="differs from the one the store was prepared from") as err:
+        load(out, src)
+    assert EXPERT_KEY in str(err.value) and path.name in str(err.value)
+
+
+def test_existing_outputs_and_damaged_stores(tmp_path, capsys):
+    src, out = tmp_path / "src", tmp_path / "out"
+    save_checkpoint(src)
+    assert cli_main(["prepare", str(src), "--quant", "int4", "--out", str(out)]) == 0
+    assert "int4" in capsys.readouterr().out and read_store_metadata(out)["quant"] == "int4"
+    assert cli_main(["prepare", str(src), "--quant", "int8", "--out", str(out)]) == 2  # exists, no --force
+    assert "--force" in capsys.readouterr().err and read_store_metadata(out)["quant"] == "int4"
+    assert cli_main(["prepare", str(src), "--quant", "int8", "--out", str(out), "--force"]) == 0
+    assert read_store_metadata(out)["quant"] == "int8"
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(UsafError, match="not a usaf prepared store"):
+        prepare_store(src, other, "int8", force=True)
+    assert (other / "notes.txt").exists()
+    store_file = next(out.glob("usaf-*.safetensors"))
+    os.truncate(store_file, store_file.stat().st_size - 10)
+    with pytest.raises(UsafError, match="truncated") as err:
+        load(out)
+    assert store_file.name in str(err.value)
+    with pytest.raises(UsafError, match="not a prepared usaf store"):
+        load(tmp_path / "src")
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def test_training_loads_a_checkpoint_through_the_cache_of_prepared_stores(qwen, tmp_path, monkeypatch):
+    from usaf.config import RunConfig
+    from usaf.load import load_for_training
+
+    reference, src, store = qwen
+    monkeypatch.setenv("USAF_CACHE", str(tmp_path / "cache"))
+    config = RunConfig()
+    config.model.path, config.model.quant, config.select = str(src), "int8", usaf.UsafConfig(**CONFIG)
+    first = load_for_training(config, torch.device("cpu"), torch.float32)
+    cached = list((tmp_path / "cache" / "prepared").iterdir())
+    assert len(cached) == 1 and read_store_metadata(cached[0])["quant"] == "int8"
+    stamp = (cached[0] / "usaf_store.json").stat().st_mtime_ns
+    again = load_for_training(
+        config, torch.device("cpu"), torch.float32
+    )  # from the cache: not prepared again
+    assert (cached[0] / "usaf_store.json").stat().st_mtime_ns == stamp
+    with torch.no_grad():
+        assert torch.equal(first(IDS).logits, again(IDS).logits)
+    config.model.path, config.model.quant = str(store), "nf4"  # a prepared store, used as it is
+    model = load_for_training(config, torch.device("cpu"), torch.float32)
+    for name, delta in usaf.get_delta(model).items():  # from the recorded source: the original values
+        assert torch.equal(
+            delta.values.detach().reshape(-1), reference.state_dict()[name].reshape(-1)[delta.flat_indices]
+        )
+    config.model.quant = "int8"
+    with pytest.raises(UsafError, match=r"is a nf4 store but model\.quant is 'int8'"):
+        load_for_training(config, torch.device("cpu"), torch.float32)

@@ -1,0 +1,292 @@
+"""The planner: sizes, presets against published parameter counts, the ledger's arithmetic, verdicts and the CLI."""
+
+import json
+import re
+import shlex
+import warnings
+
+import pytest
+
+from usaf import plan as planner
+from usaf.cli import main
+from usaf.errors import UsafError
+
+GiB = 1 << 30
+
+
+def shape_of(preset: str) -> planner.ModelShape:
+    name, config = planner.load_model_config(preset)
+    return planner.model_shape(config, name)
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ---- sizes ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("12GB", 12 * GiB),
+        ("12GiB", 12 * GiB),
+        ("12g", 12 * GiB),
+        (" 12 gb ", 12 * GiB),
+        ("512MB", 512 << 20),
+        ("1.5TB", int(1.5 * (1 << 40))),
+        ("64k", 64 << 10),
+        ("4096", 4096),
+        ("4096B", 4096),
+        (4096, 4096),
+    ],
+)
+def test_sizes_are_binary_with_optional_units(text, expected):
+    assert planner.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["12XB", "GB", "", "-1GB", "12 G B", "twelve"])
+def test_a_bad_size_names_the_accepted_forms(text):
+    with pytest.raises(UsafError, match=r"12GB, 12GiB, 12G, 512MB"):
+        planner.parse_size(text)
+
+
+# ---- presets and parameter counts -----------------------------------------------------------------------------
+
+# Totals and active parameters per token as published by the model authors (model cards, papers), and whether
+# their active count includes the input embedding table (OpenAI's gpt-oss counts leave it out; Qwen3.5's "3B
+# activated" is the count without it too: 2.94 B, against 3.45 B with it).
+PUBLISHED = {
+    "qwen3-30b-a3b": (30.5e9, 3.3e9, True),
+    "qwen3-235b-a22b": (235e9, 22e9, True),
+    "qwen3.5-35b-a3b": (35e9, 3e9, False),
+    "mixtral-8x7b": (46.7e9, 12.9e9, True),
+    "gpt-oss-20b": (21e9, 3.6e9, False),
+    "gpt-oss-120b": (117e9, 5.1e9, False),
+    "olmoe-1b-7b": (6.9e9, 1.3e9, True),
+    "deepseek-v2-lite": (15.7e9, 2.4e9, True),
+    "deepseek-v3": (671e9, 37e9, True),
+}
+
+
+def test_every_preset_is_published_and_carries_its_source():
+    assert sorted(planner.list_presets()) == sorted(PUBLISHED)
+    for name in planner.list_presets():
+        loaded_name, config = planner.load_model_config(name)
+        assert loaded_name == name
+        assert re.fullmatch(r"[\w.-]+/[\w.-]+", config["_source"]), name
+        # the Hugging Face repo id finds the same preset
+        assert planner.load_model_config(config["_source"]) == (name, config)
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_preset_totals_match_the_published_counts(preset):
+    shape = shape_of(preset)
+    total, active, with_embedding = PUBLISHED[preset]
+    assert shape.shapes_from == "transformers skeleton"
+    assert shape.total_params == pytest.approx(total, rel=0.03)
+    # "A3B"-style names round the active count, so it gets a wider margin
+    counted = shape.active_params - (0 if with_embedding else shape.embedding_params)
+    assert counted == pytest.approx(active, rel=0.15)
+
+
+def test_exact_counts_of_the_motivating_case():
+    shape = shape_of("qwen3-30b-a3b")
+    assert shape.total_params == 30_532_122_624  # the checkpoint's safetensors total
+    assert shape.num_moe_layers == 48 and shape.num_experts == 128 and shape.experts_per_token == 8
+    assert shape.expert_weights == 48 * 128 * 3 * 2048 * 768
+
+
+def test_unknown_model_types_are_planned_from_formulas():
+    _, config = planner.load_model_config("qwen3-30b-a3b")
+    made_up = {**config, "model_type": "made_up_moe"}
+    with pytest.warns(UserWarning, match="planning from formulas"):
+        shape = planner.model_shape(made_up, "made-up")
+    assert shape.shapes_from == "config formulas"
+    assert shape.total_params == pytest.approx(shape_of("qwen3-30b-a3b").total_params, rel=0.03)
+    assert shape.expert_weights == shape_of("qwen3-30b-a3b").expert_weights
+
+
+def test_latent_attention_formulas_agree_with_the_skeleton():
+    _, config = planner.load_model_config("deepseek-v3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        formulas = planner.model_shape({**config, "model_type": "made_up_v3"}, "made-up")
+    skeleton = shape_of("deepseek-v3")
+    assert formulas.num_moe_layers == skeleton.num_moe_layers == 58
+    assert formulas.total_params == pytest.approx(skeleton.total_params, rel=0.03)
+
+
+def test_models_are_found_by_preset_directory_and_file(tmp_path):
+    _, config = planner.load_model_config("olmoe-1b-7b")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert planner.load_model_config(str(tmp_path)) == (tmp_path.name, config)
+    assert planner.load_model_config(str(tmp_path / "config.json"))[1] == config
+    with pytest.raises(UsafError, match="Presets: deepseek-v2-lite, deepseek-v3, gpt-oss-120b"):
+        planner.load_model_config("no-such-model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsafError, match=r"has no config\.json"):
+        planner.load_model_config(str(tmp_path / "empty"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UsafError, match="not valid JSON"):
+        planner.load_model_config(str(tmp_path / "bad.json"))
+
+
+# ---- the ledger -----------------------------------------------------------------------------------------------
+
+
+def ledger(p: planner.Plan) -> dict[str, planner.LedgerLine]:
+    return {line.name: line for line in p.lines}
+
+
+def test_nf4_experts_take_four_and_a_half_bits_and_int8_adds_a_scale_per_row():
+    shape = shape_of("qwen3-30b-a3b")
+    gpu = planner.DEVICES["rtx-4090"]
+    nf4 = ledger(planner.plan(shape, planner.PlanSettings(quant="nf4"), gpu, ram=64 * GiB))
+    weights = shape.expert_weights
+    assert nf4["frozen experts"].device == weights / 2
+    assert nf4["quantization constants"].device == weights / 64 * 4
+    int8 = ledger(planner.plan(shape, planner.PlanSettings(quant="int8"), gpu, ram=64 * GiB))
+    assert int8["frozen experts"].device == weights
+    assert int8["quantization constants"].device == 4 * shape.expert_rows
+    none = ledger(planner.plan(shape, planner.PlanSettings(quant="none"), gpu, ram=64 * GiB))
+    assert none["frozen experts"].device == 2 * weights and "quantization constants" not in none
+
+
+def test_sparse_state_counts_every_byte_per_entry_and_neurons_need_no_index():
+    shape = shape_of("olmoe-1b-7b")
+    cpu = planner.DEVICES["cpu"]
+    element = planner.PlanSettings(density=0.01, dtype="fp32", quant="none")
+    entries = planner.trained_entries(shape, element)
+    assert entries == round(0.01 * shape.expert_weights)
+    sparse = ledger(planner.plan(shape, element, cpu, ram=64 * GiB))["sparse state + optimizer"].device
+    row_pointers = 4 * (shape.expert_rows + sum(n for n, _, _ in shape.expert_matrices))
+    assert (
+        sparse == entries * (4 + 4 + 8 + 8 + 4 + 8) + row_pointers
+    )  # value, base, index, row/col, grad, moments
+    neuron = ledger(planner.plan(shape, element.replace(granularity="neuron"), cpu, ram=64 * GiB))
+    assert neuron["sparse state + optimizer"].device == entries * (4 + 4 + 4 + 8)
+    eight_bit = ledger(planner.plan(shape, element.replace(optimizer="adamw8bit"), cpu, ram=64 * GiB))
+    assert eight_bit["sparse state + optimizer"].device == sparse - entries * 6
+
+
+def test_residency_moves_the_experts_off_the_device_and_adds_streaming_buffers():
+    shape = shape_of("qwen3-30b-a3b")
+    gpu = planner.DEVICES["rtx-3060-12gb"]
+    on_device = planner.plan(shape, planner.PlanSettings(residency="device"), gpu, ram=64 * GiB)
+    host = planner.plan(shape, planner.PlanSettings(residency="host"), gpu, ram=64 * GiB)
+    mmap = planner.plan(shape, planner.PlanSettings(residency="mmap"), gpu, ram=64 * GiB)
+    experts = ledger(on_device)["frozen experts"].device
+    assert ledger(host)["frozen experts"].host == experts and ledger(host)["frozen experts"].device == 0
+    assert ledger(mmap)["frozen experts"].host == ledger(mmap)["frozen experts"].device == 0
+    buffers = ledger(host)["offload buffers"].device
+    assert buffers == pytest.approx(2 * (experts + ledger(on_device)["quantization constants"].device) / 48)
+    assert (
+        host.device_peak < on_device.device_peak and host.step.streaming_s > 0 == on_device.step.streaming_s
+    )
+
+
+def test_recomputation_keeps_one_layer_and_the_peak_is_the_largest_phase():
+    shape = shape_of("qwen3-30b-a3b")
+    gpu = planner.DEVICES["h100"]
+    p = planner.plan(shape, planner.PlanSettings(), gpu, ram=256 * GiB)
+    lines = ledger(p)
+    persistent = sum(line.device for line in p.lines if line.persistent)
+    layer = lines["activations: layer inputs"].device + lines["activations: one layer"].device
+    layer += lines["dequant workspace"].device
+    loss = lines["activations: layer inputs"].device + lines["logits chunk"].device
+    assert p.device_peak == pytest.approx(
+        persistent + max(layer, loss, lines["optimizer step temporaries"].device)
+    )
+    everything = planner.plan(shape, planner.PlanSettings(recompute=False), gpu, ram=256 * GiB)
+    assert ledger(everything)["activations: all layers"].device > 40 * lines["activations: one layer"].device
+    smaller_chunk = planner.plan(shape, planner.PlanSettings(logits_chunk=256), gpu, ram=256 * GiB)
+    assert ledger(smaller_chunk)["logits chunk"].device < lines["logits chunk"].device / 3
+
+
+def test_step_time_names_the_dominant_term():
+    shape = shape_of("qwen3-30b-a3b")
+    settings = planner.PlanSettings(residency="mmap", seq=512)
+    slow_link = planner.plan(shape, settings, planner.DEVICES["h100"], ram=8 * GiB)  # page cache too small
+    assert slow_link.step.dominant == "host->device streaming"
+    compute = planner.plan(
+        shape, planner.PlanSettings(seq=8192), planner.DEVICES["rtx-3060-12gb"], ram=64 * GiB
+    )
+    assert compute.step.dominant == "compute" and compute.step.seconds == compute.step.compute_s
+
+
+def test_user_mistakes_in_settings_are_usaf_errors():
+    with pytest.raises(UsafError, match="--quant must be one of none, int8, nf4, int4"):
+        planner.PlanSettings(quant="fp8")
+    with pytest.raises(UsafError, match=r"--density must be in \(0, 1\]"):
+        planner.PlanSettings(density=0)
+
+
+# ---- verdicts and the command line ----------------------------------------------------------------------------
+
+
+def test_qwen3_30b_on_a_12gb_card_prints_a_configuration_that_fits(capsys):
+    code, out, _ = run_cli(capsys, "--model", "qwen3-30b-a3b", "--vram", "12GB", "--ram", "32GB")
+    assert code == 0
+    for item in (
+        "frozen experts",
+        "quantization constants",
+        "dense weights",
+        "sparse state + optimizer",
+        "routers (trainable)",
+        "activations: layer inputs",
+        "logits chunk",
+        "dequant workspace",
+        "offload buffers",
+        "framework overhead",
+    ):
+        assert item in out
+    assert re.search(r"^verdict: (fits on device|needs host offload)", out, re.MULTILINE)
+    peak = re.search(r"^peak\s+([\d.]+) GB\s+([\d.]+) GB", out, re.MULTILINE)
+    assert float(peak.group(1)) <= 12 and float(peak.group(2)) <= 32
+    assert re.search(r"^step ~ [\d.]+ s on rtx-3060-12gb: .* -> \w.* dominates", out, re.MULTILINE)
+
+
+def test_too_little_vram_suggests_settings_that_fit_when_planned_again(capsys):
+    code, out, _ = run_cli(
+        capsys, "--model", "qwen3-30b-a3b", "--vram", "6GB", "--ram", "64GB", "--seq", "4096"
+    )
+    assert code == 1 and "verdict: does not fit" in out
+    suggested = re.search(r"^settings that fit .*\n  (usaf plan .*)$", out, re.MULTILINE).group(1)
+    args = shlex.split(suggested)[2:]
+    assert args[args.index("--vram") + 1] == "6GB"
+    code, again, _ = run_cli(capsys, *args)
+    assert code == 0
+    assert re.search(r"^verdict: (fits on device|needs host offload)", again, re.MULTILINE)
+
+
+def test_the_suggestion_is_the_nearest_setting_that_fits():
+    shape = shape_of("qwen3-30b-a3b")
+    gpu = planner.DEVICES["rtx-3060-12gb"]
+    request = planner.PlanSettings(seq=4096, density=0.02)
+    verdict = planner.decide(shape, request, gpu, 8 * GiB, 64 * GiB)
+    assert verdict.status == "does not fit"
+    suggestion = verdict.suggestion
+    assert suggestion.fits and suggestion.device_peak <= 8 * GiB
+    again = planner.plan(shape, suggestion.settings, gpu, 8 * GiB, 64 * GiB)
+    assert again.fits and again.device_peak == suggestion.device_peak
+    # nothing beyond what was needed changed: quantization and batch stay as asked
+    assert (suggestion.settings.quant, suggestion.settings.batch) == ("nf4", 1)
+
+
+def test_a_model_that_fits_says_so_and_one_that_cannot_says_nothing_fits(capsys):
+    code, out, _ = run_cli(capsys, "--model", "olmoe-1b-7b", "--device", "rtx-4090", "--ram", "32GB")
+    assert code == 0 and "verdict: fits on device" in out and "--vram" not in out
+    code, out, _ = run_cli(capsys, "--model", "deepseek-v3", "--vram", "12GB", "--ram", "16GB")
+    assert code == 1 and "nothing searched fits" in out
+
+
+def test_cli_mistakes_are_clear_errors(capsys):
+    code, _, err = run_cli(capsys, "--model", "qwen3-30b-a3b", "--vram", "12XB")
+    assert code == 2 and "Cannot read the size '12XB'" in err and "12GiB" in err
+    code, _, err = run_cli(capsys, "--model", "qwen-9000")
+    assert code == 2 and "Unknown model 'qwen-9000'" in err and "qwen3-30b-a3b" in err
+    code, _, err = run_cli(capsys, "--model", "qwen3-30b-a3b", "--device", "tpu")
+    assert code == 2 and "Unknown device 'tpu'" in err and "rtx-3060-12gb" in err
