@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The GPU benchmarks (CUDA or ROCm) in one call of under 10 minutes, results under OUT_DIR:
+#   1. bench/compare.py on the device: usaf vs PEFT LoRA, full fine-tuning, inference (demo model + random
+#      Qwen3-MoE-shaped model), compare-<date>.{md,json,png};
+#   2. bench/gpu_offload.py: a Qwen3-30B-A3B-shaped model, random weights made on the device, trained with its
+#      experts in pinned host memory under an emulated 12 GB device, offload-<date>.{md,json}.
+# Logs of both go to OUT_DIR/*.log. At most 8 files, so that a device tool returns them all.
+#
+#   bash bench/gpu.sh OUT_DIR            # on the device
+#   bash bench/gpu.sh OUT_DIR --dry-run  # everything but the device: CPU, tiny shapes (tests/test_bench_scripts.py)
+#
+# Python: $PYTHON, else .venv/bin/python, else python3. usaf is imported from this checkout's src/. Wheels in
+# .whl/ (e.g. peft, bitsandbytes, a transformers >= 5.24 for a machine that lacks them) are installed into a
+# scratch folder first. Phase time limits: COMPARE_TIMEOUT (default 330 s), OFFLOAD_TIMEOUT (default 210 s).
+set -uo pipefail
+
+usage() { echo "usage: bash bench/gpu.sh OUT_DIR [--dry-run]" >&2; exit 2; }
+[[ $# -ge 1 && "$1" != --* ]] || usage
+OUT=$1
+DRY_RUN=0
+[[ "${2:-}" == "--dry-run" ]] && DRY_RUN=1
+[[ $# -le 2 && ( $# -eq 1 || $DRY_RUN -eq 1 ) ]] || usage
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$REPO"
+
+PY=${PYTHON:-}
+if [[ -z "$PY" ]]; then
+    if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/usaf-bench-site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/usaf-bench-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error
+
+# What is there, and whether it is enough: printed first, so that a failed run says why.
+"$PY" - "$DRY_RUN" <<'EOF' || exit 1
+import importlib, importlib.metadata, sys
+dry = sys.argv[1] == "1"
+from packaging.version import Version
+versions = {"python": sys.version.split()[0]}
+for name in ("torch", "transformers", "peft", "bitsandbytes"):
+    try:
+        versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        versions[name] = "MISSING"
+try:
+    versions["usaf"] = importlib.import_module("usaf").__version__  # from src/: imports torch and transformers
+except Exception as err:  # noqa: BLE001 - report whatever breaks the import
+    versions["usaf"] = f"MISSING ({type(err).__name__}: {err})"
+gpu = False
+if not dry:  # the device question costs a CUDA initialisation: only where it matters
+    import torch
+    gpu = torch.cuda.is_available()
+    versions["device"] = torch.cuda.get_device_name(0) if gpu else "none"
+    versions["backend"] = f"rocm {torch.version.hip}" if getattr(torch.version, "hip", None) else f"cuda {torch.version.cuda}"
+print("gpu.sh:", ", ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
+problems = []
+if versions["transformers"].startswith("MISSING") or Version(versions["transformers"]) < Version("5.24"):
+    problems.append("usaf needs transformers >= 5.24 (carry its wheel in .whl/)")
+for name in ("peft", "usaf"):
+    if versions[name].startswith("MISSING"):
+        problems.append(f"{name} is missing (carry its wheel in .whl/)")
+if versions["bitsandbytes"].startswith("MISSING"):
+    print("gpu.sh: no bitsandbytes: nf4 rows fall back to usaf's int4", flush=True)
+if not dry and not gpu:
+    problems.append("no CUDA/ROCm device visible to torch (use --dry-run for the CPU check)")
+if problems:
+    print("gpu.sh: cannot run:", "; ".join(problems), file=sys.stderr)
+    sys.exit(1)
+EOF
+
+status=0
+if [[ $DRY_RUN -eq 1 ]]; then
+    timeout "${COMPARE_TIMEOUT:-300}" "$PY" bench/compare.py --smoke --device cpu --out "$OUT" \
+        2>&1 | tee "$OUT/compare.log" || status=1
+    timeout "${OFFLOAD_TIMEOUT:-180}" "$PY" bench/gpu_offload.py --dry-run --out "$OUT" \
+        2>&1 | tee "$OUT/offload.log" || status=1
+else
+    timeout "${COMPARE_TIMEOUT:-330}" "$PY" bench/compare.py --device cuda --parallel-start 4 --out "$OUT" \
+        2>&1 | tee "$OUT/compare.log" || status=1
+    timeout "${OFFLOAD_TIMEOUT:-210}" "$PY" bench/gpu_offload.py --out "$OUT" \
+        2>&1 | tee "$OUT/offload.log" || status=1
+fi
+echo "gpu.sh: results in $OUT (exit $status)"
+exit $status

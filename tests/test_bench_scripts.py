@@ -1,0 +1,73 @@
+"""The GPU benchmark script's dry run (CPU, tiny shapes): it runs bench/compare.py --smoke and
+bench/gpu_offload.py --dry-run, so every code path of both but the device is exercised here."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+import compare  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-dry-run")
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu.sh"), str(out), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out
+
+
+def only(folder: Path, pattern: str) -> Path:
+    found = sorted(folder.glob(pattern))
+    assert len(found) == 1, (pattern, sorted(p.name for p in folder.iterdir()))
+    return found[0]
+
+
+def test_compare_smoke_reports_every_method_on_both_models(dry_run):
+    payload = json.loads(only(dry_run, "compare-smoke-*.json").read_text())
+    markdown = only(dry_run, "compare-smoke-*.md").read_text()
+    assert only(dry_run, "compare-smoke-*.png").stat().st_size > 10_000
+    assert set(payload["models"]) == {"demo", "random"}
+    for name, model in payload["models"].items():
+        expected = {m.key for m in compare.METHODS if name == "demo" or not m.demo_only}
+        assert model["errors"] == {}
+        assert set(model["methods"]) == expected, name
+        for key, row in model["methods"].items():
+            assert compare.BY_KEY[key].label in markdown
+            assert row["peak_bytes"] > 0 and row["forward"]["median_s"] > 0
+            if compare.BY_KEY[key].trains:
+                assert row["trainable_params"] > 0 and row["step"]["median_s"] > 0
+                assert row["train_over_inference_memory"] > 0 and row["step_over_own_forward"] > 0
+        assert all(r["accuracy"] is not None for r in model["methods"].values()) == (name == "demo")
+    assert {t["target"] for t in payload["targets"]} >= {
+        "usaf unquantized step <= 1.0x PEFT LoRA step",
+        "usaf step <= 2.3x forward-only (inference) time",
+        "usaf nf4 peak memory <= 0.5x PEFT LoRA's",
+        "usaf nf4 train ÷ inference memory <= 1.3",
+        "demo accuracy after N steps >= PEFT LoRA's",
+    }
+    assert "## Targets" in markdown and payload["machine"]["torch"]
+
+
+def test_offload_dry_run_trains_with_streamed_experts(dry_run):
+    result = json.loads(only(dry_run, "offload-dry-run-*.json").read_text())
+    assert "error" not in result, result.get("error")
+    assert result["tokens_per_s"] > 0 and result["bytes_streamed_per_step"] > 0
+    assert 0 <= result["transfer_share"] <= 1
+    assert result["trainable"]["expert_entries"] > 0
+    assert all(loss == loss for loss in result["losses"])  # no NaN
+    assert "tokens/s" in only(dry_run, "offload-dry-run-*.md").read_text()
+    assert (dry_run / "compare.log").exists() and (dry_run / "offload.log").exists()
