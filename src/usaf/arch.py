@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .errors import UsafError
+from .store import StoredExpertTensor
 
 LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
 
@@ -55,7 +56,7 @@ def expert_tensors(experts: nn.Module, where: str) -> tuple[ExpertTensor, ...]:
     for name, is_bias, is_input in names:
         tensor = getattr(experts, name, None)
         want_dim = 2 if is_bias else 3
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != want_dim:
+        if not isinstance(tensor, (torch.Tensor, StoredExpertTensor)) or tensor.dim() != want_dim:
             raise UsafError(
                 f"Unknown experts layout at '{where}' ({type(experts).__name__}): expected a {want_dim}-D tensor "
                 f"'{name}' for flags {layout_of(experts)}, found {type(tensor).__name__}. "

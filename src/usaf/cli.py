@@ -9,7 +9,7 @@ from . import __version__
 from .errors import UsafError
 
 # Each command lives in its own module exposing `add_command(subparsers)`; add new ones here.
-COMMANDS: tuple[str, ...] = ("plan", "train")
+COMMANDS: tuple[str, ...] = ("plan", "train", "prepare", "export", "report", "select")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         importlib.import_module(f"usaf.commands.{name}").add_command(sub)
     demo = sub.add_parser("demo", help="fine-tune the bundled small MoE on the bundled task")
-    demo.add_argument("--out", default=None, help="run directory (default: a temporary one)")
+    demo.add_argument("--out", default=None, help="output directory (default: ./demo-run)")
+    demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a demo setting")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -13,6 +13,7 @@ from .arch import MoELayer, find_moe_layers
 from .config import UsafConfig
 from .errors import UsafError
 from .experts import IMPLEMENTATION_NAME, SparseExperts, register
+from .router import make_routers_fp32
 from .sparse import ElementEntries, LineEntries, line_flat_indices
 from .store import DenseStore
 
@@ -76,9 +77,32 @@ def prepare_model(
         for layer in trained:
             for param in layer.router.parameters() if layer.router is not None else ():
                 param.requires_grad_(True)
+        make_routers_fp32(model)  # bf16/fp16 routers: fp32 master weights, or small updates round away
+    model.register_load_state_dict_pre_hook(_accept_checkpoint_names)
     model.usaf_config = config
     model.usaf_original_values = original_values
     return model
+
+
+def _accept_checkpoint_names(model: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """`save_pretrained` (and so transformers.Trainer) writes keys in the checkpoint's own naming (Mixtral's `.mlp.`
+    as `.block_sparse_moe.`), but Trainer's resume and best-model reload use a plain `load_state_dict`: rename keys
+    that the model's own load-time renamings map onto its parameters and buffers (trained values, selections,
+    routers), or they would be skipped silently and training would restart from the base."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    try:
+        renamings = [m for m in get_model_conversion_mapping(model) if isinstance(m, WeightRenaming)]
+    except Exception:  # a model transformers has no conversion mapping for: nothing to rename
+        return
+    if not renamings:
+        return
+    own = {prefix + name for name, _ in [*model.named_parameters(), *model.named_buffers()]}
+    for key in [k for k in state_dict if k not in own]:
+        renamed = apply_renamings(key, renamings)
+        if renamed != key and renamed in own and renamed not in state_dict:
+            state_dict[renamed] = state_dict.pop(key)
 
 
 def _switch_implementation(model: nn.Module, layers: list[MoELayer]) -> None:

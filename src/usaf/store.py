@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import UsafError
+
 
 class DenseStore:
     """An unquantized frozen tensor, used in place.
@@ -50,3 +52,37 @@ class DenseStore:
     def read(self, flat_indices: torch.Tensor) -> torch.Tensor:
         """The stored values at flat indices of the [E, A, B] tensor."""
         return self.tensor.reshape(-1)[flat_indices]
+
+
+class StoredExpertTensor:
+    """Stands in for an experts module's fused parameter whose frozen data lives in a store (a prepared quantized
+    base). It has the parameter's shape and dtype, so layout discovery and budgets work unchanged; it has no data,
+    and any torch operation on it fails loudly instead of computing with garbage."""
+
+    def __init__(self, store, name: str):
+        self.store, self.name = store, name
+        self.shape = torch.Size(store.shape)
+        self.dtype = store.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.store.device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise UsafError(
+            f"{getattr(func, '__name__', func)} was called on an expert tensor that lives in a usaf store (a prepared "
+            "quantized base); such a model runs only through usaf's experts implementation."
+        )
+
+    def __repr__(self) -> str:
+        return f"StoredExpertTensor({self.name}, shape={list(self.shape)}, store={self.store!r})"

@@ -21,14 +21,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from . import __version__, checkpoint, runtime
 from .arch import find_moe_layers
 from .config import RunConfig
-from .data import Batches, load_dataset
+from .data import Batches, collate, load_dataset
 from .errors import UsafError
 from .evaluate import evaluate
 from .loss import IGNORE_INDEX, causal_lm_loss
 from .metrics import MetricsLog
 from .prefix_cache import FrozenPrefixCache
 from .prepare import current_selection, enable_recomputation, prepare_model, sparse_modules, trainable_summary
+from .report import write_router_load
 from .reselect import Reselector
+from .router import RouterCollapse, RouterTraining
 from .select import save_selection
 
 CONFIG_FILE = "config.yaml"
@@ -45,16 +47,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
 
     notes: list[str] = []
     tokenizer = load_tokenizer(config.model.path)
-    train_data, eval_data, data_stats = load_dataset(
-        config.data.train,
-        tokenizer,
-        config.data.max_seq_len,
-        pack=config.data.pack,
-        skip_bad_records=config.data.skip_bad_records,
-        eval_paths=config.data.eval or None,
-        eval_fraction=config.data.eval_fraction,
-        seed=config.train.seed,
-    )
+    train_data, eval_data, data_stats = _load_data(config, tokenizer, config.data.pack)
     batches = Batches(train_data, config.data.batch_size, seed=config.train.seed)
     calibration = Batches(train_data, config.data.batch_size, seed=config.train.seed + 1)  # its own order
     # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
@@ -66,16 +59,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
         notes.append("this model lets packed documents attend to each other: packing is off for this run")
         config = copy.deepcopy(config)
         config.data.pack = False
-        train_data, eval_data, data_stats = load_dataset(
-            config.data.train,
-            tokenizer,
-            config.data.max_seq_len,
-            pack=False,
-            skip_bad_records=config.data.skip_bad_records,
-            eval_paths=config.data.eval or None,
-            eval_fraction=config.data.eval_fraction,
-            seed=config.train.seed,
-        )
+        train_data, eval_data, data_stats = _load_data(config, tokenizer, pack=False)
         batches = Batches(train_data, config.data.batch_size, seed=config.train.seed)
     if not resume:
         save_selection(
@@ -91,10 +75,16 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
         "eval_before": None,
         "first_loss": None,
     }
+    probe_rows = eval_data if eval_data is not None else train_data
+    probe_batch = collate([probe_rows[i] for i in range(min(4, len(probe_rows)))], probe_rows.pad_id)
+    routers = RouterTraining(
+        model, config.router, _router_params(model), {k: v.to(device) for k, v in probe_batch.items()}
+    )
     saved = checkpoint.latest(run_dir) if resume else None
     if saved is not None:
         restored = checkpoint.load(saved)
         restore_trainable(model, restored["trainable"], saved)
+        routers.load_state_dict(restored["router"])
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
     if saved is not None:
@@ -125,7 +115,6 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
         if saved is not None:
             reselector.load_state_dict(restored["extra"])
     stop = _StopRequest()
-    router_params = _router_params(model)
     model.train()
     try:
         while state["step"] < config.schedule.max_steps and not stop.requested:
@@ -133,7 +122,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
             if reselector is not None:
                 reselector.before_step(state["step"] + 1)
             loss, tokens = _accumulate_gradients(
-                model, batches, config, device, autocast, prefix_cache, reselector
+                model, batches, config, device, autocast, prefix_cache, reselector, routers, state["step"]
             )
             grad_norm = _clip(model, config.optim.clip_grad_norm)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -141,21 +130,33 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
                 optimizer.zero_grad(set_to_none=True)
                 log.message(f"step {state['step'] + 1}: loss {loss} / grad norm {grad_norm}: skipped")
                 if state["bad_steps"] > config.train.max_bad_steps:
-                    _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector)
+                    _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)
                     raise UsafError(
                         f"{state['bad_steps']} steps had NaN/Inf loss or gradients (limit train.max_bad_steps="
                         f"{config.train.max_bad_steps}); stopped with a checkpoint. Lower optim.lr, check the "
                         "data, or use train.precision=bf16 instead of fp16."
                     )
                 continue
-            if state["step"] < config.router.freeze_steps:
-                for param in router_params:
+            if not routers.training_routers(state["step"]):
+                for param in routers.router_params:
                     param.grad = None  # AdamW skips parameters without gradients
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state["step"] += 1
             reselected = reselector.after_step(state["step"], optimizer) if reselector is not None else None
+            try:
+                router_record, router_show, router_message = routers.after_step(
+                    state["step"], config.schedule.grad_accum
+                )
+            except RouterCollapse as err:
+                path = _save(
+                    run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers
+                )
+                log.message(f"{err}\ncheckpoint: {path}")
+                return {"stopped": True, "step": state["step"], "reason": "router collapse"}
+            if router_message:
+                log.message(router_message)
             state["tokens"] += tokens
             elapsed = time.perf_counter() - started
             state["train_seconds"] += elapsed
@@ -172,6 +173,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
                 "peak_memory_mb": runtime.peak_memory_bytes(device) / 2**20,
                 "skipped_steps": state["bad_steps"],
                 **(reselected or {}),
+                **router_record,
             }
             every_eval = config.log.eval_every_steps
             if eval_data is not None and every_eval and state["step"] % every_eval == 0:
@@ -187,13 +189,14 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
                         "lr": f"{record['lr']:.2e}",
                         "tok/s": f"{record['tokens_per_s']:.0f}",
                         "mem": f"{record['peak_memory_mb']:.0f}MB",
+                        **router_show,
                     },
                 )
             log.advance()
             if state["step"] % config.checkpoint.every_steps == 0:
-                _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector)
+                _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)
         if stop.requested:
-            path = _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector)
+            path = _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)
             log.message(
                 f"stopped at step {state['step']} ({stop.signal_name}); checkpoint {path}. "
                 f"Resume with: usaf train --resume {run_dir}"
@@ -204,7 +207,8 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
         log.close()
 
     eval_after = _evaluate(model, eval_data, config, device, autocast) if eval_data is not None else None
-    _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector)
+    _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)
+    write_router_load(run_dir, *routers.load_before_after())
     summary = _summary(state, eval_after, summary_entries, data_stats, prefix_cache)
     _write_json(run_dir / "summary.json", summary)
     return summary
@@ -250,6 +254,19 @@ def _check_resumable(original: RunConfig, now: RunConfig) -> None:
                 f"cannot resume: '{key}' differs from the original run ({a!r} there, {b!r} now). Resume with the "
                 "original settings (only the schedule length, logging and checkpointing may change)."
             )
+
+
+def _load_data(config: RunConfig, tokenizer, pack: bool):
+    return load_dataset(
+        config.data.train,
+        tokenizer,
+        config.data.max_seq_len,
+        pack=pack,
+        skip_bad_records=config.data.skip_bad_records,
+        eval_paths=config.data.eval or None,
+        eval_fraction=config.data.eval_fraction,
+        seed=config.train.seed,
+    )
 
 
 def load_tokenizer(path: str):
@@ -402,7 +419,7 @@ def _router_params(model) -> list[torch.nn.Parameter]:
 
 
 def _accumulate_gradients(
-    model, batches, config, device, autocast, prefix_cache, reselector
+    model, batches, config, device, autocast, prefix_cache, reselector, routers, step
 ) -> tuple[float, int]:
     """Forward and backward over grad_accum micro-batches; the loss is the mean over all supervised tokens."""
     micro = []
@@ -420,7 +437,7 @@ def _accumulate_gradients(
             prefix_cache.begin_batch(rows, lengths, batch["input_ids"])
         if reselector is not None:
             reselector.set_observing(True)
-        with autocast:
+        with autocast, routers.capture():
             loss_sum = causal_lm_loss(
                 model,
                 batch["input_ids"],
@@ -429,9 +446,11 @@ def _accumulate_gradients(
                 chunk_tokens=config.train.logits_chunk_tokens,
                 reduction="sum",
             )
+            aux = routers.aux_loss(step)  # balancing + z-loss from the raw router logits of this forward
         if reselector is not None:
             reselector.set_observing(False)  # recomputation in backward re-runs forwards: count them once
-        (loss_sum / max(supervised, 1)).backward()
+        (loss_sum / max(supervised, 1) + aux / len(micro)).backward()
+        routers.after_micro_batch()
         if prefix_cache is not None:
             prefix_cache.end_batch()
         total += float(loss_sum.detach())
@@ -460,7 +479,9 @@ def _evaluate(model, dataset, config: RunConfig, device, autocast) -> dict:
     )
 
 
-def _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector=None) -> Path:
+def _save(
+    run_dir, model, optimizer, scheduler, batches, state, config, reselector=None, routers=None
+) -> Path:
     # the forward writes trained values into resident weights; the checkpoint needs only the values
     return checkpoint.save(
         run_dir,
@@ -468,7 +489,13 @@ def _save(run_dir, model, optimizer, scheduler, batches, state, config, reselect
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        state={**state, "data": batches.state_dict(), "rng": runtime.rng_state(), "config": config.to_dict()},
+        state={
+            **state,
+            "data": batches.state_dict(),
+            "rng": runtime.rng_state(),
+            "config": config.to_dict(),
+            "router": routers.state_dict() if routers is not None else None,
+        },
         keep_last=config.checkpoint.keep_last,
         extra_tensors=reselector.state_dict() if reselector is not None else None,
     )
