@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import __version__
+from .atomic import fsync_dir, fsync_file
 from .errors import UsafError
 from .prepare import sparse_modules
 
@@ -68,10 +69,9 @@ def selection_layout(model: torch.nn.Module) -> dict[str, dict]:
     return layout
 
 
-def _fsync_write(path: Path, write) -> None:
+def _written(path: Path, write) -> None:
     write(path)
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    fsync_file(path)
 
 
 def save(
@@ -94,16 +94,16 @@ def save(
     tmp.mkdir()
 
     tensors = {k: v.contiguous().cpu() for k, v in trainable_tensors(model).items()}
-    _fsync_write(tmp / "trainable.safetensors", lambda p: save_file(tensors, str(p)))
+    _written(tmp / "trainable.safetensors", lambda p: save_file(tensors, str(p)))
     opt_tensors, opt_meta = _flatten_optimizer(optimizer)
-    _fsync_write(tmp / "optimizer.safetensors", lambda p: save_file(opt_tensors, str(p)))
+    _written(tmp / "optimizer.safetensors", lambda p: save_file(opt_tensors, str(p)))
     rng = state.pop("rng")
     rng_tensors = {"torch": rng.pop("torch")}
     for i, t in enumerate(rng.pop("cuda", [])):
         rng_tensors[f"cuda.{i}"] = t
-    _fsync_write(tmp / "rng.safetensors", lambda p: save_file(rng_tensors, str(p)))
+    _written(tmp / "rng.safetensors", lambda p: save_file(rng_tensors, str(p)))
     extra = {k: v.contiguous().cpu() for k, v in (extra_tensors or {}).items()}
-    _fsync_write(tmp / "extra.safetensors", lambda p: save_file(extra, str(p)))
+    _written(tmp / "extra.safetensors", lambda p: save_file(extra, str(p)))
     meta = {
         "usaf_version": __version__,
         "step": step,
@@ -113,23 +113,15 @@ def save(
         "selection": selection_layout(model),
         **state,
     }
-    _fsync_write(tmp / "state.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
+    _written(tmp / "state.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
 
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(folder)
+    fsync_dir(folder)
     for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _flatten_optimizer(optimizer) -> tuple[dict, dict]:

@@ -54,7 +54,9 @@ class UsafConfig:
     workspace_mb: int = 256
 
     def __post_init__(self) -> None:
-        if not isinstance(self.density, (int, float)) or not 0.0 < float(self.density) <= 1.0:  # NaN fails too
+        if (
+            not isinstance(self.density, (int, float)) or not 0.0 < float(self.density) <= 1.0
+        ):  # NaN fails too
             raise UsafError(f"UsafConfig.density must be in (0, 1], got {self.density!r}.")
         if self.num_entries is not None and (not isinstance(self.num_entries, int) or self.num_entries < 1):
             raise UsafError(
@@ -69,12 +71,18 @@ class UsafConfig:
         if self.strategy not in STRATEGIES:
             raise UsafError(f"UsafConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}.")
         if self.strategy == "file" and not self.file:
-            raise UsafError("UsafConfig.strategy='file' needs `file`: a selection.safetensors saved by a run.")
+            raise UsafError(
+                "UsafConfig.strategy='file' needs `file`: a selection.safetensors saved by a run."
+            )
         if not 0.0 < self.routing_coverage <= 1.0:
             raise UsafError(f"UsafConfig.routing_coverage must be in (0, 1], got {self.routing_coverage!r}.")
         if self.calibration_batches < 1 or self.oversample < 1.0:
             raise UsafError("UsafConfig.calibration_batches must be >= 1 and oversample >= 1.")
-        if self.reselect_every < 0 or not 0.0 <= self.reselect_fraction < 1.0 or not 0.0 < self.reselect_until <= 1.0:
+        if (
+            self.reselect_every < 0
+            or not 0.0 <= self.reselect_fraction < 1.0
+            or not 0.0 < self.reselect_until <= 1.0
+        ):
             raise UsafError(
                 "UsafConfig: reselect_every must be >= 0, reselect_fraction in [0, 1), reselect_until in (0, 1]."
             )

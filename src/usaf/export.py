@@ -14,11 +14,9 @@ temporary name, fsynced, renamed into place.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ import torch
 from torch import nn
 
 from . import __version__, checkpoint, shards
+from .atomic import atomic_file, fsync_dir, install_dir, remove_stale_temporaries, temporary_name, write_json
 from .errors import UsafError
 from .sparse import ElementEntries, line_flat_indices
 
@@ -356,7 +355,7 @@ def write_delta(
     metadata = {"format": DELTA_FORMAT, "format_version": str(DELTA_FORMAT_VERSION), "usaf": json.dumps(info)}
     from safetensors.torch import save_file
 
-    _atomic_file(out_path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    atomic_file(out_path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     return out_path
 
 
@@ -511,8 +510,8 @@ def write_merged(
     check_output_dir(out_dir, base.dir, force)
     edits = _edits_by_checkpoint_key(base, delta)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.usaf-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    remove_stale_temporaries(out_dir)
+    tmp = temporary_name(out_dir)
     tmp.mkdir()
     try:
         report: dict[str, dict] = {}
@@ -535,9 +534,9 @@ def write_merged(
             "changed_tensors": report,
         }
         # written last, so that a folder holding it is complete
-        _write_json(tmp / MERGED_METADATA_FILE, metadata)
-        _fsync_dir(tmp)
-        _install(tmp, out_dir)
+        write_json(tmp / MERGED_METADATA_FILE, metadata)
+        fsync_dir(tmp)
+        install_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -839,61 +838,3 @@ def check_output_file(out_path: Path, force: bool) -> None:
         raise UsafError(
             f"{out_path} is a directory; the delta is one file, e.g. {out_path / 'delta.safetensors'}."
         )
-
-
-def _atomic_file(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(path)
-    tmp = path.parent / f".{path.name}.usaf-tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
-
-
-def _remove_stale_temporaries(out_dir: Path) -> None:
-    """Temporary files and folders of interrupted exports to the same place (their process is gone)."""
-    for path in out_dir.parent.glob(f".{out_dir.name}.usaf-tmp-*"):
-        try:
-            os.kill(int(path.name.split("-")[-2]), 0)
-        except ProcessLookupError:
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-        except (ValueError, IndexError, PermissionError):
-            continue
-
-
-def _install(tmp: Path, out_dir: Path) -> None:
-    """Rename the finished output into place; an existing one (--force) is moved aside first, then removed."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.usaf-old-{secrets.token_hex(4)}"
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

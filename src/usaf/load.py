@@ -17,7 +17,6 @@ import ctypes
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import time
 import warnings
@@ -30,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import __version__, shards
 from .arch import find_moe_layers
+from .atomic import fsync_dir, install_dir, remove_stale_temporaries, temporary_name, write_json
 from .config import UsafConfig
 from .errors import UsafError
 from .offload import RESIDENCIES, LayerStreamer, ResidentParts, StreamedParts, host_copy
@@ -142,8 +142,8 @@ def prepare_store(
     files = _assign_files(tensors, max_file_bytes)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.usaf-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    remove_stale_temporaries(out_dir)
+    tmp = temporary_name(out_dir)
     tmp.mkdir()
     writers: dict[str, shards.StreamingWriter] = {}
     try:
@@ -164,9 +164,9 @@ def prepare_store(
         checksums = source.finish_checksums(used)
         _copy_side_files(model_dir, tmp)
         metadata = _metadata(model_dir, source, tensors, checksums, quant, fmt_name, quant_dense, tmp)
-        _write_json(tmp / STORE_FILE, metadata)
-        _fsync_dir(tmp)
-        _install(tmp, out_dir)
+        write_json(tmp / STORE_FILE, metadata)
+        fsync_dir(tmp)
+        install_dir(tmp, out_dir)
     except BaseException:
         for writer in writers.values():
             with contextlib.suppress(Exception):
@@ -189,18 +189,6 @@ def _check_output(model_dir: Path, out_dir: Path, force: bool) -> None:
         raise UsafError(
             f"{out_dir} exists and is not a usaf prepared store; refusing to replace it even with --force."
         )
-
-
-def _remove_stale_temporaries(out_dir: Path) -> None:
-    """Temporary directories left by interrupted runs (their process is gone)."""
-    for path in out_dir.parent.glob(f".{out_dir.name}.usaf-tmp-*"):
-        try:
-            pid = int(path.name.split("-")[-2])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except (ValueError, IndexError, PermissionError):
-            continue
 
 
 def _plan_tensors(
@@ -388,34 +376,6 @@ def _metadata(model_dir, source, tensors, checksums, requested, fmt, quant_dense
 def _file_stamp(path: Path) -> dict:
     stat = path.stat()
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
-def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _install(tmp: Path, out_dir: Path) -> None:
-    """Rename the finished store into place; an existing store (--force) is swapped out, then removed."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.usaf-old-{secrets.token_hex(4)}"
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def ensure_prepared(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
 import signal
@@ -20,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import __version__, checkpoint, runtime
 from .arch import find_moe_layers
+from .atomic import atomic_json
 from .config import RunConfig
 from .data import Batches, collate, load_dataset
 from .errors import UsafError
@@ -210,7 +210,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
     _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)
     write_router_load(run_dir, *routers.load_before_after())
     summary = _summary(state, eval_after, summary_entries, data_stats, prefix_cache)
-    _write_json(run_dir / "summary.json", summary)
+    atomic_json(run_dir / "summary.json", summary)
     return summary
 
 
@@ -543,12 +543,6 @@ def format_summary(summary: dict) -> str:
 def _pair(a, b) -> str:
     fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
     return f"{fmt(a)} → {fmt(b)}"
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 class _StopRequest:
