@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reselect-every", type=int, default=25)
     parser.add_argument("--routing-coverage", type=float, default=0.5)
     parser.add_argument("--router-lr-multiplier", type=float, default=1.0)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1 is fastest on a busy 2-core CPU)"
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="usaf-selection-") as scratch:
         for name, reselect, router, seed in itertools.product(
-            STRATEGIES, (False, True), (False, True), args.seeds
+            args.strategies, (False, True), (False, True), args.seeds
         ):
             runs.append(run_one(name, reselect, router, seed, args, Path(scratch)))
             r = runs[-1]

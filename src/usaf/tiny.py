@@ -59,7 +59,18 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+# Families name the same quantity differently; an override of one name sets them all.
+_ALIASES = [
+    ("num_experts", "num_local_experts", "n_routed_experts"),
+    ("num_experts_per_tok", "top_k_experts"),
+]
+
+
 def tiny_config(family: str, **overrides):
+    for names in _ALIASES:
+        given = [overrides[n] for n in names if n in overrides]
+        if given:
+            overrides = {**{n: given[0] for n in names}, **overrides}
     kwargs = {**_COMMON, **FAMILIES[family], **overrides}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return AutoConfig.for_model(family, **kwargs)
