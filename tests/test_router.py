@@ -219,7 +219,9 @@ def test_recomputation_does_not_duplicate_captures_and_keeps_gradients_exact():
 def test_fp32_routers_in_a_bf16_model(family):
     frozen_router = _prepared(family, dtype=torch.bfloat16, train_router=False)
     assert all(  # a router that is not trained keeps its dtype
-        p.dtype == torch.bfloat16 for layer in find_moe_layers(frozen_router) for p in layer.router.parameters()
+        p.dtype == torch.bfloat16
+        for layer in find_moe_layers(frozen_router)
+        for p in layer.router.parameters()
     )
     assert len(make_routers_fp32(frozen_router)) == 2
     model = _prepared(family, dtype=torch.bfloat16)  # prepare_model converts trained routers itself
