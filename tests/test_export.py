@@ -4,6 +4,7 @@ The acceptance checks load exports with plain transformers in a subprocess that 
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -200,6 +201,9 @@ def test_delta_file_is_small_and_self_describing(trained):
     base_bytes = sum(p.stat().st_size for p in run["base"].glob("*.safetensors"))
     assert path.stat().st_size < 0.35 * base_bytes
     assert path.stat().st_size < entries * 8 + 64 * 1024  # values + int32 indices + metadata
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not the private file safetensors creates
 
     fp32 = trained["root"] / "gpt_oss" / "fp32.safetensors"
     assert main(["export", str(run["run"]), "--delta", str(fp32), "--fp32"]) == 0

@@ -168,6 +168,23 @@ def test_cli_config_validation_and_print_config(workspace, capsys):
     assert "unknown key(s) ['lrr']" in capsys.readouterr().err
     assert main(["train", "--model", "m", "--data", "d", "--set", "model.quant=nf5", "--out", "x"]) == 2
     assert "allowed values: ['none', 'nf4', 'int8', 'int4']" in capsys.readouterr().err
+    # several overrides after one --set, and --set repeated, alike
+    assert (
+        main(
+            [
+                "train",
+                "--set",
+                "optim.lr=2e-4",
+                "data.batch_size=3",
+                "--set",
+                "optim.eps=1e-6",
+                "--print-config",
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "lr: 0.0002" in printed and "batch_size: 3" in printed and "eps: 1.0e-06" in printed
 
 
 def test_packing_probe_detects_models_that_let_packed_documents_mix():

@@ -62,6 +62,7 @@ def atomic_file(path: Path, write) -> None:
     tmp = temporary_name(path)
     try:
         write(tmp)
+        make_shareable(tmp)
         fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -69,6 +70,13 @@ def atomic_file(path: Path, write) -> None:
             tmp.unlink()
         raise
     fsync_dir(path.parent)
+
+
+def make_shareable(path: Path) -> None:
+    """The permissions `open` would give (safetensors creates private files; results are shared like any other)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def atomic_json(path: Path, data: dict) -> None:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import __version__
-from .atomic import fsync_dir, fsync_file
+from .atomic import fsync_dir, fsync_file, make_shareable
 from .errors import UsafError
 from .prepare import sparse_modules
 
@@ -71,6 +71,7 @@ def selection_layout(model: torch.nn.Module) -> dict[str, dict]:
 
 def _written(path: Path, write) -> None:
     write(path)
+    make_shareable(path)
     fsync_file(path)
 
 

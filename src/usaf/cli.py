@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from . import __version__
+from .commands import add_set_option
 from .errors import UsafError
 
 # Each command lives in its own module exposing `add_command(subparsers)`; add new ones here.
@@ -25,9 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(f"usaf.commands.{name}").add_command(sub)
     demo = sub.add_parser("demo", help="fine-tune the bundled small MoE on the bundled task")
     demo.add_argument("--out", default=None, help="output directory (default: ./demo-run)")
-    demo.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a demo setting"
-    )
+    add_set_option(demo, "override a demo setting")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import zlib
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from .atomic import atomic_file, atomic_json
 from .errors import UsafError
 
 
@@ -445,13 +445,8 @@ def save_selection(path: str | Path, chosen: dict[str, Chosen], summary: dict | 
     path = Path(path)
     tensors = {key: c.indices.contiguous().cpu() for key, c in chosen.items()}
     meta = {"axes": {key: c.axis for key, c in chosen.items()}, "summary": summary or {}}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
-    json_path = path.with_suffix(".json")
-    tmp_json = json_path.with_name(json_path.name + ".tmp")
-    tmp_json.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp_json, json_path)
+    atomic_file(path, lambda tmp: save_file(tensors, str(tmp)))
+    atomic_json(path.with_suffix(".json"), meta)
 
 
 def load_selection(path: str | Path) -> dict[str, Chosen]:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..errors import UsafError
+from . import add_set_option
 from .train import effective_config
 
 
@@ -20,7 +21,7 @@ def add_command(sub) -> None:
     p.add_argument("--data", help="data files, comma separated (data.train)")
     p.add_argument("--config", help="YAML run configuration")
     p.add_argument("--out", required=True, help="selection file to write (.safetensors)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    add_set_option(p)
     p.set_defaults(func=run_select, eval_data=None, skip_bad_records=False, resume=None)
 
 

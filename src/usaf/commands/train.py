@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..config import RunConfig, describe
 from ..errors import UsafError
+from . import add_set_option
 
 
 def add_command(sub) -> None:
@@ -22,9 +23,7 @@ def add_command(sub) -> None:
     p.add_argument("--eval-data", help="held-out files, comma separated (data.eval)")
     p.add_argument("--config", help="YAML run configuration")
     p.add_argument("--out", help="run directory (checkpoints, metrics, summary)")
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. optim.lr=3e-4"
-    )
+    add_set_option(p)
     p.add_argument("--skip-bad-records", action="store_true", help="skip malformed records and count them")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run exactly where it stopped")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
@@ -34,7 +33,7 @@ def add_command(sub) -> None:
     e = sub.add_parser("eval", help="held-out loss and perplexity of a model or a run")
     e.add_argument("target", help="model directory, or a run directory (its latest checkpoint is evaluated)")
     e.add_argument("--data", required=True, help="files to evaluate on, comma separated")
-    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    add_set_option(e)
     e.set_defaults(func=run_eval)
 
 
