@@ -3,8 +3,10 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +109,43 @@ def test_resume_after_sigkill_is_exact(workspace, tmp_path, kill_at, extra):
     a = load_file(str(tmp_path / "straight" / "checkpoints" / "step-00000020" / "trainable.safetensors"))
     b = load_file(str(tmp_path / "killed" / "checkpoints" / "step-00000020" / "trainable.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _complete_lines(path: Path) -> int:
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_with_a_checkpoint_that_resumes(workspace, tmp_path, sig):
+    run = tmp_path / "run"
+    sets = [f"--set={s}" for s in [*BASE, "schedule.max_steps=100000", "checkpoint.every_steps=100000"]]
+    args = [f"--model={workspace / 'model'}", f"--data={workspace / 'train.jsonl'}", f"--out={run}", *sets]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from usaf.cli import main; sys.exit(main(sys.argv[1:]))",
+            "train",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    deadline = time.monotonic() + 120
+    while _complete_lines(run / "metrics.jsonl") < 3:  # a few steps done, then the signal
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    stopped_at = max(losses(run))
+    checkpoints = sorted((run / "checkpoints").iterdir())
+    assert [c.name for c in checkpoints] == [f"step-{stopped_at:08d}"]  # written on the signal, at its step
+    assert f"Resume with: usaf train --resume {run}" in out + err
+    assert main(["train", f"--resume={run}", f"--set=schedule.max_steps={stopped_at + 2}"]) == 0
+    assert sorted(losses(run)) == list(range(1, stopped_at + 3))
 
 
 def test_resume_refuses_incompatible_config_and_other_base(workspace, tmp_path):
