@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -65,3 +66,85 @@ def write_results(stem: str, payload: dict, markdown: str) -> tuple[Path, Path]:
         os.replace(tmp, path)
         paths.append(path)
     return paths[0], paths[1]
+
+
+class TensorPeak:
+    """Peak bytes of live tensors over a block of code, on the CPU: what a GPU's caching allocator reports as its
+    peak (`torch.cuda.max_memory_allocated`), without the C allocator's or oneDNN's caches that RSS includes.
+
+    `resident()` counts the storages of every tensor alive before the block (weights, quantized stores, optimizer
+    state); inside the block, a dispatch mode adds each new storage an op creates and subtracts it when it is freed.
+    Peak = resident + the highest sum of new storages; `at_peak` names what was live then (op and shape).
+    """
+
+    def __init__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._record(func, args, kwargs, out)
+                return out
+
+        self._torch, self._mode = torch, _Mode()
+        self.live: dict[int, tuple[int, str]] = {}
+        self.current = self.peak_new = 0
+        self.at_peak: dict[str, int] = {}
+        self.resident_bytes = 0
+
+    def resident(self) -> int:
+        import gc
+
+        storages = {}
+        for obj in gc.get_objects():
+            if isinstance(obj, self._torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+                with contextlib.suppress(RuntimeError):  # tensors without storage (e.g. sparse)
+                    storage = obj.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def __enter__(self):
+        self.resident_bytes = self.resident()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+    @property
+    def peak(self) -> int:
+        return self.resident_bytes + self.peak_new
+
+    def _record(self, func, args, kwargs, out) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_flatten
+
+        tensor = self._torch.Tensor
+        inputs = {
+            a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, tensor) or t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in inputs or key in self.live or storage.nbytes() == 0:  # a view, or already counted
+                continue
+            self.live[key] = (storage.nbytes(), f"{func.__name__}{tuple(t.shape)}")
+            self.current += storage.nbytes()
+            weakref.finalize(storage, self._free, key)
+        if self.current > self.peak_new:
+            self.peak_new = self.current
+            at_peak: dict[str, int] = {}
+            for nbytes, name in self.live.values():
+                at_peak[name] = at_peak.get(name, 0) + nbytes
+            self.at_peak = at_peak
+
+    def _free(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
