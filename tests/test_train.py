@@ -232,3 +232,13 @@ def test_packing_probe_detects_models_that_let_packed_documents_mix():
 
     assert packed_documents_are_isolated(tiny_model("qwen3_moe"), torch.device("cpu"))
     assert not packed_documents_are_isolated(tiny_model("gpt_oss"), torch.device("cpu"))
+
+
+def test_a_missing_model_directory_is_named_not_downloaded(tmp_path):
+    from usaf.train import check_model_path
+
+    for missing in (tmp_path / "nowhere", "nowhere", "./models/x"):
+        with pytest.raises(UsafError, match="no such model directory"):
+            check_model_path(str(missing))
+    check_model_path(str(tmp_path))  # a directory
+    check_model_path("Qwen/Qwen3-30B-A3B")  # a hub id: left to the hub (and its offline message)

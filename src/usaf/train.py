@@ -270,10 +270,25 @@ def _load_data(config: RunConfig, tokenizer, pack: bool):
 
 
 def load_tokenizer(path: str):
+    check_model_path(path)
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
         raise UsafError(f"cannot load the tokenizer of {path!r}: {err}") from None
+
+
+def check_model_path(path: str) -> None:
+    """A path that is not a directory is taken for a hub id only when it looks like one (`org/name`); anything
+    else (`./run`, `models/x/y`, a typo) is a missing directory, said plainly instead of as a failed download."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not p.exists()
+    if not looks_like_hub_id:
+        raise UsafError(
+            f"{path}: no such model directory (expected a folder with config.json and weights, or a "
+            "hub id like Qwen/Qwen3-30B-A3B)."
+        )
 
 
 def load_model(
