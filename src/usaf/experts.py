@@ -95,26 +95,42 @@ class Projection:
         return plan.chunks(self.store.resident, bytes_per_expert, self.workspace_bytes)
 
 
-class GatherRows(torch.autograd.Function):
-    """rows = source[index], where `index` is a permutation of `repeats` copies of each source row.
+def sum_rows_into_tokens(rows: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """[rows, H] in routing order -> [tokens, H], each token the sum of its top-k rows."""
+    if rows.device.type == "cpu":  # one pass, and deterministic on the CPU
+        return rows.new_zeros(plan.num_tokens, rows.shape[1]).index_add_(0, plan.token_of_row, rows)
+    # index_add_ on CUDA sums in a racing order: gather by the inverse permutation, then sum the k copies
+    return rows.index_select(0, plan.inverse).view(plan.num_tokens, plan.num_top_k, -1).sum(dim=1)
 
-    Autograd's own backward for indexing is a scatter-add (slow, and non-deterministic on CUDA); knowing the
-    index is a permutation, the backward is a gather by the inverse permutation and a sum over the copies.
+
+class TokensToRows(torch.autograd.Function):
+    """rows = tokens[token_of_row]: each token's hidden state once per routed expert, grouped by expert.
+
+    Autograd's own backward for indexing is a generic scatter-add; knowing each token has exactly k rows, the
+    backward is `sum_rows_into_tokens`, and the two classes here are each other's adjoint.
     """
 
     @staticmethod
-    def forward(ctx, source, index, inverse, repeats: int):
-        ctx.save_for_backward(inverse)
-        ctx.repeats = repeats
-        return source.index_select(0, index)
+    def forward(ctx, tokens, plan: RoutingPlan):
+        ctx.plan = plan
+        return tokens.index_select(0, plan.token_of_row)
 
     @staticmethod
     def backward(ctx, grad_rows):
-        (inverse,) = ctx.saved_tensors
-        grad = grad_rows.index_select(0, inverse)
-        if ctx.repeats > 1:
-            grad = grad.view(-1, ctx.repeats, grad.shape[-1]).sum(dim=1)
-        return grad, None, None, None
+        return sum_rows_into_tokens(grad_rows, ctx.plan), None
+
+
+class RowsToTokens(torch.autograd.Function):
+    """tokens = the sum of each token's rows (the experts' outputs, already weighted by routing)."""
+
+    @staticmethod
+    def forward(ctx, rows, plan: RoutingPlan):
+        ctx.plan = plan
+        return sum_rows_into_tokens(rows, plan)
+
+    @staticmethod
+    def backward(ctx, grad_tokens):
+        return grad_tokens.index_select(0, ctx.plan.token_of_row), None
 
 
 class SparseGroupedLinear(torch.autograd.Function):
@@ -242,19 +258,22 @@ def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """Drop-in for transformers' experts forward (same signature and result as `grouped_mm`)."""
     state: SparseExperts = self.usaf
     plan = RoutingPlan(top_k_index, state.num_experts)
-    x = GatherRows.apply(hidden_states, plan.token_of_row, plan.inverse, plan.num_top_k)
+    x = TokensToRows.apply(hidden_states, plan)
     h = state.project("gate_up_proj" if self.has_gate else "up_proj", x, plan)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
     for observe in state.observers:
         observe(state, plan, top_k_weights, h)
-    y = state.project("down_proj", h, plan)
-    if self.has_post_expert_norm:
-        y = self.post_expert_norm(y)
-    y = y * top_k_weights.reshape(-1)[plan.order].unsqueeze(-1)
-    # back to token order; a reshape+sum (as transformers does) is deterministic, unlike index_add_ on CUDA
-    out = (
-        GatherRows.apply(y, plan.inverse, plan.order, 1).view(plan.num_tokens, plan.num_top_k, -1).sum(dim=1)
-    )
+    routing_weights = top_k_weights.reshape(-1)[plan.order].unsqueeze(-1)
+    linear_down = "down_proj_bias" not in state.stores and not self.has_post_expert_norm
+    if linear_down and h.shape[-1] <= hidden_states.shape[-1]:
+        # weighting a linear map's input is weighting its output, and the input is the narrower (I <= H)
+        y = state.project("down_proj", h * routing_weights, plan)
+    else:
+        y = state.project("down_proj", h, plan)
+        if self.has_post_expert_norm:
+            y = self.post_expert_norm(y)
+        y = y * routing_weights
+    out = RowsToTokens.apply(y, plan)
     return out.to(hidden_states.dtype)
 
 
