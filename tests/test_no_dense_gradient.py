@@ -7,7 +7,7 @@ from torch.utils._pytree import tree_flatten
 
 import usaf
 from usaf.arch import find_moe_layers
-from usaf.tiny import tiny_model
+from usaf.tiny import FAMILIES, tiny_model
 
 IDS = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
 
@@ -49,7 +49,7 @@ def backward_allocations(model):
     return recorder.allocations
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("granularity", ["element", "neuron"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_backward_forms_no_dense_expert_gradient(family, granularity, recompute):
