@@ -27,11 +27,15 @@ from usaf.prepare import get_delta
 from usaf.tiny import tiny_model
 from usaf.tokenizer import char_tokenizer
 
-ROUND_TRIP = {  # family: selection granularity (neurons exercise whole-line selections)
+ROUND_TRIP = {  # every tested family; granularity alternates (neurons exercise whole-line selections)
     "qwen3_moe": "element",
+    "qwen2_moe": "neuron",
+    "olmoe": "element",
     "mixtral": "neuron",
     "gpt_oss": "element",
     "deepseek_v3": "element",
+    "glm4_moe": "neuron",
+    "granitemoe": "element",
     "gemma4_text": "neuron",
 }
 
