@@ -88,6 +88,11 @@ FORMATS_AND_FAMILIES = [
     ("gpt_oss", "nf4"),  # fused, transposed experts with biases, stored under their own names
     ("mixtral", "nf4"),  # per-expert w1/w2/w3 under block_sparse_moe, renamed and fused on load
     ("deepseek_v3", "nf4"),  # a dense first layer and shared experts
+    ("qwen2_moe", "nf4"),
+    ("olmoe", "int8"),
+    ("glm4_moe", "int4"),
+    ("granitemoe", "nf4"),
+    ("gemma4_text", "nf4"),
 ]
 
 
