@@ -185,8 +185,6 @@ def main() -> None:
         + ".",
         "",
     ]
-    for r in rows.values():
-        r.pop("trace", None) if r["status"] != "usaf error" else None
     paths = write_results("families", {"machine": facts, "families": rows}, "\n".join(lines))
     print("\n".join(lines[:7]))
     print("wrote", *paths)
