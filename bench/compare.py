@@ -686,29 +686,10 @@ def _demo_assets(root: Path, smoke: bool):
     return root / "model", root / "data"
 
 
-def _encode(tokenizer, records: list[dict]):
-    """`<bos> prompt completion <eos>`, right-padded; loss on the completion and <eos> only (as usaf.data)."""
-    import torch
-
-    rows, labels = [], []
-    for r in records:
-        prompt = tokenizer(r["prompt"], add_special_tokens=True)["input_ids"]
-        completion = tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [
-            tokenizer.eos_token_id
-        ]
-        rows.append(prompt + completion)
-        labels.append([-100] * len(prompt) + completion)
-    width = max(map(len, rows))
-    # Right padding needs no attention mask: causal attention never lets a real token see a later pad.
-    ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])
-    label_ids = torch.tensor([row + [-100] * (width - len(row)) for row in labels])
-    return ids, label_ids
-
-
 def _demo_batches(model_dir: Path, data_dir: Path, run: Run):
     from transformers import AutoTokenizer
 
-    from usaf.demo_task import read_jsonl
+    from usaf.demo_task import encode_records, read_jsonl
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     records = read_jsonl(data_dir / "train.jsonl")
@@ -719,10 +700,10 @@ def _demo_batches(model_dir: Path, data_dir: Path, run: Run):
             fresh = list(records)
             order.shuffle(fresh)
             pool += fresh
-        train.append(_encode(tokenizer, pool[: run.batch]))
+        train.append(encode_records(tokenizer, pool[: run.batch]))
         pool = pool[run.batch :]
     held_out = read_jsonl(data_dir / "eval.jsonl")
-    eval_batches = [_encode(tokenizer, held_out[i : i + 64]) for i in range(0, len(held_out), 64)]
+    eval_batches = [encode_records(tokenizer, held_out[i : i + 64]) for i in range(0, len(held_out), 64)]
     return (
         train,
         eval_batches,

@@ -33,12 +33,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from usaf.demo_task import KINDS, PRETRAIN_KINDS, make_examples, task_accuracy, write_demo_data
+from usaf.demo_task import (
+    KINDS,
+    PRETRAIN_KINDS,
+    encode_records,
+    make_examples,
+    task_accuracy,
+    write_demo_data,
+)
 from usaf.tokenizer import char_tokenizer
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "usaf" / "demo_assets"
 SEED = 0
-IGNORE_INDEX = -100
 FRESH_SEED = 10**9  # for examples no pretraining step has seen (step seeds are 0..steps-1)
 
 MODEL_SHAPE = dict(
@@ -71,24 +77,6 @@ def build_model(tokenizer) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def encode_batch(tokenizer, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`<bos> prompt completion <eos>`, right-padded; labels only on the completion and <eos> (as usaf.data)."""
-    rows, labels = [], []
-    for r in records:
-        prompt = tokenizer(r["prompt"], add_special_tokens=True)["input_ids"]
-        completion = tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [
-            tokenizer.eos_token_id
-        ]
-        rows.append(prompt + completion)
-        labels.append([IGNORE_INDEX] * len(prompt) + completion)
-    width = max(map(len, rows))
-    pad = tokenizer.pad_token_id
-    # Right padding needs no attention mask: causal attention never lets a real token see a later pad.
-    input_ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
-    label_ids = torch.tensor([row + [IGNORE_INDEX] * (width - len(row)) for row in labels])
-    return input_ids, label_ids
-
-
 def pretrain(model, tokenizer, steps: int, batch_size: int, lr: float, log_every: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
@@ -109,7 +97,7 @@ def pretrain(model, tokenizer, steps: int, batch_size: int, lr: float, log_every
             r for kind in PRETRAIN_KINDS for r in make_examples(kind, batch_size // len(PRETRAIN_KINDS), step)
         ]
         mixer.shuffle(records)
-        input_ids, labels = encode_batch(tokenizer, records)
+        input_ids, labels = encode_records(tokenizer, records)
         out = model(input_ids=input_ids, labels=labels, output_router_logits=True, use_cache=False)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from .data import IGNORE_INDEX
 from .errors import UsafError
 
 LETTERS = string.ascii_lowercase
@@ -105,6 +106,24 @@ def write_demo_data(
         "train": write_jsonl(directory / "train.jsonl", train),
         "eval": write_jsonl(directory / "eval.jsonl", evaluation),
     }
+
+
+def encode_records(tokenizer, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`<bos> prompt completion <eos>`, right-padded; labels only on the completion and <eos> (as usaf.data)."""
+    rows, labels = [], []
+    for r in records:
+        prompt = tokenizer(r["prompt"], add_special_tokens=True)["input_ids"]
+        completion = tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [
+            tokenizer.eos_token_id
+        ]
+        rows.append(prompt + completion)
+        labels.append([IGNORE_INDEX] * len(prompt) + completion)
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    # Right padding needs no attention mask: causal attention never lets a real token see a later pad.
+    input_ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
+    label_ids = torch.tensor([row + [IGNORE_INDEX] * (width - len(row)) for row in labels])
+    return input_ids, label_ids
 
 
 @torch.no_grad()
