@@ -163,17 +163,6 @@ RANDOM_SHAPES = {
         vocab_size=512,
     ),
 }
-# The demo model's shape (scripts/make_demo_model.py), for the smoke stand-in when the real one is not needed.
-DEMO_SHAPE = dict(
-    hidden_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    moe_intermediate_size=96,
-    num_experts=8,
-    num_experts_per_tok=2,
-)
 
 
 @dataclass
@@ -662,24 +651,14 @@ def _demo_assets(root: Path, smoke: bool):
         print(f"demo assets not found under {assets}; the demo model is skipped", flush=True)
         return None, None
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from usaf.demo_task import write_demo_data
+    from usaf.demo_task import demo_model_config, write_demo_data
     from usaf.tokenizer import char_tokenizer
 
     tokenizer = char_tokenizer()
-    config = AutoConfig.for_model(
-        "qwen3_moe",
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        **DEMO_SHAPE,
-    )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(demo_model_config(tokenizer), dtype=torch.float32)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     write_demo_data(root / "data", train_size=256, eval_size=16)

@@ -31,11 +31,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from usaf.demo_task import (
     KINDS,
     PRETRAIN_KINDS,
+    demo_model_config,
     encode_records,
     make_examples,
     task_accuracy,
@@ -47,34 +48,10 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "usaf" / "demo_asset
 SEED = 0
 FRESH_SEED = 10**9  # for examples no pretraining step has seen (step seeds are 0..steps-1)
 
-MODEL_SHAPE = dict(
-    hidden_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,  # unused: every layer is MoE (decoder_sparse_step=1)
-    moe_intermediate_size=96,
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    router_aux_loss_coef=0.01,  # keeps all 8 experts in use, so the demo has experts worth choosing among
-)
-
 
 def build_model(tokenizer) -> torch.nn.Module:
-    config = AutoConfig.for_model(
-        "qwen3_moe",
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **MODEL_SHAPE,
-    )
     torch.manual_seed(SEED)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(demo_model_config(tokenizer), dtype=torch.float32)
 
 
 def pretrain(model, tokenizer, steps: int, batch_size: int, lr: float, log_every: int) -> None:
