@@ -242,3 +242,33 @@ def test_a_missing_model_directory_is_named_not_downloaded(tmp_path):
             check_model_path(str(missing))
     check_model_path(str(tmp_path))  # a directory
     check_model_path("Qwen/Qwen3-30B-A3B")  # a hub id: left to the hub (and its offline message)
+
+
+def test_router_health_after_resume_equals_an_uninterrupted_run(workspace, tmp_path, monkeypatch):
+    """The health window spans the resume: the guard judges the same counts as in a straight run."""
+    import usaf.checkpoint
+
+    health = ["schedule.max_steps=8", "router.health_every_steps=2", "router.health_window_steps=4"]
+    health.append("checkpoint.every_steps=4")
+
+    def router_records(run_dir):
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["router/layers"] for r in rows if "router/layers" in r}
+
+    train(config_for(workspace, *health), tmp_path / "straight")
+    save = usaf.checkpoint.save
+
+    def save_then_crash(run_dir, step, **kw):
+        path = save(run_dir, step, **kw)
+        if step == 4:
+            raise RuntimeError("crash after the step-4 checkpoint")
+        return path
+
+    monkeypatch.setattr(usaf.checkpoint, "save", save_then_crash)
+    with pytest.raises(RuntimeError, match="crash"):
+        train(config_for(workspace, *health), tmp_path / "resumed")
+    monkeypatch.undo()
+    train(config_for(workspace, *health), tmp_path / "resumed", resume=True)
+    straight, resumed = router_records(tmp_path / "straight"), router_records(tmp_path / "resumed")
+    assert sorted(straight) == [2, 4, 6, 8] and sorted(resumed) == [2, 4, 6, 8]
+    assert resumed[6] == straight[6] and resumed[8] == straight[8]  # windows of steps 3-6 and 5-8

@@ -573,6 +573,17 @@ class RouterTraining:
         if state["frozen"]:
             self.guard.freeze()
 
+    def tensor_state(self) -> dict[str, torch.Tensor]:
+        """The health window's per-step counts, so the guard judges the same window after a resume."""
+        window = self.health.window
+        return {"router/health_window": torch.stack(list(window))} if window else {}
+
+    def load_tensor_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        saved = tensors.get("router/health_window")
+        self.health.window.clear()
+        if saved is not None:
+            self.health.window.extend(saved.unbind(0))
+
     def load_before_after(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Per-layer expert loads on the probe batch: at the start and now (for `usaf report` heatmaps)."""
         self.health.measure_drift(self.model, self.probe_batch)

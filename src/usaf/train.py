@@ -85,6 +85,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
         restored = checkpoint.load(saved)
         restore_trainable(model, restored["trainable"], saved)
         routers.load_state_dict(restored["router"])
+        routers.load_tensor_state(restored["extra"])
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
     if saved is not None:
@@ -512,7 +513,10 @@ def _save(
             "router": routers.state_dict() if routers is not None else None,
         },
         keep_last=config.checkpoint.keep_last,
-        extra_tensors=reselector.state_dict() if reselector is not None else None,
+        extra_tensors={
+            **(reselector.state_dict() if reselector is not None else {}),
+            **(routers.tensor_state() if routers is not None else {}),
+        },
     )
 
 
