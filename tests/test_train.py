@@ -86,6 +86,8 @@ sys.exit(main(sys.argv[1:]))
                 "select.reselect_every=4",
             ],
         ),
+        # fp16 autocast with dynamic loss scaling: the scale is part of what resumes
+        (10, ["checkpoint.every_steps=10", "train.precision=fp16"]),
     ],
 )
 def test_resume_after_sigkill_is_exact(workspace, tmp_path, kill_at, extra):
@@ -162,6 +164,18 @@ def test_resume_refuses_incompatible_config_and_other_base(workspace, tmp_path):
         train(saved, run, resume=True)
     with pytest.raises(UsafError, match="already holds a run"):
         train(config_for(workspace, "schedule.max_steps=2"), run)
+
+
+def test_fp16_trains_with_one_loss_scaling(workspace, tmp_path):
+    """fp16 autocast: the loss is scaled once and the gradients unscaled once, so steps are taken (a second,
+    double scaling would overflow every step and skip them all) and the loss goes down."""
+    summary = train(config_for(workspace, "schedule.max_steps=25", "train.precision=fp16"), tmp_path / "run")
+    assert summary["steps"] == 25 and summary["skipped_steps"] == 0
+    assert summary["fp16_overflow_steps"] < 25
+    assert summary["eval_loss_after"] < summary["eval_loss_before"] - 0.05
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    scales = [r["loss_scale"] for r in rows if "loss_scale" in r]
+    assert len(scales) == 25 and all(0 < s <= 65536 for s in scales)
 
 
 def test_prefix_cache_gives_equal_losses(workspace, tmp_path):

@@ -52,6 +52,13 @@ def autocast(precision: str, device: torch.device, model_dtype: torch.dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def loss_scaler(precision: str, device: torch.device, model_dtype: torch.dtype) -> torch.amp.GradScaler:
+    """Dynamic loss scaling when the forward runs in fp16 (whose gradients underflow without it); a pass-through
+    scaler otherwise. The only scaling in the loop: the loss is scaled once, the gradients unscaled once."""
+    fp16 = precision == "fp16" or (precision == "auto" and model_dtype == torch.float16)
+    return torch.amp.GradScaler(device.type, enabled=fp16)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

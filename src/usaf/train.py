@@ -70,6 +70,8 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
     state = {
         "step": 0,
         "bad_steps": 0,
+        "overflow_steps": 0,  # fp16 steps whose gradients overflowed: the loss scale is lowered, the step skipped
+        "loss_scale": {},
         "tokens": 0,
         "train_seconds": 0.0,
         "eval_before": None,
@@ -96,6 +98,9 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
         state.update({k: restored[k] for k in state if k in restored})
 
     autocast = runtime.autocast(config.train.precision, device, dtype)
+    scaler = runtime.loss_scaler(config.train.precision, device, dtype)
+    if scaler.is_enabled() and state["loss_scale"]:
+        scaler.load_state_dict(state["loss_scale"])
     summary_entries = trainable_summary(model)
     log = MetricsLog(
         run_dir, config.schedule.max_steps, state["step"], config.log.progress, config.log.tensorboard
@@ -123,9 +128,25 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
             if reselector is not None:
                 reselector.before_step(state["step"] + 1)
             loss, tokens = _accumulate_gradients(
-                model, batches, config, device, autocast, prefix_cache, reselector, routers, state["step"]
+                model,
+                batches,
+                config,
+                device,
+                autocast,
+                scaler,
+                prefix_cache,
+                reselector,
+                routers,
+                state["step"],
             )
+            scaler.unscale_(optimizer)
             grad_norm = _clip(model, config.optim.clip_grad_norm)
+            if scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(grad_norm):
+                scaler.update()  # the scale was too high for fp16: lower it and try the next batch
+                state["overflow_steps"] += 1
+                state["loss_scale"] = scaler.state_dict()
+                optimizer.zero_grad(set_to_none=True)
+                continue
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 state["bad_steps"] += 1
                 optimizer.zero_grad(set_to_none=True)
@@ -141,7 +162,9 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
             if not routers.training_routers(state["step"]):
                 for param in routers.router_params:
                     param.grad = None  # AdamW skips parameters without gradients
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
+            state["loss_scale"] = scaler.state_dict()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state["step"] += 1
@@ -173,6 +196,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
                 "tokens_per_s": tokens / elapsed,
                 "peak_memory_mb": runtime.peak_memory_bytes(device) / 2**20,
                 "skipped_steps": state["bad_steps"],
+                **({"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
                 **(reselected or {}),
                 **router_record,
             }
@@ -435,7 +459,7 @@ def _router_params(model) -> list[torch.nn.Parameter]:
 
 
 def _accumulate_gradients(
-    model, batches, config, device, autocast, prefix_cache, reselector, routers, step
+    model, batches, config, device, autocast, scaler, prefix_cache, reselector, routers, step
 ) -> tuple[float, int]:
     """Forward and backward over grad_accum micro-batches; the loss is the mean over all supervised tokens."""
     micro = []
@@ -465,7 +489,7 @@ def _accumulate_gradients(
             aux = routers.aux_loss(step)  # balancing + z-loss from the raw router logits of this forward
         if reselector is not None:
             reselector.set_observing(False)  # recomputation in backward re-runs forwards: count them once
-        (loss_sum / max(supervised, 1) + aux / len(micro)).backward()
+        scaler.scale(loss_sum / max(supervised, 1) + aux / len(micro)).backward()
         routers.after_micro_batch()
         if prefix_cache is not None:
             prefix_cache.end_batch()
@@ -535,6 +559,7 @@ def _summary(state, eval_after, entries, data_stats, prefix_cache) -> dict:
         "trained_expert_entries": entries["expert_entries"],
         "trained_router_weights": entries["routers"],
         "skipped_steps": state["bad_steps"],
+        "fp16_overflow_steps": state["overflow_steps"],
         "prefix_cache_hits": prefix_cache.hits if prefix_cache else 0,
         "data": data_stats.summary(),
     }
@@ -555,6 +580,8 @@ def format_summary(summary: dict) -> str:
         ("trained router weights", f"{summary['trained_router_weights']:,}"),
         ("skipped steps", summary["skipped_steps"]),
     ]
+    if summary.get("fp16_overflow_steps"):
+        rows.append(("fp16 overflow steps (loss scale lowered)", summary["fp16_overflow_steps"]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
