@@ -54,18 +54,49 @@ def interleaved_medians(fns: dict, repeats: int, warmup: int = 1) -> dict:
     }
 
 
-def write_results(stem: str, payload: dict, markdown: str) -> tuple[Path, Path]:
-    """bench/results/<stem>-<date>.{json,md}, written atomically."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write_results(stem: str, payload: dict, markdown: str, out_dir: Path = RESULTS) -> tuple[Path, Path]:
+    """<out_dir>/<stem>-<date>.{json,md} (bench/results/ by default), written atomically."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     day = _dt.date.today().isoformat()
     paths = []
-    for suffix, text in ((".json", json.dumps(payload, indent=2)), (".md", markdown)):
-        path = RESULTS / f"{stem}-{day}{suffix}"
+    for suffix, text in ((".json", json.dumps(payload, indent=2, default=str)), (".md", markdown)):
+        path = out_dir / f"{stem}-{day}{suffix}"
         tmp = path.with_suffix(suffix + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, path)
         paths.append(path)
     return paths[0], paths[1]
+
+
+def proc_status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in bytes; elsewhere the lifetime peak RSS."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return lifetime_peak_rss()
+
+
+def lifetime_peak_rss() -> int:
+    """The process's peak RSS since it started, in bytes (getrusage; macOS reports bytes, Linux KiB)."""
+    import resource
+    import sys
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak RSS (VmHWM := VmRSS, Linux >= 4.0); False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class TensorPeak:

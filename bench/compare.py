@@ -225,9 +225,13 @@ class PeakMemory:
     def __init__(self, device):
         import torch
 
+        sys.path.insert(0, str(BENCH))
+        from common import proc_status_bytes, reset_peak_rss
+
         self.torch, self.device = torch, device
+        self.status, self.reset_peak_rss = proc_status_bytes, reset_peak_rss
         self.cuda = device.type == "cuda"
-        self.baseline = 0 if self.cuda else _status_bytes("VmRSS")
+        self.baseline = 0 if self.cuda else self.status("VmRSS")
 
     def reset(self) -> None:
         """Forget transients so far (loading, preparing): the peak from here on is what training needs."""
@@ -240,31 +244,17 @@ class PeakMemory:
             import ctypes
 
             ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the system, or RSS keeps it
-        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+        self.reset_peak_rss()
 
     def now(self) -> int:
         if self.cuda:
             return int(self.torch.cuda.memory_allocated(self.device))
-        return _status_bytes("VmRSS") - self.baseline
+        return self.status("VmRSS") - self.baseline
 
     def peak(self) -> int:
         if self.cuda:
             return int(self.torch.cuda.max_memory_allocated(self.device))
-        return _status_bytes("VmHWM") - self.baseline
-
-
-def _status_bytes(field_name: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource  # not Linux: the lifetime peak is all there is
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return self.status("VmHWM") - self.baseline
 
 
 # ---- the worker: one method, one model, one process -----------------------------------------------------------
@@ -1208,16 +1198,10 @@ def chart(payload: dict, path: Path) -> None:
 
 
 def write_outputs(payload: dict, out_dir: Path, stem: str) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    day = _dt.date.today().isoformat()
-    paths = []
-    for suffix, text in ((".json", json.dumps(payload, indent=1)), (".md", markdown(payload))):
-        path = out_dir / f"{stem}-{day}{suffix}"
-        tmp = path.with_suffix(suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-        paths.append(path)
-    png = out_dir / f"{stem}-{day}.png"
+    from common import write_results
+
+    paths = write_results(stem, payload, markdown(payload), out_dir=out_dir)
+    png = out_dir / f"{stem}-{_dt.date.today().isoformat()}.png"
     chart(payload, png)
     return [*paths, png]
 

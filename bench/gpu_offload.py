@@ -36,6 +36,7 @@ import usaf
 from usaf.arch import find_moe_layers
 from usaf.load import _compute_missing_buffers, build_skeleton
 from usaf.offload import LayerStreamer, StreamedParts
+from usaf.plan import format_size, load_model_config
 from usaf.quant import get_format, resolve_format
 from usaf.quant.store import QuantizedStore
 from usaf.store import StoredExpertTensor
@@ -43,22 +44,12 @@ from usaf.store import StoredExpertTensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-QWEN3_30B_A3B = dict(
-    hidden_size=2048,
-    num_hidden_layers=48,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    moe_intermediate_size=768,
-    intermediate_size=6144,
-    num_experts=128,
-    num_experts_per_tok=8,
-    vocab_size=151936,
-    norm_topk_prob=True,
-    tie_word_embeddings=False,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-)
+# The shipped planner preset (the published config.json), without its bookkeeping fields.
+QWEN3_30B_A3B = {
+    k: v
+    for k, v in load_model_config("qwen3-30b-a3b")[1].items()
+    if k not in ("_source", "model_type", "architectures", "transformers_version", "torch_dtype")
+}
 TINY = dict(
     hidden_size=64,
     num_hidden_layers=3,
@@ -75,10 +66,6 @@ TINY = dict(
     max_position_embeddings=256,
 )
 GB = 1 << 30
-
-
-def size(nbytes: float) -> str:
-    return f"{nbytes / GB:.2f} GB" if nbytes >= GB / 10 else f"{nbytes / 2**20:.1f} MB"
 
 
 def build_offloaded_model(
@@ -204,7 +191,7 @@ def train(model, streamer, device, batch: int, seq: int, steps: int, warmup: int
             streamed.append(streamer.bytes_streamed - before)
         print(
             f"step {step}: {elapsed:.2f} s, loss {losses[-1]:.3f}, transfers {clock.seconds():.2f} s, "
-            f"{size(streamer.bytes_streamed - before)} streamed",
+            f"{format_size(streamer.bytes_streamed - before)} streamed",
             flush=True,
         )
     step_s = statistics.median(times)
@@ -261,7 +248,7 @@ def run(args) -> dict:
     )
     result["build_s"] = time.perf_counter() - began
     print(
-        f"built: {result['parameters'] / 1e9:.3f} B parameters, experts {size(result['host_expert_bytes'])} "
+        f"built: {result['parameters'] / 1e9:.3f} B parameters, experts {format_size(result['host_expert_bytes'])} "
         f"in host memory ({fmt_name}), {result['build_s']:.0f} s",
         flush=True,
     )
@@ -304,7 +291,7 @@ def markdown(r: dict) -> str:
         f"Device: {r.get('device_name', r['device'])}{' (DRY RUN: tiny shapes on CPU)' if r['dry_run'] else ''}; "
         f"torch {r['machine']['torch']}, transformers {r['machine']['transformers']}. {r['parameters'] / 1e9:.2f} B "
         f"parameters, experts {r['quant_format']} in {'pinned ' if r['device'] == 'cuda' else ''}host memory "
-        f"({size(r['host_expert_bytes'])}), streamed per layer with prefetch; cache {r['cache_mb']} MB; "
+        f"({format_size(r['host_expert_bytes'])}), streamed per layer with prefetch; cache {r['cache_mb']} MB; "
         f"{r['dtype']}; usaf element {r['density']:.1%} (random) + routers; per-layer recomputation; AdamW."
     )
     lines.append("")
@@ -317,14 +304,14 @@ def markdown(r: dict) -> str:
         ]
         return "\n".join(lines)
     peak = r["peak_device_bytes"]
-    peak_text = size(peak) if peak is not None else "n/a (CPU)"
+    peak_text = format_size(peak) if peak is not None else "n/a (CPU)"
     rate = f"{r['transfer_gb_per_s']:.1f} GB/s" if r["transfer_gb_per_s"] else "–"
     lines += [
         "| tokens/step | median step s | tokens/s | peak device memory | streamed per step | transfer time per step "
         "| share of step in transfers | transfer rate |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {r['tokens_per_step']} ({r['batch']} x {r['seq']}) | {r['median_step_s']:.2f} | {r['tokens_per_s']:.0f} "
-        f"| {peak_text} | {size(r['bytes_streamed_per_step'])} "
+        f"| {peak_text} | {format_size(r['bytes_streamed_per_step'])} "
         f"| {r['transfer_s_per_step']:.2f} s | {r['transfer_share']:.0%} | {rate} |",
         "",
         f"Trainable: {r['trainable']['total'] / 1e6:.1f} M ({r['trainable']['expert_entries'] / 1e6:.1f} M expert "

@@ -27,9 +27,7 @@ TARGET = 1.3
 MODEL = dict(
     hidden_size=512,
     moe_intermediate_size=512,
-    num_experts=16,
-    num_local_experts=16,
-    n_routed_experts=16,
+    num_experts=16,  # usaf.tiny sets the families' other names for it
     num_experts_per_tok=4,
     num_hidden_layers=8,
     num_attention_heads=8,
@@ -38,11 +36,6 @@ MODEL = dict(
     vocab_size=8192,
     max_position_embeddings=4096,
 )
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
 
 
 def child(args) -> None:
@@ -55,20 +48,16 @@ def child(args) -> None:
     from usaf.loss import causal_lm_loss
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import TensorPeak
+    from common import TensorPeak, proc_status_bytes, reset_peak_rss
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     build_skeleton(AutoConfig.from_pretrained(args.store))  # imports the model's code before the baseline
     _warm_up(dtype)
-    baseline = _status("VmRSS")
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the peak (VmHWM) restarts here
-    except OSError:
-        pass
+    baseline = proc_status_bytes("VmRSS")
+    reset_peak_rss()  # the peak (VmHWM) restarts here
     model = load_prepared(args.store, args.source, usaf.UsafConfig(), device="cpu", dtype=dtype)
-    loaded = _status("VmRSS")
+    loaded = proc_status_bytes("VmRSS")
     ids = torch.randint(0, MODEL["vocab_size"], (1, args.seq), generator=torch.Generator().manual_seed(0))
     if args.child == "inference":
 
@@ -90,7 +79,7 @@ def child(args) -> None:
     for _ in range(2):  # training: the second step has the optimizer state
         run()
     seconds = (time.perf_counter() - start) / 2
-    peak = _status("VmHWM")
+    peak = proc_status_bytes("VmHWM")
     with TensorPeak() as tensors:  # one more, counting live tensors (as a GPU allocator's peak does)
         run()
     top = sorted(tensors.at_peak.items(), key=lambda kv: -kv[1])[:8]

@@ -19,11 +19,8 @@ runs with glibc's defaults, reported beside it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -34,15 +31,10 @@ STEPS = 3
 RETURNING_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
-def _experts(count: int) -> dict:
-    """Every family's name for the expert count (the tiny configs set all of them)."""
-    return dict(num_experts=count, num_local_experts=count, n_routed_experts=count)
-
-
 QWEN = dict(
     hidden_size=512,
     moe_intermediate_size=512,
-    **_experts(16),
+    num_experts=16,
     num_experts_per_tok=4,
     num_hidden_layers=4,
     num_attention_heads=8,
@@ -69,7 +61,7 @@ CASES = [
         "model": dict(
             hidden_size=384,
             intermediate_size=768,
-            **_experts(16),
+            num_experts=16,
             num_experts_per_tok=8,
             num_hidden_layers=6,
             num_attention_heads=6,
@@ -90,7 +82,7 @@ CASES = [
         "model": dict(
             hidden_size=768,
             intermediate_size=1024,
-            **_experts(8),
+            num_experts=8,
             num_experts_per_tok=2,
             num_hidden_layers=3,
             num_attention_heads=12,
@@ -118,24 +110,6 @@ CASES = [
 ]
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def prepare(case: dict, workdir: str) -> str:
     """Save the case's model as a checkpoint and prepare a store in the case's format (its own process, so that
     neither the saving nor the quantization warms up or fills the measured one); returns the store's path."""
@@ -150,6 +124,7 @@ def prepare(case: dict, workdir: str) -> str:
 def child(case: dict, store: str | None) -> dict:
     """Train one case and report the peak RSS above the post-import baseline (runs in its own process)."""
     import torch
+    from common import lifetime_peak_rss, proc_status_bytes, reset_peak_rss
 
     import usaf
     from usaf.load import load_prepared
@@ -161,8 +136,8 @@ def child(case: dict, store: str | None) -> dict:
     torch.manual_seed(0)
     ids = torch.randint(0, case["model"]["vocab_size"], (case["batch"], case["seq"]))
     config = usaf.UsafConfig(density=case["density"], granularity=case["granularity"])
-    can_reset = _reset_peak()
-    baseline_kb = _status_kb("VmRSS") if can_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    can_reset = reset_peak_rss()
+    baseline = proc_status_bytes("VmRSS") if can_reset else lifetime_peak_rss()
 
     if store is None:
         model = usaf.prepare_model(tiny_model(case["family"], **case["model"]), config)
@@ -178,10 +153,10 @@ def child(case: dict, store: str | None) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss))
-    peak_kb = _status_kb("VmHWM") if can_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = proc_status_bytes("VmHWM") if can_reset else lifetime_peak_rss()
     return {
-        "peak_bytes": (peak_kb - baseline_kb) * 1024,
-        "baseline_bytes": baseline_kb * 1024,
+        "peak_bytes": peak - baseline,
+        "baseline_bytes": baseline,
         "peak_source": "VmHWM after clear_refs" if can_reset else "ru_maxrss",
         "losses": losses,
         "trainable": usaf.trainable_summary(model),
@@ -247,6 +222,7 @@ def main() -> int:
     if args.prepare:
         print(json.dumps(prepare(json.loads(args.prepare), args.store)))
         return 0
+    from common import machine, write_results
 
     rows = []
     workdir = tempfile.TemporaryDirectory()
@@ -273,9 +249,7 @@ def main() -> int:
             flush=True,
         )
 
-    date = datetime.date.today().isoformat()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    facts = machine()
     table = [
         "| case | params | seq x batch | density | experts | measured peak | predicted peak | error | "
         "planner's peak phase | measured, glibc defaults |",
@@ -291,9 +265,9 @@ def main() -> int:
         )
     within = all(abs(r["error"]) <= TOLERANCE for r in rows)
     lines = [
-        f"# Planner vs measured peak memory ({date})",
+        f"# Planner vs measured peak memory ({facts['date']})",
         "",
-        f"CPU: {platform.machine()}, {os.cpu_count()} cores, torch 2 threads; fp32 compute, per-layer recomputation, "
+        f"CPU: {facts['processor']}, {facts['cpus']} cores, torch 2 threads; fp32 compute, per-layer recomputation, "
         f"chunked loss (1024 tokens), AdamW, {STEPS} steps. Measured: peak RSS above the baseline after imports, "
         "with MALLOC_MMAP_THRESHOLD_=131072 (freed memory returns to the system). Predicted: the planner's peak "
         "from the config alone, less its imports line.",
@@ -305,8 +279,9 @@ def main() -> int:
     ]
     for r in rows:
         lines += [f"## {r['case']['name']}", "", "```", r["predicted"]["table"], "```", ""]
-    (out / f"plan_accuracy-{date}.md").write_text("\n".join(lines))
-    (out / f"plan_accuracy-{date}.json").write_text(json.dumps(rows, indent=2, default=str))
+    write_results(
+        "plan_accuracy", {"machine": facts, "cases": rows}, "\n".join(lines), out_dir=Path(args.out)
+    )
     print("\n".join([*table, "", f"All within {TOLERANCE:.0%}: {'yes' if within else 'NO'}."]))
     return 0 if within else 1
 

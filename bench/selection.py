@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine, write_results
+from common import RESULTS, machine, write_results
 
 STRATEGIES = {  # label -> (strategy, selection inside the budget)
     "random": ("uniform", "random"),
@@ -164,14 +164,8 @@ def main(argv=None) -> int:
     rows = aggregate(runs)
     payload = {"machine": facts, "settings": vars(args), "rows": rows, "runs": runs}
     text = markdown(rows, args, facts)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.json").write_text(json.dumps(payload, indent=2))
-        (out / f"{args.name}.md").write_text(text)
-    else:
-        for path in write_results(args.name, payload, text):
-            print(f"wrote {path}")
+    for path in write_results(args.name, payload, text, out_dir=Path(args.out) if args.out else RESULTS):
+        print(f"wrote {path}")
     print(text)
     return 0
 
