@@ -757,9 +757,8 @@ def plan(
                 "mmap: the experts page in from the prepared store; host memory beyond this ledger speeds "
                 "streaming as page cache"
             )
-        largest_part = (
-            sum(stored_bytes(((1, shape.largest_expert_matrix, 1),), s.quant, d)) * shape.num_experts
-        )
+        _, rows, cols = max(shape.expert_matrices, key=lambda m: m[1] * m[2])
+        largest_part = sum(stored_bytes(((shape.num_experts, rows, cols),), s.quant, d))
         add(
             "load staging",
             2 * largest_part,
