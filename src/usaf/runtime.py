@@ -44,19 +44,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def autocast(precision: str, device: torch.device, model_dtype: torch.dtype):
-    """A context for the forward: autocast to bf16/fp16 when asked (or `auto` with a low-precision model)."""
+def autocast_dtype(precision: str, model_dtype: torch.dtype) -> torch.dtype | None:
+    """The forward's low-precision dtype: bf16/fp16 when asked (or `auto` with a low-precision model), else None."""
     if precision == "none" or (precision == "auto" and model_dtype == torch.float32):
-        return contextlib.nullcontext()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, model_dtype)
-    return torch.autocast(device_type=device.type, dtype=dtype)
+        return None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, model_dtype)
+
+
+def autocast(precision: str, device: torch.device, model_dtype: torch.dtype):
+    """A context for the forward: autocast to `autocast_dtype`, or nothing."""
+    dtype = autocast_dtype(precision, model_dtype)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def loss_scaler(precision: str, device: torch.device, model_dtype: torch.dtype) -> torch.amp.GradScaler:
     """Dynamic loss scaling when the forward runs in fp16 (whose gradients underflow without it); a pass-through
     scaler otherwise. The only scaling in the loop: the loss is scaled once, the gradients unscaled once."""
-    fp16 = precision == "fp16" or (precision == "auto" and model_dtype == torch.float16)
-    return torch.amp.GradScaler(device.type, enabled=fp16)
+    return torch.amp.GradScaler(device.type, enabled=autocast_dtype(precision, model_dtype) == torch.float16)
 
 
 def seed_everything(seed: int) -> None:
