@@ -151,3 +151,13 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         )
         raise UsafError(f"{kind} has no Mixture-of-Experts layers with fused experts.{hint}")
     return layers
+
+
+def expert_weight_names(layers: list[MoELayer]) -> dict[str, int]:
+    """{parameter name of each fused expert weight (biases excluded): its MoE layer's ordinal}."""
+    return {
+        f"{layer.experts_name}.{t.name}": layer.index
+        for layer in layers
+        for t in layer.tensors
+        if not t.is_bias
+    }

@@ -93,3 +93,24 @@ def install_dir(tmp: Path, out_dir: Path) -> None:
     fsync_dir(out_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# Weights, which a model folder's side files are not (config, tokenizer, chat template, generation config...).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".pkl")
+_SIDE_FILE_LIMIT = 64 << 20
+_SHARD_INDEX = "model.safetensors.index.json"
+
+
+def copy_side_files(model_dir: Path, out: Path, keep_shard_index: bool, skip: tuple[str, ...] = ()) -> None:
+    """Copy a model folder's small non-weight files into `out`, fsynced (the shard index only when the output keeps
+    the source's tensor files and names)."""
+    for path in sorted(model_dir.iterdir()):
+        if not path.is_file() or path.name in skip:
+            continue
+        if (path.name == _SHARD_INDEX and keep_shard_index) or (
+            path.name != _SHARD_INDEX
+            and not path.name.endswith(_WEIGHT_SUFFIXES)
+            and path.stat().st_size <= _SIDE_FILE_LIMIT
+        ):
+            shutil.copy2(path, out / path.name)
+            fsync_file(out / path.name)

@@ -6,6 +6,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from .errors import UsafError
 
+RESIDENCIES = ("device", "host", "mmap")  # where a quantized base's experts live (see usaf.offload)
+
 GRANULARITIES = ("element", "neuron")
 SELECTIONS = ("random", "magnitude", "gradient")
 STRATEGIES = ("uniform", "routing", "gradient", "file")
@@ -120,7 +122,7 @@ class ModelSection:
     path: str = option("", "model directory, prepared store, or hub id (the hub needs the network)")
     dtype: str = option("auto", "weights and compute dtype", ("auto", "float32", "bfloat16", "float16"))
     quant: str = option("none", "frozen expert storage", ("none", "nf4", "int8", "int4"))
-    residency: str = option("device", "where frozen experts live", ("device", "host", "mmap"))
+    residency: str = option("device", "where frozen experts live", RESIDENCIES)
     device: str = option("auto", "compute device: auto, cpu, cuda, cuda:1, mps, xpu ...")
 
 

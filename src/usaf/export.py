@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,15 @@ import torch
 from torch import nn
 
 from . import __version__, checkpoint, shards
-from .atomic import atomic_file, fsync_dir, install_dir, remove_stale_temporaries, temporary_name, write_json
+from .atomic import (
+    atomic_file,
+    copy_side_files,
+    fsync_dir,
+    install_dir,
+    remove_stale_temporaries,
+    temporary_name,
+    write_json,
+)
 from .errors import UsafError
 from .sparse import ElementEntries, line_flat_indices
 
@@ -36,8 +43,6 @@ MERGED_METADATA_FILE = "usaf_delta.json"
 INDEX_FILE = "model.safetensors.index.json"
 STORE_FILE = "usaf_store.json"  # a prepared (quantized) store, see usaf.load
 _CHUNK_BYTES = 64 << 20
-_SIDE_FILE_LIMIT = 64 << 20
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".pkl")
 _INT32_LIMIT = 2**31 - 1
 
 
@@ -71,7 +76,7 @@ class BaseCheckpoint:
         # usaf.load and usaf.source pull in the quantized-storage stack; only what reads checkpoints needs them
         from transformers import AutoConfig
 
-        from .arch import find_moe_layers
+        from .arch import expert_weight_names, find_moe_layers
         from .load import build_skeleton
         from .source import SourceCheckpoint
 
@@ -89,10 +94,7 @@ class BaseCheckpoint:
         self.config = AutoConfig.from_pretrained(self.dir)
         self.skeleton = build_skeleton(self.config)
         self.layers = find_moe_layers(self.skeleton)
-        experts = {
-            f"{layer.experts_name}.{t.name}" for layer in self.layers for t in layer.tensors if not t.is_bias
-        }
-        self.source = SourceCheckpoint(self.dir, self.skeleton, experts)
+        self.source = SourceCheckpoint(self.dir, self.skeleton, set(expert_weight_names(self.layers)))
         self._checksums: dict[str, str] = {}
 
     def identity(self) -> dict:
@@ -520,7 +522,7 @@ def write_merged(
         missing = sorted(set(edits) - set(report))
         if missing:
             raise UsafError(f"Tensor '{missing[0]}' was not found in the shards of {base.dir}.")
-        _copy_side_files(base.dir, tmp)
+        copy_side_files(base.dir, tmp, keep_shard_index=True, skip=(MERGED_METADATA_FILE,))
         metadata = {
             "format": "usaf-merged",
             "usaf_version": __version__,
@@ -610,20 +612,6 @@ def _apply_edit(raw: torch.Tensor, dtype: torch.dtype, first: int, edit) -> None
     lo, hi = torch.searchsorted(positions, torch.tensor([first, first + count])).tolist()
     if hi > lo:
         raw.view(dtype)[positions[lo:hi] - first] = values[lo:hi]
-
-
-def _copy_side_files(model_dir: Path, out: Path) -> None:
-    """config.json, generation config, tokenizer and chat template files, and the shard index (the tensors keep their
-    names and files, so it stays valid)."""
-    for path in sorted(model_dir.iterdir()):
-        if not path.is_file() or path.name == MERGED_METADATA_FILE:
-            continue
-        if path.name == INDEX_FILE or (
-            not path.name.endswith(_WEIGHT_SUFFIXES) and path.stat().st_size <= _SIDE_FILE_LIMIT
-        ):
-            shutil.copy2(path, out / path.name)
-            with open(out / path.name, "rb") as f:
-                os.fsync(f.fileno())
 
 
 # ---- applying a delta to a loaded model ----------------------------------------------------------------------------

@@ -28,11 +28,18 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import __version__, shards
-from .arch import find_moe_layers
-from .atomic import fsync_dir, install_dir, remove_stale_temporaries, temporary_name, write_json
-from .config import UsafConfig
+from .arch import expert_weight_names, find_moe_layers
+from .atomic import (
+    copy_side_files,
+    fsync_dir,
+    install_dir,
+    remove_stale_temporaries,
+    temporary_name,
+    write_json,
+)
+from .config import RESIDENCIES, UsafConfig
 from .errors import UsafError
-from .offload import RESIDENCIES, LayerStreamer, ResidentParts, StreamedParts, host_copy
+from .offload import LayerStreamer, ResidentParts, StreamedParts, host_copy
 from .prepare import prepare_model
 from .quant import default_device, get_format, resolve_format
 from .quant import int4 as int4_format
@@ -46,9 +53,6 @@ STORE_FILE = "usaf_store.json"
 STORE_FORMAT_VERSION = 1
 DEFAULT_FILE_BYTES = 4 << 30
 _PIECE_ELEMENTS = 1 << 18  # quantizers' temporaries are a few times this many values
-# Files copied next to the weights so that a store is self-contained (config, tokenizer, chat template...).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".pkl")
-_SIDE_FILE_LIMIT = 64 << 20
 
 
 # ---- the model skeleton ---------------------------------------------------------------------------------------
@@ -71,16 +75,6 @@ def _compute_missing_buffers(model: nn.Module) -> None:
             for name in missing:
                 module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
             model._init_weights(module)
-
-
-def _expert_names(model: nn.Module) -> dict[str, int]:
-    """{parameter name of a fused expert weight: MoE layer ordinal} (biases are dense and stay unquantized)."""
-    return {
-        f"{layer.experts_name}.{t.name}": layer.index
-        for layer in find_moe_layers(model)
-        for t in layer.tensors
-        if not t.is_bias
-    }
 
 
 def _dense_linear_weights(model: nn.Module) -> set[str]:
@@ -135,7 +129,7 @@ def prepare_store(
             "(bf16/fp16/fp32) checkpoint."
         )
     skeleton = build_skeleton(config)
-    experts = _expert_names(skeleton)
+    experts = expert_weight_names(find_moe_layers(skeleton))
     source = SourceCheckpoint(model_dir, skeleton, set(experts))
     dense_linear = _dense_linear_weights(skeleton) if quant_dense else set()
     tensors = _plan_tensors(source, experts, fmt_name, dense_linear)
@@ -162,7 +156,7 @@ def prepare_store(
         writers.clear()
         used = sorted({key for info in tensors.values() for key in info["sources"]})
         checksums = source.finish_checksums(used)
-        _copy_side_files(model_dir, tmp)
+        copy_side_files(model_dir, tmp, keep_shard_index=False)
         metadata = _metadata(model_dir, source, tensors, checksums, quant, fmt_name, quant_dense, tmp)
         write_json(tmp / STORE_FILE, metadata)
         fsync_dir(tmp)
@@ -315,17 +309,6 @@ def _check_finite(
             f"Non-finite values in {what}'{name}' (checkpoint tensors {keys[:3]}{'...' if len(keys) > 3 else ''} "
             f"in {', '.join(files)}): the shard is corrupted; re-download it."
         )
-
-
-def _copy_side_files(model_dir: Path, out: Path) -> None:
-    for path in model_dir.iterdir():
-        if (
-            path.is_file()
-            and not path.name.endswith(_WEIGHT_SUFFIXES)
-            and path.name != "model.safetensors.index.json"
-            and path.stat().st_size <= _SIDE_FILE_LIMIT
-        ):
-            shutil.copy2(path, out / path.name)
 
 
 def _metadata(model_dir, source, tensors, checksums, requested, fmt, quant_dense, tmp: Path) -> dict:
@@ -502,7 +485,7 @@ def load_prepared(
     if dtype is None:
         dtype = _checkpoint_dtype(tensors)
     model = build_skeleton(AutoConfig.from_pretrained(prepared_dir), dtype)
-    experts = _expert_names(model)
+    experts = expert_weight_names(find_moe_layers(model))
     missing = sorted(set(experts) - {n for n, t in tensors.items() if t["kind"] == "experts"})
     if missing:
         raise UsafError(f"The store in {prepared_dir} has no expert tensor '{missing[0]}'; prepare it again.")

@@ -17,8 +17,6 @@ from collections import Counter, OrderedDict
 
 import torch
 
-RESIDENCIES = ("device", "host", "mmap")
-
 
 def _expert_index(expert_ids: list[int], device: torch.device):
     """Slices for a contiguous run of experts (no copy), else an index tensor."""

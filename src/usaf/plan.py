@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from .config import RESIDENCIES
 from .errors import UsafError
 
 GiB = 1 << 30
@@ -123,7 +124,6 @@ OPTIMIZERS = {
     "adamw": "AdamW (two moments in the parameter's dtype)",
     "adamw8bit": "8-bit AdamW (2 B per value)",
 }
-RESIDENCIES = ("device", "host", "mmap")
 
 
 @dataclass(frozen=True)

@@ -45,14 +45,3 @@ def default_device() -> torch.device:
     if accelerator is not None and accelerator.is_available():
         return torch.device(accelerator.current_accelerator().type)
     return torch.device("cpu")
-
-
-def stored_bytes(name: str, rows: int, cols: int, source_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes one [rows, cols] matrix takes in format `name` (data and state)."""
-    total = 0
-    for dtype, shape in get_format(name).layout(rows, cols, source_dtype).values():
-        numel = 1
-        for size in shape:
-            numel *= size
-        total += numel * torch.empty((), dtype=dtype).element_size()
-    return total
