@@ -188,7 +188,8 @@ def test_prefix_cache_gives_equal_losses(workspace, tmp_path):
     assert plain["eval_loss_after"] == pytest.approx(cached["eval_loss_after"], rel=1e-5)
 
 
-def test_nan_steps_are_skipped_then_the_run_stops(workspace, tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["none", "fp16"])  # fp16: a skipped step must still close the loss scaler
+def test_nan_steps_are_skipped_then_the_run_stops(workspace, tmp_path, monkeypatch, precision):
     import usaf.train as train_module
 
     real = train_module.causal_lm_loss
@@ -202,7 +203,13 @@ def test_nan_steps_are_skipped_then_the_run_stops(workspace, tmp_path, monkeypat
     monkeypatch.setattr(train_module, "causal_lm_loss", sometimes_nan)
     with pytest.raises(UsafError, match="NaN/Inf"):
         train(
-            config_for(workspace, "schedule.max_steps=50", "train.max_bad_steps=3", "data.eval_fraction=0"),
+            config_for(
+                workspace,
+                "schedule.max_steps=50",
+                "train.max_bad_steps=3",
+                "data.eval_fraction=0",
+                f"train.precision={precision}",
+            ),
             tmp_path / "run",
         )
     state = json.loads(

@@ -141,15 +141,15 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
             )
             scaler.unscale_(optimizer)
             grad_norm = _clip(model, config.optim.clip_grad_norm)
-            if scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(grad_norm):
-                scaler.update()  # the scale was too high for fp16: lower it and try the next batch
-                state["overflow_steps"] += 1
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                # a skipped step still closes the scaler's step (it lowers the fp16 loss scale on inf gradients)
+                scaler.update()
                 state["loss_scale"] = scaler.state_dict()
                 optimizer.zero_grad(set_to_none=True)
-                continue
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                if scaler.is_enabled() and math.isfinite(loss):  # fp16 overflow: retry at the lower scale
+                    state["overflow_steps"] += 1
+                    continue
                 state["bad_steps"] += 1
-                optimizer.zero_grad(set_to_none=True)
                 log.message(f"step {state['step'] + 1}: loss {loss} / grad norm {grad_norm}: skipped")
                 if state["bad_steps"] > config.train.max_bad_steps:
                     _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)
