@@ -95,7 +95,6 @@ class BaseCheckpoint:
         self.skeleton = build_skeleton(self.config)
         self.layers = find_moe_layers(self.skeleton)
         self.source = SourceCheckpoint(self.dir, self.skeleton, set(expert_weight_names(self.layers)))
-        self._checksums: dict[str, str] = {}
 
     def identity(self) -> dict:
         return {
@@ -120,15 +119,10 @@ class BaseCheckpoint:
         return target
 
     def sha256(self, key: str) -> str:
-        if key not in self._checksums:
-            self._checksums[key] = shards.sha256_of(self.source.entries[key])
-        return self._checksums[key]
+        return self.source.finish_checksums([key])[key]  # hashed once, cached by the source
 
     def shard_files(self) -> list[str]:
-        index = self.dir / INDEX_FILE
-        if index.exists():
-            return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return sorted(p.name for p in self.dir.glob("*.safetensors"))
+        return sorted({entry.file.name for entry in self.source.entries.values()})
 
     def locate(self, name: str, flat: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """Where entries `flat` of parameter `name` are stored: (checkpoint key, positions in that tensor, which of
