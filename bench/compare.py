@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import gc
 import json
 import math
@@ -599,8 +598,7 @@ def prepare_model_dir(run: Run, workdir: Path, device: str, smoke: bool, threads
         _random_model(run.shape, model_dir, getattr(torch, dtype))
         train_ids, eval_ids = _random_batches(run)
     quant_dir = root / "nf4"
-    quant_device = device if device != "cpu" else "cpu"
-    prepare_store(model_dir, quant_dir, "nf4", device=quant_device, force=True)
+    prepare_store(model_dir, quant_dir, "nf4", device=device, force=True)
     batches = root / "batches.pt"
     torch.save({"train": train_ids, "eval": eval_ids}, batches)
     with open(model_dir / "config.json") as f:
@@ -632,9 +630,9 @@ def prepare_model_dir(run: Run, workdir: Path, device: str, smoke: bool, threads
 def _demo_assets(root: Path, smoke: bool):
     """The bundled demo model and data; in smoke runs a random model of the demo's shape on generated data (the
     accuracy is then ~0, but every code path runs)."""
-    import usaf
+    from usaf.demo import assets as demo_assets
 
-    assets = Path(usaf.__file__).resolve().parent / "demo_assets"
+    assets = demo_assets()
     if not smoke:
         if (assets / "model" / "config.json").exists() and (assets / "data" / "train.jsonl").exists():
             return assets / "model", assets / "data"
@@ -1201,7 +1199,7 @@ def write_outputs(payload: dict, out_dir: Path, stem: str) -> list[Path]:
     from common import write_results
 
     paths = write_results(stem, payload, markdown(payload), out_dir=out_dir)
-    png = out_dir / f"{stem}-{_dt.date.today().isoformat()}.png"
+    png = paths[0].with_suffix(".png")
     chart(payload, png)
     return [*paths, png]
 

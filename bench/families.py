@@ -25,7 +25,7 @@ from common import machine, write_results
 import usaf
 from usaf.arch import find_moe_layers
 from usaf.errors import UsafError
-from usaf.tiny import FAMILIES, tiny_config
+from usaf.tiny import FAMILIES, randomize_routers_and_biases, tiny_config
 
 MAX_PARAMETERS = 20_000_000
 
@@ -61,17 +61,20 @@ def check(model_type: str) -> dict:
     failure = {}
     for extra in attempts:
         try:  # a tiny model of this family that transformers itself runs
-            config = tiny_config(model_type) if model_type in FAMILIES else _tiny_config(model_type, extra)
+            # the families of usaf.tiny as tested; others at the common tiny sizes, ids inside the tiny vocabulary
+            config = (
+                tiny_config(model_type)
+                if model_type in FAMILIES
+                else tiny_config(model_type, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+            )
             with torch.device("meta"):  # sizes the family names differently keep their (huge) defaults
                 size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
             if size > MAX_PARAMETERS:
                 raise ValueError(f"the tiny config still has {size / 1e6:.0f} M parameters")
             torch.manual_seed(0)
             reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+            randomize_routers_and_biases(reference)
             with torch.no_grad():
-                for name, param in reference.named_parameters():
-                    if param.abs().sum() == 0 or name.endswith(("router.weight", "gate.weight", "_bias")):
-                        param.normal_(0.0, 0.5 if "router" in name or "gate" in name else 0.05)
                 reference(input_ids=ids)
             break
         except Exception as err:  # this survey's tiny config does not fit the family: not a usaf result
@@ -117,32 +120,6 @@ def check(model_type: str) -> dict:
             "error": f"{type(err).__name__}: {err}"[:300],
             "trace": traceback.format_exc(),
         }
-
-
-def _tiny_config(model_type: str, extra: dict):
-    base = tiny_config("qwen3_moe")  # usaf.tiny's common sizes, applied over this family's defaults
-    sizes = {
-        k: v
-        for k, v in base.to_dict().items()
-        if k
-        in (
-            "hidden_size",
-            "intermediate_size",
-            "moe_intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "vocab_size",
-            "max_position_embeddings",
-            "num_experts",
-            "num_experts_per_tok",
-        )
-    }
-    sizes.update(num_local_experts=6, n_routed_experts=6, top_k_experts=2, tie_word_embeddings=False)
-    sizes.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
-    sizes.update(extra)
-    return transformers.AutoConfig.for_model(model_type, **{k: v for k, v in sizes.items() if v is not None})
 
 
 def main() -> None:

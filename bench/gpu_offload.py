@@ -17,9 +17,7 @@ around each layer copy; they overlap compute, so the share says how close the st
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
-import json
 import math
 import os
 import statistics
@@ -159,11 +157,6 @@ class TransferClock:
         return sum(start.elapsed_time(end) for start, end in self.events) / 1000.0
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train(model, streamer, device, batch: int, seq: int, steps: int, warmup: int, lr: float) -> dict:
     vocab = model.config.vocab_size
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -175,14 +168,14 @@ def train(model, streamer, device, batch: int, seq: int, steps: int, warmup: int
         ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
         clock.reset()
         before = streamer.bytes_streamed
-        sync(device)
+        common.sync()
         began = time.perf_counter()
         loss = usaf.causal_lm_loss(model, ids, ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        sync(device)
+        common.sync()
         elapsed = time.perf_counter() - began
         losses.append(float(loss.detach()))
         if step >= warmup:
@@ -352,15 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         result = {"error": traceback.format_exc(), "dry_run": args.dry_run}
         print(result["error"], file=sys.stderr)
-    args.out.mkdir(parents=True, exist_ok=True)
-    day = _dt.date.today().isoformat()
-    stem = f"offload{'-dry-run' if args.dry_run else ''}-{day}"
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    text = f"# offload run failed\n\n```\n{result['error']}\n```\n" if "error" in result else markdown(result)
+    stem = f"offload{'-dry-run' if args.dry_run else ''}"
+    json_path, _ = common.write_results(stem, result, text, out_dir=args.out)
     if "error" not in result:
-        text = markdown(result)
-        (args.out / f"{stem}.md").write_text(text)
         print(text)
-    print(f"wrote {args.out / stem}.json", flush=True)
+    print(f"wrote {json_path}", flush=True)
     return 1 if "error" in result or "tokens_per_s" not in result else 0
 
 

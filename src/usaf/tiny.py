@@ -71,7 +71,7 @@ def tiny_config(family: str, **overrides):
         given = [overrides[n] for n in names if n in overrides]
         if given:
             overrides = {**{n: given[0] for n in names}, **overrides}
-    kwargs = {**_COMMON, **FAMILIES[family], **overrides}
+    kwargs = {**_COMMON, **FAMILIES.get(family, {}), **overrides}  # other families: the common sizes alone
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return AutoConfig.for_model(family, **kwargs)
 
@@ -80,11 +80,13 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
     """A randomly initialised tiny model of `family`, with routers and biases made non-trivial."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=dtype)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            # zero-initialised routers/biases would hide routing and bias bugs
-            if param.abs().sum() == 0 or name.endswith(
-                ("router.weight", "gate.weight", "_bias", "router.bias")
-            ):
-                param.normal_(0.0, 0.5 if "router" in name or "gate" in name else 0.05)
+    randomize_routers_and_biases(model)
     return model.eval()
+
+
+@torch.no_grad()
+def randomize_routers_and_biases(model) -> None:
+    """Zero-initialised routers and biases would hide routing and bias bugs: give them random values."""
+    for name, param in model.named_parameters():
+        if param.abs().sum() == 0 or name.endswith(("router.weight", "gate.weight", "_bias", "router.bias")):
+            param.normal_(0.0, 0.5 if "router" in name or "gate" in name else 0.05)
