@@ -7,6 +7,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from .errors import UsafError
 
 RESIDENCIES = ("device", "host", "mmap")  # where a quantized base's experts live (see usaf.offload)
+GUARD_ACTIONS = ("warn", "raise_balance", "freeze_router", "stop")  # see usaf.router.CollapseGuard
 
 GRANULARITIES = ("element", "neuron")
 SELECTIONS = ("random", "magnitude", "gradient")
@@ -139,9 +140,7 @@ class RouterSection:
     guard_max_cv: float = option(2.0, "collapse guard: max coefficient of variation of layer loads (0: off)")
     guard_min_entropy: float = option(0.5, "collapse guard: min normalised entropy of layer loads (0: off)")
     guard_max_dead_share: float = option(0.5, "collapse guard: max share of experts without tokens (1: off)")
-    guard_action: str = option(
-        "warn", "collapse guard action", ("warn", "raise_balance", "freeze_router", "stop")
-    )
+    guard_action: str = option("warn", "collapse guard action", GUARD_ACTIONS)
     guard_balance_cap: float = option(0.1, "raise_balance doubles balance_coef up to this")
 
 

@@ -758,10 +758,11 @@ def _usaf_keys_by_tensor(
 
     save_pretrained renames keys back into the checkpoint's own layout (e.g. Mixtral's `.mlp.` becomes
     `.block_sparse_moe.`); the model's own renamings bring the experts path back."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, apply_renamings
+    from transformers.core_model_loading import apply_renamings
 
-    renamings = [m for m in get_model_conversion_mapping(base.skeleton) if isinstance(m, WeightRenaming)]
+    from .prepare import model_renamings
+
+    renamings = model_renamings(base.skeleton)
     experts_paths = {layer.experts_name for layer in base.layers}
     found: dict[tuple[str, str], dict[str, str]] = {}
     for key in saved:

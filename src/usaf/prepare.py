@@ -84,16 +84,23 @@ def prepare_model(
     return model
 
 
+def model_renamings(model: nn.Module) -> list:
+    """The key renamings transformers applies when loading `model`'s checkpoints (and reverses when saving)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    return [m for m in get_model_conversion_mapping(model) if isinstance(m, WeightRenaming)]
+
+
 def _accept_checkpoint_names(model: nn.Module, state_dict: dict, prefix: str, *args) -> None:
     """`save_pretrained` (and so transformers.Trainer) writes keys in the checkpoint's own naming (Mixtral's `.mlp.`
     as `.block_sparse_moe.`), but Trainer's resume and best-model reload use a plain `load_state_dict`: rename keys
     that the model's own load-time renamings map onto its parameters and buffers (trained values, selections,
     routers), or they would be skipped silently and training would restart from the base."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, apply_renamings
+    from transformers.core_model_loading import apply_renamings
 
     try:
-        renamings = [m for m in get_model_conversion_mapping(model) if isinstance(m, WeightRenaming)]
+        renamings = model_renamings(model)
     except Exception:  # a model transformers has no conversion mapping for: nothing to rename
         return
     if not renamings:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
+from .atomic import atomic_json
 from .errors import UsafError
 
 METRICS_FILE = "metrics.jsonl"
@@ -47,9 +47,7 @@ def write_router_load(run_dir: str | Path, before, after, layers) -> Path:
             "they must match."
         )
     path = Path(run_dir) / ROUTER_LOAD_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"layers": layers, "before": before, "after": after}))
-    os.replace(tmp, path)
+    atomic_json(path, {"layers": layers, "before": before, "after": after})
     return path
 
 

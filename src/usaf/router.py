@@ -30,10 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import MoELayer, find_moe_layers
+from .config import GUARD_ACTIONS
 from .errors import UsafError
-
-GUARD_ACTIONS = ("warn", "raise_balance", "freeze_router", "stop")
-
 
 # ----------------------------------------------------------------------------------------------------------
 # capturing raw logits and routed ids

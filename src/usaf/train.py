@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import signal
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import __version__, checkpoint, runtime
 from .arch import find_moe_layers
-from .atomic import atomic_json
+from .atomic import atomic_file, atomic_json
 from .config import RunConfig
 from .data import Batches, collate, load_dataset
 from .errors import UsafError
@@ -261,9 +260,7 @@ def _prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> RunConfi
     if not config.model.path:
         raise UsafError("no model: give --model DIR (or model.path in the config file).")
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = saved_config.with_suffix(".tmp")
-    tmp.write_text(config.to_yaml())
-    os.replace(tmp, saved_config)
+    atomic_file(saved_config, lambda tmp: tmp.write_text(config.to_yaml()))
     return config
 
 

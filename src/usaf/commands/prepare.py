@@ -41,6 +41,7 @@ def add_command(subparsers) -> None:
 
 def _run(args) -> int:
     from ..load import prepare_store, read_store_metadata
+    from ..plan import format_size
 
     start = time.time()
     out = prepare_store(
@@ -59,10 +60,6 @@ def _run(args) -> int:
     note = "" if metadata["quant"] == args.quant else f" (bitsandbytes has no {args.quant} kernels here)"
     print(
         f"prepared {out}: {experts} expert tensors as {metadata['quant']}{note}, "
-        f"{_size(stored)} from {_size(source)} in {time.time() - start:.0f} s"
+        f"{format_size(stored)} from {format_size(source)} in {time.time() - start:.0f} s"
     )
     return 0
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
