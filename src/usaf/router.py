@@ -340,9 +340,10 @@ class RouterHealth:
             rows.append(entry)
         return rows
 
-    def summary(self) -> dict:
-        """Short numbers for the progress bar: worst layer's cv and entropy, dead experts in all, mean drift."""
-        observed = [r for r in self.per_layer() if r["routed"]]
+    def summary(self, rows: list[dict] | None = None) -> dict:
+        """Short numbers for the progress bar: worst layer's cv and entropy, dead experts in all, mean drift
+        (from `rows` of `per_layer()` when the caller has them)."""
+        observed = [r for r in (self.per_layer() if rows is None else rows) if r["routed"]]
         drifts = [d for d in self.drift if d is not None]
         out = {}
         if observed:
@@ -353,9 +354,10 @@ class RouterHealth:
             out["drift"] = sum(drifts) / len(drifts)
         return out
 
-    def metrics(self) -> dict:
+    def metrics(self, rows: list[dict] | None = None) -> dict:
         """For metrics.jsonl (and `usaf report`): the summary as router/<key> scalars, the detail as router/layers."""
-        return {**{f"router/{k}": v for k, v in self.summary().items()}, "router/layers": self.per_layer()}
+        rows = self.per_layer() if rows is None else rows
+        return {**{f"router/{k}": v for k, v in self.summary(rows).items()}, "router/layers": rows}
 
     def load_matrix(self, counts: torch.Tensor | None = None) -> torch.Tensor:
         """[layers, E] load shares (of the window, or of `counts`); NaN for unobserved layers/absent experts."""
@@ -453,12 +455,12 @@ class CollapseGuard:
             balance_cap=section.guard_balance_cap,
         )
 
-    def crossings(self, health: RouterHealth) -> list[str]:
+    def crossings(self, health: RouterHealth, rows: list[dict] | None = None) -> list[str]:
         """A line per threshold crossed, per layer ([] while the window is filling)."""
         if not health.window_is_full:
             return []
         found = []
-        for row in health.per_layer():
+        for row in health.per_layer() if rows is None else rows:
             if not row["routed"]:
                 continue
             where = f"layer {row['layer']}"
@@ -470,9 +472,9 @@ class CollapseGuard:
                 found.append(f"{where}: {row['dead']} dead experts > {self.max_dead_share:.0%}")
         return found
 
-    def check(self, health: RouterHealth, step: int) -> str | None:
+    def check(self, health: RouterHealth, step: int, rows: list[dict] | None = None) -> str | None:
         """Act on crossings; returns a message for the log (None when healthy). Raises `RouterCollapse` on stop."""
-        found = self.crossings(health)
+        found = self.crossings(health, rows)
         if not found:
             return None
         self.trips += 1
@@ -552,15 +554,18 @@ class RouterTraining:
         every = self.section.health_every_steps
         if every and step % every == 0:
             self.health.measure_drift(self.model, self.probe_batch)
-            record.update(self.health.metrics())
-            s = self.health.summary()
+            rows = (
+                self.health.per_layer()
+            )  # once: the metrics, the progress bar and the guard read the same rows
+            record.update(self.health.metrics(rows))
+            s = self.health.summary(rows)
             show = {
                 k: f"{v:.2f}"
                 for k, v in (("cv", s["cv_max"]), ("ent", s["entropy_min"]), ("kl", s["drift"]))
                 if v is not None
             }
             show["dead"] = str(s["dead"])
-            message = self.guard.check(self.health, step)
+            message = self.guard.check(self.health, step, rows)
         return record, show, message
 
     def state_dict(self) -> dict:
