@@ -258,6 +258,7 @@ def _write_tensors(source: SourceCheckpoint, tensors: dict, writers: dict, devic
                         key = f"{name}:{part}"
                         writer.write(key, value, offsets[key])
                         offsets[key] += value.numel() * value.element_size()
+            source.release()  # a stack built for this tensor's experts is not needed for the next tensor
             done.add(name)
             continue
         for produced, value in source.build(info["group"]).items():  # a group may produce several tensors

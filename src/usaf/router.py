@@ -522,7 +522,7 @@ class RouterTraining:
         self.router_params = router_params
         self.probe_batch = probe_batch
         self.health.record_base(model, probe_batch)
-        self.parts: dict[str, float] = {}
+        self.parts: dict[str, torch.Tensor] = {}  # summed on the device; read once per step
 
     def capture(self):
         return self.probe.capture()
@@ -537,7 +537,7 @@ class RouterTraining:
             return 0.0
         total, parts = self.loss(self.probe)
         for key, value in parts.items():
-            self.parts[key] = self.parts.get(key, 0.0) + float(value)
+            self.parts[key] = self.parts.get(key, 0.0) + value.detach()
         return total
 
     def after_micro_batch(self) -> None:
@@ -547,7 +547,7 @@ class RouterTraining:
     def after_step(self, step: int, micro_batches: int) -> tuple[dict, dict, str | None]:
         """(metrics, progress-bar fields, a message for the log or None). Raises RouterCollapse on 'stop'."""
         self.health.end_step()
-        record = {f"router/{k}_loss": v / micro_batches for k, v in self.parts.items()}
+        record = {f"router/{k}_loss": float(v) / micro_batches for k, v in self.parts.items()}
         record["router/balance_coef"] = self.loss.balance_coef
         self.parts = {}
         show, message = {}, None

@@ -297,8 +297,12 @@ class SourceCheckpoint:
         for e in torch.unique(expert).tolist():
             where = (expert == e).nonzero(as_tuple=True)[0]
             out[where] = self.build_expert(name, e).reshape(-1)[flat[where] - e * per_expert]
-        self._whole_stack = None
+        self.release()
         return out.reshape(flat_indices.shape)
+
+    def release(self) -> None:
+        """Drop the whole stack `build_expert` may have built for an expert-mixing conversion (memory bound)."""
+        self._whole_stack = None
 
     def expert_source_keys(self, name: str, expert: int) -> list[str]:
         """The checkpoint tensors expert `expert` of `name` is built from."""
