@@ -188,7 +188,9 @@ def test_prefix_cache_gives_equal_losses(workspace, tmp_path):
     assert plain["eval_loss_after"] == pytest.approx(cached["eval_loss_after"], rel=1e-5)
 
 
-@pytest.mark.parametrize("precision", ["none", "fp16"])  # fp16: a skipped step must still close the loss scaler
+@pytest.mark.parametrize(
+    "precision", ["none", "fp16"]
+)  # fp16: a skipped step must still close the loss scaler
 def test_nan_steps_are_skipped_then_the_run_stops(workspace, tmp_path, monkeypatch, precision):
     import usaf.train as train_module
 
