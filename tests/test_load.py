@@ -420,6 +420,12 @@ def test_training_loads_a_checkpoint_through_the_cache_of_prepared_stores(qwen, 
         assert torch.equal(
             delta.values.detach().reshape(-1), reference.state_dict()[name].reshape(-1)[delta.flat_indices]
         )
+    # experts streamed from host memory with a device cache, set from the run's config: the same model
+    config.model.residency, config.model.cache_mb = "host", 1
+    streamed = load_for_training(config, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        assert torch.equal(streamed(IDS).logits, model(IDS).logits)
+    config.model.residency, config.model.cache_mb = "device", 0
     config.model.quant = "int8"
     with pytest.raises(UsafError, match=r"is a nf4 store but model\.quant is 'int8'"):
         load_for_training(config, torch.device("cpu"), torch.float32)

@@ -124,7 +124,14 @@ class ModelSection:
     dtype: str = option("auto", "weights and compute dtype", ("auto", "float32", "bfloat16", "float16"))
     quant: str = option("none", "frozen expert storage", ("none", "nf4", "int8", "int4"))
     residency: str = option("device", "where frozen experts live", RESIDENCIES)
+    cache_mb: int = option(
+        0, "with residency host/mmap: device memory (MB) keeping the most-routed experts resident"
+    )
     device: str = option("auto", "compute device: auto, cpu, cuda, cuda:1, mps, xpu ...")
+
+    def __post_init__(self) -> None:
+        if self.cache_mb < 0:
+            raise UsafError(f"model.cache_mb must be >= 0 (MB of device memory), got {self.cache_mb!r}.")
 
 
 @dataclass

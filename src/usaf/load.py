@@ -429,7 +429,7 @@ def load_for_training(config, device: torch.device, dtype: torch.dtype | None, c
         device=device,
         dtype=dtype,
         residency=config.model.residency,
-        cache_mb=getattr(config.model, "cache_mb", 0),
+        cache_mb=config.model.cache_mb,
         calibration_batches=calibration_batches,
     )
 
