@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.usaf-installed
 # A CPU build of PyTorch when none is installed; users bring their own CUDA/ROCm build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup test demo bench bench-compare lint clean
+.PHONY: setup test demo bench bench-compare bench-quality lint clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,9 @@ bench: $(STAMP)
 
 bench-compare: $(STAMP)
 	$(BIN)/python bench/compare.py
+
+bench-quality: $(STAMP)
+	$(BIN)/python bench/quality.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

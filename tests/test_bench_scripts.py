@@ -71,3 +71,41 @@ def test_offload_dry_run_trains_with_streamed_experts(dry_run):
     assert all(loss == loss for loss in result["losses"])  # no NaN
     assert "tokens/s" in only(dry_run, "offload-dry-run-*.md").read_text()
     assert (dry_run / "compare.log").exists() and (dry_run / "offload.log").exists()
+
+
+def test_quality_smoke_reports_both_tasks(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "quality.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    payload = json.loads(only(tmp_path, "quality-smoke-*.json").read_text())
+    markdown = only(tmp_path, "quality-smoke-*.md").read_text()
+    assert only(tmp_path, "quality-smoke-*.png").stat().st_size > 10_000
+    assert set(payload["tasks"]) == {"shift", "demo"}
+    for name, task in payload["tasks"].items():
+        rows = task["methods"]
+        assert task["errors"] == {}, name
+        assert {r["kind"] for r in rows.values()} == {"inference", "lora", "full", "experts", "usaf"}
+        full = next(r for r in rows.values() if r["kind"] == "full")
+        for key, row in rows.items():
+            for point in row["curve"]:
+                assert all(isinstance(point[k], float) and point[k] == point[k] for k in ("new", "old")), key
+            assert row["label"] in markdown
+            if row["kind"] == "inference":
+                assert row["trainable_params"] == 0 and row["after"] == row["before"]
+                continue
+            assert row["trainable_params"] > 0 and row["step_ms"] > 0 and row["peak_mb"] > 0, key
+            assert row["curve"][-1]["step"] == payload["steps"][name] and row["curve"][-1]["elapsed_s"] > 0
+            if row["kind"] == "usaf":  # a sparse share of the experts (+ routers), the base frozen
+                assert row["trainable_params"] < full["trainable_params"] / 4, key
+                assert row["total_params"] >= full["total_params"], key
+                assert isinstance(row["dominates_lora_mid"], bool)
+        if name == "shift":  # losses in nats per byte, a sane range
+            assert all(0 < r["after"]["new"] < 10 and 0 < r["after"]["old"] < 10 for r in rows.values())
+        else:
+            assert all(0 <= r["after"]["new"] <= 1 and 0 <= r["after"]["old"] <= 1 for r in rows.values())
+    assert "At equal wall-clock" in markdown and "At equal peak memory" in markdown
