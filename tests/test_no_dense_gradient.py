@@ -72,3 +72,47 @@ def test_recorder_catches_the_dense_path():
         layer.experts.gate_up_proj.requires_grad_(True)
     offending = [s for _, s in backward_allocations(model) if s in forbidden_shapes(model)]
     assert offending
+
+
+def target_matrix_shapes(model):
+    """Every targeted matrix beyond the experts (attention, dense MLPs, embedding, output layer), both ways.
+    Norm weights are vectors as long as one activation row: their gradient is exempt (see usaf.sparse_weights)."""
+    from usaf.prepare import sparse_modules
+    from usaf.sparse_weights import SparseWeight
+
+    shapes = set()
+    for _, state in sparse_modules(model):
+        if isinstance(state, SparseWeight) and state.kind != "vector":
+            _, a, b = state.stores["weight"].shape
+            shapes |= {(a, b), (b, a)}
+    return shapes
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("recompute", [False, True])
+def test_backward_forms_no_dense_gradient_of_any_target(family, recompute):
+    from usaf.config import TARGETS
+
+    model = usaf.prepare_model(
+        tiny_model(family, tie_word_embeddings=False), usaf.UsafConfig(density=0.1, targets=list(TARGETS))
+    )
+    if recompute:
+        usaf.enable_recomputation(model)
+    model.train()
+    shapes = forbidden_shapes(model) | target_matrix_shapes(model)
+    assert len(shapes) > len(forbidden_shapes(model))
+    offending = [(op, shape) for op, shape in backward_allocations(model) if shape in shapes]
+    assert not offending, offending
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_recorder_catches_a_dense_attention_gradient():
+    """Autograd's own gradient of a trainable attention weight is caught by the same check."""
+    from usaf.targets import find_target_weights
+
+    model = tiny_model("qwen3_moe", tie_word_embeddings=False)
+    shapes = set()
+    for weight in find_target_weights(model, find_moe_layers(model), ["attention"]):
+        weight.module.weight.requires_grad_(True)
+        shapes.add(tuple(weight.module.weight.shape))
+    assert [s for _, s in backward_allocations(model) if s in shapes]

@@ -290,3 +290,35 @@ def test_cli_mistakes_are_clear_errors(capsys):
     assert code == 2 and "Unknown model 'qwen-9000'" in err and "qwen3-30b-a3b" in err
     code, _, err = run_cli(capsys, "--model", "qwen3-30b-a3b", "--device", "tpu")
     assert code == 2 and "Unknown device 'tpu'" in err and "rtx-3060-12gb" in err
+
+
+def test_targets_beyond_the_experts_are_in_the_ledger():
+    """select.targets follows into the planner: entries of the named weights at the same density, routers only
+    when targeted; the counts come from the same discovery the engine uses (tiny skeleton vs real model)."""
+    from usaf.arch import find_moe_layers
+    from usaf.config import TARGETS
+    from usaf.targets import find_target_weights
+    from usaf.tiny import tiny_config, tiny_model
+
+    config = tiny_config("qwen2_moe", tie_word_embeddings=False).to_dict()
+    shape = planner.model_shape(config, "tiny")
+    model = tiny_model("qwen2_moe", tie_word_embeddings=False)
+    for target in ("attention", "dense_mlp", "norms", "embeddings", "lm_head"):
+        real = sum(
+            w.module.weight.numel() for w in find_target_weights(model, find_moe_layers(model), [target])
+        )
+        assert shape.target_params[target] == real, target
+    base = planner.PlanSettings(density=0.1, dtype="fp32")
+    wide = base.replace(targets=tuple(TARGETS))
+    extra = sum(shape.target_params.values())
+    assert planner.trained_entries(shape, wide) == planner.trained_entries(shape, base) + round(0.1 * extra)
+    no_routers = base.replace(targets=("experts",))
+    device = planner.DEVICES["cpu"]
+
+    def line(settings, name):
+        return next(x for x in planner.plan(shape, settings, device).lines if x.name == name)
+
+    assert line(no_routers, "routers (trainable)").device == 0 < line(base, "routers (trainable)").device
+    assert line(wide, "sparse state beyond the experts").device > 0
+    with pytest.raises(UsafError, match="--targets"):
+        planner.PlanSettings(targets=("experts", "mlp"))

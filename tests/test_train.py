@@ -88,6 +88,16 @@ sys.exit(main(sys.argv[1:]))
         ),
         # fp16 autocast with dynamic loss scaling: the scale is part of what resumes
         (10, ["checkpoint.every_steps=10", "train.precision=fp16"]),
+        # entries in every native target, chosen by gradient, with reselection of the expert entries
+        (
+            11,
+            [
+                "checkpoint.every_steps=11",
+                "select.targets=[experts,routers,attention,dense_mlp,norms,embeddings,lm_head]",
+                "select.selection=gradient",
+                "select.reselect_every=4",
+            ],
+        ),
     ],
 )
 def test_resume_after_sigkill_is_exact(workspace, tmp_path, kill_at, extra):

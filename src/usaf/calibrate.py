@@ -117,11 +117,11 @@ def run_batches(
 
 
 def calibrate(model, batches, num_batches: int, with_gradients: bool) -> Calibration:
-    from .prepare import sparse_modules
+    from .prepare import sparse_experts
 
     calibration = Calibration()
     observers = []
-    for path, state in sparse_modules(model):
+    for path, state in sparse_experts(model):
         observer = _Observer(calibration, path, state.num_experts, with_gradients)
         state.observers.append(observer)
         observers.append((state, observer))

@@ -12,6 +12,8 @@ GUARD_ACTIONS = ("warn", "raise_balance", "freeze_router", "stop")  # see usaf.r
 GRANULARITIES = ("element", "neuron")
 SELECTIONS = ("random", "magnitude", "gradient")
 STRATEGIES = ("uniform", "routing", "gradient", "file")
+# which native weights may hold trained entries (see usaf.targets); routers are trained whole
+TARGETS = ("experts", "routers", "attention", "dense_mlp", "norms", "embeddings", "lm_head")
 
 
 @dataclass
@@ -31,7 +33,12 @@ class UsafConfig:
     reselect_every: every K optimizer steps drop the entries that moved least and grow where the gradient is
         largest (0: never); `reselect_fraction` of the entries at first, decaying (cosine) to zero at
         `reselect_until` (a share of the run); gradients of candidates are gathered over `reselect_probe_steps`.
-    train_router: routers' weights (and real biases) become trainable.
+    targets: which native weights may hold trained entries: "experts" (the fused expert tensors), "routers"
+        (trained whole, in fp32), "attention" (q/k/v/o and fused variants), "dense_mlp" (dense layers of hybrid
+        models, shared experts), "norms", "embeddings" (input embedding rows), "lm_head" (output layer rows).
+        `density` (or `num_entries`, split by size) applies to every targeted weight alike; with
+        strategy="gradient" one global top-k over all of them decides where the budget goes.
+    train_router: routers' weights (and real biases) become trainable (with "routers" in `targets`).
     train_biases: expert biases (gpt-oss) get trainable entries at the same density.
     layers: indices of the MoE layers to train (None: all); the others stay frozen.
     workspace_mb: bound on the dequantized routed-expert workspace of one projection (quantized bases).
@@ -51,6 +58,7 @@ class UsafConfig:
     reselect_until: float = 0.75
     reselect_probe_steps: int = 2
     seed: int = 0
+    targets: list[str] = field(default_factory=lambda: ["experts", "routers"])
     train_router: bool = True
     train_biases: bool = True
     layers: list[int] | None = None
@@ -91,8 +99,20 @@ class UsafConfig:
             )
         if self.workspace_mb < 1:
             raise UsafError(f"UsafConfig.workspace_mb must be >= 1, got {self.workspace_mb!r}.")
+        if isinstance(self.targets, str):
+            self.targets = [t.strip() for t in self.targets.split(",") if t.strip()]
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown or not self.targets:
+            raise UsafError(
+                f"UsafConfig.targets must be a non-empty list of {list(TARGETS)}, got {self.targets!r}."
+            )
+        self.targets = [t for t in TARGETS if t in self.targets]  # canonical order
         if self.layers is not None:
             self.layers = [int(i) for i in self.layers]
+
+    @property
+    def trains_routers(self) -> bool:
+        return self.train_router and "routers" in self.targets
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -763,17 +763,18 @@ def _usaf_keys_by_tensor(
     from .prepare import model_renamings
 
     renamings = model_renamings(base.skeleton)
-    experts_paths = {layer.experts_name for layer in base.layers}
     found: dict[tuple[str, str], dict[str, str]] = {}
     for key in saved:
         if ".usaf." not in key:
             continue
         owner, _, rest = key.partition(".usaf.")
         tensor, _, part = rest.rpartition(".")
-        path = owner if owner in experts_paths else apply_renamings(key, renamings).partition(".usaf.")[0]
-        if path not in experts_paths:
+        path = owner
+        if f"{path}.{tensor}" not in base.source.targets:
+            path = apply_renamings(key, renamings).partition(".usaf.")[0]
+        if f"{path}.{tensor}" not in base.source.targets:
             raise UsafError(
-                f"'{key}' in {where} belongs to no experts module of the model in {base.dir}: pass the base the "
+                f"'{key}' in {where} belongs to no weight of the model in {base.dir}: pass the base the "
                 "Trainer's model was loaded from."
             )
         found.setdefault((path, tensor), {})[part] = key

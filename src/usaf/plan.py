@@ -140,9 +140,16 @@ class PlanSettings:
     optimizer: str = "adamw"
     dtype: str = "bf16"
     workspace_mb: int = 256
+    targets: tuple = ("experts", "routers")  # select.targets: which weights hold trained entries
 
     def __post_init__(self):
+        from .config import TARGETS
+
         checks = [
+            (
+                bool(self.targets) and all(t in TARGETS for t in self.targets),
+                f"--targets must name some of {', '.join(TARGETS)}, got {','.join(self.targets)!r}",
+            ),
             (self.seq >= 2, f"--seq must be at least 2, got {self.seq}"),
             (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
             (0 < self.density <= 1, f"--density must be in (0, 1], got {self.density}"),
@@ -266,6 +273,8 @@ class ModelShape:
     sliding_layers: int
     shared_intermediate: int  # always-on expert width per MoE layer
     dense_intermediate: int  # MLP width of the dense (non-MoE) layers
+    # weights of each select.targets role beyond the experts (attention, dense_mlp, norms, embeddings, lm_head)
+    target_params: dict = dataclasses.field(default_factory=dict)
 
     @property
     def expert_weights(self) -> int:
@@ -371,6 +380,7 @@ def _shape_from_skeleton(config: dict, name: str) -> ModelShape:
     import transformers
 
     from .arch import find_moe_layers
+    from .targets import DENSE_TARGETS, find_target_weights
 
     # The published fields only: a quantization_config would ask transformers for quantizer kernels.
     fields_ = {k: v for k, v in config.items() if not k.startswith("_") and k != "quantization_config"}
@@ -405,6 +415,18 @@ def _shape_from_skeleton(config: dict, name: str) -> ModelShape:
     first = layers[0]
     down = first.experts.down_proj
     qk_norm = any(n.endswith(("q_norm", "k_norm")) for n, _ in model.named_modules())
+    head = model.get_output_embeddings()
+    roles = [
+        t for t in DENSE_TARGETS if not (head is not None and head.weight is embedding and t == "lm_head")
+    ]
+    target_params: dict[str, int] = {}
+    for weight in find_target_weights(
+        model, layers, [r for r in roles if r not in ("embeddings", "lm_head")]
+    ):
+        target_params[weight.target] = target_params.get(weight.target, 0) + weight.module.weight.numel()
+    target_params["embeddings"] = embedding.numel()
+    if "lm_head" in roles and head is not None:
+        target_params["lm_head"] = head.weight.numel()
     return ModelShape(
         name=name,
         model_type=str(config.get("model_type")),
@@ -423,6 +445,7 @@ def _shape_from_skeleton(config: dict, name: str) -> ModelShape:
         dense_matmul=dense - embedding.numel() if model.get_output_embeddings() is not None else dense,
         embedding_params=embedding.numel(),
         qk_norm=qk_norm,
+        target_params=target_params,
         **_geometry(text),
     )
 
@@ -489,6 +512,13 @@ def _shape_from_formulas(config: dict, name: str) -> ModelShape:
         dense_matmul=matmul,
         embedding_params=vocab * hidden,
         qk_norm=False,
+        target_params={
+            "attention": layers * attention,
+            "dense_mlp": mlp,
+            "norms": (2 * layers + 1) * hidden,
+            "embeddings": vocab * hidden,
+            **({} if tied else {"lm_head": vocab * hidden}),
+        },
         **geo,
     )
 
@@ -600,8 +630,15 @@ def stored_bytes(matrices, quant: str, dtype_bytes: int) -> tuple[float, float]:
 
 
 def trained_entries(shape: ModelShape, settings: PlanSettings) -> int:
-    """Trained expert entries (neuron granularity rounds each layer's budget to whole neurons: about the same)."""
-    return round(settings.density * shape.expert_weights) + round(settings.density * shape.expert_biases)
+    """Trained entries in the targeted weights (neuron granularity rounds each layer's expert budget to whole
+    neurons: about the same)."""
+    experts = shape.expert_weights + shape.expert_biases if "experts" in settings.targets else 0
+    others = sum(n for t, n in shape.target_params.items() if t in settings.targets)
+    return round(settings.density * experts) + round(settings.density * others)
+
+
+def trained_router_params(shape: ModelShape, settings: PlanSettings) -> int:
+    return shape.router_params if "routers" in settings.targets else 0
 
 
 def plan(
@@ -659,6 +696,18 @@ def plan(
     # sparse trainable state
     entries = trained_entries(shape, s)
     moments = 8 if s.optimizer == "adamw" else 2  # the values are fp32: AdamW's moments are fp32
+    beyond = trained_entries(
+        shape, s.replace(targets=tuple(t for t in s.targets if t != "experts") or ("routers",))
+    )
+    if beyond:  # entries of attention, embeddings, ... are always elements
+        element_bytes = 4 + d + 8 + 8 + 4 + moments
+        targets = ", ".join(t for t in s.targets if t not in ("experts", "routers"))
+        add(
+            "sparse state beyond the experts",
+            beyond * element_bytes,
+            f"{_count(beyond)} entries of {targets} x {element_bytes} B (as expert elements)",
+        )
+        entries -= beyond
     if s.granularity == "element":
         per_entry = 4 + d + 8 + 8 + 4 + moments
         row_pointers = 4 * (
@@ -676,10 +725,11 @@ def plan(
         )
     add("sparse state + optimizer", entries * per_entry + row_pointers, detail)
     router_moments = 2 * d if s.optimizer == "adamw" else 2
+    routers = trained_router_params(shape, s)
     add(
         "routers (trainable)",
-        shape.router_params * (d + router_moments),
-        f"{_count(shape.router_params)} parameters: grad {d} B + moments {router_moments} B (in the model's dtype)",
+        routers * (d + router_moments),
+        f"{_count(routers)} parameters: grad {d} B + moments {router_moments} B (in the model's dtype)",
     )
 
     # activations
@@ -740,7 +790,7 @@ def plan(
     if gpu:
         add(
             "optimizer step temporaries",
-            4 * entries + d * shape.router_params,
+            4 * (entries + beyond) + d * routers,
             "AdamW's foreach kernels copy the moments' square roots of a whole group",
             phases=frozenset({STEP}),
         )

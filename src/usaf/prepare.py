@@ -15,7 +15,9 @@ from .errors import UsafError
 from .experts import IMPLEMENTATION_NAME, SparseExperts, register
 from .router import make_routers_fp32
 from .sparse import ElementEntries, LineEntries, line_flat_indices
+from .sparse_weights import SparseWeight, install
 from .store import DenseStore
+from .targets import find_target_weights
 
 
 @dataclass
@@ -34,8 +36,9 @@ def prepare_model(
     original_values: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     calibration_batches=None,
 ) -> nn.Module:
-    """Freeze `model`, make a sparse set of its expert entries (and its routers) trainable, and switch its
-    experts to usaf's implementation. Returns the same model.
+    """Freeze `model`, make a sparse set of its expert entries (and its routers, and entries of the other native
+    weights named in `config.targets`) trainable, and switch its experts to usaf's implementation. Returns the same
+    model.
 
     stores: frozen storage per expert tensor, keyed "<experts module path>.<tensor name>" (e.g. quantized stores
         from `usaf.load`); tensors not named use the module's own parameter in place.
@@ -46,7 +49,7 @@ def prepare_model(
     """
     config = config or UsafConfig()
     stores = stores or {}
-    if any(isinstance(m, SparseExperts) for m in model.modules()):
+    if any(isinstance(m, (SparseExperts, SparseWeight)) for m in model.modules()):
         raise UsafError(
             "This model was already prepared by usaf.prepare_model; prepare a fresh model instead."
         )
@@ -70,10 +73,16 @@ def prepare_model(
             workspace_bytes=config.workspace_mb << 20,
         )
     _switch_implementation(model, layers)
+    weights = [
+        w
+        for w in find_target_weights(model, layers, config.targets)
+        if config.layers is None or w.layer_index is None or w.layer_index in config.layers
+    ]
+    weight_stores = {w.key: install(w.module, w.target, w.kind).stores["weight"] for w in weights}
 
-    chosen = select.choose(trained, layer_stores, config, calibration_batches, model)
+    chosen = select.choose(trained, layer_stores, config, calibration_batches, model, weight_stores)
     install_selection(model, chosen, original_values)
-    if config.train_router:
+    if config.trains_routers:
         for layer in trained:
             for param in layer.router.parameters() if layer.router is not None else ():
                 param.requires_grad_(True)
@@ -131,13 +140,18 @@ def install_selection(model: nn.Module, chosen: dict, original_values=None) -> N
     order = {key: i for i, key in enumerate(keys)}
     unknown = sorted(set(chosen) - set(order))
     if unknown:
-        raise UsafError(f"The selection names {unknown[:3]}, which are not expert tensors of this model.")
+        raise UsafError(
+            f"The selection names {unknown[:3]}, which are not weights this model trains (expert tensors, or the "
+            "weights of select.targets); use the configuration the selection was made with."
+        )
     for key in sorted(chosen, key=order.__getitem__):
         axis, indices = chosen[key]
         path, name = key.rsplit(".", 1)
         store = states[path].stores[name]
         device = store.device
         indices = indices.to(device=device, dtype=torch.int64)
+        if isinstance(states[path], SparseWeight) and axis is not None:  # native weights train elements
+            axis, indices = None, line_flat_indices(store.shape, axis, indices).sort().values
         flat = indices if axis is None else line_flat_indices(store.shape, axis, indices)
         numel = store.shape[0] * store.shape[1] * store.shape[2]
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= numel):
@@ -147,7 +161,7 @@ def install_selection(model: nn.Module, chosen: dict, original_values=None) -> N
         base = original_values(key, flat) if original_values is not None else store.read(flat)
         base = base.to(store.dtype)
         if axis is None:
-            entries = ElementEntries(store.shape, indices, base)
+            entries = ElementEntries(store.shape, flat, base)
         else:
             entries = LineEntries(store.shape, axis, indices, base.view(indices.numel(), -1))
         states[path][name] = entries.to(device)
@@ -175,6 +189,16 @@ def _trained_layers(layers: list[MoELayer], config: UsafConfig) -> set[int]:
 
 
 def sparse_modules(model: nn.Module):
+    """(module path, state) for every prepared module: SparseExperts on experts modules, then SparseWeight on the
+    other targeted weights, in model order within each kind."""
+    yield from sparse_experts(model)
+    for path, module in model.named_modules():
+        state = getattr(module, "usaf", None)
+        if isinstance(state, SparseWeight):
+            yield path, state
+
+
+def sparse_experts(model: nn.Module):
     """(experts module path, SparseExperts) for every prepared experts module."""
     for path, module in model.named_modules():
         state = getattr(module, "usaf", None)
@@ -194,9 +218,15 @@ def get_delta(model: nn.Module) -> dict[str, Delta]:
 
 
 def trainable_summary(model: nn.Module) -> dict[str, int]:
-    """Trainable counts by kind (trained expert entries, routers, anything else), the total, and the number of
-    expert entries the model has (trained or not)."""
-    expert_values = {id(e.values) for _, state in sparse_modules(model) for e in state.values()}
+    """Trainable counts by kind (trained expert entries, routers, entries of each other target as
+    "<target>_entries", anything else), the total, and the number of expert entries the model has."""
+    expert_values = {id(e.values) for _, state in sparse_experts(model) for e in state.values()}
+    target_of = {
+        id(e.values): state.target
+        for _, state in sparse_modules(model)
+        if isinstance(state, SparseWeight)
+        for e in state.values()
+    }
     router_params, expert_entries = set(), 0
     for layer in find_moe_layers(model):
         if layer.router is not None:
@@ -205,15 +235,16 @@ def trainable_summary(model: nn.Module) -> dict[str, int]:
     summary = {"expert_entries": 0, "routers": 0, "other": 0}
     for param in model.parameters():
         if param.requires_grad:
-            kind = (
-                "expert_entries"
-                if id(param) in expert_values
-                else "routers"
-                if id(param) in router_params
-                else "other"
-            )
-            summary[kind] += param.numel()
-    summary["total"] = summary["expert_entries"] + summary["routers"] + summary["other"]
+            if id(param) in expert_values:
+                kind = "expert_entries"
+            elif id(param) in target_of:
+                kind = f"{target_of[id(param)]}_entries"
+            elif id(param) in router_params:
+                kind = "routers"
+            else:
+                kind = "other"
+            summary[kind] = summary.get(kind, 0) + param.numel()
+    summary["total"] = sum(summary.values())
     summary["expert_entries_in_model"] = expert_entries
     return summary
 

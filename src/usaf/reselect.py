@@ -20,7 +20,7 @@ import math
 import torch
 
 from .errors import UsafError
-from .prepare import sparse_modules
+from .prepare import sparse_experts
 from .select import intermediate_size, neuron_axes, neuron_line_ids
 from .sparse import LineProbe, line_flat_indices
 
@@ -50,7 +50,7 @@ class Reselector:
         if optimizer_eight_bit:
             raise UsafError("select.reselect_every needs 32-bit optimizer state: set optim.eight_bit=false.")
         self.model, self.config, self.total_steps = model, config, total_steps
-        self.states = dict(sparse_modules(model))
+        self.states = dict(sparse_experts(model))  # entries of other targets are kept as chosen
         self.layers = {layer.experts_name: layer for layer in _layers(model)}
         self.importance = {path: _NeuronImportance() for path in self.states}
         for path, state in self.states.items():

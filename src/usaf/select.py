@@ -7,6 +7,7 @@ the selection itself: nothing here builds a score tensor of a whole stack.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -196,15 +197,19 @@ class TensorUnit(NamedTuple):
     numel: int
 
 
-def choose(layers: list, stores: dict, config, batches=None, model=None) -> dict[str, Chosen]:
-    """The selection for every expert tensor of the trained `layers`, by `config.strategy` and
+def choose(
+    layers: list, stores: dict, config, batches=None, model=None, weight_stores: dict | None = None
+) -> dict[str, Chosen]:
+    """The selection for every expert tensor of the trained `layers` (when "experts" is in `config.targets`) and
+    every other targeted weight in `weight_stores` ({"<module path>.weight": store}), by `config.strategy` and
     `config.selection`. `stores`: {experts path: {tensor name: store}}. Data-driven choices run calibration
     batches through `model` (prepared with an empty selection)."""
     from . import calibrate
 
     if config.strategy == "file":
         return load_selection(config.file)
-    weights = [
+    train_experts = "experts" in config.targets
+    experts = [
         TensorUnit(
             f"{layer.experts_name}.{t.name}",
             layer,
@@ -212,11 +217,15 @@ def choose(layers: list, stores: dict, config, batches=None, model=None) -> dict
             stores[layer.experts_name][t.name],
             int(torch.Size(stores[layer.experts_name][t.name].shape).numel()),
         )
-        for layer in layers
+        for layer in (layers if train_experts else [])
         for t in layer.tensors
         if not t.is_bias
     ]
-    needs_routing = config.strategy == "routing"
+    weights = [
+        TensorUnit(key, None, "weight", store, int(torch.Size(store.shape).numel()))
+        for key, store in (weight_stores or {}).items()
+    ]
+    needs_routing = config.strategy == "routing" and bool(experts)
     needs_gradient = config.strategy == "gradient" or config.selection == "gradient"
     calibration = None
     if needs_routing or needs_gradient:
@@ -229,10 +238,25 @@ def choose(layers: list, stores: dict, config, batches=None, model=None) -> dict
         calibration = calibrate.calibrate(model, batches, len(batches), with_gradients=needs_gradient)
 
     if config.granularity == "neuron":
-        chosen = _choose_neurons(layers, stores, config, calibration)
+        # whole neurons in the experts; the other weights train elements at the same density (or their share of
+        # a global budget, by size)
+        neuron_config = config
+        if config.num_entries is not None and weights:
+            sizes = {"experts": sum(u.numel for u in experts), **{u.key: u.numel for u in weights}}
+            shares = split_budget(config.num_entries, sizes)
+            neuron_config = copy.copy(config)
+            neuron_config.num_entries = max(1, shares.pop("experts"))
+            weights_config = copy.copy(config)
+            weights_config.num_entries = max(1, sum(shares.values()))
+        else:
+            weights_config = config
+        chosen = _choose_neurons(layers, stores, neuron_config, calibration) if train_experts else {}
+        if weights:
+            chosen.update(_choose_elements(weights, weights_config, calibration, batches, model))
     else:
-        chosen = _choose_elements(weights, config, calibration, batches, model)
-    chosen.update(_choose_biases(layers, stores, config))
+        chosen = _choose_elements(experts + weights, config, calibration, batches, model)
+    if train_experts:
+        chosen.update(_choose_biases(layers, stores, config))
     choose.last_calibration = calibration  # kept for the run's selection summary
     return chosen
 
@@ -246,6 +270,9 @@ def _domains(weights: list, config, calibration) -> list[tuple[list[TensorUnit],
         return [([u], None, budgets[u.key]) for u in weights]
     units = []  # routing: hot experts get the layer's budget in proportion to their share
     for u in weights:
+        if u.layer is None:  # a native weight beyond the experts: no routing to follow
+            units.append(([u], None, budgets[u.key]))
+            continue
         share = calibration.share(u.layer.experts_name)
         per_expert = u.numel // u.store.shape[0]
         hot = hot_experts(share, config.routing_coverage, budgets[u.key], per_expert)
@@ -308,7 +335,18 @@ def _pick_elements(u: TensorUnit, experts, count: int, config) -> torch.Tensor:
 def _candidate_lines(domains, config, calibration) -> dict[str, tuple[int, torch.Tensor]]:
     """Lines of the neurons with the highest first-order importance: `oversample` x the budget in entries."""
     lines: dict[str, list[torch.Tensor]] = {}
+    axes: dict[str, int] = {}
+    for tensors, _, _ in domains:
+        for u in tensors:
+            if (
+                u.layer is None
+            ):  # a native weight: every row is a candidate (its gradient, in calibration only)
+                lines[u.key] = [torch.arange(u.store.shape[1])]
+                axes[u.key] = 1
     for tensors, experts, count in domains:
+        tensors = [u for u in tensors if u.layer is not None]
+        if not tensors:
+            continue
         layers = {u.layer.experts_name: u.layer for u in tensors}
         pool_scores, pool_ids = [], []
         for path, layer in layers.items():
@@ -337,17 +375,8 @@ def _candidate_lines(domains, config, calibration) -> dict[str, tuple[int, torch
             )
             ids = neuron_line_ids(u.layer.experts, u.name, neurons, u.store.shape[axis])
             lines.setdefault(u.key, []).append(ids)
-    return {
-        key: (
-            neuron_axes(_unit(domains, key).layer.experts)[_unit(domains, key).name],
-            torch.unique(torch.cat(ids)),
-        )
-        for key, ids in lines.items()
-    }
-
-
-def _unit(domains, key) -> TensorUnit:
-    return next(u for tensors, _, _ in domains for u in tensors if u.key == key)
+            axes[u.key] = axis
+    return {key: (axes[key], torch.unique(torch.cat(ids))) for key, ids in lines.items()}
 
 
 def _choose_neurons(layers, stores, config, calibration) -> dict[str, Chosen]:

@@ -21,13 +21,21 @@ class DenseStore:
 
     resident = True  # the whole stack is addressable at once: one chunk, no workspace
 
-    def __init__(self, module: torch.nn.Module, name: str):
+    def __init__(self, module: torch.nn.Module, name: str, one_matrix: bool = False):
+        """one_matrix: the tensor is one weight (a [A, B] matrix or a [B] vector), seen as [1, A, B]; otherwise
+        a stack [E, A, B] or a stack of biases [E, B]."""
         # Looked up on each use, so that `model.to(...)` (which swaps parameter data) is followed.
         self.module, self.name = module, name
         tensor = self.tensor
         if not tensor.is_contiguous():
-            raise ValueError(f"'{name}' is not contiguous; trained values are written through a flat view.")
-        self.shape = tuple(tensor.shape) if tensor.dim() == 3 else (tensor.shape[0], 1, tensor.shape[1])
+            raise UsafError(
+                f"'{name}' is not contiguous; trained values are written through a flat view. "
+                "Load the model with contiguous weights."
+            )
+        if one_matrix:
+            self.shape = (1, *([1] * (2 - tensor.dim())), *tensor.shape)
+        else:
+            self.shape = tuple(tensor.shape) if tensor.dim() == 3 else (tensor.shape[0], 1, tensor.shape[1])
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -33,6 +33,11 @@ def add_command(subparsers) -> None:
     p.add_argument(
         "--density", type=float, default=0.005, help="share of expert entries trained (default 0.005)"
     )
+    p.add_argument(
+        "--targets",
+        default="experts,routers",
+        help="weights that hold trained entries, comma-separated (select.targets; default experts,routers)",
+    )
     p.add_argument("--quant", default="nf4", choices=list(planner.QUANTS), help="frozen experts' format")
     p.add_argument(
         "--quant-dense",
@@ -101,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         dtype=args.dtype or planner.default_dtype(device),
         workspace_mb=args.workspace_mb,
+        targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()),
     )
     shape = planner.model_shape(config, name)
     verdict = planner.decide(shape, settings, device, vram, ram, residency=args.residency)

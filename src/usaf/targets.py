@@ -1,0 +1,116 @@
+"""Which native weights beyond the experts may hold trained entries, found from the module tree.
+
+A target is a role a weight plays, discovered the same way for every family (no per-model tables):
+- `attention`: the linear layers inside a module whose class is an attention (q/k/v/o, fused qkv);
+- `dense_mlp`: every other linear layer of the decoder outside experts and routers (shared experts, the dense
+  MLPs of hybrid models' dense layers and beside the experts);
+- `norms`: the 1-D weights of normalisation modules;
+- `embeddings`, `lm_head`: the input embedding and the output layer (`get_input_embeddings` /
+  `get_output_embeddings`).
+Experts (fused 3-D tensors) and routers are found by `usaf.arch`; their subtrees are never a dense target.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from .arch import MoELayer
+from .errors import UsafError
+
+DENSE_TARGETS = ("attention", "dense_mlp", "norms", "embeddings", "lm_head")
+KINDS = {
+    "attention": "linear",
+    "dense_mlp": "linear",
+    "norms": "vector",
+    "embeddings": "rows",
+    "lm_head": "linear",
+}
+
+
+@dataclass(frozen=True)
+class TargetWeight:
+    """One weight that may hold trained entries: `<path>.weight` of the module at `path`."""
+
+    target: str  # one of DENSE_TARGETS
+    path: str
+    module: nn.Module
+    layer_index: (
+        int | None
+    )  # decoder layer number, None outside the decoder layers (embeddings, final norm, head)
+
+    @property
+    def key(self) -> str:
+        return f"{self.path}.weight"
+
+    @property
+    def kind(self) -> str:
+        return KINDS[self.target]
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return bool(re.search(r"Attention$", type(module).__name__))
+
+
+def _is_norm(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        "norm" in type(module).__name__.lower()
+        and isinstance(weight, nn.Parameter)
+        and weight.dim() == 1
+        and all(p.dim() == 1 for p in module.parameters(recurse=False))
+    )
+
+
+def _layer_number(path: str) -> int | None:
+    match = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)", path)
+    return int(match.group(1)) if match else None
+
+
+def find_target_weights(model: nn.Module, layers: list[MoELayer], targets) -> list[TargetWeight]:
+    """The weights of `model` that play the roles in `targets` (a subset of DENSE_TARGETS), in module order."""
+    wanted = [t for t in targets if t in DENSE_TARGETS]
+    if not wanted:
+        return []
+    excluded = [layer.experts_name for layer in layers] + [
+        layer.router_name for layer in layers if layer.router_name
+    ]
+    embeddings = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = embeddings is not None and head is not None and embeddings.weight is head.weight
+    if tied and {"embeddings", "lm_head"} & set(wanted):
+        raise UsafError(
+            "This model ties its output layer to its input embedding; select.targets cannot train 'embeddings' "
+            "or 'lm_head' in it (their one weight has two uses). Leave both out of select.targets."
+        )
+    found, attention_paths = [], []
+    for path, module in model.named_modules():
+        if any(path == e or path.startswith(e + ".") for e in excluded):
+            continue
+        if _is_attention(module):
+            attention_paths.append(path)
+        role = None
+        if module is embeddings:
+            role = "embeddings"
+        elif module is head:
+            role = "lm_head"
+        elif isinstance(module, nn.Linear):
+            inside_attention = any(path.startswith(a + ".") for a in attention_paths)
+            role = "attention" if inside_attention else "dense_mlp"
+        elif _is_norm(module):
+            role = "norms"
+        if role in wanted:
+            if role in ("embeddings",) and not isinstance(module, nn.Embedding):
+                raise UsafError(
+                    f"The input embedding '{path}' is a {type(module).__name__}, not an nn.Embedding; usaf cannot "
+                    "train its rows. Leave 'embeddings' out of select.targets."
+                )
+            if role == "lm_head" and not isinstance(module, nn.Linear):
+                raise UsafError(
+                    f"The output layer '{path}' is a {type(module).__name__}, not an nn.Linear; leave 'lm_head' "
+                    "out of select.targets."
+                )
+            found.append(TargetWeight(role, path, module, _layer_number(path)))
+    return found
