@@ -16,6 +16,13 @@ STRATEGIES = ("uniform", "routing", "gradient", "file")
 TARGETS = ("experts", "routers", "attention", "dense_mlp", "norms", "embeddings", "lm_head")
 
 
+def option(default, doc: str, choices: tuple | None = None):
+    """A documented config field; `choices` are enforced on load."""
+    factory = (lambda d=default: list(d)) if isinstance(default, list) else None
+    meta = {"doc": doc, "choices": choices}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
 @dataclass
 class UsafConfig:
     """What `prepare_model` makes trainable.
@@ -44,25 +51,37 @@ class UsafConfig:
     workspace_mb: bound on the dequantized routed-expert workspace of one projection (quantized bases).
     """
 
-    density: float = 0.005
-    num_entries: int | None = None
-    granularity: str = "element"
-    strategy: str = "uniform"
-    selection: str = "magnitude"
-    routing_coverage: float = 0.5
-    calibration_batches: int = 8
-    oversample: float = 4.0
-    file: str | None = None
-    reselect_every: int = 0
-    reselect_fraction: float = 0.3
-    reselect_until: float = 0.75
-    reselect_probe_steps: int = 2
-    seed: int = 0
-    targets: list[str] = field(default_factory=lambda: ["experts", "routers"])
-    train_router: bool = True
-    train_biases: bool = True
-    layers: list[int] | None = None
-    workspace_mb: int = 256
+    density: float = option(0.005, "share of each targeted weight's entries to train, in (0, 1]")
+    num_entries: int | None = option(
+        None, "global budget of trained entries (split by size); overrides density"
+    )
+    granularity: str = option("element", "expert entries: arbitrary elements or whole neurons", GRANULARITIES)
+    strategy: str = option(
+        "uniform",
+        "how the budget is spread: every tensor alike, routed experts, global gradient top-k, a saved file",
+        STRATEGIES,
+    )
+    selection: str = option("magnitude", "how entries are chosen inside the budget", SELECTIONS)
+    routing_coverage: float = option(0.5, "strategy=routing: share of routed tokens the chosen experts cover")
+    calibration_batches: int = option(8, "batches of the training data used to calibrate the selection")
+    oversample: float = option(4.0, "gradient selection: candidate entries scored per trained entry (>= 1)")
+    file: str | None = option(None, "strategy=file: a selection.safetensors saved by a run or `usaf select`")
+    reselect_every: int = option(
+        0, "drop entries that moved least and grow where gradients are large (0: off)"
+    )
+    reselect_fraction: float = option(0.3, "share of entries replaced at the first reselection, decaying")
+    reselect_until: float = option(0.75, "share of the run after which reselection stops")
+    reselect_probe_steps: int = option(
+        2, "steps of gradients gathered for the candidates before a reselection"
+    )
+    seed: int = option(0, "seed of random selection")
+    targets: list = option(
+        ["experts", "routers"], "weights that hold trained entries, some of: " + ", ".join(TARGETS)
+    )
+    train_router: bool = option(True, "routers are trainable (with routers in targets)")
+    train_biases: bool = option(True, "expert biases (gpt-oss) get entries at the same density")
+    layers: list[int] | None = option(None, "MoE layer numbers to train (None: all)")
+    workspace_mb: int = option(256, "bound (MB) on one projection's dequantized routed-expert workspace")
 
     def __post_init__(self) -> None:
         if (
@@ -129,13 +148,6 @@ class UsafConfig:
 # --------------------------------------------------------------------------------------------------------------
 # The whole job's configuration: one typed tree, from a YAML file plus `--set section.key=value` overrides.
 # --------------------------------------------------------------------------------------------------------------
-
-
-def option(default, doc: str, choices: tuple | None = None):
-    """A documented config field; `choices` are enforced on load."""
-    factory = (lambda d=default: list(d)) if isinstance(default, list) else None
-    meta = {"doc": doc, "choices": choices}
-    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
 
 
 @dataclass

@@ -105,8 +105,9 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
         run_dir, config.schedule.max_steps, state["step"], config.log.progress, config.log.tensorboard
     )
     log.message(
-        f"usaf {__version__}: training {summary_entries['expert_entries']:,} expert entries + "
-        f"{summary_entries['routers']:,} router weights on {device} ({dtype}); {data_stats.summary()}"
+        f"usaf {__version__}: training {summary_entries['expert_entries']:,} expert entries"
+        + "".join(f" + {n:,} {t.replace('_', ' ')}" for t, n in _target_entries(summary_entries).items())
+        + f" + {summary_entries['routers']:,} router weights on {device} ({dtype}); {data_stats.summary()}"
     )
     for note in notes:
         log.message(f"note: {note}")
@@ -555,11 +556,17 @@ def _summary(state, eval_after, entries, data_stats, prefix_cache) -> dict:
         "eval_perplexity_after": (eval_after or {}).get("perplexity"),
         "trained_expert_entries": entries["expert_entries"],
         "trained_router_weights": entries["routers"],
+        "trained_entries_beyond_experts": _target_entries(entries),
         "skipped_steps": state["bad_steps"],
         "fp16_overflow_steps": state["overflow_steps"],
         "prefix_cache_hits": prefix_cache.hits if prefix_cache else 0,
         "data": data_stats.summary(),
     }
+
+
+def _target_entries(entries: dict) -> dict[str, int]:
+    """{"attention_entries": n, ...} of `trainable_summary`: the entries of targets beyond the experts."""
+    return {k: v for k, v in entries.items() if k.endswith("_entries") and k != "expert_entries"}
 
 
 def format_summary(summary: dict) -> str:
@@ -574,6 +581,10 @@ def format_summary(summary: dict) -> str:
             _pair(summary["eval_perplexity_before"], summary["eval_perplexity_after"]),
         ),
         ("trained expert entries", f"{summary['trained_expert_entries']:,}"),
+        *[
+            (f"trained {target.replace('_', ' ')}", f"{n:,}")
+            for target, n in (summary.get("trained_entries_beyond_experts") or {}).items()
+        ],
         ("trained router weights", f"{summary['trained_router_weights']:,}"),
         ("skipped steps", summary["skipped_steps"]),
     ]
