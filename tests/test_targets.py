@@ -165,11 +165,30 @@ def test_merged_export_changes_only_trained_entries(trained_all_targets):
         assert torch.equal(merged[key].reshape(-1)[outside], tensor.reshape(-1)[outside]), key
 
 
-def test_tied_embeddings_are_refused():
-    with pytest.raises(UsafError, match="ties its output layer"):
-        usaf.prepare_model(
-            tiny_model("qwen3_moe", tie_word_embeddings=True), usaf.UsafConfig(targets=["lm_head"])
-        )
+@pytest.mark.parametrize("named", [["lm_head"], ["embeddings"], ["experts", "embeddings", "lm_head"]])
+def test_tied_embedding_and_output_layer_train_one_weight(named):
+    """A tied weight has two uses: its entries live on the embedding, the output layer reads the same values,
+    and the value gradients are the sum of both uses (the tied dense gradient)."""
+    reference = tiny_model("qwen3_moe", tie_word_embeddings=True)
+    model = usaf.prepare_model(
+        copy.deepcopy(reference), usaf.UsafConfig(density=0.15, selection="random", targets=named)
+    )
+    deltas = usaf.get_delta(model)
+    assert "model.embed_tokens.weight" in deltas and "lm_head.weight" not in deltas
+    perturb(model)
+    ref = patched(reference, model)
+    assert ref.lm_head.weight is ref.model.embed_tokens.weight
+    for param in ref.parameters():
+        param.requires_grad_(True)
+    target = torch.randn(2, 7, 97, generator=torch.Generator().manual_seed(2))
+    logits = model(IDS).logits
+    (logits * target).sum().backward()
+    ref_logits = ref(IDS).logits
+    (ref_logits * target).sum().backward()
+    assert (logits - ref_logits).abs().max() < 1e-5
+    delta = deltas["model.embed_tokens.weight"]
+    dense = ref.model.embed_tokens.weight.grad.reshape(-1)[delta.flat_indices]
+    assert _rel(delta.values.grad.reshape(-1), dense) < 1e-4
 
 
 def test_unknown_target_is_refused():

@@ -15,9 +15,9 @@ from .errors import UsafError
 from .experts import IMPLEMENTATION_NAME, SparseExperts, register
 from .router import make_routers_fp32
 from .sparse import ElementEntries, LineEntries, line_flat_indices
-from .sparse_weights import SparseWeight, install
+from .sparse_weights import SparseWeight, install, tie
 from .store import DenseStore
-from .targets import find_target_weights
+from .targets import find_target_weights, tied_output_layer
 
 
 @dataclass
@@ -78,7 +78,12 @@ def prepare_model(
         for w in find_target_weights(model, layers, config.targets)
         if config.layers is None or w.layer_index is None or w.layer_index in config.layers
     ]
-    weight_stores = {w.key: install(w.module, w.target, w.kind).stores["weight"] for w in weights}
+    states = {w.key: install(w.module, w.target, w.kind) for w in weights}
+    tied_head = tied_output_layer(model)
+    embedding_key = next((w.key for w in weights if w.target == "embeddings"), None)
+    if tied_head is not None and embedding_key is not None:
+        tie(tied_head, states[embedding_key])
+    weight_stores = {key: state.stores["weight"] for key, state in states.items()}
 
     chosen = select.choose(trained, layer_stores, config, calibration_batches, model, weight_stores)
     install_selection(model, chosen, original_values)

@@ -152,8 +152,14 @@ class _SparseRows(torch.autograd.Function):
         return None, grad_values, None, None
 
 
+def _state(module: nn.Module) -> SparseWeight:
+    # an output layer tied to the embedding reads the embedding's state, kept out of the module tree (one owner)
+    return module.__dict__.get("usaf_tied") or module.usaf
+
+
 def _linear_forward(self, x):
-    return _SparseLinear.apply(x, _values(self.usaf), self.usaf, self)
+    state = _state(self)
+    return _SparseLinear.apply(x, _values(state), state, self)
 
 
 def _rows_forward(self, ids):
@@ -192,8 +198,7 @@ FORWARDS = {"linear": _linear_forward, "rows": _rows_forward, "vector": _vector_
 _SUBCLASSES: dict[tuple[type, str], type] = {}
 
 
-def install(module: nn.Module, target: str, kind: str) -> SparseWeight:
-    """Give `module` usaf's state and the forward of its kind (its class swapped for a same-named subclass)."""
+def _swap_class(module: nn.Module, kind: str) -> None:
     cls = type(module)
     key = (cls, kind)
     if key not in _SUBCLASSES:
@@ -202,7 +207,18 @@ def install(module: nn.Module, target: str, kind: str) -> SparseWeight:
             (cls,),
             {"forward": FORWARDS[kind], "_usaf_original_forward": cls.forward, "__module__": cls.__module__},
         )
-    state = SparseWeight(module, target, kind)
     module.__class__ = _SUBCLASSES[key]
+
+
+def install(module: nn.Module, target: str, kind: str) -> SparseWeight:
+    """Give `module` usaf's state and the forward of its kind (its class swapped for a same-named subclass)."""
+    state = SparseWeight(module, target, kind)
+    _swap_class(module, kind)
     module.usaf = state
     return state
+
+
+def tie(head: nn.Linear, state: SparseWeight) -> None:
+    """An output layer that shares its weight with the embedding owning `state` uses the same trained values."""
+    _swap_class(head, "linear")
+    head.__dict__["usaf_tied"] = state

@@ -6,7 +6,8 @@ A target is a role a weight plays, discovered the same way for every family (no 
   MLPs of hybrid models' dense layers and beside the experts);
 - `norms`: the 1-D weights of normalisation modules;
 - `embeddings`, `lm_head`: the input embedding and the output layer (`get_input_embeddings` /
-  `get_output_embeddings`).
+  `get_output_embeddings`). When the two share one weight (tied), either name trains that weight: its entries
+  live on the embedding and the output layer uses the same values (gradients of both uses add up).
 Experts (fused 3-D tensors) and routers are found by `usaf.arch`; their subtrees are never a dense target.
 """
 
@@ -50,6 +51,14 @@ class TargetWeight:
         return KINDS[self.target]
 
 
+def tied_output_layer(model: nn.Module) -> nn.Module | None:
+    """The output layer when it shares its weight with the input embedding, else None."""
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embeddings is not None and head is not None and embeddings.weight is head.weight:
+        return head
+    return None
+
+
 def _is_attention(module: nn.Module) -> bool:
     return bool(re.search(r"Attention$", type(module).__name__))
 
@@ -79,12 +88,10 @@ def find_target_weights(model: nn.Module, layers: list[MoELayer], targets) -> li
     ]
     embeddings = model.get_input_embeddings()
     head = model.get_output_embeddings()
-    tied = embeddings is not None and head is not None and embeddings.weight is head.weight
-    if tied and {"embeddings", "lm_head"} & set(wanted):
-        raise UsafError(
-            "This model ties its output layer to its input embedding; select.targets cannot train 'embeddings' "
-            "or 'lm_head' in it (their one weight has two uses). Leave both out of select.targets."
-        )
+    if tied_output_layer(model) and {"embeddings", "lm_head"} & set(wanted):
+        # one weight, two uses: its entries live on the embedding, the output layer reads the same ones
+        wanted = [t for t in wanted if t != "lm_head"] + ([] if "embeddings" in wanted else ["embeddings"])
+        head = None
     found, attention_paths = [], []
     for path, module in model.named_modules():
         if any(path == e or path.startswith(e + ".") for e in excluded):
@@ -96,6 +103,8 @@ def find_target_weights(model: nn.Module, layers: list[MoELayer], targets) -> li
             role = "embeddings"
         elif module is head:
             role = "lm_head"
+        elif module is model.get_output_embeddings():  # tied: trained through the embedding's entries
+            continue
         elif isinstance(module, nn.Linear):
             inside_attention = any(path.startswith(a + ".") for a in attention_paths)
             role = "attention" if inside_attention else "dense_mlp"
