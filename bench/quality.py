@@ -2,7 +2,8 @@
 the old one, at equal steps, equal wall-clock and equal peak memory. `make bench-quality` runs it; results go to
 bench/results/quality-<date>.{md,json,png}.
 
-    .venv/bin/python bench/quality.py                     # both tasks, every method, seeds 0 1 (~30 min, 2 CPUs)
+    .venv/bin/python bench/quality.py                     # both tasks, every method, seeds 0 1, 60 steps (~20 min)
+    .venv/bin/python bench/quality.py --steps 150         # longer runs (~2.5x the time)
     .venv/bin/python bench/quality.py --quick             # fewer steps and methods, one seed (a few minutes)
     .venv/bin/python bench/quality.py --smoke --out DIR   # tiny shapes, seconds of work (tests)
     .venv/bin/python bench/quality.py --usaf-spec '{"label": "usaf 2 %", "select": {"density": 0.02}, "lr": 1e-2}'
@@ -107,8 +108,9 @@ LORA_EXPERTS = [
 # Per-mode sizes of the runs.
 MODES = {
     "full": dict(
-        shift=dict(steps=150, batch=8, seq=128, eval_every=25, eval_windows=32),
-        demo=dict(steps=150, batch=32, eval_every=25, eval_records=200),
+        # 60 steps, not 150: at 150 the whole benchmark takes ~60 min on this project's 2-core CPU (--steps 150)
+        shift=dict(steps=60, batch=8, seq=128, eval_every=25, eval_windows=32),
+        demo=dict(steps=60, batch=32, eval_every=25, eval_records=200),
         seeds=[0, 1],
     ),
     "quick": dict(
@@ -786,9 +788,9 @@ def chart(payload: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tasks = payload["tasks"]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(8 * len(tasks), 6.5), squeeze=False)
+    fig, axes = plt.subplots(len(tasks), 1, figsize=(13, 6.5 * len(tasks)), squeeze=False)
     colors = {"lora": "tab:blue", "full": "tab:red", "experts": "tab:orange", "usaf": "tab:green"}
-    for ax, (task, data) in zip(axes[0], tasks.items(), strict=True):
+    for ax, (task, data) in zip(axes[:, 0], tasks.items(), strict=True):
         info, rows = TASKS[task], data["methods"]
         scale = 100 if info["higher_is_better"] else 1
         lora = sorted((r for r in rows.values() if r["kind"] == "lora"), key=lambda r: r["after"]["new"])
@@ -813,7 +815,10 @@ def chart(payload: dict, path: Path) -> None:
                 zorder=3,
             )
             ax.annotate(f"{i}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        legend = "\n".join(f"{i}: {r['label']} @ {r['lr']:g}" for i, r in enumerate(rows.values()))
+        legend = "\n".join(
+            f"{i}: {r['label']}" + (f" @ {r['lr']:g}" if r["kind"] != "inference" else "")
+            for i, r in enumerate(rows.values())
+        )
         ax.text(1.01, 1.0, legend, transform=ax.transAxes, fontsize=7, va="top", family="monospace")
         unit = " (%)" if info["higher_is_better"] else ""
         ax.set_xlabel(f"{info['new']}{unit} — adaptation")
@@ -826,6 +831,7 @@ def chart(payload: dict, path: Path) -> None:
         ax.legend(loc="best", fontsize=8)
     fig.suptitle(f"usaf vs LoRA / full FT / experts: adaptation vs forgetting — {payload['machine']['date']}")
     fig.tight_layout()
+    fig.subplots_adjust(right=0.66)  # room for the numbered legend on the right
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
