@@ -353,17 +353,16 @@ class Worker:
             from usaf.load import load_prepared
 
             if m.kind == "usaf":
-                config = usaf.UsafConfig(density=m.density, granularity=m.granularity, train_router=m.router)
+                config = _experts_config(m)
                 source = job["model_dir"]  # trained values start from the original weights, as `usaf train`
             else:  # inference: the engine with nothing trained
-                config, source = usaf.UsafConfig(layers=[], train_router=False), None
+                config, source = usaf.UsafConfig(layers=[], targets=["experts"], train_router=False), None
             return load_prepared(job["quant_dir"], source, config, device=self.device, dtype=self.dtype)
 
         model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=self.dtype).to(self.device)
         _own_weights(model)
         if m.kind == "usaf":
-            config = usaf.UsafConfig(density=m.density, granularity=m.granularity, train_router=m.router)
-            return usaf.prepare_model(model, config)
+            return usaf.prepare_model(model, _experts_config(m))
         model.set_experts_implementation("grouped_mm")  # the fastest stock path
         model.requires_grad_(m.kind == "full")
         if m.kind in ("experts", "routers"):
@@ -486,6 +485,21 @@ class Worker:
             "accuracy_curve": self.curve,
             "quant_format": _quant_format(self.model),
         }
+
+
+def _experts_config(m: Method):
+    """The engine's cost is what this benchmark measures: expert entries (+ routers) chosen by magnitude, as in
+    0.1.0, so that rows compare across versions at the same number of trained entries. Which weights to train
+    for quality is bench/quality.py's question."""
+    import usaf
+
+    return usaf.UsafConfig(
+        density=m.density,
+        granularity=m.granularity,
+        train_router=m.router,
+        targets=["experts", "routers"],
+        selection="magnitude",
+    )
 
 
 def _own_weights(model) -> None:

@@ -51,8 +51,12 @@ def main() -> None:
 
     dense = build_block(args.experts, args.hidden, args.intermediate, args.top_k)
     frozen = copy.deepcopy(dense).requires_grad_(False)
-    element = usaf.prepare_model(copy.deepcopy(dense), usaf.UsafConfig(density=0.005, granularity="element"))
-    neuron = usaf.prepare_model(copy.deepcopy(dense), usaf.UsafConfig(density=0.05, granularity="neuron"))
+    element = usaf.prepare_model(
+        copy.deepcopy(dense), usaf.UsafConfig(density=0.005, granularity="element", targets=["experts"])
+    )
+    neuron = usaf.prepare_model(
+        copy.deepcopy(dense), usaf.UsafConfig(density=0.05, granularity="neuron", targets=["experts"])
+    )
     x = torch.randn(1, args.tokens, args.hidden)
     grad_out = torch.randn(1, args.tokens, args.hidden)
 

@@ -25,3 +25,7 @@ def write_copy_task(path: Path, count: int, seed: int = 0) -> Path:
             word = "".join(rnd.choice("abcdef") for _ in range(5))
             f.write(json.dumps({"prompt": f"copy {word} ->", "completion": f" {word}"}) + "\n")
     return path
+
+
+# 0.1.0's default targets: what the tests of the experts engine, routers and selection are about
+EXPERTS_AND_ROUTERS = ["experts", "routers"]

@@ -120,7 +120,12 @@ def test_task_accuracy_is_exact_match(model, tokenizer):
 
 def test_demo_model_prepares_for_usaf_and_keeps_its_mode(tokenizer):
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
-    usaf.prepare_model(model, usaf.UsafConfig(density=0.05, granularity="element", selection="magnitude"))
+    usaf.prepare_model(
+        model,
+        usaf.UsafConfig(
+            density=0.05, granularity="element", selection="magnitude", targets=["experts", "routers"]
+        ),
+    )
     summary = usaf.trainable_summary(model)
     assert summary["other"] == 0 and summary["routers"] == 3 * 8 * 64
     model.train()

@@ -15,7 +15,9 @@ def prepared(family, granularity="element", **kw):
     reference = tiny_model(family)
     model = usaf.prepare_model(
         copy.deepcopy(reference),
-        usaf.UsafConfig(density=0.15, granularity=granularity, selection="random", **kw),
+        usaf.UsafConfig(
+            density=0.15, granularity=granularity, selection="random", targets=["experts", "routers"], **kw
+        ),
     )
     return reference, model
 
@@ -105,7 +107,9 @@ def test_budget_and_summary():
     deltas = usaf.get_delta(model)
     assert summary["expert_entries"] == sum(d.flat_indices.numel() for d in deltas.values())
     assert summary["total"] == summary["expert_entries"] + summary["routers"]
-    exact = usaf.prepare_model(tiny_model("qwen3_moe"), usaf.UsafConfig(num_entries=1234, selection="random"))
+    exact = usaf.prepare_model(
+        tiny_model("qwen3_moe"), usaf.UsafConfig(num_entries=1234, selection="random", targets=["experts"])
+    )
     assert usaf.trainable_summary(exact)["expert_entries"] == 1234
     for delta in usaf.get_delta(exact).values():
         assert delta.flat_indices.dtype == torch.int64 and delta.flat_indices.dim() == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_model_dir, write_copy_task
+from helpers import EXPERTS_AND_ROUTERS, make_model_dir, write_copy_task
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -118,7 +118,9 @@ def trained(tmp_path_factory):
         base = model_dir(root / family / "base", family, shard_kb=40 if family == "qwen3_moe" else None)
         model = AutoModelForCausalLM.from_pretrained(base)
         before = logits(model, input_ids)
-        usaf.prepare_model(model, usaf.UsafConfig(density=0.1, granularity=granularity))
+        usaf.prepare_model(
+            model, usaf.UsafConfig(density=0.1, granularity=granularity, targets=EXPERTS_AND_ROUTERS)
+        )
         optimizer = adamw_steps(model, input_ids)
         runs[family] = {
             "base": base,
@@ -462,7 +464,9 @@ def test_hf_trainer_trains_only_the_selection_and_its_checkpoint_becomes_a_delta
 
     base = model_dir(tmp_path / "base", "mixtral")  # its checkpoint names differ from the model's (renamings)
     original = AutoModelForCausalLM.from_pretrained(base)
-    model = usaf.prepare_model(AutoModelForCausalLM.from_pretrained(base), usaf.UsafConfig(density=0.1))
+    # the default targets and the routers: every kind of trained entry goes through Trainer's checkpoint
+    config = usaf.UsafConfig(density=0.1, targets=[*usaf.config.DEFAULT_TARGETS, "routers"])
+    model = usaf.prepare_model(AutoModelForCausalLM.from_pretrained(base), config)
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
         max_steps=8,
@@ -520,7 +524,7 @@ def test_hf_trainer_trains_only_the_selection_and_its_checkpoint_becomes_a_delta
 
     # resuming midway (Trainer reloads save_pretrained's renamed keys with a plain load_state_dict) ends where the
     # uninterrupted run did
-    again = usaf.prepare_model(AutoModelForCausalLM.from_pretrained(base), usaf.UsafConfig(density=0.1))
+    again = usaf.prepare_model(AutoModelForCausalLM.from_pretrained(base), config)
     resumed = Trainer(model=again, args=args, train_dataset=copy_sequences(16))
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
     for name, change in get_delta(again).items():

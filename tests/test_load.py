@@ -24,7 +24,7 @@ from usaf.store import StoredExpertTensor
 from usaf.tiny import tiny_model
 
 IDS = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
-CONFIG = dict(density=0.1, selection="random")
+CONFIG = dict(density=0.1, selection="random", targets=["experts", "routers"])  # the quantized experts
 
 
 def save_checkpoint(folder: Path, family="qwen3_moe", **overrides):

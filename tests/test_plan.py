@@ -158,7 +158,7 @@ def test_nf4_experts_take_four_and_a_half_bits_and_int8_adds_a_scale_per_row():
 def test_sparse_state_counts_every_byte_per_entry_and_neurons_need_no_index():
     shape = shape_of("olmoe-1b-7b")
     cpu = planner.DEVICES["cpu"]
-    element = planner.PlanSettings(density=0.01, dtype="fp32", quant="none")
+    element = planner.PlanSettings(density=0.01, dtype="fp32", quant="none", targets=("experts", "routers"))
     entries = planner.trained_entries(shape, element)
     assert entries == round(0.01 * shape.expert_weights)
     sparse = ledger(planner.plan(shape, element, cpu, ram=64 * GiB))["sparse state + optimizer"].device
@@ -308,7 +308,7 @@ def test_targets_beyond_the_experts_are_in_the_ledger():
             w.module.weight.numel() for w in find_target_weights(model, find_moe_layers(model), [target])
         )
         assert shape.target_params[target] == real, target
-    base = planner.PlanSettings(density=0.1, dtype="fp32")
+    base = planner.PlanSettings(density=0.1, dtype="fp32", targets=("experts", "routers"))
     wide = base.replace(targets=tuple(TARGETS))
     extra = sum(shape.target_params.values())
     assert planner.trained_entries(shape, wide) == planner.trained_entries(shape, base) + round(0.1 * extra)

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from helpers import EXPERTS_AND_ROUTERS
 
 import usaf
 from usaf.loss import causal_lm_loss
@@ -30,7 +31,12 @@ def train_steps(model, optimizer, reselector, first, last):
 @pytest.mark.parametrize("granularity", ["element", "neuron"])
 def test_surgery_keeps_moments_and_budget_and_reverts_dropped(granularity):
     config = usaf.UsafConfig(
-        density=0.1, granularity=granularity, reselect_every=4, reselect_fraction=0.5, train_biases=False
+        targets=EXPERTS_AND_ROUTERS,
+        density=0.1,
+        granularity=granularity,
+        reselect_every=4,
+        reselect_fraction=0.5,
+        train_biases=False,
     )
     base = tiny_model("qwen3_moe")
     model = usaf.prepare_model(copy.deepcopy(base), config)
@@ -79,7 +85,9 @@ def test_evaluated_equals_checkpointed_equals_exported(tmp_path):
     from usaf.checkpoint import load, save
     from usaf.train import restore_trainable
 
-    config = usaf.UsafConfig(density=0.1, reselect_every=2, reselect_fraction=0.5, train_biases=False)
+    config = usaf.UsafConfig(
+        targets=EXPERTS_AND_ROUTERS, density=0.1, reselect_every=2, reselect_fraction=0.5, train_biases=False
+    )
     base = tiny_model("olmoe")
     model = usaf.prepare_model(copy.deepcopy(base), config)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)

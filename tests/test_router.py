@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import EXPERTS_AND_ROUTERS
 
 import usaf
 from usaf.arch import find_moe_layers
@@ -30,7 +31,9 @@ IDS = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(1))
 
 def _prepared(family="qwen3_moe", dtype=torch.float32, train_router=True, **overrides):
     model = tiny_model(family, dtype=dtype, **overrides)
-    usaf.prepare_model(model, usaf.UsafConfig(density=0.05, train_router=train_router))
+    usaf.prepare_model(
+        model, usaf.UsafConfig(targets=EXPERTS_AND_ROUTERS, density=0.05, train_router=train_router)
+    )
     return model
 
 
@@ -422,7 +425,7 @@ def _train_routers_on_narrow_data(balance_coef: float, guard: CollapseGuard, ste
     """
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe", num_experts=16, num_local_experts=16)  # all on 2 of 16 experts: cv 2.65
-    usaf.prepare_model(model, usaf.UsafConfig(density=0.001, train_router=True))
+    usaf.prepare_model(model, usaf.UsafConfig(targets=EXPERTS_AND_ROUTERS, density=0.001, train_router=True))
     model.train()
     probe = RouterProbe(model)
     generator = torch.Generator().manual_seed(0)

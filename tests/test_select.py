@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import EXPERTS_AND_ROUTERS
 
 import usaf
 from usaf.arch import find_moe_layers
@@ -39,7 +40,12 @@ def trained_entries(model):
 @pytest.mark.parametrize("selection", ["random", "magnitude", "gradient"])
 def test_element_budget_is_honoured_exactly(strategy, selection):
     config = usaf.UsafConfig(
-        num_entries=1500, strategy=strategy, selection=selection, train_biases=False, calibration_batches=3
+        targets=EXPERTS_AND_ROUTERS,
+        num_entries=1500,
+        strategy=strategy,
+        selection=selection,
+        train_biases=False,
+        calibration_batches=3,
     )
     model = usaf.prepare_model(cold_gpt_oss(), config, calibration_batches=batches(3))
     assert trained_entries(model) == 1500
@@ -49,7 +55,12 @@ def test_element_budget_is_honoured_exactly(strategy, selection):
 @pytest.mark.parametrize("selection", ["random", "magnitude", "gradient"])
 def test_neuron_budget_is_honoured_in_whole_neurons(strategy, selection):
     config = usaf.UsafConfig(
-        density=0.2, granularity="neuron", strategy=strategy, selection=selection, train_biases=False
+        targets=EXPERTS_AND_ROUTERS,
+        density=0.2,
+        granularity="neuron",
+        strategy=strategy,
+        selection=selection,
+        train_biases=False,
     )
     model = usaf.prepare_model(cold_gpt_oss(), config, calibration_batches=batches(2))
     per_neuron = 3 * 32  # gate, up (rows of gate_up) and down: hidden 32 each
@@ -66,6 +77,7 @@ def test_neuron_budget_is_honoured_in_whole_neurons(strategy, selection):
 @pytest.mark.parametrize("selection", ["random", "magnitude", "gradient"])
 def test_routing_strategy_gives_nothing_to_cold_experts(granularity, selection):
     config = usaf.UsafConfig(
+        targets=EXPERTS_AND_ROUTERS,
         density=0.2,
         strategy="routing",
         granularity=granularity,
@@ -81,7 +93,9 @@ def test_routing_strategy_gives_nothing_to_cold_experts(granularity, selection):
 
 
 def test_calibration_accumulates_over_batches():
-    model = usaf.prepare_model(tiny_model("qwen3_moe"), usaf.UsafConfig(density=0.1))
+    model = usaf.prepare_model(
+        tiny_model("qwen3_moe"), usaf.UsafConfig(targets=EXPERTS_AND_ROUTERS, density=0.1)
+    )
     data = batches(3, seed=5)
     together = calibrate(model, data, 3, with_gradients=True)
     separate = [calibrate(model, [b], 1, with_gradients=True) for b in data]
@@ -98,9 +112,13 @@ def test_gradient_selection_prefers_entries_the_task_moves():
     """Entries chosen by gradient have larger calibration gradients than randomly chosen ones."""
     data = batches(3, seed=1)
     grad_model = usaf.prepare_model(
-        tiny_model("mixtral"), usaf.UsafConfig(density=0.05, selection="gradient"), calibration_batches=data
+        tiny_model("mixtral"),
+        usaf.UsafConfig(targets=EXPERTS_AND_ROUTERS, density=0.05, selection="gradient"),
+        calibration_batches=data,
     )
-    rand_model = usaf.prepare_model(tiny_model("mixtral"), usaf.UsafConfig(density=0.05, selection="random"))
+    rand_model = usaf.prepare_model(
+        tiny_model("mixtral"), usaf.UsafConfig(targets=EXPERTS_AND_ROUTERS, density=0.05, selection="random")
+    )
     norms = []
     for model in (grad_model, rand_model):
         for batch in data:
@@ -113,14 +131,16 @@ def test_saved_selection_is_reused(tmp_path):
     data = batches(2)
     first = usaf.prepare_model(
         tiny_model("qwen3_moe"),
-        usaf.UsafConfig(strategy="routing", granularity="neuron"),
+        usaf.UsafConfig(targets=EXPERTS_AND_ROUTERS, strategy="routing", granularity="neuron"),
         calibration_batches=data,
     )
     chosen = current_selection(first)
     save_selection(tmp_path / "selection.safetensors", chosen, {"strategy": "routing"})
     again = usaf.prepare_model(
         tiny_model("qwen3_moe"),
-        usaf.UsafConfig(strategy="file", file=str(tmp_path / "selection.safetensors")),
+        usaf.UsafConfig(
+            targets=EXPERTS_AND_ROUTERS, strategy="file", file=str(tmp_path / "selection.safetensors")
+        ),
     )
     loaded = load_selection(tmp_path / "selection.safetensors")
     for key, c in current_selection(again).items():
@@ -129,6 +149,8 @@ def test_saved_selection_is_reused(tmp_path):
 
 def test_data_driven_strategy_without_data_is_a_clear_error():
     with pytest.raises(usaf.UsafError, match="needs calibration data"):
-        usaf.prepare_model(tiny_model("qwen3_moe"), usaf.UsafConfig(strategy="routing"))
+        usaf.prepare_model(
+            tiny_model("qwen3_moe"), usaf.UsafConfig(targets=EXPERTS_AND_ROUTERS, strategy="routing")
+        )
     with pytest.raises(usaf.UsafError, match="strategy='file' needs"):
-        usaf.UsafConfig(strategy="file")
+        usaf.UsafConfig(targets=EXPERTS_AND_ROUTERS, strategy="file")

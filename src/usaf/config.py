@@ -10,10 +10,12 @@ RESIDENCIES = ("device", "host", "mmap")  # where a quantized base's experts liv
 GUARD_ACTIONS = ("warn", "raise_balance", "freeze_router", "stop")  # see usaf.router.CollapseGuard
 
 GRANULARITIES = ("element", "neuron")
-SELECTIONS = ("random", "magnitude", "gradient")
+SELECTIONS = ("auto", "random", "magnitude", "gradient")
 STRATEGIES = ("uniform", "routing", "gradient", "file")
 # which native weights may hold trained entries (see usaf.targets); routers are trained whole
 TARGETS = ("experts", "routers", "attention", "dense_mlp", "norms", "embeddings", "lm_head")
+# chosen on bench/quality.py (README, "Fine-tunes against LoRA"): routers add forgetting, not adaptation
+DEFAULT_TARGETS = ("experts", "attention", "embeddings", "lm_head")
 
 
 def option(default, doc: str, choices: tuple | None = None):
@@ -33,8 +35,9 @@ class UsafConfig:
     strategy: how the budget is spread: "uniform" (every expert tensor alike), "routing" (experts covering
         `routing_coverage` of the task's routed tokens, in proportion to their share; cold experts get nothing),
         "gradient" (global top-k by gradient importance across layers), or "file" (a saved selection, `file`).
-    selection: how entries are chosen inside the budget: "random", "magnitude" (largest |w|), or "gradient"
-        (importance from calibration batches); seeded by `seed`.
+    selection: how entries are chosen inside the budget: "random", "magnitude" (largest |w|), "gradient"
+        (importance from calibration batches), or "auto": gradient when calibration batches are given (usaf train
+        always gives them), else magnitude; seeded by `seed`.
     calibration_batches: batches of the task used by "routing", "gradient" (and selection="gradient").
     oversample: candidate entries scored exactly per trained entry (gradient selection), >= 1.
     reselect_every: every K optimizer steps drop the entries that moved least and grow where the gradient is
@@ -47,7 +50,8 @@ class UsafConfig:
         strategy="gradient" one global top-k over all of them decides where the budget goes.
     train_router: routers' weights (and real biases) become trainable (with "routers" in `targets`).
     train_biases: expert biases (gpt-oss) get trainable entries at the same density.
-    layers: indices of the MoE layers to train (None: all); the others stay frozen.
+    layers: numbers of the MoE decoder layers to train (None: all, and the weights outside the decoder layers:
+        embedding, final norm, output layer); the others stay frozen.
     workspace_mb: bound on the dequantized routed-expert workspace of one projection (quantized bases).
     """
 
@@ -61,7 +65,9 @@ class UsafConfig:
         "how the budget is spread: every tensor alike, routed experts, global gradient top-k, a saved file",
         STRATEGIES,
     )
-    selection: str = option("magnitude", "how entries are chosen inside the budget", SELECTIONS)
+    selection: str = option(
+        "auto", "how entries are chosen inside the budget (auto: gradient given calibration data)", SELECTIONS
+    )
     routing_coverage: float = option(0.5, "strategy=routing: share of routed tokens the chosen experts cover")
     calibration_batches: int = option(8, "batches of the training data used to calibrate the selection")
     oversample: float = option(4.0, "gradient selection: candidate entries scored per trained entry (>= 1)")
@@ -76,11 +82,13 @@ class UsafConfig:
     )
     seed: int = option(0, "seed of random selection")
     targets: list = option(
-        ["experts", "routers"], "weights that hold trained entries, some of: " + ", ".join(TARGETS)
+        list(DEFAULT_TARGETS), "weights that hold trained entries, some of: " + ", ".join(TARGETS)
     )
     train_router: bool = option(True, "routers are trainable (with routers in targets)")
     train_biases: bool = option(True, "expert biases (gpt-oss) get entries at the same density")
-    layers: list[int] | None = option(None, "MoE layer numbers to train (None: all)")
+    layers: list[int] | None = option(
+        None, "decoder layer numbers to train (None: all, with the embedding and output layer)"
+    )
     workspace_mb: int = option(256, "bound (MB) on one projection's dequantized routed-expert workspace")
 
     def __post_init__(self) -> None:
@@ -168,7 +176,9 @@ class ModelSection:
 
 @dataclass
 class RouterSection:
-    lr_multiplier: float = option(1.0, "router learning rate = optim.lr x this")
+    lr_multiplier: float = option(
+        0.1, "router learning rate = optim.lr x this (with routers in select.targets)"
+    )
     freeze_steps: int = option(0, "keep routers frozen for the first N optimizer steps")
     balance_coef: float = option(0.01, "Switch load-balancing loss coefficient, raw router logits (0: off)")
     z_coef: float = option(0.001, "router z-loss coefficient (0: off)")
@@ -185,7 +195,7 @@ class RouterSection:
 
 @dataclass
 class OptimSection:
-    lr: float = option(1e-3, "peak learning rate of trained expert values")
+    lr: float = option(1e-2, "peak learning rate of trained values (sparse entries move far from few)")
     weight_decay: float = option(0.0, "AdamW decoupled weight decay (towards zero, applied to values)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.999, "AdamW beta2")

@@ -17,12 +17,7 @@ from .errors import UsafError
 
 MARKER = "usaf_demo.json"
 # Chosen on this project's 2-core CPU: the shift skill goes from ~0 % to most words right in a few minutes.
-DEMO_SETTINGS = [
-    "select.density=0.05",
-    "select.granularity=element",
-    "select.strategy=uniform",
-    "select.selection=magnitude",
-    "optim.lr=0.02",
+DEMO_SETTINGS = [  # usaf's defaults for what to train and how fast; only the steps and the data are the demo's
     "schedule.max_steps=300",
     "schedule.warmup_steps=10",
     "data.batch_size=16",

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .config import RESIDENCIES
+from .config import DEFAULT_TARGETS, RESIDENCIES
 from .errors import UsafError
 
 GiB = 1 << 30
@@ -140,7 +140,7 @@ class PlanSettings:
     optimizer: str = "adamw"
     dtype: str = "bf16"
     workspace_mb: int = 256
-    targets: tuple = ("experts", "routers")  # select.targets: which weights hold trained entries
+    targets: tuple = DEFAULT_TARGETS  # select.targets: which weights hold trained entries
 
     def __post_init__(self):
         from .config import TARGETS

@@ -76,7 +76,8 @@ def prepare_model(
     weights = [
         w
         for w in find_target_weights(model, layers, config.targets)
-        if config.layers is None or w.layer_index is None or w.layer_index in config.layers
+        # with layers named, only those decoder layers train: nothing below them (a frozen prefix stays frozen)
+        if config.layers is None or w.layer_index in config.layers
     ]
     states = {w.key: install(w.module, w.target, w.kind) for w in weights}
     tied_head = tied_output_layer(model)

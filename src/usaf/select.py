@@ -174,6 +174,22 @@ def top_indices(scores: torch.Tensor, count: int) -> torch.Tensor:
     return torch.topk(scores, count, sorted=False).indices.sort().values
 
 
+def resolved_selection(config, has_data: bool) -> str:
+    """selection="auto": gradient importance when calibration data is given (usaf train always gives it), else
+    magnitude (largest |w|), the best choice that needs no data."""
+    if config.selection != "auto":
+        return config.selection
+    return "gradient" if has_data else "magnitude"
+
+
+def with_resolved_selection(config, has_data: bool):
+    if config.selection != "auto":
+        return config
+    resolved = copy.copy(config)
+    resolved.selection = resolved_selection(config, has_data)
+    return resolved
+
+
 class Chosen(NamedTuple):
     """A selection for one expert tensor: flat indices (axis None) or line ids along `axis`."""
 
@@ -208,6 +224,7 @@ def choose(
 
     if config.strategy == "file":
         return load_selection(config.file)
+    config = with_resolved_selection(config, batches is not None and model is not None)
     train_experts = "experts" in config.targets
     experts = [
         TensorUnit(

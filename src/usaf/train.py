@@ -353,12 +353,12 @@ def packed_documents_are_isolated(model, device) -> bool:
 
 
 def selection_summary(model, config: RunConfig) -> dict:
-    from .select import choose
+    from .select import choose, resolved_selection
 
     calibration = getattr(choose, "last_calibration", None)
     return {
         "strategy": config.select.strategy,
-        "selection": config.select.selection,
+        "selection": resolved_selection(config.select, has_data=True),
         "granularity": config.select.granularity,
         "entries": {key: int(c.indices.numel()) for key, c in current_selection(model).items()},
         "calibration": calibration.summary() if calibration is not None else None,

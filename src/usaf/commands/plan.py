@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..config import DEFAULT_TARGETS
 from ..errors import UsafError
 
 
@@ -35,8 +36,8 @@ def add_command(subparsers) -> None:
     )
     p.add_argument(
         "--targets",
-        default="experts,routers",
-        help="weights that hold trained entries, comma-separated (select.targets; default experts,routers)",
+        default=",".join(DEFAULT_TARGETS),
+        help=f"weights that hold trained entries, comma-separated (select.targets; default {','.join(DEFAULT_TARGETS)})",
     )
     p.add_argument("--quant", default="nf4", choices=list(planner.QUANTS), help="frozen experts' format")
     p.add_argument(
