@@ -63,7 +63,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 # ============================================================================================================
 USAF_SPECS: list[dict] = [
     # the defaults (usaf.UsafConfig(), optim.lr, router.lr_multiplier): experts + attention + embedding and output
-    # rows at 0.5 %, chosen by gradient on calibration batches, routers frozen; and the same at other rates
+    # rows at 0.5 %, chosen by gradient on calibration batches, routers frozen; and at two other rates
     {"label": "usaf default", "select": {}, "lr": 1e-2, "router_lr_multiplier": 0.1},
     {"label": "usaf default", "select": {}, "lr": 5e-3, "router_lr_multiplier": 0.1},
     {"label": "usaf default", "select": {}, "lr": 2e-2, "router_lr_multiplier": 0.1},
@@ -152,7 +152,7 @@ def methods_for(mode: str, extra_specs: list[dict]) -> list[dict]:
             LORA_LRS[:2],
             FULL_LRS[-1:],
             EXPERTS_LRS[-1:],
-            [USAF_SPECS[1], USAF_SPECS[3]],
+            [USAF_SPECS[0], USAF_SPECS[3]],
         )
     rows += [
         {"key": f"lora@{lr:g}", "label": f"PEFT LoRA r={LORA_RANK} attn + experts", "kind": "lora", "lr": lr}

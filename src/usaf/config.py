@@ -16,6 +16,9 @@ STRATEGIES = ("uniform", "routing", "gradient", "file")
 TARGETS = ("experts", "routers", "attention", "dense_mlp", "norms", "embeddings", "lm_head")
 # chosen on bench/quality.py (README, "Fine-tunes against LoRA"): routers add forgetting, not adaptation
 DEFAULT_TARGETS = ("experts", "attention", "embeddings", "lm_head")
+# 1 % lies on the same quality frontier (bench/quality.py) but does not fit Qwen3-30B-A3B's sparse state on a 12 GB
+# card at today's bytes per entry (`usaf plan --model qwen3-30b-a3b --vram 12GB --density 0.01`)
+DEFAULT_DENSITY = 0.005
 
 
 def option(default, doc: str, choices: tuple | None = None):
@@ -55,7 +58,7 @@ class UsafConfig:
     workspace_mb: bound on the dequantized routed-expert workspace of one projection (quantized bases).
     """
 
-    density: float = option(0.005, "share of each targeted weight's entries to train, in (0, 1]")
+    density: float = option(DEFAULT_DENSITY, "share of each targeted weight's entries to train, in (0, 1]")
     num_entries: int | None = option(
         None, "global budget of trained entries (split by size); overrides density"
     )

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .config import DEFAULT_TARGETS, RESIDENCIES
+from .config import DEFAULT_DENSITY, DEFAULT_TARGETS, RESIDENCIES
 from .errors import UsafError
 
 GiB = 1 << 30
@@ -130,7 +130,7 @@ OPTIMIZERS = {
 class PlanSettings:
     seq: int = 2048
     batch: int = 1
-    density: float = 0.005
+    density: float = DEFAULT_DENSITY
     quant: str = "nf4"
     quant_dense: bool = False
     granularity: str = "element"

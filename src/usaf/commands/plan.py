@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import DEFAULT_TARGETS
+from ..config import DEFAULT_DENSITY, DEFAULT_TARGETS
 from ..errors import UsafError
 
 
@@ -32,7 +32,10 @@ def add_command(subparsers) -> None:
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument(
-        "--density", type=float, default=0.005, help="share of expert entries trained (default 0.005)"
+        "--density",
+        type=float,
+        default=DEFAULT_DENSITY,
+        help=f"share of each targeted weight's entries trained (default {DEFAULT_DENSITY})",
     )
     p.add_argument(
         "--targets",
