@@ -141,7 +141,7 @@ TASKS = {
 }
 
 
-def methods_for(mode: str, extra_specs: list[dict]) -> list[dict]:
+def methods_for(mode: str, extra_specs: list[dict], builtin_usaf: bool = True) -> list[dict]:
     """Every row: {key, label, kind, lr, select, router_lr_multiplier}."""
     rows = [{"key": "inference", "label": "inference (no training)", "kind": "inference", "lr": 0.0}]
     lora, full, experts, specs = LORA_LRS, FULL_LRS, EXPERTS_LRS, USAF_SPECS
@@ -154,6 +154,8 @@ def methods_for(mode: str, extra_specs: list[dict]) -> list[dict]:
             EXPERTS_LRS[-1:],
             [USAF_SPECS[0], USAF_SPECS[3]],
         )
+    if not builtin_usaf:
+        specs = []
     rows += [
         {"key": f"lora@{lr:g}", "label": f"PEFT LoRA r={LORA_RANK} attn + experts", "kind": "lora", "lr": lr}
         for lr in lora
@@ -859,6 +861,9 @@ def main(argv: list[str] | None = None) -> int:
         type=json.loads,
         help='one more usaf row: {"label", "select": {UsafConfig kwargs}, "lr", "router_lr_multiplier"}',
     )
+    parser.add_argument(
+        "--only-given-specs", action="store_true", help="of the usaf rows, run only those of --usaf-spec"
+    )
     args = parser.parse_args(argv)
     sizes = copy.deepcopy(MODES[args.mode])
     seeds = args.seeds if args.seeds is not None else sizes["seeds"]
@@ -867,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
             sizes[task]["steps"] = args.steps
             sizes[task]["eval_every"] = min(sizes[task]["eval_every"], args.steps)
     jobs = args.jobs or max(1, min(2, (os.cpu_count() or 1) // args.threads))
-    methods = methods_for(args.mode, args.usaf_spec)
+    methods = methods_for(args.mode, args.usaf_spec, builtin_usaf=not args.only_given_specs)
     if args.methods:
         kinds = set(args.methods.split(","))
         methods = [m for m in methods if m["kind"] in kinds]
