@@ -118,3 +118,34 @@ def test_evaluated_equals_checkpointed_equals_exported(tmp_path):
                 exported_params[name].copy_(param)
         assert torch.equal(resumed(IDS).logits, in_run)
         assert torch.allclose(exported(IDS).logits, in_run, atol=1e-6)
+
+
+def test_observers_do_not_keep_activations_alive():
+    """The reselection and calibration observers hook the experts' activations; a hook that refers back to its
+    tensor makes a cycle through autograd's graph that nothing frees (memory grew ~25 MB a step on the quality
+    benchmark's model). After a step, the activations the observers saw must be gone."""
+    import gc
+    import weakref
+
+    from usaf.calibrate import Calibration, _Observer
+    from usaf.prepare import sparse_experts
+    from usaf.reselect import Reselector
+
+    model = tiny_model("qwen3_moe")
+    config = usaf.UsafConfig(targets=EXPERTS_AND_ROUTERS, density=0.1, reselect_every=2)
+    usaf.prepare_model(model, config)
+    reselector = Reselector(model, config, total_steps=10)
+    calibration, seen = Calibration(), []
+    for path, state in sparse_experts(model):
+        observer = _Observer(calibration, path, state.num_experts, with_gradients=True)
+        observer.active = True
+        state.observers += [observer, lambda state, plan, weights, h: seen.append(weakref.ref(h))]
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    reselector.set_observing(True)
+    model(ids, labels=ids).loss.backward()
+    reselector.set_observing(False)
+    gc.collect()
+    assert (
+        seen and all(i.score is not None for i in reselector.importance.values()) and calibration.neuron_score
+    )
+    assert all(ref() is None for ref in seen), "an observer keeps the experts' activations alive"

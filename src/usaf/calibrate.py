@@ -62,12 +62,12 @@ class _Observer:
         gates = top_k_weights.detach().reshape(-1)[plan.order].double().cpu()
         cal.gate_weight[self.path].index_add_(0, plan.expert_of_row.cpu(), gates)
         if self.with_gradients and h.requires_grad:
-            experts = plan.expert_of_row
+            experts, values = plan.expert_of_row, h.detach()  # not `h`: h -> hook -> h is a reference cycle
 
             def accumulate(grad_h):
-                taylor = (h.detach() * grad_h).float().pow(2)
+                taylor = (values * grad_h).float().pow(2)
                 score = cal.neuron_score.setdefault(
-                    self.path, torch.zeros(state.num_experts, h.shape[1], device=h.device)
+                    self.path, torch.zeros(state.num_experts, values.shape[1], device=values.device)
                 )
                 score.index_add_(0, experts, taylor)
 
