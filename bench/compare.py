@@ -42,6 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from forked import call_in_fork  # noqa: E402
+
 RESULTS = BENCH / "results"
 
 # Learning rates by method family: each the best of a sweep on the demo task (200 steps of 32 records, accuracy on
@@ -798,31 +801,6 @@ class Pool:
         return results
 
 
-def call_main(conn, name: str, kwargs: dict) -> None:
-    """Entry point of a helper process: run one function of this module, send back its result."""
-    try:
-        conn.send({"result": globals()[name](**kwargs)})
-    except BaseException:
-        conn.send({"error": traceback.format_exc()})
-
-
-def call_in_fork(context, name: str, **kwargs):
-    """`name(**kwargs)` in a fresh fork of the server: the parent never imports torch (seconds saved per run) and
-    keeps no model memory."""
-    parent, child = context.Pipe()
-    proc = context.Process(target=call_main, args=(child, name, kwargs), daemon=True)
-    proc.start()
-    child.close()
-    try:
-        reply = parent.recv()
-    except EOFError:
-        reply = {"error": f"{name}: the helper process died (exit code {proc.exitcode})"}
-    proc.join()
-    if "error" in reply:
-        raise RuntimeError(reply["error"])
-    return reply["result"]
-
-
 def environment(device: str, threads: int | None) -> dict:
     """The device to use, the torch threads per process, the machine and library versions."""
     import torch
@@ -844,6 +822,7 @@ def run_model(context, run: Run, methods: list[Method], args, workdir: Path) -> 
     began = time.perf_counter()
     prepared = call_in_fork(
         context,
+        "compare",
         "prepare_model_dir",
         run=run,
         workdir=workdir,
@@ -1265,7 +1244,7 @@ def main(argv: list[str] | None = None) -> int:
     # imported once by the server; each method's process is a fork of it (no import cost, nothing computed yet)
     context.set_forkserver_preload(["torch", "transformers", "peft", "usaf", "usaf.load", "usaf.demo_task"])
     started = time.perf_counter()
-    env = call_in_fork(context, "environment", device=args.device, threads=args.threads)
+    env = call_in_fork(context, "compare", "environment", device=args.device, threads=args.threads)
     print(
         f"device {env['device']}, {env['threads']} torch thread(s) per process "
         f"({time.perf_counter() - started:.0f} s to start)",

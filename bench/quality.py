@@ -46,7 +46,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -55,6 +54,7 @@ REPO = BENCH.parent
 RESULTS = BENCH / "results"
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "scripts"))
+from forked import call_in_fork  # noqa: E402
 
 # ============================================================================================================
 # usaf configurations: EXTEND HERE (or pass --usaf-spec JSON on the command line, repeatable).
@@ -485,28 +485,6 @@ def environment(threads: int) -> dict:
     return {"machine": common.machine(), "versions": _versions()}
 
 
-def call_main(conn, name: str, kwargs: dict) -> None:
-    try:
-        conn.send({"result": globals()[name](**kwargs)})
-    except BaseException:
-        conn.send({"error": traceback.format_exc()})
-
-
-def call_in_fork(context, name: str, **kwargs):
-    parent, child = context.Pipe()
-    proc = context.Process(target=call_main, args=(child, name, kwargs), daemon=True)
-    proc.start()
-    child.close()
-    try:
-        reply = parent.recv()
-    except EOFError:
-        reply = {"error": f"{name}: the process died (exit code {proc.exitcode})"}
-    proc.join()
-    if "error" in reply:
-        raise RuntimeError(reply["error"])
-    return reply["result"]
-
-
 # ---- aggregation -----------------------------------------------------------------------------------------------
 
 
@@ -886,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
         ["torch", "transformers", "peft", "usaf", "usaf.demo_task", "compare", "common"]
     )
     started = time.perf_counter()
-    env = call_in_fork(context, "environment", threads=args.threads)
+    env = call_in_fork(context, "quality", "environment", threads=args.threads)
     payload = {
         "command": " ".join(["python", "bench/quality.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": env["machine"],
@@ -909,6 +887,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 prepared = call_in_fork(
                     context,
+                    "quality",
                     "prepare_task",
                     task=task,
                     sizes=sizes[task],
@@ -933,7 +912,9 @@ def main(argv: list[str] | None = None) -> int:
             def one(method, seed, task=task, job=job):
                 began = time.perf_counter()
                 try:
-                    result = call_in_fork(context, "run_method", task=task, method=method, seed=seed, job=job)
+                    result = call_in_fork(
+                        context, "quality", "run_method", task=task, method=method, seed=seed, job=job
+                    )
                 except RuntimeError as err:
                     return method, seed, None, str(err), time.perf_counter() - began
                 return method, seed, result, None, time.perf_counter() - began
