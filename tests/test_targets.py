@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from test_engine import patched_reference, perturb
 
 import usaf
 from usaf.config import TARGETS
@@ -27,22 +28,23 @@ def prepared(family, targets, **kw):
     return reference, usaf.prepare_model(copy.deepcopy(reference), config)
 
 
-def patched(reference, model):
-    ref = copy.deepcopy(reference)
-    params = dict(ref.named_parameters())
-    with torch.no_grad():
-        for name, delta in usaf.get_delta(model).items():
-            params[name].view(-1)[delta.flat_indices] = (
-                delta.values.detach().reshape(-1).to(params[name].dtype)
-            )
+def backward_against_patched_reference(reference, model):
+    """Perturb the trained values, patch a plain copy of `reference` with them, run both with one loss: the
+    logits must agree and each value's gradient must equal the plain model's dense gradient at its entry."""
+    perturb(model)
+    ref = patched_reference(reference, model)
+    for param in ref.parameters():
+        param.requires_grad_(True)
+    target = torch.randn(2, 7, 97, generator=torch.Generator().manual_seed(2))
+    logits, ref_logits = model(IDS).logits, ref(IDS).logits
+    (logits * target).sum().backward()
+    (ref_logits * target).sum().backward()
+    assert (logits - ref_logits).abs().max() < 1e-5
+    ref_params = dict(ref.named_parameters())
+    for name, delta in usaf.get_delta(model).items():
+        dense = ref_params[name].grad.reshape(-1)[delta.flat_indices]
+        assert _rel(delta.values.grad.reshape(-1), dense) < 1e-4, name
     return ref
-
-
-def perturb(model, scale=0.2):
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".values"):
-                param.add_(torch.randn_like(param) * scale)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -53,20 +55,7 @@ def test_every_target_matches_transformers(family):
         assert summary.get(f"{target}_entries", 0) > 0, (target, summary)
     with torch.no_grad():
         assert (model(IDS).logits - reference(IDS).logits).abs().max() < 1e-5
-    perturb(model)
-    ref = patched(reference, model)
-    for param in ref.parameters():
-        param.requires_grad_(True)
-    target = torch.randn(2, 7, 97, generator=torch.Generator().manual_seed(2))
-    logits = model(IDS).logits
-    (logits * target).sum().backward()
-    ref_logits = ref(IDS).logits
-    (ref_logits * target).sum().backward()
-    assert (logits - ref_logits).abs().max() < 1e-5
-    ref_params = dict(ref.named_parameters())
-    for name, delta in usaf.get_delta(model).items():
-        dense = ref_params[name].grad.reshape(-1)[delta.flat_indices]
-        assert _rel(delta.values.grad.reshape(-1), dense) < 1e-4, name
+    backward_against_patched_reference(reference, model)
 
 
 # ---- every consumer follows: checkpoints, export, apply, load_delta, Trainer checkpoints -------------------------
@@ -175,20 +164,8 @@ def test_tied_embedding_and_output_layer_train_one_weight(named):
     )
     deltas = usaf.get_delta(model)
     assert "model.embed_tokens.weight" in deltas and "lm_head.weight" not in deltas
-    perturb(model)
-    ref = patched(reference, model)
+    ref = backward_against_patched_reference(reference, model)  # the tied dense gradient: both uses summed
     assert ref.lm_head.weight is ref.model.embed_tokens.weight
-    for param in ref.parameters():
-        param.requires_grad_(True)
-    target = torch.randn(2, 7, 97, generator=torch.Generator().manual_seed(2))
-    logits = model(IDS).logits
-    (logits * target).sum().backward()
-    ref_logits = ref(IDS).logits
-    (ref_logits * target).sum().backward()
-    assert (logits - ref_logits).abs().max() < 1e-5
-    delta = deltas["model.embed_tokens.weight"]
-    dense = ref.model.embed_tokens.weight.grad.reshape(-1)[delta.flat_indices]
-    assert _rel(delta.values.grad.reshape(-1), dense) < 1e-4
 
 
 def test_unknown_target_is_refused():
