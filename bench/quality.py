@@ -39,7 +39,6 @@ import copy
 import gc
 import itertools
 import json
-import math
 import os
 import random
 import statistics
@@ -54,6 +53,7 @@ REPO = BENCH.parent
 RESULTS = BENCH / "results"
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "scripts"))
+from compare import _lr_factor  # noqa: E402  (the same schedule as the speed comparison)
 from forked import call_in_fork  # noqa: E402
 
 # ============================================================================================================
@@ -302,18 +302,6 @@ def _safetensors(model_dir: Path) -> dict:
 
 
 # ---- one run, in its own process -------------------------------------------------------------------------------
-
-
-def _lr_factor(total: int):
-    warmup = max(1, total // 10)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def _build(method: dict, model_dir: str, calibration: list):
