@@ -366,28 +366,7 @@ class Worker:
         _own_weights(model)
         if m.kind == "usaf":
             return usaf.prepare_model(model, _experts_config(m))
-        model.set_experts_implementation("grouped_mm")  # the fastest stock path
-        model.requires_grad_(m.kind == "full")
-        if m.kind in ("experts", "routers"):
-            from usaf.arch import find_moe_layers
-
-            for layer in find_moe_layers(model):
-                if layer.router is not None:
-                    layer.router.requires_grad_(True)
-                if m.kind == "experts":
-                    for t in layer.tensors:
-                        getattr(layer.experts, t.name).requires_grad_(True)
-        if m.kind == "lora":
-            from peft import LoraConfig, get_peft_model
-
-            config = LoraConfig(
-                r=LORA_RANK,
-                lora_alpha=LORA_ALPHA,
-                lora_dropout=0.0,
-                target_modules=LORA_ATTENTION,
-                target_parameters=LORA_EXPERTS,
-            )
-            model = get_peft_model(model, config)
+        model = stock_baseline(model, m.kind)
         return model.to(self.device)
 
     def _sync(self) -> None:
@@ -488,6 +467,35 @@ class Worker:
             "accuracy_curve": self.curve,
             "quant_format": _quant_format(self.model),
         }
+
+
+def stock_baseline(model, kind: str):
+    """A baseline on transformers' own `grouped_mm` experts with exactly its trainable parameters: "full"
+    (everything), "experts" (every expert weight and router), "routers", "lora" (PEFT LoRA on attention and the
+    fused experts), anything else frozen. Returns the model (LoRA wraps it)."""
+    model.set_experts_implementation("grouped_mm")  # the fastest stock path
+    model.requires_grad_(kind == "full")
+    if kind in ("experts", "routers"):
+        from usaf.arch import find_moe_layers
+
+        for layer in find_moe_layers(model):
+            if layer.router is not None:
+                layer.router.requires_grad_(True)
+            if kind == "experts":
+                for t in layer.tensors:
+                    getattr(layer.experts, t.name).requires_grad_(True)
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=LORA_RANK,
+            lora_alpha=LORA_ALPHA,
+            lora_dropout=0.0,
+            target_modules=LORA_ATTENTION,
+            target_parameters=LORA_EXPERTS,
+        )
+        model = get_peft_model(model, config)
+    return model
 
 
 def _experts_config(m: Method):

@@ -53,7 +53,13 @@ REPO = BENCH.parent
 RESULTS = BENCH / "results"
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "scripts"))
-from compare import _lr_factor  # noqa: E402  (the same schedule as the speed comparison)
+from compare import (  # noqa: E402  (the same schedule and LoRA as the speed comparison)
+    LORA_ALPHA,
+    LORA_ATTENTION,
+    LORA_EXPERTS,
+    LORA_RANK,
+    _lr_factor,
+)
 from forked import call_in_fork  # noqa: E402
 
 # ============================================================================================================
@@ -94,12 +100,6 @@ USAF_SPECS: list[dict] = [
 LORA_LRS = [1e-3, 3e-3, 1e-2]
 FULL_LRS = [3e-4, 1e-3]
 EXPERTS_LRS = [3e-4, 1e-3]
-LORA_RANK, LORA_ALPHA = 16, 32
-LORA_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-LORA_EXPERTS = [
-    "mlp.experts.gate_up_proj",
-    "mlp.experts.down_proj",
-]  # fused 3-D parameters: target_parameters
 
 # Per-mode sizes of the runs.
 MODES = {
@@ -307,11 +307,10 @@ def _safetensors(model_dir: Path) -> dict:
 def _build(method: dict, model_dir: str, calibration: list):
     """The model of one method, with exactly its trainable parameters; and the optimizer's parameter groups."""
     import torch
-    from compare import _own_weights
+    from compare import _own_weights, stock_baseline
     from transformers import AutoModelForCausalLM
 
     import usaf
-    from usaf.arch import find_moe_layers
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     _own_weights(model)
@@ -328,25 +327,7 @@ def _build(method: dict, model_dir: str, calibration: list):
         if router_list:
             groups.append({"params": router_list, "lr": lr * method["router_lr_multiplier"]})
         return model, groups, config
-    model.set_experts_implementation("grouped_mm")
-    model.requires_grad_(kind == "full")
-    if kind == "experts":
-        for layer in find_moe_layers(model):
-            if layer.router is not None:
-                layer.router.requires_grad_(True)
-            for t in layer.tensors:
-                getattr(layer.experts, t.name).requires_grad_(True)
-    if kind == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=LORA_RANK,
-            lora_alpha=LORA_ALPHA,
-            lora_dropout=0.0,
-            target_modules=LORA_ATTENTION,
-            target_parameters=LORA_EXPERTS,
-        )
-        model = get_peft_model(model, lora)
+    model = stock_baseline(model, kind)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return model, ([{"params": trainable, "lr": lr}] if trainable else []), None
 

@@ -77,7 +77,8 @@ def layout_of(experts: nn.Module) -> dict[str, bool]:
     return {flag: getattr(experts, flag, None) for flag in LAYOUT_FLAGS}
 
 
-def _layer_number(path: str, fallback: int) -> int:
+def layer_number(path: str, fallback: int | None = None) -> int | None:
+    """The decoder layer number in a module path (`model.layers.3.mlp` -> 3), else `fallback`."""
     match = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)", path)
     return int(match.group(1)) if match else fallback
 
@@ -132,7 +133,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         layers.append(
             MoELayer(
                 index=len(layers),
-                layer_index=_layer_number(path, len(layers)),
+                layer_index=layer_number(path, len(layers)),
                 experts_name=path,
                 experts=module,
                 router_name=router_name,

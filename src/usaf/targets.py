@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .arch import MoELayer
+from .arch import MoELayer, layer_number
 from .errors import UsafError
 
 DENSE_TARGETS = ("attention", "dense_mlp", "norms", "embeddings", "lm_head")
@@ -73,11 +73,6 @@ def _is_norm(module: nn.Module) -> bool:
     )
 
 
-def _layer_number(path: str) -> int | None:
-    match = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)", path)
-    return int(match.group(1)) if match else None
-
-
 def find_target_weights(model: nn.Module, layers: list[MoELayer], targets) -> list[TargetWeight]:
     """The weights of `model` that play the roles in `targets` (a subset of DENSE_TARGETS), in module order."""
     wanted = [t for t in targets if t in DENSE_TARGETS]
@@ -86,12 +81,11 @@ def find_target_weights(model: nn.Module, layers: list[MoELayer], targets) -> li
     excluded = [layer.experts_name for layer in layers] + [
         layer.router_name for layer in layers if layer.router_name
     ]
-    embeddings = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    if tied_output_layer(model) and {"embeddings", "lm_head"} & set(wanted):
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = tied_output_layer(model) is not None
+    if tied and {"embeddings", "lm_head"} & set(wanted):
         # one weight, two uses: its entries live on the embedding, the output layer reads the same ones
         wanted = [t for t in wanted if t != "lm_head"] + ([] if "embeddings" in wanted else ["embeddings"])
-        head = None
     found, attention_paths = [], []
     for path, module in model.named_modules():
         if any(path == e or path.startswith(e + ".") for e in excluded):
@@ -102,16 +96,14 @@ def find_target_weights(model: nn.Module, layers: list[MoELayer], targets) -> li
         if module is embeddings:
             role = "embeddings"
         elif module is head:
-            role = "lm_head"
-        elif module is model.get_output_embeddings():  # tied: trained through the embedding's entries
-            continue
+            role = None if tied else "lm_head"  # tied: trained through the embedding's entries
         elif isinstance(module, nn.Linear):
             inside_attention = any(path.startswith(a + ".") for a in attention_paths)
             role = "attention" if inside_attention else "dense_mlp"
         elif _is_norm(module):
             role = "norms"
         if role in wanted:
-            if role in ("embeddings",) and not isinstance(module, nn.Embedding):
+            if role == "embeddings" and not isinstance(module, nn.Embedding):
                 raise UsafError(
                     f"The input embedding '{path}' is a {type(module).__name__}, not an nn.Embedding; usaf cannot "
                     "train its rows. Leave 'embeddings' out of select.targets."
@@ -121,5 +113,5 @@ def find_target_weights(model: nn.Module, layers: list[MoELayer], targets) -> li
                     f"The output layer '{path}' is a {type(module).__name__}, not an nn.Linear; leave 'lm_head' "
                     "out of select.targets."
                 )
-            found.append(TargetWeight(role, path, module, _layer_number(path)))
+            found.append(TargetWeight(role, path, module, layer_number(path)))
     return found
