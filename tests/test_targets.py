@@ -188,3 +188,37 @@ def test_gradient_selection_reaches_every_target_kind():
     embed = dict(usaf.get_delta(model))["model.embed_tokens.weight"]
     rows = (embed.flat_indices // model.get_input_embeddings().weight.shape[1]).tolist()
     assert set(rows) <= seen
+
+
+@pytest.mark.parametrize("granularity", ["element", "neuron"])
+def test_density_ratios_move_budget_between_targets_and_keep_the_total(granularity):
+    """density_ratios weighs the targets' densities against each other; the total budget does not change."""
+
+    def counts(**kw):
+        model = usaf.prepare_model(
+            tiny_model("qwen3_moe", tie_word_embeddings=False),
+            usaf.UsafConfig(
+                density=0.05, selection="random", targets=TARGETS_NO_ROUTERS, granularity=granularity, **kw
+            ),
+        )
+        summary = usaf.trainable_summary(model)
+        return summary["expert_entries"], summary["attention_entries"], summary["total"]
+
+    experts, attention, total = counts()
+    more_experts, more_attention, ratio_total = counts(density_ratios={"attention": 8.0})
+    # attention's density is 8 x the experts' (both measured against the uniform split: same tensor sizes)
+    assert (more_attention / attention) / (more_experts / experts) == pytest.approx(
+        8.0, rel=0.05 if granularity == "element" else 0.2
+    )
+    # rounding: per tensor (uniform split); whole neurons per layer (neuron granularity: 2 layers, 3 x 32 each)
+    assert abs(ratio_total - total) <= (0.01 * total if granularity == "element" else 2 * 3 * 32)
+
+
+def test_density_ratios_are_checked():
+    with pytest.raises(UsafError, match="density_ratios"):
+        usaf.UsafConfig(density_ratios={"attention": 0})
+    with pytest.raises(UsafError, match="density_ratios"):
+        usaf.UsafConfig(density_ratios={"routers": 2})
+
+
+TARGETS_NO_ROUTERS = [t for t in TARGETS if t != "routers"]

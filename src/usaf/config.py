@@ -23,7 +23,7 @@ DEFAULT_DENSITY = 0.005
 
 def option(default, doc: str, choices: tuple | None = None):
     """A documented config field; `choices` are enforced on load."""
-    factory = (lambda d=default: list(d)) if isinstance(default, list) else None
+    factory = (lambda d=default: type(d)(d)) if isinstance(default, (list, dict)) else None
     meta = {"doc": doc, "choices": choices}
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
 
@@ -49,7 +49,8 @@ class UsafConfig:
     targets: which native weights may hold trained entries: "experts" (the fused expert tensors), "routers"
         (trained whole, in fp32), "attention" (q/k/v/o and fused variants), "dense_mlp" (dense layers of hybrid
         models, shared experts), "norms", "embeddings" (input embedding rows), "lm_head" (output layer rows).
-        `density` (or `num_entries`, split by size) applies to every targeted weight alike; with
+        `density` (or `num_entries`, split by size) applies to every targeted weight alike unless
+        `density_ratios` weighs targets against each other (the total stays the same); with
         strategy="gradient" one global top-k over all of them decides where the budget goes.
     train_router: routers' weights (and real biases) become trainable (with "routers" in `targets`).
     train_biases: expert biases (gpt-oss) get trainable entries at the same density.
@@ -61,6 +62,11 @@ class UsafConfig:
     density: float = option(DEFAULT_DENSITY, "share of each targeted weight's entries to train, in (0, 1]")
     num_entries: int | None = option(
         None, "global budget of trained entries (split by size); overrides density"
+    )
+    density_ratios: dict = option(
+        {},
+        "per-target density relative to the others' (e.g. {attention: 10}); the total stays density x the "
+        "eligible entries (or num_entries)",
     )
     granularity: str = option("element", "expert entries: arbitrary elements or whole neurons", GRANULARITIES)
     strategy: str = option(
@@ -102,6 +108,19 @@ class UsafConfig:
         if self.num_entries is not None and (not isinstance(self.num_entries, int) or self.num_entries < 1):
             raise UsafError(
                 f"UsafConfig.num_entries must be a positive integer or None, got {self.num_entries!r}."
+            )
+        ratios = self.density_ratios
+        if not isinstance(ratios, dict) or any(
+            t not in TARGETS
+            or t == "routers"
+            or isinstance(r, bool)
+            or not isinstance(r, (int, float))
+            or not 0.0 < float(r) < float("inf")
+            for t, r in ratios.items()
+        ):
+            raise UsafError(
+                "UsafConfig.density_ratios must map targets (of "
+                f"{[t for t in TARGETS if t != 'routers']}) to positive numbers, got {ratios!r}."
             )
         if self.granularity not in GRANULARITIES:
             raise UsafError(

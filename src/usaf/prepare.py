@@ -84,7 +84,7 @@ def prepare_model(
     embedding_key = next((w.key for w in weights if w.target == "embeddings"), None)
     if tied_head is not None and embedding_key is not None:
         tie(tied_head, states[embedding_key])
-    weight_stores = {key: state.stores["weight"] for key, state in states.items()}
+    weight_stores = {w.key: (w.target, states[w.key].stores["weight"]) for w in weights}
 
     chosen = select.choose(trained, layer_stores, config, calibration_batches, model, weight_stores)
     install_selection(model, chosen, original_values)

@@ -198,26 +198,32 @@ class Chosen(NamedTuple):
 
 
 def weight_budgets(units: list, config) -> dict[str, int]:
-    """Entries per expert weight tensor (keys "<experts path>.<tensor>") from a density or a global budget."""
+    """Entries per targeted weight tensor from a density or a global budget: in proportion to size, weighed by
+    `config.density_ratios` per target (the total is the same whatever the ratios)."""
     sizes = {u.key: u.numel for u in units}
+    ratios = {u.key: float(config.density_ratios.get(u.target, 1.0)) for u in units}
+    weighed = {k: sizes[k] * ratios[k] for k in sizes}
     if config.num_entries is not None:
-        return split_budget(config.num_entries, sizes)
-    return {k: min(n, max(1, round(config.density * n))) for k, n in sizes.items()}
+        return split_capped(config.num_entries, weighed, sizes)
+    if len(set(ratios.values())) <= 1:
+        return {k: min(n, max(1, round(config.density * n))) for k, n in sizes.items()}
+    return split_capped(round(config.density * sum(sizes.values())), weighed, sizes)
 
 
 class TensorUnit(NamedTuple):
     key: str
-    layer: object  # arch.MoELayer
+    layer: object  # arch.MoELayer, None beyond the experts
     name: str
     store: object
     numel: int
+    target: str = "experts"
 
 
 def choose(
     layers: list, stores: dict, config, batches=None, model=None, weight_stores: dict | None = None
 ) -> dict[str, Chosen]:
     """The selection for every expert tensor of the trained `layers` (when "experts" is in `config.targets`) and
-    every other targeted weight in `weight_stores` ({"<module path>.weight": store}), by `config.strategy` and
+    every other targeted weight in `weight_stores` ({"<module path>.weight": (target, store)}), by `config.strategy` and
     `config.selection`. `stores`: {experts path: {tensor name: store}}. Data-driven choices run calibration
     batches through `model` (prepared with an empty selection)."""
     from . import calibrate
@@ -239,8 +245,8 @@ def choose(
         if not t.is_bias
     ]
     weights = [
-        TensorUnit(key, None, "weight", store, int(torch.Size(store.shape).numel()))
-        for key, store in (weight_stores or {}).items()
+        TensorUnit(key, None, "weight", store, int(torch.Size(store.shape).numel()), target)
+        for key, (target, store) in (weight_stores or {}).items()
     ]
     needs_routing = config.strategy == "routing" and bool(experts)
     needs_gradient = config.strategy == "gradient" or config.selection == "gradient"
@@ -256,17 +262,14 @@ def choose(
 
     if config.granularity == "neuron":
         # whole neurons in the experts; the other weights train elements at the same density (or their share of
-        # a global budget, by size)
-        neuron_config = config
-        if config.num_entries is not None and weights:
-            sizes = {"experts": sum(u.numel for u in experts), **{u.key: u.numel for u in weights}}
-            shares = split_budget(config.num_entries, sizes)
+        # the budget, by size and density_ratios)
+        neuron_config = weights_config = config
+        if (config.num_entries is not None or config.density_ratios) and weights:
+            budgets = weight_budgets(experts + weights, config)
             neuron_config = copy.copy(config)
-            neuron_config.num_entries = max(1, shares.pop("experts"))
+            neuron_config.num_entries = max(1, sum(budgets[u.key] for u in experts))
             weights_config = copy.copy(config)
-            weights_config.num_entries = max(1, sum(shares.values()))
-        else:
-            weights_config = config
+            weights_config.num_entries = max(1, sum(budgets[u.key] for u in weights))
         chosen = _choose_neurons(layers, stores, neuron_config, calibration) if train_experts else {}
         if weights:
             chosen.update(_choose_elements(weights, weights_config, calibration, batches, model))
