@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from .errors import UsafError
@@ -21,11 +22,42 @@ DEFAULT_TARGETS = ("experts", "attention", "embeddings", "lm_head")
 DEFAULT_DENSITY = 0.005
 
 
-def option(default, doc: str, choices: tuple | None = None):
-    """A documented config field; `choices` are enforced on load."""
+def option(default, doc: str, choices: tuple | None = None, bounds: str | None = None):
+    """A documented config field; `choices` and `bounds` (an interval such as "(0, inf)" or "[0, 1)": a square
+    bracket includes the end, inf is never allowed) are enforced on load and shown by `--list-options`."""
     factory = (lambda d=default: type(d)(d)) if isinstance(default, (list, dict)) else None
-    meta = {"doc": doc, "choices": choices}
+    if bounds is not None:
+        _parse_bounds(bounds)  # a malformed spec fails at import, not when a user's value is checked
+    meta = {"doc": doc, "choices": choices, "bounds": bounds}
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
+def _parse_bounds(spec: str) -> tuple[float, float, bool, bool]:
+    """Parse "[0, inf)" into (low, high, low included, high included)."""
+    low, high = (float(part) for part in spec[1:-1].split(","))
+    if spec[0] not in "[(" or spec[-1] not in "])":
+        raise ValueError(f"bad bounds {spec!r}")
+    return low, high, spec[0] == "[", spec[-1] == "]"
+
+
+def bounds_text(spec: str) -> str:
+    """How a range reads in messages: "> 0", ">= 1", "in [0, 1)"."""
+    low, high, low_in, _ = _parse_bounds(spec)
+    if high == float("inf"):
+        shown = int(low) if low.is_integer() else low
+        return f"{'>=' if low_in else '>'} {shown}"
+    return f"in {spec}"
+
+
+def check_bounds(value, spec: str | None, where: str) -> None:
+    """Raise a UsafError naming `where` when a number lies outside `spec` (NaN and infinities never pass)."""
+    if spec is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    low, high, low_in, high_in = _parse_bounds(spec)
+    above = low <= value if low_in else low < value
+    below = value <= high if high_in else value < high
+    if not (above and below and math.isfinite(value)):
+        raise UsafError(f"{where} must be {bounds_text(spec)}, got {value!r}.")
 
 
 @dataclass
@@ -187,86 +219,115 @@ class ModelSection:
     quant: str = option("none", "frozen expert storage", ("none", "nf4", "int8", "int4"))
     residency: str = option("device", "where frozen experts live", RESIDENCIES)
     cache_mb: int = option(
-        0, "with residency host/mmap: device memory (MB) keeping the most-routed experts resident"
+        0,
+        "with residency host/mmap: device memory (MB) keeping the most-routed experts resident",
+        bounds="[0, inf)",
     )
     device: str = option("auto", "compute device: auto, cpu, cuda, cuda:1, mps, xpu ...")
-
-    def __post_init__(self) -> None:
-        if self.cache_mb < 0:
-            raise UsafError(f"model.cache_mb must be >= 0 (MB of device memory), got {self.cache_mb!r}.")
 
 
 @dataclass
 class RouterSection:
     lr_multiplier: float = option(
-        0.1, "router learning rate = optim.lr x this (with routers in select.targets)"
+        0.1, "router learning rate = optim.lr x this (with routers in select.targets)", bounds="[0, inf)"
     )
-    freeze_steps: int = option(0, "keep routers frozen for the first N optimizer steps")
-    balance_coef: float = option(0.01, "Switch load-balancing loss coefficient, raw router logits (0: off)")
-    z_coef: float = option(0.001, "router z-loss coefficient (0: off)")
+    freeze_steps: int = option(0, "keep routers frozen for the first N optimizer steps", bounds="[0, inf)")
+    balance_coef: float = option(
+        0.01, "Switch load-balancing loss coefficient, raw router logits (0: off)", bounds="[0, inf)"
+    )
+    z_coef: float = option(0.001, "router z-loss coefficient (0: off)", bounds="[0, inf)")
     health_every_steps: int = option(
-        10, "router health (loads, cv, entropy, dead, drift) every N steps (0: off)"
+        10, "router health (loads, cv, entropy, dead, drift) every N steps (0: off)", bounds="[0, inf)"
     )
-    health_window_steps: int = option(20, "steps of routed tokens the load statistics cover")
-    guard_max_cv: float = option(2.0, "collapse guard: max coefficient of variation of layer loads (0: off)")
-    guard_min_entropy: float = option(0.5, "collapse guard: min normalised entropy of layer loads (0: off)")
-    guard_max_dead_share: float = option(0.5, "collapse guard: max share of experts without tokens (1: off)")
+    health_window_steps: int = option(
+        20, "steps of routed tokens the load statistics cover", bounds="[1, inf)"
+    )
+    guard_max_cv: float = option(
+        2.0, "collapse guard: max coefficient of variation of layer loads (0: off)", bounds="[0, inf)"
+    )
+    guard_min_entropy: float = option(
+        0.5, "collapse guard: min normalised entropy of layer loads (0: off)", bounds="[0, 1]"
+    )
+    guard_max_dead_share: float = option(
+        0.5, "collapse guard: max share of experts without tokens (1: off)", bounds="[0, 1]"
+    )
     guard_action: str = option("warn", "collapse guard action", GUARD_ACTIONS)
-    guard_balance_cap: float = option(0.1, "raise_balance doubles balance_coef up to this")
+    guard_balance_cap: float = option(0.1, "raise_balance doubles balance_coef up to this", bounds="[0, inf)")
 
 
 @dataclass
 class OptimSection:
-    lr: float = option(1e-2, "peak learning rate of trained values (sparse entries move far from few)")
-    weight_decay: float = option(0.0, "AdamW decoupled weight decay (towards zero, applied to values)")
-    beta1: float = option(0.9, "AdamW beta1")
-    beta2: float = option(0.999, "AdamW beta2")
-    eps: float = option(1e-8, "AdamW epsilon")
+    # lr > 0: a zero or negative rate would silently not train, or climb the loss
+    lr: float = option(
+        1e-2, "peak learning rate of trained values (sparse entries move far from few)", bounds="(0, inf)"
+    )
+    weight_decay: float = option(
+        0.0, "AdamW decoupled weight decay (towards zero, applied to values)", bounds="[0, inf)"
+    )
+    beta1: float = option(0.9, "AdamW beta1", bounds="[0, 1)")
+    beta2: float = option(0.999, "AdamW beta2", bounds="[0, 1)")
+    eps: float = option(1e-8, "AdamW epsilon", bounds="(0, inf)")
     eight_bit: bool = option(False, "8-bit optimizer state via bitsandbytes (where it has kernels)")
-    clip_grad_norm: float = option(1.0, "clip the global gradient norm to this (0: off)")
+    clip_grad_norm: float = option(1.0, "clip the global gradient norm to this (0: off)", bounds="[0, inf)")
 
 
 @dataclass
 class ScheduleSection:
-    max_steps: int = option(100, "optimizer steps to run")
-    warmup_steps: int = option(10, "linear warm-up steps, then cosine decay")
-    min_lr_ratio: float = option(0.1, "final learning rate as a share of the peak")
-    grad_accum: int = option(1, "micro-batches per optimizer step")
+    # at least one step: a run of zero steps would look finished without having trained
+    max_steps: int = option(100, "optimizer steps to run", bounds="[1, inf)")
+    warmup_steps: int = option(10, "linear warm-up steps, then cosine decay (0: none)", bounds="[0, inf)")
+    min_lr_ratio: float = option(0.1, "final learning rate as a share of the peak", bounds="[0, 1]")
+    grad_accum: int = option(1, "micro-batches per optimizer step", bounds="[1, inf)")
 
 
 @dataclass
 class DataSection:
     train: list = option([], "training data files (jsonl, json, parquet, txt)")
     eval: list = option([], "held-out files; empty: split eval_fraction off the training data")
-    max_seq_len: int = option(512, "tokens per sequence; longer records are truncated and counted")
+    # two tokens at least: a causal LM learns from next-token pairs
+    max_seq_len: int = option(
+        512, "tokens per sequence; longer records are truncated and counted", bounds="[2, inf)"
+    )
     pack: bool = option(True, "pack short records into full sequences (no attention across records)")
-    batch_size: int = option(4, "sequences per micro-batch")
-    eval_fraction: float = option(0.05, "share of training records held out when no eval file is given")
-    eval_batches: int = option(0, "batches per evaluation (0: all)")
+    batch_size: int = option(4, "sequences per micro-batch", bounds="[1, inf)")
+    eval_fraction: float = option(
+        0.05, "share of training records held out when no eval file is given (0: none)", bounds="[0, 1)"
+    )
+    eval_batches: int = option(0, "batches per evaluation (0: all)", bounds="[0, inf)")
     skip_bad_records: bool = option(False, "skip malformed records (and report how many) instead of failing")
 
 
 @dataclass
 class CheckpointSection:
-    every_steps: int = option(50, "save a checkpoint every N optimizer steps (and on SIGINT/SIGTERM)")
-    keep_last: int = option(2, "checkpoints to keep")
+    every_steps: int = option(
+        50,
+        "save a checkpoint every N optimizer steps (0: off; the last step and SIGINT/SIGTERM always save)",
+        bounds="[0, inf)",
+    )
+    keep_last: int = option(2, "checkpoints to keep (0: all)", bounds="[0, inf)")
 
 
 @dataclass
 class LogSection:
-    every_steps: int = option(1, "write metrics every N steps")
-    eval_every_steps: int = option(0, "evaluate every N steps (0: only before and after)")
+    every_steps: int = option(
+        1, "write metrics every N steps (0: off; evaluations are still written)", bounds="[0, inf)"
+    )
+    eval_every_steps: int = option(0, "evaluate every N steps (0: only before and after)", bounds="[0, inf)")
     progress: bool = option(True, "live progress bar")
     tensorboard: bool = option(True, "TensorBoard event files when tensorboard is installed")
 
 
 @dataclass
 class TrainSection:
-    seed: int = option(0, "seed for selection, data order and everything random")
+    seed: int = option(0, "seed for selection, data order and everything random", bounds="[0, inf)")
     precision: str = option("auto", "autocast dtype", ("auto", "none", "bf16", "fp16"))
     recompute: bool = option(True, "per-layer recomputation (activation checkpointing)")
-    max_bad_steps: int = option(10, "stop after this many steps with NaN/Inf loss or gradients")
-    logits_chunk_tokens: int = option(1024, "tokens per chunk of the output layer in the loss")
+    max_bad_steps: int = option(
+        10, "stop after this many steps with NaN/Inf loss or gradients", bounds="[0, inf)"
+    )
+    logits_chunk_tokens: int = option(
+        1024, "tokens per chunk of the output layer in the loss", bounds="[1, inf)"
+    )
     prefix_cache: str = option(
         "off", "cache hidden states entering the lowest trained layer", ("off", "ram", "disk")
     )
@@ -309,16 +370,22 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict | None, source: str = "config") -> RunConfig:
-        data = data or {}
+        data = {} if data is None else data
         if not isinstance(data, dict):
             raise UsafError(f"{source}: the top level must be a mapping of sections {sorted(SECTIONS)}.")
-        unknown = sorted(set(data) - set(SECTIONS))
+        unknown = sorted(set(data) - set(SECTIONS), key=str)  # YAML keys need not be strings
         if unknown:
             raise UsafError(f"{source}: unknown section(s) {unknown}; allowed sections: {sorted(SECTIONS)}.")
         built = {}
         for name, section_cls in SECTIONS.items():
-            built[name] = _build_section(section_cls, data.get(name) or {}, f"{source}: {name}")
+            values = data.get(name)
+            built[name] = _build_section(section_cls, {} if values is None else values, f"{source}: {name}")
         return cls(**built)
+
+    def check(self, source: str = "config") -> None:
+        """Every option's choices and range (for configs built or changed in Python, not read from a file)."""
+        for name in SECTIONS:
+            _check_fields(getattr(self, name), f"{source}: {name}")
 
     @classmethod
     def load(cls, path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -329,11 +396,22 @@ class RunConfig:
         if path:
             try:
                 with open(path, encoding="utf-8") as f:
-                    data = yaml.safe_load(f) or {}
+                    data = yaml.safe_load(f)
             except FileNotFoundError:
                 raise UsafError(f"Config file {path} does not exist.") from None
+            except IsADirectoryError:
+                raise UsafError(f"Config file {path} is a directory; give a YAML file.") from None
+            except UnicodeDecodeError:
+                raise UsafError(f"Config file {path} is not a text (UTF-8) file.") from None
             except yaml.YAMLError as err:
                 raise UsafError(f"{path} is not valid YAML: {err}") from None
+            data = {} if data is None else data  # an empty file: all defaults
+            if not isinstance(data, dict):
+                # checked before the overrides go in: a list has no sections to put them into
+                raise UsafError(
+                    f"Config file {path}: the top level is a {type(data).__name__}, not a mapping of sections "
+                    f"(e.g. 'optim:' with 'lr: 3e-4' under it); allowed sections: {sorted(SECTIONS)}."
+                )
         for item in overrides or []:
             apply_override(data, item)
         return cls.from_dict(data, source=path or "config")
@@ -351,7 +429,8 @@ def apply_override(data: dict, item: str) -> None:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    data.setdefault(section, {})
+    if data.get(section) is None:  # absent, or an empty `section:` line in the file
+        data[section] = {}
     if not isinstance(data[section], dict):
         raise UsafError(f"--set {item!r}: '{section}' is not a section.")
     data[section][name] = value
@@ -361,7 +440,7 @@ def _build_section(section_cls, values: dict, where: str):
     if not isinstance(values, dict):
         raise UsafError(f"{where} must be a mapping of keys to values.")
     known = {f.name: f for f in fields(section_cls)}
-    unknown = sorted(set(values) - set(known))
+    unknown = sorted(set(values) - set(known), key=str)
     if unknown:
         raise UsafError(f"{where}: unknown key(s) {unknown}; allowed keys: {sorted(known)}.")
     checked = {}
@@ -372,10 +451,22 @@ def _build_section(section_cls, values: dict, where: str):
         choices = spec.metadata.get("choices")
         if choices and checked[name] not in choices:
             raise UsafError(f"{where}.{name} = {value!r} is not allowed; allowed values: {list(choices)}.")
+        check_bounds(checked[name], spec.metadata.get("bounds"), f"{where}.{name}")
     try:
         return section_cls(**checked)
     except UsafError as err:
         raise UsafError(f"{where}: {err}") from None
+
+
+def _check_fields(section, where: str) -> None:
+    for spec in fields(section):
+        value = getattr(section, spec.name)
+        choices = spec.metadata.get("choices")
+        if choices and value not in choices:
+            raise UsafError(
+                f"{where}.{spec.name} = {value!r} is not allowed; allowed values: {list(choices)}."
+            )
+        check_bounds(value, spec.metadata.get("bounds"), f"{where}.{spec.name}")
 
 
 def _coerce(value, default, where: str):
@@ -413,8 +504,9 @@ def describe() -> str:
     for name, section_cls in SECTIONS.items():
         for f in fields(section_cls):
             default = f.default if f.default is not MISSING else f.default_factory()
-            choices = f.metadata.get("choices")
+            choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
             doc = f.metadata.get("doc", "")
             extra = f" (one of {', '.join(choices)})" if choices else ""
+            extra += f" (allowed: {bounds_text(bounds).removeprefix('in ')})" if bounds else ""
             lines.append(f"{name}.{f.name} = {default!r}  {doc}{extra}")
     return "\n".join(lines)

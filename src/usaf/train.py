@@ -39,6 +39,7 @@ RESUME_MUST_MATCH = ("model", "select", "data", "train.seed", "schedule.grad_acc
 
 def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
     run_dir = Path(run_dir)
+    config.check()  # a config built or changed in Python gets the same range checks as a file
     config = _prepare_run_dir(config, run_dir, resume)
     device = runtime.resolve_device(config.model.device)
     dtype = runtime.resolve_dtype(config.model.dtype, device)
@@ -205,7 +206,8 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
                 record.update(
                     {f"eval/{k}": v for k, v in _evaluate(model, eval_data, config, device, autocast).items()}
                 )
-            if state["step"] % config.log.every_steps == 0:
+            every_log = config.log.every_steps  # 0: no step rows; evaluations are still written
+            if (every_log and state["step"] % every_log == 0) or any(k.startswith("eval/") for k in record):
                 log.log(
                     state["step"],
                     record,
@@ -218,7 +220,8 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
                     },
                 )
             log.advance()
-            if state["step"] % config.checkpoint.every_steps == 0:
+            every_save = config.checkpoint.every_steps  # 0: only the final (and a signal's) checkpoint
+            if every_save and state["step"] % every_save == 0:
                 _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)
         if stop.requested:
             path = _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)

@@ -1,0 +1,133 @@
+"""Issue 12: bad options, bad config files and misused run folders get one clear line, and nothing is lost."""
+
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from helpers import make_model_dir, write_copy_task
+
+from usaf.cli import main
+from usaf.config import SECTIONS, RunConfig
+from usaf.errors import UsafError
+from usaf.train import train
+
+BASE = [
+    "data.max_seq_len=48",
+    "data.batch_size=4",
+    "select.density=0.1",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "schedule.warmup_steps=1",
+]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hardening")
+    make_model_dir(root / "model")
+    write_copy_task(root / "train.jsonl", 60)
+    return root
+
+
+def config_for(workspace, *extra):
+    return RunConfig.load(
+        None, [f"model.path={workspace / 'model'}", f"data.train={workspace / 'train.jsonl'}", *BASE, *extra]
+    )
+
+
+def cli_args(workspace, out: Path, *sets):
+    args = ["train", f"--model={workspace / 'model'}", f"--data={workspace / 'train.jsonl'}", f"--out={out}"]
+    return [*args, *(f"--set={s}" for s in [*BASE, *sets])]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# item 2: every numeric option's range is checked when the config is read
+# ---------------------------------------------------------------------------------------------------------
+
+OUT_OF_RANGE = [
+    ("optim.lr=0", "optim.lr must be > 0, got 0.0"),
+    ("optim.lr=-1e-3", "optim.lr must be > 0, got -0.001"),
+    ("optim.lr=.nan", "optim.lr must be > 0, got nan"),
+    ("optim.lr=.inf", "optim.lr must be > 0, got inf"),
+    ("optim.beta1=1", "optim.beta1 must be in [0, 1), got 1.0"),
+    ("optim.eps=0", "optim.eps must be > 0, got 0.0"),
+    ("optim.clip_grad_norm=-1", "optim.clip_grad_norm must be >= 0, got -1.0"),
+    ("schedule.grad_accum=0", "schedule.grad_accum must be >= 1, got 0"),
+    ("schedule.max_steps=0", "schedule.max_steps must be >= 1, got 0"),
+    ("schedule.warmup_steps=-2", "schedule.warmup_steps must be >= 0, got -2"),
+    ("schedule.min_lr_ratio=1.5", "schedule.min_lr_ratio must be in [0, 1], got 1.5"),
+    ("checkpoint.every_steps=-1", "checkpoint.every_steps must be >= 0, got -1"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last must be >= 0, got -1"),
+    ("log.every_steps=-1", "log.every_steps must be >= 0, got -1"),
+    ("log.eval_every_steps=-5", "log.eval_every_steps must be >= 0, got -5"),
+    ("data.batch_size=0", "data.batch_size must be >= 1, got 0"),
+    ("data.max_seq_len=1", "data.max_seq_len must be >= 2, got 1"),
+    ("data.eval_fraction=1", "data.eval_fraction must be in [0, 1), got 1.0"),
+    ("data.eval_batches=-1", "data.eval_batches must be >= 0, got -1"),
+    ("router.health_window_steps=0", "router.health_window_steps must be >= 1, got 0"),
+    ("router.guard_max_dead_share=2", "router.guard_max_dead_share must be in [0, 1], got 2.0"),
+    ("router.lr_multiplier=-0.1", "router.lr_multiplier must be >= 0, got -0.1"),
+    ("train.logits_chunk_tokens=0", "train.logits_chunk_tokens must be >= 1, got 0"),
+    ("train.max_bad_steps=-1", "train.max_bad_steps must be >= 0, got -1"),
+    ("model.cache_mb=-1", "model.cache_mb must be >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("override, message", OUT_OF_RANGE)
+def test_an_option_out_of_range_is_refused_when_read(override, message):
+    with pytest.raises(UsafError) as err:
+        RunConfig.load(None, [override])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_option_out_of_range_in_a_file_names_the_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lr: -0.01\n")
+    with pytest.raises(UsafError, match=r"run\.yaml: optim\.lr must be > 0, got -0\.01"):
+        RunConfig.load(str(path))
+
+
+def test_the_cli_refuses_a_bad_range_before_making_the_run_folder(workspace, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(cli_args(workspace, out, "schedule.grad_accum=0")) == 2
+    err = capsys.readouterr().err
+    assert "schedule.grad_accum must be >= 1, got 0" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_config_changed_in_python_is_checked_by_train(workspace, tmp_path):
+    config = config_for(workspace)
+    config.optim.lr = -1.0
+    with pytest.raises(UsafError, match=r"optim\.lr must be > 0, got -1\.0"):
+        train(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_numeric_run_option_has_a_range_shown_by_list_options(capsys):
+    assert main(["train", "--list-options"]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    for name, section_cls in SECTIONS.items():
+        if name == "select":  # UsafConfig checks its own fields in __post_init__
+            continue
+        for f in fields(section_cls):
+            default = f.default
+            if isinstance(default, (int, float)) and not isinstance(default, bool):
+                assert f.metadata.get("bounds"), f"{name}.{f.name} has no range"
+                line = next(row for row in listing if row.startswith(f"{name}.{f.name} = "))
+                assert "(allowed: " in line, line
+    assert any(row.startswith("optim.lr = ") and row.endswith("(allowed: > 0)") for row in listing)
+    assert any(row.startswith("checkpoint.every_steps = ") and "0: off" in row for row in listing)
+
+
+def test_zero_means_off_for_checkpoint_and_log_intervals(workspace, tmp_path):
+    run = tmp_path / "run"
+    summary = train(
+        config_for(workspace, "schedule.max_steps=3", "checkpoint.every_steps=0", "log.every_steps=0"), run
+    )
+    assert summary["steps"] == 3
+    # no periodic checkpoints, but the final one is written
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000003"]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all("loss" not in r for r in rows)  # only the evaluation before training
+    assert all(any(k.startswith("eval/") for k in r) for r in rows)
