@@ -131,3 +131,35 @@ def test_zero_means_off_for_checkpoint_and_log_intervals(workspace, tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows and all("loss" not in r for r in rows)  # only the evaluation before training
     assert all(any(k.startswith("eval/") for k in r) for r in rows)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# item 3: a config file that is not a mapping of sections
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, kind",
+    [("- optim\n- lr: 3\n", "list"), ("[]\n", "list"), ("just words\n", "str"), ("42\n", "int")],
+)
+def test_a_config_file_that_is_not_a_mapping_is_named(workspace, tmp_path, capsys, text, kind):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    out = tmp_path / "run"
+    # --model and --data become overrides: they must not be pushed into a list
+    assert main([*cli_args(workspace, out), f"--config={path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"Config file {path}: the top level is a {kind}, not a mapping of sections" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert not out.exists()
+    with pytest.raises(UsafError, match="not a mapping of sections"):
+        RunConfig.load(str(path))  # without overrides too
+
+
+def test_a_section_that_is_not_a_mapping_is_named(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim: []\n")
+    with pytest.raises(UsafError, match=r"run\.yaml: optim must be a mapping of keys to values"):
+        RunConfig.load(str(path))
+    path.write_text("optim:\n")  # an empty section: its defaults
+    assert RunConfig.load(str(path), ["optim.lr=0.5"]).optim.lr == 0.5
