@@ -163,3 +163,47 @@ def test_a_section_that_is_not_a_mapping_is_named(tmp_path):
         RunConfig.load(str(path))
     path.write_text("optim:\n")  # an empty section: its defaults
     assert RunConfig.load(str(path), ["optim.lr=0.5"]).optim.lr == 0.5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# item 6: resuming a finished run
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _snapshot(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(workspace, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(workspace, run, "schedule.max_steps=2", "checkpoint.every_steps=1")) == 0
+    before = _snapshot(run)
+    summary = json.loads(before["summary.json"])
+    assert summary["steps"] == 2 and summary["first_loss"] is not None
+    capsys.readouterr()
+    assert main(["train", f"--resume={run}"]) == 0
+    out = capsys.readouterr().out
+    assert f"{run} is finished (step 2 of schedule.max_steps=2); nothing changed" in out
+    assert _snapshot(run) == before  # summary.json, metrics, checkpoints: byte for byte
+    # a shorter schedule than the run went: still finished, still untouched
+    assert main(["train", f"--resume={run}", "--set=schedule.max_steps=1"]) == 0
+    assert _snapshot(run) == before
+
+
+def test_resuming_below_the_last_checkpoint_without_a_summary_is_refused(workspace, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(workspace, run, "schedule.max_steps=2", "checkpoint.every_steps=1")) == 0
+    original = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").unlink()  # e.g. killed between the last checkpoint and the summary
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert main(["train", f"--resume={run}", "--set=schedule.max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "the run is at step 2, beyond schedule.max_steps=1; give --set schedule.max_steps=2" in err
+    assert _snapshot(run) == before
+    # at its last step without a summary: the resume writes the summary and nothing else changes
+    assert main(["train", f"--resume={run}"]) == 0
+    rewritten = json.loads((run / "summary.json").read_text())
+    assert {k: rewritten[k] for k in ("steps", "tokens", "first_loss", "last_loss", "eval_loss_before")} == {
+        k: original[k] for k in ("steps", "tokens", "first_loss", "last_loss", "eval_loss_before")
+    }

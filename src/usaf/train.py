@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import signal
 import time
@@ -41,6 +42,8 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
     run_dir = Path(run_dir)
     config.check()  # a config built or changed in Python gets the same range checks as a file
     config = _prepare_run_dir(config, run_dir, resume)
+    if resume and (finished := _finished_run(run_dir, config)) is not None:
+        return finished  # nothing to do, and nothing written: the run's files stay as they are
     device = runtime.resolve_device(config.model.device)
     dtype = runtime.resolve_dtype(config.model.dtype, device)
     runtime.seed_everything(config.train.seed)
@@ -76,6 +79,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
         "train_seconds": 0.0,
         "eval_before": None,
         "first_loss": None,
+        "last_loss": None,  # restored too: a resume that only writes the summary still knows it
     }
     probe_rows = eval_data if eval_data is not None else train_data
     probe_batch = collate([probe_rows[i] for i in range(min(4, len(probe_rows)))], probe_rows.pad_id)
@@ -266,6 +270,29 @@ def _prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> RunConfi
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_file(saved_config, lambda tmp: tmp.write_text(config.to_yaml()))
     return config
+
+
+def _finished_run(run_dir: Path, config: RunConfig) -> dict | None:
+    """The saved summary (marked `already_finished`) when the run being resumed has reached max_steps and
+    written its summary; None when there is training (or the summary) left to do."""
+    step = int(checkpoint.latest(run_dir).name[len(checkpoint.PREFIX) :])  # step-00000020 -> 20
+    max_steps = config.schedule.max_steps
+    summary_path = run_dir / "summary.json"
+    if step >= max_steps and summary_path.exists():
+        try:
+            summary = json.loads(summary_path.read_text())
+        except (OSError, ValueError) as err:
+            raise UsafError(
+                f"--resume {run_dir}: the run is finished but {summary_path} is unreadable ({err}); delete it "
+                "and resume again to rewrite it."
+            ) from None
+        return {**summary, "already_finished": True, "step": step}
+    if step > max_steps:
+        raise UsafError(
+            f"--resume {run_dir}: the run is at step {step}, beyond schedule.max_steps={max_steps}; give "
+            f"--set schedule.max_steps={step} or more."
+        )
+    return None
 
 
 def _check_resumable(original: RunConfig, now: RunConfig) -> None:

@@ -70,6 +70,12 @@ def run_train(args) -> int:
     if not run_dir:
         raise UsafError("give --out RUN_DIR for a new run (or --resume RUN_DIR).")
     summary = train(config, run_dir, resume=bool(args.resume))
+    if summary.get("already_finished"):
+        print(
+            f"{run_dir} is finished (step {summary['step']} of schedule.max_steps="
+            f"{config.schedule.max_steps}); nothing changed. To train longer: usaf train --resume {run_dir} "
+            f"--set schedule.max_steps=N (N > {summary['step']})."
+        )
     if not summary.get("stopped"):
         print(format_summary(summary))
     return 0
