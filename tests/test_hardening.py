@@ -207,3 +207,37 @@ def test_resuming_below_the_last_checkpoint_without_a_summary_is_refused(workspa
     assert {k: rewritten[k] for k in ("steps", "tokens", "first_loss", "last_loss", "eval_loss_before")} == {
         k: original[k] for k in ("steps", "tokens", "first_loss", "last_loss", "eval_loss_before")
     }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# item 10: a run stopped before its end exits non-zero
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_an_interrupt_outside_the_loop_exits_130_without_a_traceback(
+    workspace, tmp_path, monkeypatch, capsys
+):
+    import usaf.train
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # e.g. Ctrl-C while the model loads, or a second Ctrl-C in the loop
+
+    monkeypatch.setattr(usaf.train, "load_model", interrupted)
+    assert main(cli_args(workspace, tmp_path / "run")) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("usaf: interrupted") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_router_collapse_stop_exits_non_zero(workspace, tmp_path, capsys):
+    run = tmp_path / "run"
+    sets = [
+        "select.targets=[experts,routers]",
+        "router.guard_action=stop",
+        "router.guard_min_entropy=1",  # every layer's loads fall below a perfect entropy: the guard trips
+        "router.health_every_steps=1",
+        "router.health_window_steps=1",
+        "schedule.max_steps=5",
+    ]
+    assert main(cli_args(workspace, run, *sets)) == 1
+    assert "router collapse guard" in capsys.readouterr().out
+    assert not (run / "summary.json").exists() and (run / "checkpoints" / "step-00000001").is_dir()

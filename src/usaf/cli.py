@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from . import __version__
@@ -51,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     except UsafError as err:
         print(f"usaf: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C during training, or one before it began: no traceback
+        print(
+            "usaf: interrupted; files already written are complete (checkpoints are atomic)", file=sys.stderr
+        )
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
                 f"stopped at step {state['step']} ({stop.signal_name}); checkpoint {path}. "
                 f"Resume with: usaf train --resume {run_dir}"
             )
-            return {"stopped": True, "step": state["step"]}
+            return {"stopped": True, "step": state["step"], "signal": stop.signal_number}
     finally:
         stop.restore()
         log.close()
@@ -633,7 +633,7 @@ class _StopRequest:
     """SIGINT/SIGTERM ask the loop to checkpoint and stop after the current step."""
 
     def __init__(self):
-        self.requested, self.signal_name = False, ""
+        self.requested, self.signal_name, self.signal_number = False, "", 0
         self.previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(ValueError):  # not the main thread: no handler
@@ -642,7 +642,7 @@ class _StopRequest:
     def _handle(self, signum, frame):
         if self.requested:  # a second Ctrl-C: stop now
             raise KeyboardInterrupt
-        self.requested, self.signal_name = True, signal.Signals(signum).name
+        self.requested, self.signal_name, self.signal_number = True, signal.Signals(signum).name, signum
 
     def restore(self):
         for sig, handler in self.previous.items():

@@ -76,8 +76,10 @@ def run_train(args) -> int:
             f"{config.schedule.max_steps}); nothing changed. To train longer: usaf train --resume {run_dir} "
             f"--set schedule.max_steps=N (N > {summary['step']})."
         )
-    if not summary.get("stopped"):
-        print(format_summary(summary))
+    if summary.get("stopped"):
+        # not finished: `usaf train ... && usaf export ...` must not go on with a half-trained run
+        return 128 + summary["signal"] if summary.get("signal") else 1
+    print(format_summary(summary))
     return 0
 
 
