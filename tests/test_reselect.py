@@ -81,14 +81,88 @@ def test_surgery_keeps_moments_and_budget_and_reverts_dropped(granularity):
         )
 
 
-def test_evaluated_equals_checkpointed_equals_exported(tmp_path):
+def test_every_target_is_reselected_keeping_moments_and_budget():
+    """Beyond the experts (attention, dense MLP, norms, embedding and output rows) reselection follows the same
+    rules: the budget per weight is kept, kept entries keep value and moments, grown entries start at the base
+    value with zero moments, dropped entries read as base in the weight the forward uses."""
+    from usaf.config import TARGETS
+
+    config = usaf.UsafConfig(
+        targets=[t for t in TARGETS if t != "routers"],
+        density=0.1,
+        selection="random",
+        reselect_every=4,
+        reselect_fraction=0.5,
+    )
+    base = tiny_model("qwen2_moe", tie_word_embeddings=False)  # qwen2_moe: a shared expert (dense_mlp)
+    model = usaf.prepare_model(copy.deepcopy(base), config)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    reselector = Reselector(model, config, total_steps=20)
+    train_steps(model, optimizer, reselector, 1, 3)
+    reselector.before_step(4)
+    reselector.set_observing(True)
+    loss = causal_lm_loss(model, IDS, IDS)
+    reselector.set_observing(False)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    before = {}
+    for k, d in usaf.get_delta(model).items():
+        state = optimizer.state[d.values]
+        before[k] = {
+            int(f): (float(v), float(m), float(m2))
+            for f, v, m, m2 in zip(
+                d.flat_indices.tolist(),
+                d.values.detach().reshape(-1).tolist(),
+                state["exp_avg"].reshape(-1).tolist(),
+                state["exp_avg_sq"].reshape(-1).tolist(),
+                strict=True,
+            )
+        }
+    assert reselector.after_step(4, optimizer)["reselected_entries"] > 0
+    model(IDS)  # the forward writes trained values in; dropped entries must read as base
+    params, base_params = dict(model.named_parameters()), dict(base.named_parameters())
+    replaced_in = set()
+    for k, d in usaf.get_delta(model).items():
+        old = before[k]
+        flat = d.flat_indices.tolist()
+        assert len(flat) == len(old), f"{k}: the budget changed"
+        state = optimizer.state[d.values]
+        now = zip(
+            flat,
+            d.values.detach().reshape(-1).tolist(),
+            state["exp_avg"].reshape(-1).tolist(),
+            state["exp_avg_sq"].reshape(-1).tolist(),
+            strict=True,
+        )
+        original = base_params[k].detach().reshape(-1)
+        for f, v, m, m2 in now:
+            if f in old:
+                assert (v, m, m2) == old[f], f"{k}[{f}]: a kept entry lost its value or moments"
+            else:
+                assert v == float(original[f]) and m == 0 and m2 == 0, f"{k}[{f}]: a grown entry"
+                replaced_in.add(k)
+        dropped = torch.tensor(sorted(set(old) - set(flat)), dtype=torch.int64)
+        assert torch.equal(params[k].detach().reshape(-1)[dropped], original[dropped]), k
+    kinds = {name.rsplit(".", 2)[-2] for name in replaced_in}
+    for wanted in ("q_proj", "o_proj", "embed_tokens", "lm_head", "input_layernorm", "experts"):
+        assert any(wanted in k for k in replaced_in), (wanted, sorted(replaced_in), kinds)
+    assert any("shared_expert" in k for k in replaced_in), sorted(replaced_in)
+
+
+@pytest.mark.parametrize("targets", [EXPERTS_AND_ROUTERS, None], ids=["experts", "default-targets"])
+def test_evaluated_equals_checkpointed_equals_exported(tmp_path, targets):
     from usaf.checkpoint import load, save
     from usaf.train import restore_trainable
 
     config = usaf.UsafConfig(
-        targets=EXPERTS_AND_ROUTERS, density=0.1, reselect_every=2, reselect_fraction=0.5, train_biases=False
+        targets=targets or list(usaf.config.DEFAULT_TARGETS),
+        density=0.1,
+        reselect_every=2,
+        reselect_fraction=0.5,
+        train_biases=False,
     )
-    base = tiny_model("olmoe")
+    base = tiny_model("olmoe", tie_word_embeddings=False)
     model = usaf.prepare_model(copy.deepcopy(base), config)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)

@@ -222,3 +222,27 @@ def test_density_ratios_are_checked():
 
 
 TARGETS_NO_ROUTERS = [t for t in TARGETS if t != "routers"]
+
+
+def test_calibration_probes_only_the_best_rows_of_a_native_weight(monkeypatch):
+    """Gradient selection never scores a whole output layer: its rows are ranked by first-order importance
+    first, and only oversample x the budget (in rows) get exact gradients."""
+    from usaf import calibrate
+
+    probed = {}
+    real = calibrate.probe_lines
+
+    def recording(model, candidates, *args):
+        probed.update({key: lines.numel() for key, (_, lines) in candidates.items()})
+        return real(model, candidates, *args)
+
+    monkeypatch.setattr(calibrate, "probe_lines", recording)
+    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(0))
+    model = usaf.prepare_model(
+        tiny_model("qwen3_moe", tie_word_embeddings=False),
+        usaf.UsafConfig(density=0.02, selection="gradient", targets=["experts", "lm_head"], oversample=2.0),
+        calibration_batches=[{"input_ids": ids, "labels": ids}] * 2,
+    )
+    rows, width = model.lm_head.weight.shape
+    budget = usaf.trainable_summary(model)["lm_head_entries"]
+    assert probed["lm_head.weight"] == -(-2 * budget // width) + 1 < rows

@@ -88,7 +88,7 @@ sys.exit(main(sys.argv[1:]))
         ),
         # fp16 autocast with dynamic loss scaling: the scale is part of what resumes
         (10, ["checkpoint.every_steps=10", "train.precision=fp16"]),
-        # entries in every native target, chosen by gradient, with reselection of the expert entries
+        # entries in every native target, chosen by gradient, reselected (killed inside a probe window)
         (
             11,
             [

@@ -4,7 +4,9 @@ Pass 1 (cheap, bounded by [layers, E, I]): per layer and expert, routed tokens a
 gradients are wanted, a first-order importance per expert neuron, sum over its tokens of (h * dL/dh)^2, from the
 intermediate activation h the engine exposes to observers.
 Pass 2 (`probe_lines`): exact gradient magnitudes of the entries of candidate lines only (neurons that survived
-pass 1), through the engine's probes: nothing the size of an expert stack is ever scored.
+pass 1), through the engine's probes: nothing the size of an expert stack is ever scored. The other targeted
+weights work alike: pass 1 ranks their rows (`SparseWeight.row_score`), pass 2 probes the best rows only, so an
+output layer of a 151 k vocabulary is never scored whole.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class Calibration:
         default_factory=dict
     )  # experts path -> [E] summed gate weight
     neuron_score: dict[str, torch.Tensor] = field(default_factory=dict)  # experts path -> [E, I]
+    # "<module path>.weight" of another targeted weight -> [rows]: SparseWeight.row_score over the batches
+    row_score: dict[str, torch.Tensor] = field(default_factory=dict)
     batches: int = 0
 
     def share(self, path: str) -> torch.Tensor:
@@ -74,6 +78,21 @@ class _Observer:
             h.register_hook(accumulate)
 
 
+class _RowObserver:
+    """Switches a SparseWeight's row importance on while `active`, like the experts' observers."""
+
+    def __init__(self, state):
+        self.state = state
+
+    @property
+    def active(self) -> bool:
+        return self.state.observing
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self.state.observing = value
+
+
 def _require_input_grad(model):
     """Make the embeddings' output require grad so the backward reaches every layer (all weights are frozen)."""
     return model.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_(True))
@@ -117,7 +136,8 @@ def run_batches(
 
 
 def calibrate(model, batches, num_batches: int, with_gradients: bool) -> Calibration:
-    from .prepare import sparse_experts
+    from .prepare import sparse_experts, sparse_modules
+    from .sparse_weights import SparseWeight
 
     calibration = Calibration()
     observers = []
@@ -125,13 +145,25 @@ def calibrate(model, batches, num_batches: int, with_gradients: bool) -> Calibra
         observer = _Observer(calibration, path, state.num_experts, with_gradients)
         state.observers.append(observer)
         observers.append((state, observer))
+    weights = (
+        {p: s for p, s in sparse_modules(model) if isinstance(s, SparseWeight)} if with_gradients else {}
+    )
     try:
         calibration.batches = run_batches(
-            model, batches, num_batches, with_gradients, [o for _, o in observers]
+            model,
+            batches,
+            num_batches,
+            with_gradients,
+            [o for _, o in observers] + [_RowObserver(s) for s in weights.values()],
         )
+        for path, state in weights.items():
+            if state.row_score is not None:
+                calibration.row_score[f"{path}.weight"] = state.row_score.cpu()
     finally:
         for state, observer in observers:
             state.observers.remove(observer)
+        for state in weights.values():
+            state.row_score = None
     calibration.neuron_score = {k: v.cpu() for k, v in calibration.neuron_score.items()}
     return calibration
 

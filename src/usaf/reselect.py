@@ -1,5 +1,6 @@
 """Dynamic reselection (SpIEL/RigL-style): every K steps, drop the trained entries whose values moved least
 from the base and grow as many where the task's gradient is largest, with a drop share that decays to zero.
+Every target is reselected: the experts' entries (or neurons), and the entries of the other targeted weights.
 
 Decisions (tested in tests/test_reselect.py):
 - A dropped entry is reverted to its base value, in the weights the forward uses as well as in every later
@@ -10,7 +11,9 @@ Decisions (tested in tests/test_reselect.py):
   their identity, so the optimizer needs no rebuilding.
 - Where to grow: neurons are ranked by first-order importance (h * dL/dh)^2 summed since the last reselection
   (cheap, [E, I] per layer); for element granularity the entries of the best candidate neurons are then scored
-  exactly by gradient probes over the last `reselect_probe_steps` steps. Nothing dense is ever scored.
+  exactly by gradient probes over the last `reselect_probe_steps` steps. The other targets' rows are ranked by
+  `SparseWeight.row_score` (a linear layer's sum_t g^2 |x|^2 per output row, an embedding row's squared gradient
+  norm) and their best rows probed the same way. Nothing dense is ever scored.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import math
 import torch
 
 from .errors import UsafError
-from .prepare import sparse_experts
+from .prepare import sparse_experts, sparse_modules
 from .select import intermediate_size, neuron_axes, neuron_line_ids
 from .sparse import LineProbe, line_flat_indices
+from .sparse_weights import SparseWeight
 
 
 class _NeuronImportance:
@@ -52,7 +56,10 @@ class Reselector:
         if optimizer_eight_bit:
             raise UsafError("select.reselect_every needs 32-bit optimizer state: set optim.eight_bit=false.")
         self.model, self.config, self.total_steps = model, config, total_steps
-        self.states = dict(sparse_experts(model))  # entries of other targets are kept as chosen
+        self.states = dict(sparse_experts(model))
+        # the other targets' weights: entries (never neurons) reselected the same way, rows ranked by
+        # SparseWeight.row_score; an output layer tied to the embedding is the embedding's state
+        self.weights = {p: s for p, s in sparse_modules(model) if isinstance(s, SparseWeight)}
         self.layers = {layer.experts_name: layer for layer in _layers(model)}
         self.importance = {path: _NeuronImportance() for path in self.states}
         for path, state in self.states.items():
@@ -74,6 +81,8 @@ class Reselector:
     def set_observing(self, active: bool) -> None:
         for importance in self.importance.values():
             importance.active = active
+        for state in self.weights.values():
+            state.observing = active
 
     def before_step(self, step: int) -> None:
         """`step` is the optimizer step about to run (1-based): open the probe window before a reselection."""
@@ -82,7 +91,7 @@ class Reselector:
             return
         upcoming = math.ceil(step / every) * every
         window_open = upcoming - step < self.config.reselect_probe_steps
-        probing = any(s.probes for s in self.states.values())
+        probing = any(s.probes for s in [*self.states.values(), *self.weights.values()])
         if (
             self.config.granularity == "element"
             and self.is_reselection_step(upcoming)
@@ -105,6 +114,11 @@ class Reselector:
                 moved += self._reselect_neurons(path, state, fraction, optimizer)
             state.probes.clear()
             self.importance[path].score = None
+        for state in self.weights.values():
+            if "weight" in state.probes and state.entries is not None:
+                moved += self._reselect_elements(state, "weight", state.entries, fraction, optimizer)
+            state.probes.clear()
+            state.row_score = None
         self.reselections += 1
         return {"reselected_entries": moved, "reselect_fraction": fraction}
 
@@ -128,6 +142,20 @@ class Reselector:
                 state.probes[name] = LineProbe(
                     state.stores[name].shape, axis, lines.to(state.stores[name].device)
                 )
+        for state in self.weights.values():
+            entries, store = state.entries, state.stores["weight"]
+            if entries is None or entries.numel() == 0:
+                continue
+            rows, width = store.shape[1:]
+            if state.kind == "vector":  # a norm: its one line
+                lines = torch.zeros(1, dtype=torch.int64)
+            elif state.row_score is None:
+                continue
+            else:
+                grow = max(1, round(fraction * entries.numel()))
+                wanted = min(rows, math.ceil(self.config.oversample * grow / width) + 1)
+                lines = torch.topk(state.row_score.cpu(), wanted, sorted=False).indices.sort().values
+            state.probes["weight"] = LineProbe(store.shape, 1, lines.to(store.device))
 
     def _reselect_elements(self, state, name, entries, fraction, optimizer) -> int:
         probe = state.probes[name]
@@ -162,7 +190,7 @@ class Reselector:
 
     def _original(self, state, name, store, flat) -> torch.Tensor:
         original = getattr(self.model, "usaf_original_values", None)
-        path = next(p for p, s in self.states.items() if s is state)
+        path = next(p for p, s in self._all().items() if s is state)
         return original(f"{path}.{name}", flat) if original is not None else store.read(flat)
 
     # -------------------------------------------------------------------------------------------- neuron
@@ -222,12 +250,19 @@ class Reselector:
         )
 
     # -------------------------------------------------------------------------------------------- resume
+    def _all(self) -> dict:
+        return {**self.states, **self.weights}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         tensors = {}
         for path, importance in self.importance.items():
             if importance.score is not None:
                 tensors[f"importance/{path}"] = importance.score.cpu()
-            for name, probe in self.states[path].probes.items():
+        for path, state in self.weights.items():
+            if state.row_score is not None:
+                tensors[f"rows/{path}"] = state.row_score.cpu()
+        for path, state in self._all().items():
+            for name, probe in state.probes.items():
                 tensors[f"probe/{path}/{name}/lines"] = probe.line_ids.cpu()
                 tensors[f"probe/{path}/{name}/score"] = probe.score.cpu()
                 tensors[f"probe/{path}/{name}/axis"] = torch.tensor(probe.axis)
@@ -238,13 +273,15 @@ class Reselector:
             kind, rest = key.split("/", 1)
             if kind == "importance":
                 self.importance[rest].score = value.to(next(iter(self.states[rest].stores.values())).device)
+            elif kind == "rows":
+                self.weights[rest].row_score = value.to(self.weights[rest].stores["weight"].device)
             elif kind == "probe" and key.endswith("/lines"):
                 path, name, _ = rest.rsplit("/", 2)
-                store = self.states[path].stores[name]
+                store = self._all()[path].stores[name]
                 axis = int(tensors[f"probe/{path}/{name}/axis"])
                 probe = LineProbe(store.shape, axis, value.to(store.device))
                 probe.score.copy_(tensors[f"probe/{path}/{name}/score"])
-                self.states[path].probes[name] = probe
+                self._all()[path].probes[name] = probe
 
 
 def _layers(model):

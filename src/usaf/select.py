@@ -356,12 +356,16 @@ def _candidate_lines(domains, config, calibration) -> dict[str, tuple[int, torch
     """Lines of the neurons with the highest first-order importance: `oversample` x the budget in entries."""
     lines: dict[str, list[torch.Tensor]] = {}
     axes: dict[str, int] = {}
-    for tensors, _, _ in domains:
+    for tensors, _, count in domains:
         for u in tensors:
-            if (
-                u.layer is None
-            ):  # a native weight: every row is a candidate (its gradient, in calibration only)
-                lines[u.key] = [torch.arange(u.store.shape[1])]
+            if u.layer is None:  # a native weight: its rows of highest importance (a norm: its one line)
+                rows, width = u.store.shape[1:]
+                score = calibration.row_score.get(u.key) if calibration is not None else None
+                wanted = min(rows, math.ceil(config.oversample * count / width) + 1)
+                if score is None or wanted >= rows:
+                    lines[u.key] = [torch.arange(rows)]
+                else:
+                    lines[u.key] = [torch.topk(score, wanted, sorted=False).indices]
                 axes[u.key] = 1
     for tensors, experts, count in domains:
         tensors = [u for u in tensors if u.layer is not None]

@@ -35,7 +35,12 @@ class SparseWeight(nn.ModuleDict):
     def __init__(self, module: nn.Module, target: str, kind: str):
         super().__init__()
         self.stores = {"weight": DenseStore(module, "weight", one_matrix=True)}
-        self.probes: dict = {}  # "weight" -> LineProbe over every row: gradients for choosing entries
+        self.probes: dict = {}  # "weight" -> LineProbe over candidate rows: gradients for choosing entries
+        # first-order importance per row while `observing` (reselection's ranking of candidate rows): for a
+        # linear layer sum_t g[t, a]^2 |x_t|^2 (the squared norm of row a's gradient for one token), for
+        # embedding rows the squared norm of each row's gradient; [rows], never weight-sized
+        self.observing = False
+        self.row_score: torch.Tensor | None = None
         self.target, self.kind = target, kind
         self.register_state_dict_pre_hook(lambda state, prefix, keep_vars: state.write_resident())
         self.register_load_state_dict_post_hook(lambda state, incompatible: state.after_load())
@@ -55,6 +60,15 @@ class SparseWeight(nn.ModuleDict):
             self.entries._grouping = None
         self.write_resident()
 
+    def observe_rows(self, rows: torch.Tensor | None, score: torch.Tensor) -> None:
+        """Add `score` to the importance of `rows` (None: every row, in order)."""
+        if self.row_score is None:
+            self.row_score = torch.zeros(self.stores["weight"].shape[1], device=score.device)
+        if rows is None:
+            self.row_score += score
+        else:
+            self.row_score.index_add_(0, rows, score)
+
     def effective_weight(self) -> torch.Tensor:
         """The module's weight with the trained values written in (in place, as the experts' resident stores)."""
         self.write_resident()
@@ -62,11 +76,12 @@ class SparseWeight(nn.ModuleDict):
 
 
 def _values(state: SparseWeight):
-    """The trained values, or (nothing trained, a probe installed) an empty tensor that lets the backward run."""
+    """The trained values, or (nothing trained, a probe installed or rows observed) an empty tensor that lets the
+    backward run."""
     entries = state.entries
     if entries is not None:
         return entries.values
-    if state.probes and torch.is_grad_enabled():
+    if (state.probes or state.observing) and torch.is_grad_enabled():
         return torch.zeros(0, requires_grad=True, device=state.stores["weight"].device)
     return None
 
@@ -80,7 +95,7 @@ class _SparseLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, values, state: SparseWeight, module: nn.Linear):
         weight = state.effective_weight()
-        ctx.state = state
+        ctx.state, ctx.observing = state, state.observing  # the forward's flag: recomputation runs unobserved
         ctx.save_for_backward(x)
         return F.linear(x, weight.to(x.dtype) if x.dtype != weight.dtype else weight, module.bias)
 
@@ -106,6 +121,9 @@ class _SparseLinear(torch.autograd.Function):
             state.entries.add_grad(grad_values, U, V, [0], offsets)
         if probe is not None:
             probe.accumulate(U, V, [0], offsets)
+        if ctx.observing:
+            flat_x = x.reshape(-1, x.shape[-1]).float()
+            state.observe_rows(None, (g.float().pow(2) * flat_x.pow(2).sum(1, keepdim=True)).sum(0))
         return grad_x, grad_values, None, None
 
 
@@ -118,7 +136,7 @@ class _SparseRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, values, state: SparseWeight, module: nn.Embedding):
         state.effective_weight()
-        ctx.state, ctx.module = state, module
+        ctx.state, ctx.module, ctx.observing = state, module, state.observing
         ctx.save_for_backward(ids)
         return module._usaf_original_forward(ids)
 
@@ -147,8 +165,12 @@ class _SparseRows(torch.autograd.Function):
             hit = rows[where] == row
             grad_values = torch.where(hit, per_row[where, col], torch.zeros((), device=g.device))
         probe = state.probes.get("weight")
-        if probe is not None:  # candidates are every row, in order: row id = line index
-            probe.score.index_add_(0, rows, per_row.abs())
+        if probe is not None:  # candidate rows (line ids are row ids, sorted)
+            where = torch.searchsorted(probe.line_ids, rows).clamp_max(probe.line_ids.numel() - 1)
+            hit = probe.line_ids[where] == rows
+            probe.score.index_add_(0, where[hit], per_row[hit].abs())
+        if ctx.observing:
+            state.observe_rows(rows, per_row.pow(2).sum(1))
         return None, grad_values, None, None
 
 
