@@ -1,6 +1,11 @@
 """Issue 12: bad options, bad config files and misused run folders get one clear line, and nothing is lost."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -241,3 +246,110 @@ def test_a_router_collapse_stop_exits_non_zero(workspace, tmp_path, capsys):
     assert main(cli_args(workspace, run, *sets)) == 1
     assert "router collapse guard" in capsys.readouterr().out
     assert not (run / "summary.json").exists() and (run / "checkpoints" / "step-00000001").is_dir()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# item 7: one writer per run folder
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _start_training(workspace, run: Path, *sets) -> subprocess.Popen:
+    args = cli_args(workspace, run, "schedule.max_steps=100000", *sets)
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; from usaf.cli import main; sys.exit(main(sys.argv[1:]))", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
+def _wait_for_rows(proc, path: Path, rows: int) -> None:
+    deadline = time.monotonic() + 120
+    while not path.exists() or path.read_text().count("\n") < rows:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def test_a_second_training_into_a_busy_run_folder_is_refused(workspace, tmp_path, capsys):
+    run = tmp_path / "run"
+    # no checkpoint yet (every_steps=0): the busy folder must not pass for a dead start
+    proc = _start_training(workspace, run, "checkpoint.every_steps=0")
+    try:
+        _wait_for_rows(proc, run / "metrics.jsonl", 3)
+        config_before = (run / "config.yaml").read_bytes()
+        assert main(cli_args(workspace, run, "schedule.max_steps=2")) == 2
+        err = capsys.readouterr().err
+        assert f"{run} is in use by another usaf train (process {proc.pid})" in err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert (run / "config.yaml").read_bytes() == config_before
+    finally:
+        proc.kill()  # SIGKILL: the lock must die with the process
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_resume_of_a_busy_run_is_refused_and_the_lock_dies_with_its_process(workspace, tmp_path, capsys):
+    run = tmp_path / "run"
+    proc = _start_training(workspace, run, "checkpoint.every_steps=2")
+    try:
+        _wait_for_rows(proc, run / "metrics.jsonl", 4)
+        assert main(["train", f"--resume={run}", "--set=schedule.max_steps=3"]) == 2
+        assert f"{run} is in use by another usaf train (process {proc.pid})" in capsys.readouterr().err
+    finally:
+        proc.kill()
+        proc.communicate()
+    done = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+    assert main(["train", f"--resume={run}", f"--set=schedule.max_steps={done + 1}"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# item 4: --out into a folder that is not a usaf run; failed starts leave nothing behind
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_out_into_a_folder_that_is_not_a_run_is_refused_without_force(workspace, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.yaml").write_text("my: own settings\n")
+    (out / "notes.txt").write_text("keep me\n")
+    before = _snapshot(out)
+    assert main(cli_args(workspace, out, "schedule.max_steps=1")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} is not empty and not a usaf run (it holds config.yaml, notes.txt)" in err
+    assert "give --force" in err and err.count("\n") == 1
+    assert sorted(os.listdir(out)) == ["config.yaml", "notes.txt"] and _snapshot(out) == before
+    assert main([*cli_args(workspace, out, "schedule.max_steps=1"), "--force"]) == 0
+    assert (out / "notes.txt").read_text() == "keep me\n" and (out / "summary.json").exists()
+
+
+def test_out_that_is_a_file_is_refused(workspace, tmp_path, capsys):
+    out = tmp_path / "file"
+    out.write_text("x")
+    assert main(cli_args(workspace, out)) == 2
+    assert f"--out {out} is a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_failed_start_leaves_no_run_behind(workspace, tmp_path, capsys):
+    new = tmp_path / "new"
+    bad_model = [f"--model={tmp_path / 'no-such-model'}"]
+    assert main([*cli_args(workspace, new), *bad_model]) == 2
+    assert "no such model directory" in capsys.readouterr().err
+    assert not new.exists()  # the folder it made is gone
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([*cli_args(workspace, empty), *bad_model]) == 2
+    assert set(os.listdir(empty)) <= {".usaf-lock"}  # the folder given stays, emptied of usaf's files
+    # and the next start takes it, without --force
+    assert main(cli_args(workspace, empty, "schedule.max_steps=1")) == 0
+
+
+def test_a_killed_start_is_started_over_not_continued(workspace, tmp_path):
+    run = tmp_path / "run"
+    proc = _start_training(workspace, run, "checkpoint.every_steps=0")
+    _wait_for_rows(proc, run / "metrics.jsonl", 3)
+    proc.kill()  # no checkpoint, no clean-up: a dead start
+    proc.communicate()
+    assert main(cli_args(workspace, run, "schedule.max_steps=2")) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]  # none of the dead start's rows

@@ -171,6 +171,7 @@ def test_resume_refuses_incompatible_config_and_other_base(workspace, tmp_path):
         saved = RunConfig.load(str(run / "config.yaml"))
         saved.model = moved.model  # same settings, other weights behind the path
         (run / "config.yaml").write_text(saved.to_yaml())
+        saved.schedule.max_steps = 4  # a finished run would say so before loading anything
         train(saved, run, resume=True)
     with pytest.raises(UsafError, match="already holds a run"):
         train(config_for(workspace, "schedule.max_steps=2"), run)

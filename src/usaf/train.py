@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import json
 import math
+import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -38,9 +41,34 @@ CONFIG_FILE = "config.yaml"
 RESUME_MUST_MATCH = ("model", "select", "data", "train.seed", "schedule.grad_accum")
 
 
-def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
+def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: bool = False) -> dict:
+    """Run (or, with `resume`, continue) a training into `run_dir`, holding the folder's lock throughout.
+    `force`: start a new run in an existing folder that is not a usaf run."""
     run_dir = Path(run_dir)
     config.check()  # a config built or changed in Python gets the same range checks as a file
+    if resume:
+        _check_resume_folder(run_dir)
+    else:
+        _check_new_run(config, run_dir, force)  # before anything is written, lock file included
+    with RunLock(run_dir) as lock:
+        # again under the lock (another start may have got here first); a dead start is cleared
+        if not resume and _check_new_run(config, run_dir, force) == "dead start":
+            _remove_run_files(run_dir, keep=set())
+        present = set(os.listdir(run_dir))
+        try:
+            return _train(config, run_dir, resume)
+        except BaseException:
+            # a start that failed before its first checkpoint leaves nothing that looks like a run
+            if not resume and checkpoint.latest(run_dir) is None:
+                with contextlib.suppress(OSError):  # a second error must not hide the first
+                    if lock.made_folder:
+                        shutil.rmtree(run_dir)
+                    else:
+                        _remove_run_files(run_dir, keep=present)
+            raise
+
+
+def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     config = _prepare_run_dir(config, run_dir, resume)
     if resume and (finished := _finished_run(run_dir, config)) is not None:
         return finished  # nothing to do, and nothing written: the run's files stay as they are
@@ -254,22 +282,118 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False) -> dict:
 def _prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> RunConfig:
     saved_config = run_dir / CONFIG_FILE
     if resume:
-        if not saved_config.exists():
-            raise UsafError(f"--resume {run_dir}: no {CONFIG_FILE} there; is it a usaf run directory?")
         if checkpoint.latest(run_dir) is None:
-            raise UsafError(f"--resume {run_dir}: the run has no finished checkpoint to resume from.")
+            raise UsafError(
+                f"--resume {run_dir}: the run has no finished checkpoint to resume from; start it again with "
+                f"--out {run_dir}."
+            )
         original = RunConfig.load(str(saved_config))
         _check_resumable(original, config)
         return config
-    if checkpoint.latest(run_dir) is not None:
-        raise UsafError(f"{run_dir} already holds a run; resume it with --resume or choose another --out.")
+    # the marker first: from here on the folder is usaf's, whatever else fails
+    atomic_json(run_dir / RUN_MARKER, {"usaf_version": __version__})
+    atomic_file(saved_config, lambda tmp: tmp.write_text(config.to_yaml()))
+    return config
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the run folder: whose it is, and who writes it
+# ----------------------------------------------------------------------------------------------------------
+
+RUN_MARKER = ".usaf-run"  # written first by every new run: the folder (and its config.yaml) is usaf's
+LOCK_FILE = ".usaf-lock"
+# what a run writes at the top of its folder: removed when a start fails before its first checkpoint
+RUN_FILES = (
+    RUN_MARKER,
+    CONFIG_FILE,
+    "selection.safetensors",
+    "selection.json",
+    "metrics.jsonl",
+    "tensorboard",
+    "prefix_cache",
+    "checkpoints",
+    "summary.json",
+    "router_load.json",
+    "report.png",
+    "router_load.png",
+)
+
+
+def _check_resume_folder(run_dir: Path) -> None:
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise UsafError(f"--resume {run_dir}: no {CONFIG_FILE} there; is it a usaf run directory?")
+
+
+def _check_new_run(config: RunConfig, run_dir: Path, force: bool) -> str:
+    """What `run_dir` is for a new run: "new", "empty", "dead start" (usaf's, without a checkpoint: a start
+    that was killed; only under the lock is it known to be dead), or "forced"; refuses anything else."""
     if not config.data.train:
         raise UsafError("no training data: give --data FILE (or data.train in the config file).")
     if not config.model.path:
         raise UsafError("no model: give --model DIR (or model.path in the config file).")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_file(saved_config, lambda tmp: tmp.write_text(config.to_yaml()))
-    return config
+    if not run_dir.exists():
+        return "new"
+    if not run_dir.is_dir():
+        raise UsafError(f"--out {run_dir} is a file, not a folder; choose another --out.")
+    if checkpoint.latest(run_dir) is not None:
+        raise UsafError(f"{run_dir} already holds a run; resume it with --resume or choose another --out.")
+    entries = sorted(set(os.listdir(run_dir)) - {LOCK_FILE})
+    if not entries:
+        return "empty"
+    if RUN_MARKER in entries:
+        return "dead start"
+    if force:
+        return "forced"
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    raise UsafError(
+        f"--out {run_dir} is not empty and not a usaf run (it holds {shown}); choose a new or empty folder, or "
+        f"give --force to write the run into it (files named like usaf's, e.g. {CONFIG_FILE}, are replaced)."
+    )
+
+
+def _remove_run_files(run_dir: Path, keep: set[str]) -> None:
+    for name in RUN_FILES:
+        path = run_dir / name
+        if name in keep or not (path.exists() or path.is_symlink()):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+class RunLock:
+    """An advisory lock on a run folder (flock on RUN_DIR/.usaf-lock): one writer at a time. The kernel drops
+    it when the process ends, however it ends, so a killed run never leaves the folder locked."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.fd, self.made_folder = Path(run_dir), None, False
+
+    def __enter__(self) -> RunLock:
+        self.made_folder = not self.run_dir.exists()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise UsafError(
+                f"cannot write into {self.run_dir}: {err.strerror}; choose another --out."
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UsafError(
+                f"{self.run_dir} is in use by another usaf train (process {holder}); wait for it to end, or "
+                "choose another --out."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)  # closing releases the lock; the file stays (removing it would race a new locker)
 
 
 def _finished_run(run_dir: Path, config: RunConfig) -> dict | None:

@@ -23,6 +23,9 @@ def add_command(sub) -> None:
     p.add_argument("--eval-data", help="held-out files, comma separated (data.eval)")
     p.add_argument("--config", help="YAML run configuration")
     p.add_argument("--out", help="run directory (checkpoints, metrics, summary)")
+    p.add_argument(
+        "--force", action="store_true", help="start the run in an existing folder that is not a usaf run"
+    )
     add_set_option(p)
     p.add_argument("--skip-bad-records", action="store_true", help="skip malformed records and count them")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run exactly where it stopped")
@@ -69,7 +72,7 @@ def run_train(args) -> int:
     run_dir = args.resume or args.out
     if not run_dir:
         raise UsafError("give --out RUN_DIR for a new run (or --resume RUN_DIR).")
-    summary = train(config, run_dir, resume=bool(args.resume))
+    summary = train(config, run_dir, resume=bool(args.resume), force=args.force)
     if summary.get("already_finished"):
         print(
             f"{run_dir} is finished (step {summary['step']} of schedule.max_steps="
