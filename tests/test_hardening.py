@@ -353,3 +353,50 @@ def test_a_killed_start_is_started_over_not_continued(workspace, tmp_path):
     assert main(cli_args(workspace, run, "schedule.max_steps=2")) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]  # none of the dead start's rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# item 5: --resume with --set: applied and recorded, or refused
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _rows(run: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def test_a_resume_applies_and_records_a_new_peak_lr_and_length(workspace, tmp_path, capsys):
+    sets = ["checkpoint.every_steps=1", "schedule.warmup_steps=1", "optim.lr=0.01"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(cli_args(workspace, straight, *sets, "optim.lr=0.02", "schedule.max_steps=4")) == 0
+    assert main(cli_args(workspace, resumed, *sets, "schedule.max_steps=2")) == 0
+    capsys.readouterr()
+    assert main(["train", f"--resume={resumed}", "--set", "optim.lr=0.02", "schedule.max_steps=4"]) == 0
+    assert "resumed with optim.lr 0.01 -> 0.02, schedule.max_steps 2 -> 4" in capsys.readouterr().out
+    a, b = _rows(straight), _rows(resumed)
+    assert sorted(b) == [1, 2, 3, 4]
+    assert [a[s]["lr"] for s in (3, 4)] == [b[s]["lr"] for s in (3, 4)]  # the new peak's curve, exactly
+    recorded = RunConfig.load(str(resumed / "config.yaml"))
+    assert recorded.optim.lr == 0.02 and recorded.schedule.max_steps == 4
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optim.beta1=0.95", "optim.beta1"),
+        ("schedule.warmup_steps=5", "schedule.warmup_steps"),
+        ("router.lr_multiplier=1", "router.lr_multiplier"),
+        ("select.density=0.2", "select.density"),
+        ("train.seed=9", "train.seed"),
+    ],
+)
+def test_a_resume_refuses_a_setting_the_checkpoint_fixes(workspace, tmp_path, capsys, override, key):
+    run = tmp_path / "run"
+    assert main(cli_args(workspace, run, "schedule.max_steps=1")) == 0
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert main(["train", f"--resume={run}", "--set", override, "schedule.max_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot resume: '{key}' differs from the original run" in err
+    assert "a resume may change only schedule.max_steps, optim.lr" in err and err.count("\n") == 1
+    assert _snapshot(run) == before

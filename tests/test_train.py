@@ -163,7 +163,7 @@ def test_a_signal_stops_with_a_checkpoint_that_resumes(workspace, tmp_path, sig)
 def test_resume_refuses_incompatible_config_and_other_base(workspace, tmp_path):
     run = tmp_path / "run"
     train(config_for(workspace, "schedule.max_steps=2", "checkpoint.every_steps=1"), run)
-    with pytest.raises(UsafError, match="'select' differs"):
+    with pytest.raises(UsafError, match=r"'select\.density' differs"):
         train(config_for(workspace, "schedule.max_steps=4", "select.density=0.2"), run, resume=True)
     other = make_model_dir(tmp_path / "other", seed=7)
     with pytest.raises(UsafError, match="different base model"):

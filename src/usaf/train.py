@@ -37,8 +37,17 @@ from .router import RouterCollapse, RouterTraining
 from .select import save_selection
 
 CONFIG_FILE = "config.yaml"
-# Settings a resumed run must share with the original: changing them would make the checkpoint meaningless.
-RESUME_MUST_MATCH = ("model", "select", "data", "train.seed", "schedule.grad_accum")
+# What a resume may change (applied from the resumed step on, and recorded in the run's config.yaml): settings
+# only the loop reads, and the peak learning rate (the schedule's base rates are rescaled). Everything else is
+# fixed by the checkpoint (selection, data order, optimizer state, seeds) and refused.
+RESUME_MAY_CHANGE = (
+    "schedule.max_steps",
+    "optim.lr",
+    "optim.clip_grad_norm",
+    "train.max_bad_steps",
+    "log",
+    "checkpoint",
+)
 
 
 def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: bool = False) -> dict:
@@ -70,13 +79,18 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
 
 def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     config = _prepare_run_dir(config, run_dir, resume)
-    if resume and (finished := _finished_run(run_dir, config)) is not None:
-        return finished  # nothing to do, and nothing written: the run's files stay as they are
+    notes: list[str] = []
+    if resume:
+        if (finished := _finished_run(run_dir, config)) is not None:
+            return finished  # nothing to do, and nothing written: the run's files stay as they are
+        changes = _check_resumable(RunConfig.load(str(run_dir / CONFIG_FILE)), config)
+        if changes:  # recorded, so a later resume or export reads what the run now uses
+            atomic_file(run_dir / CONFIG_FILE, lambda tmp: tmp.write_text(config.to_yaml()))
+            notes.append("resumed with " + ", ".join(changes))
     device = runtime.resolve_device(config.model.device)
     dtype = runtime.resolve_dtype(config.model.dtype, device)
     runtime.seed_everything(config.train.seed)
 
-    notes: list[str] = []
     tokenizer = load_tokenizer(config.model.path)
     train_data, eval_data, data_stats = _load_data(config, tokenizer, config.data.pack)
     batches = Batches(train_data, config.data.batch_size, seed=config.train.seed)
@@ -125,6 +139,7 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     if saved is not None:
         checkpoint.restore_optimizer(optimizer, restored)
         scheduler.load_state_dict(restored["scheduler"])
+        _apply_resumed_schedule(optimizer, scheduler, config, restored["config"])
         batches.load_state_dict(restored["data"])
         runtime.set_rng_state(restored["rng"])
         state.update({k: restored[k] for k in state if k in restored})
@@ -419,18 +434,38 @@ def _finished_run(run_dir: Path, config: RunConfig) -> dict | None:
     return None
 
 
-def _check_resumable(original: RunConfig, now: RunConfig) -> None:
+def _check_resumable(original: RunConfig, now: RunConfig) -> list[str]:
+    """The changes a resume makes ("optim.lr 0.01 -> 0.02"); refuses any outside RESUME_MAY_CHANGE."""
     old, new = original.to_dict(), now.to_dict()
-    for key in RESUME_MUST_MATCH:
-        section, _, name = key.partition(".")
-        a, b = old[section], new[section]
-        if name:
-            a, b = a[name], b[name]
-        if a != b:
-            raise UsafError(
-                f"cannot resume: '{key}' differs from the original run ({a!r} there, {b!r} now). Resume with the "
-                "original settings (only the schedule length, logging and checkpointing may change)."
-            )
+    changes = []
+    for section, values in old.items():
+        for name, a in values.items():
+            b, key = new[section][name], f"{section}.{name}"
+            if a == b:
+                continue
+            if section not in RESUME_MAY_CHANGE and key not in RESUME_MAY_CHANGE:
+                allowed = ", ".join(k if "." in k else f"{k}.*" for k in RESUME_MAY_CHANGE)
+                raise UsafError(
+                    f"cannot resume: '{key}' differs from the original run ({a!r} there, {b!r} now). Resume with "
+                    f"the original value; a resume may change only {allowed}."
+                )
+            changes.append(f"{key} {a!r} -> {b!r}")
+    return changes
+
+
+def _apply_resumed_schedule(optimizer, scheduler, config: RunConfig, saved: dict) -> None:
+    """A resume with a new peak lr or length: the schedule's base rates take the new peak and the current rates
+    follow the new curve at once (the checkpoint's param groups hold the old ones)."""
+    ratio = config.optim.lr / saved["optim"]["lr"]
+    if ratio == 1 and config.schedule.max_steps == saved["schedule"]["max_steps"]:
+        return  # unchanged: the restored rates stand, bit for bit
+    scheduler.base_lrs = [base * ratio for base in scheduler.base_lrs]
+    for group, base, factor in zip(
+        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def _load_data(config: RunConfig, tokenizer, pack: bool):
