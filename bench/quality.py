@@ -93,12 +93,27 @@ USAF_SPECS: list[dict] = [
         "lr": 1e-2,
         "router_lr_multiplier": 0.1,
     },
-    {"label": "usaf default at 1 %", "select": {"density": 0.01}, "lr": 1e-2, "router_lr_multiplier": 0.1},
+    # a larger budget at a lower rate (what moves usaf ahead of LoRA's frontier), reselection, and the budget
+    # weighed towards attention (select.density_ratios)
+    {"label": "usaf default at 1 %", "select": {"density": 0.01}, "lr": 5e-3, "router_lr_multiplier": 0.1},
+    {"label": "usaf default at 2 %", "select": {"density": 0.02}, "lr": 2.5e-3, "router_lr_multiplier": 0.1},
+    {
+        "label": "usaf default, reselect every 10",
+        "select": {"reselect_every": 10},
+        "lr": 1e-2,
+        "router_lr_multiplier": 0.1,
+    },
+    {
+        "label": "usaf default, attention density x10",
+        "select": {"density_ratios": {"attention": 10}},
+        "lr": 1e-2,
+        "router_lr_multiplier": 0.1,
+    },
 ]
 
 # Baselines: learning rates per family (LoRA's middle one is the reference point of "dominates").
 LORA_LRS = [1e-3, 3e-3, 1e-2]
-FULL_LRS = [3e-4, 1e-3]
+FULL_LRS = [1e-4, 3e-4, 1e-3]  # three: full fine-tuning's frontier spans the usaf rows' adaptation
 EXPERTS_LRS = [3e-4, 1e-3]
 
 # Per-mode sizes of the runs.
@@ -515,6 +530,7 @@ def aggregate(task: str, methods: list[dict], runs: dict, errors: dict) -> dict:
     lora = sorted((r for r in rows.values() if r["kind"] == "lora"), key=lambda r: r["lr"])
     mid = lora[len(lora) // 2] if lora else None
     frontier = [(r["after"]["new"], r["after"]["old"]) for r in lora]
+    full_frontier = [(r["after"]["new"], r["after"]["old"]) for r in rows.values() if r["kind"] == "full"]
     wall = mid["train_s"] if mid else None
     for _key, r in rows.items():
         if mid is not None and r["kind"] == "usaf":
@@ -524,6 +540,9 @@ def aggregate(task: str, methods: list[dict], runs: dict, errors: dict) -> dict:
             at = _interp(frontier, r["after"]["new"])
             r["lora_frontier_old_at_same_new"] = at
             r["ahead_of_lora_frontier"] = None if at is None else old < sign * at
+            at_full = _interp(full_frontier, r["after"]["new"])
+            r["full_frontier_old_at_same_new"] = at_full
+            r["reaches_full_frontier"] = None if at_full is None else old <= sign * at_full
         if wall is not None:
             curve = r["curve"]
             points = {k: [(p["elapsed_s"], p[k]) for p in curve] for k in ("new", "old")}
@@ -709,17 +728,21 @@ def markdown(payload: dict) -> str:
                 "",
                 "Dominates: better new AND better old than LoRA at its middle lr. Ahead of the frontier: better old "
                 "than LoRA's frontier (linear between its learning rates) at the same new value; – when the new "
-                "value lies outside LoRA's range.",
+                "value lies outside LoRA's range. Reaches full fine-tuning's frontier: old no worse than full "
+                "fine-tuning's (linear between its learning rates) at the same new value.",
                 "",
-                "| usaf | lr | new | old | dominates LoRA mid | LoRA frontier's old at same new | ahead of frontier |",
-                "|---|---:|---:|---:|---|---:|---|",
+                "| usaf | lr | new | old | dominates LoRA mid | LoRA frontier's old at same new | ahead of frontier "
+                "| full FT frontier's old at same new | reaches full FT frontier |",
+                "|---|---:|---:|---:|---|---:|---|---:|---|",
             ]
             for r in usaf_rows:
                 lines.append(
                     f"| {r['label']} | {r['lr']:g} | {_metric(task, r['after']['new'])} "
                     f"| {_metric(task, r['after']['old'])} | {_yes(r.get('dominates_lora_mid'))} "
                     f"| {_metric(task, r.get('lora_frontier_old_at_same_new'))} "
-                    f"| {_yes(r.get('ahead_of_lora_frontier'))} |"
+                    f"| {_yes(r.get('ahead_of_lora_frontier'))} "
+                    f"| {_metric(task, r.get('full_frontier_old_at_same_new'))} "
+                    f"| {_yes(r.get('reaches_full_frontier'))} |"
                 )
         lines.append("")
     lines += ["## usaf specs", "", "```json", json.dumps(payload["usaf_specs"], indent=1), "```", ""]
