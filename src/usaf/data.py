@@ -290,7 +290,8 @@ def _encode_pretokenized(record: dict, tokenizer) -> tuple[list[int], list[int]]
         raise _BadRecord(f"'labels' has {len(labels)} entries but 'input_ids' has {len(ids)}")
     bad = next((i for i, v in enumerate(ids) if not 0 <= v < vocab), None)
     if bad is not None:
-        raise _BadRecord(f"input_ids[{bad}]={ids[bad]} is outside the tokenizer's vocabulary of {vocab}")
+        what = getattr(tokenizer, "vocabulary", f"the tokenizer's vocabulary of {vocab}")
+        raise _BadRecord(f"input_ids[{bad}]={ids[bad]} is outside {what}")
     # Aligned labels equal input_ids wherever they are not ignored; anything else is a shifted or foreign
     # label (pre-shifting here would train every position on token t+2).
     bad = next(
@@ -445,6 +446,8 @@ def _read_documents(
                 if isinstance(record, _BadRecord):
                     raise record
                 kind = _record_kind(record)
+                if kind != "input_ids" and getattr(tokenizer, "missing", False):
+                    raise tokenizer.needs_tokenizer(where, kind)  # a model folder without tokenizer files
                 if kind == "messages":
                     _check_chat_support(tokenizer, where)
                 ids, labels = _ENCODERS[kind](record, tokenizer)

@@ -67,3 +67,79 @@ def char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
         additional_special_tokens=list(ROLE_TOKENS),
         chat_template=CHAT_TEMPLATE,
     )
+
+
+# Files any transformers tokenizer is loaded from; a model folder with none of them has no tokenizer.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "tekken.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
+def has_tokenizer_files(folder) -> bool:
+    from pathlib import Path
+
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+class NoTokenizer:
+    """What a model folder without tokenizer files gets instead of transformers' empty tokenizer (which would
+    claim a vocabulary of 1): pre-tokenized records are checked against the model's vocabulary
+    (config.vocab_size); encoding text says, in one sentence, that the folder has no tokenizer."""
+
+    missing = True
+    chat_template = None
+    is_fast = False
+
+    def __init__(self, folder: str, vocab_size: int, pad_token_id=None, eos_token_id=None, bos_token_id=None):
+        self.folder, self.vocab_size = str(folder), int(vocab_size)
+        self.pad_token_id, self.eos_token_id, self.bos_token_id = pad_token_id, eos_token_id, bos_token_id
+        self.vocabulary = f"the model's vocabulary of {self.vocab_size} (config.vocab_size)"
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def needs_tokenizer(self, where: str, kind: str) -> UsafError:
+        return UsafError(
+            f"{where}: '{kind}' records need a tokenizer, and the model folder {self.folder} has no tokenizer "
+            f"files ({', '.join(TOKENIZER_FILES[:2])}); copy the tokenizer's files into it, or give "
+            "pre-tokenized {'input_ids'} records."
+        )
+
+    def __call__(self, *args, **kwargs):
+        raise self.needs_tokenizer(self.folder, "text")
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise self.needs_tokenizer(self.folder, "messages")
+
+
+def model_vocabulary(folder: str) -> NoTokenizer:
+    """The NoTokenizer of a model folder, from its config.json."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        raise UsafError(f"cannot read {folder}/config.json: {_first_line(err)}") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        raise UsafError(
+            f"{folder}/config.json has no vocab_size and the folder has no tokenizer files; copy the "
+            "tokenizer's files into it."
+        )
+    ids = {k: getattr(text, k, None) for k in ("pad_token_id", "eos_token_id", "bos_token_id")}
+    ids = {k: (v[0] if isinstance(v, list) and v else v) for k, v in ids.items()}
+    return NoTokenizer(folder, vocab, **{k: v if isinstance(v, int) else None for k, v in ids.items()})
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

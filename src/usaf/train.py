@@ -35,6 +35,7 @@ from .report import write_router_load
 from .reselect import Reselector
 from .router import RouterCollapse, RouterTraining
 from .select import save_selection
+from .tokenizer import has_tokenizer_files, model_vocabulary
 
 CONFIG_FILE = "config.yaml"
 # What a resume may change (applied from the resumed step on, and recorded in the run's config.yaml): settings
@@ -482,7 +483,11 @@ def _load_data(config: RunConfig, tokenizer, pack: bool):
 
 
 def load_tokenizer(path: str):
+    """The model's tokenizer; for a model folder without tokenizer files, a NoTokenizer (pre-tokenized data
+    only, ids checked against config.vocab_size) instead of transformers' empty one."""
     check_model_path(path)
+    if Path(path).expanduser().is_dir() and not has_tokenizer_files(Path(path).expanduser()):
+        return model_vocabulary(path)
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
