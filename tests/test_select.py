@@ -154,3 +154,23 @@ def test_data_driven_strategy_without_data_is_a_clear_error():
         )
     with pytest.raises(usaf.UsafError, match="strategy='file' needs"):
         usaf.UsafConfig(targets=EXPERTS_AND_ROUTERS, strategy="file")
+
+
+def test_a_file_selection_after_a_calibrated_one_reports_no_calibration(tmp_path):
+    """Calibration statistics belong to the model they selected for, not to the process (issue 10)."""
+    from usaf.config import RunConfig
+    from usaf.train import selection_summary
+
+    calibrated = usaf.prepare_model(
+        tiny_model("qwen3_moe"),
+        usaf.UsafConfig(density=0.1, selection="gradient", calibration_batches=2),
+        calibration_batches=batches(2),
+    )
+    run = RunConfig()
+    assert selection_summary(calibrated, run)["calibration"]["batches"] == 2
+    save_selection(tmp_path / "sel.safetensors", current_selection(calibrated))
+    from_file = usaf.prepare_model(
+        tiny_model("qwen3_moe"), usaf.UsafConfig(strategy="file", file=str(tmp_path / "sel.safetensors"))
+    )
+    run.select = from_file.usaf_config
+    assert selection_summary(from_file, run)["calibration"] is None

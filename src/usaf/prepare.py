@@ -86,7 +86,9 @@ def prepare_model(
         tie(tied_head, states[embedding_key])
     weight_stores = {w.key: (w.target, states[w.key].stores["weight"]) for w in weights}
 
-    chosen = select.choose(trained, layer_stores, config, calibration_batches, model, weight_stores)
+    chosen, calibration = select.choose(
+        trained, layer_stores, config, calibration_batches, model, weight_stores
+    )
     install_selection(model, chosen, original_values)
     if config.trains_routers:
         for layer in trained:
@@ -95,6 +97,7 @@ def prepare_model(
         make_routers_fp32(model)  # bf16/fp16 routers: fp32 master weights, or small updates round away
     model.register_load_state_dict_pre_hook(_accept_checkpoint_names)
     model.usaf_config = config
+    model.usaf_calibration = calibration  # what the selection was calibrated on (None: no calibration)
     model.usaf_original_values = original_values
     return model
 

@@ -221,15 +221,16 @@ class TensorUnit(NamedTuple):
 
 def choose(
     layers: list, stores: dict, config, batches=None, model=None, weight_stores: dict | None = None
-) -> dict[str, Chosen]:
+) -> tuple[dict[str, Chosen], object]:
     """The selection for every expert tensor of the trained `layers` (when "experts" is in `config.targets`) and
-    every other targeted weight in `weight_stores` ({"<module path>.weight": (target, store)}), by `config.strategy` and
-    `config.selection`. `stores`: {experts path: {tensor name: store}}. Data-driven choices run calibration
-    batches through `model` (prepared with an empty selection)."""
+    every other targeted weight in `weight_stores` ({"<module path>.weight": (target, store)}), by
+    `config.strategy` and `config.selection`, with the calibration it used (None without one). `stores`:
+    {experts path: {tensor name: store}}. Data-driven choices run calibration batches through `model` (prepared
+    with an empty selection)."""
     from . import calibrate
 
     if config.strategy == "file":
-        return load_selection(config.file)
+        return load_selection(config.file), None
     config = with_resolved_selection(config, batches is not None and model is not None)
     train_experts = "experts" in config.targets
     experts = [
@@ -277,8 +278,7 @@ def choose(
         chosen = _choose_elements(experts + weights, config, calibration, batches, model)
     if train_experts:
         chosen.update(_choose_biases(layers, stores, config))
-    choose.last_calibration = calibration  # kept for the run's selection summary
-    return chosen
+    return chosen, calibration
 
 
 def _domains(weights: list, config, calibration) -> list[tuple[list[TensorUnit], list[int] | None, int]]:

@@ -547,9 +547,9 @@ def packed_documents_are_isolated(model, device) -> bool:
 
 
 def selection_summary(model, config: RunConfig) -> dict:
-    from .select import choose, resolved_selection
+    from .select import resolved_selection
 
-    calibration = getattr(choose, "last_calibration", None)
+    calibration = getattr(model, "usaf_calibration", None)
     return {
         "strategy": config.select.strategy,
         "selection": resolved_selection(config.select, has_data=True),
