@@ -322,3 +322,37 @@ def test_targets_beyond_the_experts_are_in_the_ledger():
     assert line(wide, "sparse state beyond the experts").device > 0
     with pytest.raises(UsafError, match="--targets"):
         planner.PlanSettings(targets=("experts", "mlp"))
+
+
+def test_the_ledger_counts_trained_routers_in_fp32_as_the_engine_trains_them():
+    """A bf16 model's routers train with fp32 master weights, gradients and moments: the planner's routers line
+    is exactly the bytes the engine adds over the bf16 weights (issue 10, item 4)."""
+    import torch
+
+    import usaf
+    from usaf.arch import find_moe_layers
+    from usaf.tiny import tiny_config, tiny_model
+
+    model = tiny_model("qwen3_moe").to(torch.bfloat16)
+    usaf.prepare_model(
+        model, usaf.UsafConfig(density=0.1, targets=["experts", "routers"], selection="random")
+    )
+    params = [p for layer in find_moe_layers(model) for p in layer.router.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    ids = torch.randint(0, 97, (1, 8))
+    usaf.causal_lm_loss(model, ids, ids).backward()
+    optimizer.step()
+    state_bytes = sum(
+        t.numel() * t.element_size() for p in params for t in optimizer.state[p].values() if t.dim()
+    )
+    engine = sum((p.element_size() - 2 + p.grad.element_size()) * p.numel() for p in params) + state_bytes
+
+    shape = planner.model_shape(tiny_config("qwen3_moe").to_dict(), "tiny")
+    settings = planner.PlanSettings(density=0.1, dtype="bf16", quant="none", targets=("experts", "routers"))
+    line = next(
+        x
+        for x in planner.plan(shape, settings, planner.DEVICES["cpu"]).lines
+        if x.name == "routers (trainable)"
+    )
+    assert shape.router_params == sum(p.numel() for p in params)
+    assert line.device == engine

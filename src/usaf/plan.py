@@ -9,7 +9,8 @@ over the config's fields. The ledger models what the usaf engine allocates:
 - dense weights in the compute dtype (`--quant-dense` stores them as int8 on disk; loading dequantizes them);
 - the sparse state: per trained entry the fp32 value, a copy of its base value, its int64 flat index, the int32
   (row, column) pair cached for the gradient kernel, the fp32 gradient and the optimizer moments;
-- routers, trained densely in the model's dtype (gradient and moments in that dtype);
+- routers, trained densely in fp32 as the engine trains them (`make_routers_fp32`: an fp32 master weight in place
+  of the model-dtype one, fp32 gradient and moments);
 - activations with per-layer recomputation: every layer's input, plus one layer's working set (what autograd saves
   in the recomputed layer: frozen linear layers save nothing, so it is attention's q/k/v/output and the routed
   experts' gathered input, gate/up output, activation, product and down output);
@@ -724,12 +725,13 @@ def plan(
             "whole neurons need no per-entry index"
         )
     add("sparse state + optimizer", entries * per_entry + row_pointers, detail)
-    router_moments = 2 * d if s.optimizer == "adamw" else 2
+    router_moments = 8 if s.optimizer == "adamw" else 2
     routers = trained_router_params(shape, s)
     add(
         "routers (trainable)",
-        routers * (d + router_moments),
-        f"{_count(routers)} parameters: grad {d} B + moments {router_moments} B (in the model's dtype)",
+        routers * (4 - d + 4 + router_moments),
+        f"{_count(routers)} parameters in fp32: master weight +{4 - d} B over the dense weights' {d} B, grad 4 B, "
+        f"moments {router_moments} B",
     )
 
     # activations
@@ -790,7 +792,7 @@ def plan(
     if gpu:
         add(
             "optimizer step temporaries",
-            4 * (entries + beyond) + d * routers,
+            4 * (entries + beyond + routers),
             "AdamW's foreach kernels copy the moments' square roots of a whole group",
             phases=frozenset({STEP}),
         )
