@@ -64,6 +64,10 @@ class Delta:
 
     changes: dict[str, TensorChange]
     info: dict = field(default_factory=dict)
+    # the identity of the base the values were trained against ({"model_type", "config_sha256", "tensors": {key:
+    # {"file", "dtype", "shape", "sha256"}}}): a delta file's "base", a run's base.json; None when nothing was recorded
+    base_record: dict | None = None
+    origin: str = "the delta"  # how messages name where the delta came from
 
 
 # ---- the base checkpoint ---------------------------------------------------------------------------------------
@@ -221,6 +225,42 @@ def _split_by_source(ids: torch.Tensor, sources: list[tuple[str, int]]):
 
 # ---- deltas: from a run, from a file -----------------------------------------------------------------------------
 
+RUN_BASE_FILE = "base.json"  # a run's record of the base it trains on, written when the run starts
+
+
+def base_record(model_dir: str | Path) -> dict:
+    """What `check_base` compares a base against: its identity and every tensor's file, dtype, shape and sha256
+    (a prepared store: the checkpoint it was prepared from, with the checksums the store recorded)."""
+    model_dir = Path(model_dir)
+    store = model_dir / STORE_FILE
+    if store.exists():
+        metadata = json.loads(store.read_text())
+        base = BaseCheckpoint(metadata["source"]["dir"])
+        return {**base.identity(), "tensors": metadata["source_tensors"]}
+    base = BaseCheckpoint(model_dir)
+    return {
+        **base.identity(),
+        "tensors": {
+            key: {
+                "file": entry.file.name,
+                "dtype": shards.DTYPE_NAMES[entry.dtype],
+                "shape": list(entry.shape),
+                "sha256": shards.sha256_of(entry),
+            }
+            for key, entry in sorted(base.source.entries.items())
+        },
+    }
+
+
+def read_run_base_record(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / RUN_BASE_FILE
+    if not path.exists():
+        return None  # a run from before base.json, or trained from the hub: nothing recorded
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UsafError(f"{path} is unreadable ({err}); the run's record of its base is damaged.") from None
+
 
 def run_base_dir(run_dir: Path, base_dir: str | Path | None = None) -> Path:
     """The full-precision checkpoint a run trained on: --base, else the run's model.path (for a prepared quantized
@@ -285,7 +325,7 @@ def delta_from_run(run_dir: str | Path) -> Delta:
         "source": {"run_dir": str(run_dir.resolve()), "checkpoint": latest.name, "step": saved.get("step")},
         "training": json.loads(summary_file.read_text()) if summary_file.exists() else None,
     }
-    return Delta(changes, info)
+    return Delta(changes, info, base_record=read_run_base_record(run_dir), origin=f"the run {run_dir}")
 
 
 def _sorted_change(flat: torch.Tensor, values: torch.Tensor) -> TensorChange:
@@ -338,6 +378,9 @@ def write_delta(
                 "shape": list(source_entry.shape),
                 "sha256": base.sha256(key),
             }
+            want = ((delta.base_record or {}).get("tensors") or {}).get(key, {}).get("sha256")
+            if want is not None and checksums[key]["sha256"] != want:
+                raise UsafError(_checksum_message(key, source_entry.file, delta.origin))
     info = {
         "format": DELTA_FORMAT,
         "format_version": DELTA_FORMAT_VERSION,
@@ -394,7 +437,7 @@ def read_delta(path: str | Path) -> Delta:
                 )
     except KeyError as err:
         raise UsafError(f"{path} is corrupted: it lacks tensor {err}; export it again.") from None
-    return Delta(changes, info)
+    return Delta(changes, info, base_record=info.get("base"), origin=str(path))
 
 
 def _payload_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -418,10 +461,8 @@ def export_delta(
     base_dir: str | Path | None = None,
 ) -> Path:
     """`usaf export RUN_DIR --delta OUT`: the run's latest checkpoint as a delta file against its base."""
-    delta = delta_from_run(run_dir)
-    return write_delta(
-        delta, BaseCheckpoint(run_base_dir(Path(run_dir), base_dir)), out_path, fp32=fp32, force=force
-    )
+    delta, base = run_delta_and_base(run_dir, base_dir)
+    return write_delta(delta, base, out_path, fp32=fp32, force=force)
 
 
 def export_merged(
@@ -429,9 +470,19 @@ def export_merged(
 ) -> Path:
     """`usaf export RUN_DIR --merged OUT_DIR`: the base checkpoint with the run's trained entries written in."""
     check_output_dir(Path(out_dir), base_dir, force)
+    delta, base = run_delta_and_base(run_dir, base_dir)
+    return write_merged(base, delta, out_dir, force=force)
+
+
+def run_delta_and_base(
+    run_dir: str | Path, base_dir: str | Path | None = None
+) -> tuple[Delta, BaseCheckpoint]:
+    """A run's delta and the base to write it against (--base or the run's own), checked as `usaf apply` checks
+    a delta file's base: the same `check_base`, and the recorded checksums while writing."""
     delta = delta_from_run(run_dir)
     base = BaseCheckpoint(run_base_dir(Path(run_dir), base_dir))
-    return write_merged(base, delta, out_dir, force=force)
+    check_base(delta, base)
+    return delta, base
 
 
 def apply_delta(
@@ -441,24 +492,27 @@ def apply_delta(
     check_output_dir(Path(out_dir), base_dir, force)
     delta = read_delta(delta_path)
     base = BaseCheckpoint(base_dir)
-    check_base(delta, base, Path(delta_path))
-    return write_merged(base, delta, out_dir, force=force, expected=delta.info["base"]["tensors"])
+    check_base(delta, base)
+    return write_merged(base, delta, out_dir, force=force)
 
 
-def check_base(delta: Delta, base: BaseCheckpoint, delta_path: Path) -> None:
-    """Cheap checks that `base` is the model `delta` was made against (checksums are verified while streaming)."""
-    recorded = delta.info["base"]
+def check_base(delta: Delta, base: BaseCheckpoint) -> None:
+    """Cheap checks that `base` is the model `delta` was made against, for a delta file (`usaf apply`, load_delta)
+    and a run (`usaf export`) alike; the recorded checksums are verified as the changed tensors are read."""
+    recorded, delta_path = delta.base_record, delta.origin
+    if recorded is None:
+        return  # a run from before base.json (or trained from the hub): nothing to compare against
     model_type = getattr(base.config, "model_type", None)
     if recorded.get("model_type") != model_type:
         raise UsafError(
-            f"{delta_path} was made for a {recorded.get('model_type')} model, but {base.dir} is {model_type}; apply it "
-            "to the model it was trained from."
+            f"{delta_path} was made for a {recorded.get('model_type')} model, but {base.dir} is {model_type}; use "
+            "the model it was trained from."
         )
-    for name, entry in delta.info["changes"].items():
+    for name, entry in (delta.info.get("changes") or {}).items():
         if list(base.shape(name)) != entry["shape"]:
             raise UsafError(
                 f"{delta_path} changes '{name}' of shape {entry['shape']}, but in {base.dir} it is "
-                f"{list(base.shape(name))}; apply it to the model it was trained from."
+                f"{list(base.shape(name))}; use the model it was trained from."
             )
     for key, info in recorded["tensors"].items():
         entry = base.source.entries.get(key)
@@ -469,20 +523,20 @@ def check_base(delta: Delta, base: BaseCheckpoint, delta_path: Path) -> None:
         ):
             raise UsafError(
                 f"{delta_path} was made against a base whose tensor '{key}' is {info['dtype']} {info['shape']}; "
-                f"{base.dir} {'lacks it' if entry is None else 'differs'}. Apply it to the model it was trained from."
+                f"{base.dir} {'lacks it' if entry is None else 'differs'}. Use the model it was trained from."
             )
 
 
-def verify_checksums(delta: Delta, base: BaseCheckpoint, delta_path: Path) -> None:
-    for key, info in delta.info["base"]["tensors"].items():
+def verify_checksums(delta: Delta, base: BaseCheckpoint) -> None:
+    for key, info in ((delta.base_record or {}).get("tensors") or {}).items():
         if base.sha256(key) != info["sha256"]:
-            raise UsafError(_checksum_message(key, base.source.entries[key].file, delta_path))
+            raise UsafError(_checksum_message(key, base.source.entries[key].file, delta.origin))
 
 
 def _checksum_message(key: str, file: Path, delta_path: Path | str) -> str:
     return (
         f"Tensor '{key}' in {file} differs from the base {delta_path} was trained on (sha256 mismatch): this is "
-        "another model or a modified copy. Apply the delta to the exact checkpoint it was made from."
+        "another model or a modified copy. Use the exact checkpoint it was made from."
     )
 
 
@@ -495,16 +549,16 @@ def write_merged(
     out_dir: str | Path,
     *,
     force: bool = False,
-    expected: dict | None = None,
 ) -> Path:
     """Stream `base`'s shards into `out_dir` with the entries of `delta` replaced (cast to each tensor's dtype).
 
-    expected: {checkpoint key: {"sha256": ...}} the changed tensors must match (from a delta file); checked as they
-        are read, and a mismatch abandons the output.
+    The changed tensors must match the checksums of `delta.base_record` (a delta file's, a run's base.json);
+    checked as they are read, and a mismatch abandons the output.
     """
     out_dir = Path(out_dir)
     check_output_dir(out_dir, base.dir, force)
     edits = _edits_by_checkpoint_key(base, delta)
+    expected = (delta.base_record or {}).get("tensors")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir)
     tmp = temporary_name(out_dir)
@@ -512,7 +566,7 @@ def write_merged(
     try:
         report: dict[str, dict] = {}
         for file in base.shard_files():
-            _write_shard(base.dir / file, tmp / file, edits, expected, report)
+            _write_shard(base.dir / file, tmp / file, edits, expected, report, delta.origin)
         missing = sorted(set(edits) - set(report))
         if missing:
             raise UsafError(f"Tensor '{missing[0]}' was not found in the shards of {base.dir}.")
@@ -561,7 +615,9 @@ def _edits_by_checkpoint_key(
     return edits
 
 
-def _write_shard(source: Path, target: Path, edits: dict, expected: dict | None, report: dict) -> None:
+def _write_shard(
+    source: Path, target: Path, edits: dict, expected: dict | None, report: dict, origin: str
+) -> None:
     """Copy one safetensors file tensor by tensor, in bounded chunks, replacing the edited entries."""
     entries, metadata = shards.read_header(source)
     planned = [shards.PlannedTensor(name, e.dtype, e.shape) for name, e in entries.items()]
@@ -585,7 +641,7 @@ def _write_shard(source: Path, target: Path, edits: dict, expected: dict | None,
             digest = before.hexdigest()
             want = (expected or {}).get(name, {}).get("sha256")
             if want is not None and digest != want:
-                raise UsafError(_checksum_message(name, source, "the delta"))
+                raise UsafError(_checksum_message(name, source, origin))
             report[name] = {
                 "file": source.name,
                 "dtype": shards.DTYPE_NAMES[entry.dtype],
@@ -630,8 +686,8 @@ def load_delta(model: nn.Module, path: str | Path, base_dir: str | Path | None =
         )
     if base_dir is not None:
         base = BaseCheckpoint(base_dir)
-        check_base(delta, base, path)
-        verify_checksums(delta, base, path)
+        check_base(delta, base)
+        verify_checksums(delta, base)
     prepared = dict(sparse_modules(model))
     for name, change in delta.changes.items():
         shape = delta.info["changes"][name]["shape"]

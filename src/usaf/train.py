@@ -111,6 +111,8 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
         save_selection(
             run_dir / "selection.safetensors", current_selection(model), selection_summary(model, config)
         )
+        if (unrecorded := _record_base(config, run_dir)) is not None:
+            notes.append(unrecorded)
     prefix_cache = _prefix_cache(model, config, run_dir)
 
     state = {
@@ -324,6 +326,7 @@ RUN_FILES = (
     CONFIG_FILE,
     "selection.safetensors",
     "selection.json",
+    "base.json",
     "metrics.jsonl",
     "tensorboard",
     "prefix_cache",
@@ -557,6 +560,18 @@ def selection_summary(model, config: RunConfig) -> dict:
         "entries": {key: int(c.indices.numel()) for key, c in current_selection(model).items()},
         "calibration": calibration.summary() if calibration is not None else None,
     }
+
+
+def _record_base(config: RunConfig, run_dir: Path) -> str | None:
+    """RUN/base.json: the identity and tensor checksums of the base, which `usaf export` checks a base against
+    (as `usaf apply` checks a delta's). A note when the base is not a local folder, None when recorded."""
+    from .export import RUN_BASE_FILE, base_record
+
+    model_dir = Path(config.model.path).expanduser()
+    if not (model_dir / "config.json").is_file():
+        return f"the base {config.model.path} is not a local folder: usaf export cannot check a --base against it"
+    atomic_json(run_dir / RUN_BASE_FILE, base_record(model_dir))
+    return None
 
 
 def _prefix_cache(model, config: RunConfig, run_dir: Path) -> FrozenPrefixCache | None:

@@ -58,8 +58,7 @@ def run_export(args) -> int:
         base = export.BaseCheckpoint(args.base)
         delta = export.trainer_checkpoint_delta(args.from_trainer, base)
     elif args.run_dir:
-        delta = export.delta_from_run(args.run_dir)
-        base = export.BaseCheckpoint(export.run_base_dir(Path(args.run_dir), args.base))
+        delta, base = export.run_delta_and_base(args.run_dir, args.base)
     else:
         raise UsafError("give RUN_DIR (a usaf run directory) or --from-trainer CKPT_DIR --base MODEL_DIR.")
     if args.delta:

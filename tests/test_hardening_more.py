@@ -1,0 +1,100 @@
+"""Issue 12, items 8, 9 and 11: export checks a --base as apply does; checkpoints carry checksums; runs store
+absolute paths."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import make_model_dir, write_copy_task
+from safetensors.torch import load_file, save_file
+
+from usaf.cli import main
+
+SETS = [
+    "data.max_seq_len=48",
+    "data.batch_size=4",
+    "select.density=0.1",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "schedule.warmup_steps=1",
+    "checkpoint.every_steps=1",
+    "checkpoint.keep_last=0",
+]
+
+
+def train_args(model: Path, data: Path, out, *sets: str) -> list[str]:
+    args = ["train", f"--model={model}", f"--data={data}", f"--out={out}"]
+    return [*args, *(f"--set={s}" for s in [*SETS, *sets])]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A base, a run of 3 steps on it (a checkpoint at every step), its data."""
+    root = tmp_path_factory.mktemp("more")
+    base = make_model_dir(root / "base")
+    data = write_copy_task(root / "train.jsonl", 60)
+    run = root / "run"
+    assert main(train_args(base, data, run, "schedule.max_steps=3")) == 0
+    return {"root": root, "base": base, "data": data, "run": run}
+
+
+def copy_run(finished, tmp_path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(finished["run"], run)
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------
+# item 8: usaf export --base OTHER is checked as usaf apply checks a delta's base
+# ---------------------------------------------------------------------------------------------------------
+
+
+def altered_copy(base: Path, folder: Path) -> Path:
+    """The same architecture with other weights: every expert tensor of layer 1 slightly changed."""
+    shutil.copytree(base, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name in tensors:
+        if ".experts." in name or "mlp.gate" in name:
+            tensors[name] = tensors[name] + 0.01
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["--merged", "--delta"])
+def test_export_refuses_a_base_with_other_weights(finished, tmp_path, capsys, kind):
+    other = altered_copy(finished["base"], tmp_path / "other")
+    out = tmp_path / ("merged" if kind == "--merged" else "delta.safetensors")
+    capsys.readouterr()
+    assert main(["export", str(finished["run"]), f"--base={other}", f"{kind}={out}"]) == 2
+    err = capsys.readouterr().err
+    assert f"differs from the base the run {finished['run']} was trained on (sha256 mismatch)" in err
+    assert "Use the exact checkpoint it was made from" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_export_refuses_a_base_of_another_family(finished, tmp_path, capsys):
+    other = make_model_dir(tmp_path / "olmoe", "olmoe")
+    out = tmp_path / "merged"
+    assert main(["export", str(finished["run"]), f"--base={other}", f"--merged={out}"]) == 2
+    err = capsys.readouterr().err
+    assert f"the run {finished['run']} was made for a qwen3_moe model, but {other} is olmoe" in err
+    assert not out.exists()
+
+
+def test_export_takes_an_identical_copy_of_the_base(finished, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(finished["base"], copy)
+    assert (
+        main(["export", str(finished["run"]), f"--base={copy}", f"--delta={tmp_path / 'd.safetensors'}"]) == 0
+    )
+    assert main(["apply", str(copy), str(tmp_path / "d.safetensors"), str(tmp_path / "applied")]) == 0
+    record = json.loads((finished["run"] / "base.json").read_text())
+    assert record["model_type"] == "qwen3_moe" and all(
+        len(t["sha256"]) == 64 for t in record["tensors"].values()
+    )
