@@ -91,7 +91,9 @@ class UsafConfig:
     workspace_mb: bound on the dequantized routed-expert workspace of one projection (quantized bases).
     """
 
-    density: float = option(DEFAULT_DENSITY, "share of each targeted weight's entries to train, in (0, 1]")
+    density: float = option(
+        DEFAULT_DENSITY, "share of the targeted weights' entries to train", bounds="(0, 1]"
+    )
     num_entries: int | None = option(
         None, "global budget of trained entries (split by size); overrides density"
     )
@@ -109,19 +111,29 @@ class UsafConfig:
     selection: str = option(
         "auto", "how entries are chosen inside the budget (auto: gradient given calibration data)", SELECTIONS
     )
-    routing_coverage: float = option(0.5, "strategy=routing: share of routed tokens the chosen experts cover")
-    calibration_batches: int = option(8, "batches of the training data used to calibrate the selection")
-    oversample: float = option(4.0, "gradient selection: candidate entries scored per trained entry (>= 1)")
+    routing_coverage: float = option(
+        0.5, "strategy=routing: share of routed tokens the chosen experts cover", bounds="(0, 1]"
+    )
+    calibration_batches: int = option(
+        8, "batches of the training data used to calibrate the selection", bounds="[1, inf)"
+    )
+    oversample: float = option(
+        4.0, "gradient selection: candidate entries scored per trained entry", bounds="[1, inf)"
+    )
     file: str | None = option(None, "strategy=file: a selection.safetensors saved by a run or `usaf select`")
     reselect_every: int = option(
-        0, "drop entries that moved least and grow where gradients are large (0: off)"
+        0,
+        "every N steps drop entries that moved least and grow where gradients are large (0: off)",
+        bounds="[0, inf)",
     )
-    reselect_fraction: float = option(0.3, "share of entries replaced at the first reselection, decaying")
-    reselect_until: float = option(0.75, "share of the run after which reselection stops")
+    reselect_fraction: float = option(
+        0.3, "share of entries replaced at the first reselection, decaying", bounds="[0, 1)"
+    )
+    reselect_until: float = option(0.75, "share of the run after which reselection stops", bounds="(0, 1]")
     reselect_probe_steps: int = option(
-        2, "steps of gradients gathered for the candidates before a reselection"
+        2, "steps of gradients gathered for the candidates before a reselection", bounds="[1, inf)"
     )
-    seed: int = option(0, "seed of random selection")
+    seed: int = option(0, "seed of random selection", bounds="[0, inf)")
     targets: list = option(
         list(DEFAULT_TARGETS), "weights that hold trained entries, some of: " + ", ".join(TARGETS)
     )
@@ -130,7 +142,9 @@ class UsafConfig:
     layers: list[int] | None = option(
         None, "decoder layer numbers to train (None: all, with the embedding and output layer)"
     )
-    workspace_mb: int = option(256, "bound (MB) on one projection's dequantized routed-expert workspace")
+    workspace_mb: int = option(
+        256, "bound (MB) on one projection's dequantized routed-expert workspace", bounds="[1, inf)"
+    )
 
     def __post_init__(self) -> None:
         if (
