@@ -98,3 +98,79 @@ def test_export_takes_an_identical_copy_of_the_base(finished, tmp_path, capsys):
     assert record["model_type"] == "qwen3_moe" and all(
         len(t["sha256"]) == 64 for t in record["tensors"].values()
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# item 9: checkpoint files carry checksums, verified on resume, export and eval
+# ---------------------------------------------------------------------------------------------------------
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40  # inside the last tensor's values: the file still parses
+    path.write_bytes(bytes(data))
+
+
+def damage(path: Path, how: str) -> None:
+    if how == "flipped":
+        flip_last_byte(path)
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    "name, how",
+    [
+        ("trainable.safetensors", "flipped"),
+        ("optimizer.safetensors", "truncated"),
+        ("rng.safetensors", "flipped"),
+    ],
+)
+@pytest.mark.parametrize("command", ["resume", "export", "eval"])
+def test_a_damaged_checkpoint_file_is_named_as_damaged(finished, tmp_path, capsys, name, how, command):
+    run = copy_run(finished, tmp_path)
+    last = run / "checkpoints" / "step-00000003"
+    damage(last / name, how)
+    before = snapshot(run)
+    capsys.readouterr()
+    if command == "resume":
+        args = ["train", f"--resume={run}", "--set=schedule.max_steps=4"]
+    elif command == "export":
+        args = ["export", str(run), f"--delta={tmp_path / 'd.safetensors'}"]
+    else:
+        args = ["eval", str(run), f"--data={finished['data']}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"Checkpoint file {last / name} is damaged: its sha256 differs" in err
+    assert f"delete {last} to fall back to an earlier checkpoint" in err
+    assert "different base model" not in err and "Traceback" not in err and err.count("\n") == 1
+    assert snapshot(run) == before and not (tmp_path / "d.safetensors").exists()
+
+
+def test_after_deleting_the_damaged_checkpoint_the_run_resumes_from_the_one_before(finished, tmp_path):
+    run = copy_run(finished, tmp_path)
+    flip_last_byte(run / "checkpoints" / "step-00000003" / "trainable.safetensors")
+    shutil.rmtree(run / "checkpoints" / "step-00000003")
+    (run / "summary.json").unlink()
+    assert main(["train", f"--resume={run}"]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+
+
+def test_every_checkpoint_records_the_sha256_of_its_files(finished):
+    state = json.loads((finished["run"] / "checkpoints" / "step-00000001" / "state.json").read_text())
+    assert sorted(state["files"]) == sorted(
+        ["trainable.safetensors", "optimizer.safetensors", "rng.safetensors", "extra.safetensors"]
+    )
+
+
+def test_a_folder_named_like_a_checkpoint_is_not_taken_for_one(finished, tmp_path, capsys):
+    run = copy_run(finished, tmp_path)
+    (run / "checkpoints" / "step-foo").mkdir()
+    (run / "checkpoints" / "step-foo" / "state.json").write_text("{}")
+    assert main(["export", str(run), f"--delta={tmp_path / 'd.safetensors'}"]) == 0
+    assert (
+        "step-00000003"
+        in json.loads(
+            __import__("safetensors").safe_open(str(tmp_path / "d.safetensors"), "pt").metadata()["usaf"]
+        )["source"]["checkpoint"]
+    )

@@ -2,13 +2,16 @@
 
 Layout: RUN_DIR/checkpoints/step-00000010/{trainable,optimizer,rng}.safetensors + state.json. A checkpoint is
 written into a temporary folder, every file fsynced, and renamed into place: a folder named step-* is always
-complete. Only safetensors and JSON: nothing is unpickled on resume.
+complete. Only safetensors and JSON: nothing is unpickled on resume. state.json, written last, records the sha256
+of every other file ("files"); loading verifies them, so a damaged or truncated file is named as such.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -21,6 +24,8 @@ from .errors import UsafError
 from .prepare import sparse_modules
 
 PREFIX = "step-"
+_STEP_NAME = re.compile(r"step-(\d+)")
+TENSOR_FILES = ("trainable.safetensors", "optimizer.safetensors", "rng.safetensors", "extra.safetensors")
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -31,12 +36,17 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     folder = checkpoints_dir(run_dir)
     if not folder.is_dir():
         return []
-    found = [
+    found = [  # step-NNN folders only: anything else there (step-foo, a user's copy) is not a checkpoint
         p
         for p in folder.iterdir()
-        if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").exists()
+        if _STEP_NAME.fullmatch(p.name) and p.is_dir() and (p / "state.json").exists()
     ]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+    return sorted(found, key=step_of)
+
+
+def step_of(path: Path) -> int:
+    """The step of a checkpoint folder: step-00000020 -> 20."""
+    return int(Path(path).name[len(PREFIX) :])
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -108,6 +118,7 @@ def save(
     meta = {
         "usaf_version": __version__,
         "step": step,
+        "files": {name: file_sha256(tmp / name) for name in TENSOR_FILES},
         "optimizer": opt_meta,
         "scheduler": scheduler.state_dict(),
         "rng": rng,
@@ -137,15 +148,45 @@ def _flatten_optimizer(optimizer) -> tuple[dict, dict]:
     return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
 
 
+def file_sha256(path: Path) -> str:
+    hasher = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def verify(path: Path, meta: dict) -> None:
+    """Every file of checkpoint `path` against the sha256 its state.json recorded (checkpoints written before
+    usaf recorded them are not checked)."""
+    for name, digest in (meta.get("files") or {}).items():
+        file = path / name
+        if not file.is_file():
+            raise UsafError(
+                f"Checkpoint {path} is incomplete: {name} is missing; delete {path} to fall back to an earlier "
+                "checkpoint of the run."
+            )
+        if file_sha256(file) != digest:
+            raise UsafError(
+                f"Checkpoint file {file} is damaged: its sha256 differs from the one recorded when it was written "
+                f"({file.stat().st_size:,} bytes now); delete {path} to fall back to an earlier checkpoint of the run."
+            )
+
+
 def load(path: Path) -> dict:
-    """Everything in a checkpoint folder (tensors on CPU)."""
+    """Everything in a checkpoint folder (tensors on CPU), its files verified against their recorded sha256."""
     path = Path(path)
     try:
         meta = json.loads((path / "state.json").read_text())
+        if not isinstance(meta, dict):
+            raise ValueError("state.json is not a mapping")
+        verify(path, meta)
         meta["trainable"] = load_file(str(path / "trainable.safetensors"))
         meta["optimizer_tensors"] = load_file(str(path / "optimizer.safetensors"))
         rng = load_file(str(path / "rng.safetensors"))
         meta["extra"] = load_file(str(path / "extra.safetensors"))
+    except UsafError:
+        raise
     except (OSError, ValueError) as err:
         raise UsafError(
             f"Checkpoint {path} is unreadable ({err}); delete it to resume from an earlier one."

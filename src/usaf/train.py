@@ -85,9 +85,7 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
         if (finished := _finished_run(run_dir, config)) is not None:
             return finished  # nothing to do, and nothing written: the run's files stay as they are
         changes = _check_resumable(RunConfig.load(str(run_dir / CONFIG_FILE)), config)
-        if changes:  # recorded, so a later resume or export reads what the run now uses
-            atomic_file(run_dir / CONFIG_FILE, lambda tmp: tmp.write_text(config.to_yaml()))
-            notes.append("resumed with " + ", ".join(changes))
+        resumed_yaml = config.to_yaml()  # as given (a note may turn packing off for this process only)
     device = runtime.resolve_device(config.model.device)
     dtype = runtime.resolve_dtype(config.model.dtype, device)
     runtime.seed_everything(config.train.seed)
@@ -146,6 +144,9 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
         batches.load_state_dict(restored["data"])
         runtime.set_rng_state(restored["rng"])
         state.update({k: restored[k] for k in state if k in restored})
+    if resume and changes:  # recorded once the checkpoint is restored, so a later resume or export reads them
+        atomic_file(run_dir / CONFIG_FILE, lambda tmp: tmp.write_text(resumed_yaml))
+        notes.append("resumed with " + ", ".join(changes))
 
     autocast = runtime.autocast(config.train.precision, device, dtype)
     scaler = runtime.loss_scaler(config.train.precision, device, dtype)
@@ -418,7 +419,7 @@ class RunLock:
 def _finished_run(run_dir: Path, config: RunConfig) -> dict | None:
     """The saved summary (marked `already_finished`) when the run being resumed has reached max_steps and
     written its summary; None when there is training (or the summary) left to do."""
-    step = int(checkpoint.latest(run_dir).name[len(checkpoint.PREFIX) :])  # step-00000020 -> 20
+    step = checkpoint.step_of(checkpoint.latest(run_dir))
     max_steps = config.schedule.max_steps
     summary_path = run_dir / "summary.json"
     if step >= max_steps and summary_path.exists():
