@@ -2,6 +2,7 @@
 absolute paths."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -174,3 +175,74 @@ def test_a_folder_named_like_a_checkpoint_is_not_taken_for_one(finished, tmp_pat
             __import__("safetensors").safe_open(str(tmp_path / "d.safetensors"), "pt").metadata()["usaf"]
         )["source"]["checkpoint"]
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# item 11: runs store absolute paths; a moved base or data file is named, with how to go on
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def relative_run(finished, tmp_path, monkeypatch):
+    """A run started with relative --model, --data and --out, from tmp_path/work."""
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copytree(finished["base"], work / "base")
+    shutil.copy(finished["data"], work / "train.jsonl")
+    monkeypatch.chdir(work)
+    assert main(train_args(Path("base"), Path("train.jsonl"), "run", "schedule.max_steps=2")) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    return work
+
+
+def test_a_run_started_with_relative_paths_resumes_and_exports_from_elsewhere(relative_run, capsys):
+    run = relative_run / "run"
+    saved = (run / "config.yaml").read_text()
+    assert f"path: {relative_run / 'base'}\n" in saved and f"- {relative_run / 'train.jsonl'}\n" in saved
+    assert main(["train", f"--resume={run}", "--set=schedule.max_steps=3"]) == 0
+    assert main(["export", str(run), "--delta=d.safetensors"]) == 0 and Path("d.safetensors").exists()
+    assert main(["eval", str(run), f"--data={relative_run / 'train.jsonl'}"]) == 0
+
+
+def test_a_moved_base_is_named_and_can_be_given_anew(relative_run, finished, tmp_path, capsys):
+    run = relative_run / "run"
+    moved = tmp_path / "moved-base"
+    os.rename(relative_run / "base", moved)
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["train", f"--resume={run}", "--set=schedule.max_steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert f"model.path {relative_run / 'base'} does not exist (has it moved?)" in err
+    assert "give its new place with --model NEW_DIR" in err and err.count("\n") == 1
+    assert snapshot(run) == before
+    assert main(["export", str(run), "--delta=d.safetensors"]) == 2
+    assert (
+        f"trained on '{relative_run / 'base'}', which is not a local model directory"
+        in capsys.readouterr().err
+    )
+    # another model at the new place is refused; the moved base is taken, and recorded
+    other = altered_copy(finished["base"], tmp_path / "other")
+    assert main(["train", f"--resume={run}", f"--model={other}", "--set=schedule.max_steps=3"]) == 2
+    assert "is not the base the run started from" in capsys.readouterr().err
+    assert snapshot(run) == before
+    assert main(["train", f"--resume={run}", f"--model={moved}", "--set=schedule.max_steps=3"]) == 0
+    assert f"model.path '{relative_run / 'base'}' -> '{moved}'" in capsys.readouterr().out
+    assert f"path: {moved}\n" in (run / "config.yaml").read_text()
+    assert main(["export", str(run), "--delta=d.safetensors"]) == 0
+
+
+def test_moved_data_is_named_and_can_be_given_anew(relative_run, tmp_path, capsys):
+    run = relative_run / "run"
+    moved = tmp_path / "moved.jsonl"
+    os.rename(relative_run / "train.jsonl", moved)
+    assert main(["train", f"--resume={run}", "--set=schedule.max_steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.train {relative_run / 'train.jsonl'} does not exist (has it moved?)" in err
+    assert "--data NEW_FILES" in err
+    assert main(["train", f"--resume={run}", f"--data={moved}", "--set=schedule.max_steps=3"]) == 0
+    # other data under the moved name is refused by the data position's fingerprint
+    moved.write_text(moved.read_text().replace("copy", "kopy"))
+    assert main(["train", f"--resume={run}", f"--data={moved}", "--set=schedule.max_steps=4"]) == 2
+    assert "cannot resume the data position" in capsys.readouterr().err

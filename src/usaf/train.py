@@ -48,6 +48,11 @@ RESUME_MAY_CHANGE = (
     "train.max_bad_steps",
     "log",
     "checkpoint",
+    # where the base and the data are (a moved folder): the base is checked against base.json and the checkpoint's
+    # base values, the training data against the data position's fingerprint
+    "model.path",
+    "data.train",
+    "data.eval",
 )
 
 
@@ -56,8 +61,10 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
     `force`: start a new run in an existing folder that is not a usaf run."""
     run_dir = Path(run_dir)
     config.check()  # a config built or changed in Python gets the same range checks as a file
+    config = absolute_paths(config)  # the run's config.yaml must not depend on the working directory
     if resume:
         _check_resume_folder(run_dir)
+        _check_run_paths(config, run_dir)
     else:
         _check_new_run(config, run_dir, force)  # before anything is written, lock file included
     with RunLock(run_dir) as lock:
@@ -84,7 +91,9 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     if resume:
         if (finished := _finished_run(run_dir, config)) is not None:
             return finished  # nothing to do, and nothing written: the run's files stay as they are
-        changes = _check_resumable(RunConfig.load(str(run_dir / CONFIG_FILE)), config)
+        changes = _check_resumable(absolute_paths(RunConfig.load(str(run_dir / CONFIG_FILE))), config)
+        if any(c.startswith("model.path ") for c in changes):
+            _check_moved_base(run_dir, config.model.path)
         resumed_yaml = config.to_yaml()  # as given (a note may turn packing off for this process only)
     device = runtime.resolve_device(config.model.device)
     dtype = runtime.resolve_dtype(config.model.dtype, device)
@@ -306,7 +315,7 @@ def _prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> RunConfi
                 f"--resume {run_dir}: the run has no finished checkpoint to resume from; start it again with "
                 f"--out {run_dir}."
             )
-        original = RunConfig.load(str(saved_config))
+        original = absolute_paths(RunConfig.load(str(saved_config)))
         _check_resumable(original, config)
         return config
     # the marker first: from here on the folder is usaf's, whatever else fails
@@ -337,6 +346,59 @@ RUN_FILES = (
     "report.png",
     "router_load.png",
 )
+
+
+def absolute_paths(config: RunConfig) -> RunConfig:
+    """A copy of `config` with its local paths absolute (model.path unless a hub id, data files, select.file)."""
+    config = copy.deepcopy(config)
+    if config.model.path and _is_local_path(config.model.path):
+        config.model.path = os.path.abspath(os.path.expanduser(config.model.path))
+    config.data.train = [os.path.abspath(os.path.expanduser(str(f))) for f in config.data.train]
+    config.data.eval = [os.path.abspath(os.path.expanduser(str(f))) for f in config.data.eval]
+    if config.select.file:
+        config.select.file = os.path.abspath(os.path.expanduser(config.select.file))
+    return config
+
+
+def _is_local_path(path: str) -> bool:
+    p = Path(path).expanduser()
+    return p.exists() or not (path.count("/") == 1 and not path.startswith((".", "/", "~")))
+
+
+def _check_run_paths(config: RunConfig, run_dir: Path) -> None:
+    """A resume whose base or data is no longer where the run's config.yaml says: which path, and how to go on."""
+    missing = []
+    if _is_local_path(config.model.path) and not Path(config.model.path).is_dir():
+        missing.append(("model.path", config.model.path, "--model NEW_DIR"))
+    for key, files, flag in (
+        ("data.train", config.data.train, "--data"),
+        ("data.eval", config.data.eval, None),
+    ):
+        for file in files:
+            if not Path(file).exists():
+                missing.append((key, file, f"{flag} NEW_FILES" if flag else f"--set {key}=[NEW_FILES]"))
+                break
+    if missing:
+        key, path, fix = missing[0]
+        raise UsafError(
+            f"--resume {run_dir}: {key} {path} does not exist (has it moved?); give its new place with {fix}."
+        )
+
+
+def _check_moved_base(run_dir: Path, model_dir: str) -> None:
+    """A resume from a base at a new place: it must be the base the run recorded (every tensor's sha256)."""
+    from .export import RUN_BASE_FILE, base_record, read_run_base_record
+
+    recorded = read_run_base_record(run_dir)
+    if recorded is None:
+        return  # nothing recorded: the checkpoint's base values are still compared on restore
+    now = base_record(model_dir)["tensors"]
+    for key, info in recorded["tensors"].items():
+        if now.get(key, {}).get("sha256") != info.get("sha256"):
+            raise UsafError(
+                f"--resume {run_dir}: the model at {model_dir} is not the base the run started from (tensor '{key}' "
+                f"differs from {run_dir / RUN_BASE_FILE}); give the folder the run was trained on."
+            )
 
 
 def _check_resume_folder(run_dir: Path) -> None:
