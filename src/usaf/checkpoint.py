@@ -100,10 +100,36 @@ def save(
     folder = checkpoints_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"{PREFIX}{step:08d}"
+    remove_stale_temporaries(folder)
     tmp = folder / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    try:
+        _write(tmp, model, optimizer, scheduler, state, step, extra_tensors)
+    except BaseException:  # a full disk, a second Ctrl-C: nothing half-written stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(folder)
+    for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
 
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """.tmp-step-N-PID folders of checkpoints whose writer is gone (killed mid-save)."""
+    for path in folder.glob(".tmp-*"):
+        try:
+            os.kill(int(path.name.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            continue
+
+
+def _write(tmp: Path, model, optimizer, scheduler, state: dict, step: int, extra_tensors) -> None:
     tensors = {k: v.contiguous().cpu() for k, v in trainable_tensors(model).items()}
     _written(tmp / "trainable.safetensors", lambda p: save_file(tensors, str(p)))
     opt_tensors, opt_meta = _flatten_optimizer(optimizer)
@@ -126,14 +152,6 @@ def save(
         **state,
     }
     _written(tmp / "state.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
-
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(folder)
-    for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _flatten_optimizer(optimizer) -> tuple[dict, dict]:

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import os
+import re
 import signal
 import sys
+
+from safetensors import SafetensorError
 
 from . import __version__
 from .commands import add_set_option
@@ -38,9 +44,31 @@ def _demo(args) -> int:
     return run_demo(args)
 
 
+# options whose value may start with '-' (a negative size), which argparse would take for an option
+_VALUE_OPTIONS = ("--vram", "--ram")
+# errors of the file system a user can fix: one line, not a traceback
+_FILE_SYSTEM_ERRORS = {
+    errno.ENOSPC: "free some space (or choose another folder) and run it again",
+    errno.EDQUOT: "free some space (or choose another folder) and run it again",
+    errno.EROFS: "choose a writable folder",
+    errno.EACCES: "check its permissions (or choose another folder)",
+    errno.EPERM: "check its permissions (or choose another folder)",
+}
+
+
+def _join_values(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in _VALUE_OPTIONS and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_values(list(sys.argv[1:] if argv is None else argv)))
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight-loading bars would bury usaf's own progress
@@ -52,11 +80,40 @@ def main(argv: list[str] | None = None) -> int:
     except UsafError as err:
         print(f"usaf: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `usaf train --list-options | head`: the reader has gone, as for any tool
+        _quiet_broken_pipe()
+        return 128 + signal.SIGPIPE
+    except (OSError, SafetensorError) as raised:
+        err = _as_os_error(raised)
+        if err is None or err.errno not in _FILE_SYSTEM_ERRORS:
+            raise
+        where = f"{err.filename}: " if err.filename else ""
+        print(
+            f"usaf: error: {where}{err.strerror or err}; {_FILE_SYSTEM_ERRORS[err.errno]} (files already "
+            "written are complete: usaf writes under temporary names and renames)",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:  # a second Ctrl-C during training, or one before it began: no traceback
         print(
             "usaf: interrupted; files already written are complete (checkpoints are atomic)", file=sys.stderr
         )
         return 128 + signal.SIGINT
+
+
+def _as_os_error(err: BaseException) -> OSError | None:
+    """safetensors reports a failed write as SafetensorError("... I/O error: ... (os error 28)")."""
+    if isinstance(err, OSError):
+        return err
+    found = re.search(r"\(os error (\d+)\)", str(err))
+    return OSError(int(found[1]), os.strerror(int(found[1]))) if found else None
+
+
+def _quiet_broken_pipe() -> None:
+    """The reader of stdout has gone: point stdout at /dev/null so the interpreter's final flush is silent."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

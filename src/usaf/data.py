@@ -141,6 +141,12 @@ class DataStats:
 
 
 def _file_kind(path: Path) -> str:
+    if path.is_dir():
+        inside = sorted(str(f) for f in path.iterdir() if f.is_file() and f.suffix.lower() in FILE_KINDS)
+        example = ",".join(inside[:2]) if inside else f"{path}/train.jsonl"
+        raise UsafError(
+            f"{path} is a folder; give the data files in it, comma separated (e.g. --data {example})."
+        )
     kind = FILE_KINDS.get(path.suffix.lower())
     if kind is None:
         raise UsafError(

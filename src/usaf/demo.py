@@ -41,7 +41,7 @@ def run_demo(args) -> int:
     from .config import RunConfig
     from .demo_task import NEW_SKILL, read_jsonl, task_accuracy
     from .export import export_merged
-    from .train import format_summary, train
+    from .train import format_summary, stopped_exit_code, train
 
     root = assets()
     model_dir, data_dir = root / "model", root / "data"
@@ -76,6 +76,13 @@ def run_demo(args) -> int:
         ],
     )
     summary = train(config, out / "run")
+    if (code := stopped_exit_code(summary)) is not None:  # a signal or the router guard: nothing to export
+        why = summary.get("reason") or f"signal {summary.get('signal')}"
+        print(
+            f"usaf demo: training stopped at step {summary['step']} ({why}); nothing exported. The run is in "
+            f"{out / 'run'} (usaf train --resume {out / 'run'} continues it)."
+        )
+        return code
     merged = export_merged(out / "run", out / "model")
     trained = AutoModelForCausalLM.from_pretrained(merged)  # plain transformers: the result is the model
     after = task_accuracy(trained, tokenizer, eval_records)

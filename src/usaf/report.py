@@ -83,7 +83,14 @@ def render_report(run_dir: str | Path) -> list[Path]:
     if metrics.exists():
         written.append(render_curves(read_metrics(metrics), run_dir / REPORT_PNG))
     if loads.exists():
-        written.append(render_router_load(json.loads(loads.read_text()), run_dir / ROUTER_LOAD_PNG))
+        try:
+            data = json.loads(loads.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise UsafError(
+                f"{loads} is not readable JSON ({err}); `usaf train` writes it at the end of a run: finish the run "
+                "or delete the file to draw only the curves."
+            ) from None
+        written.append(render_router_load(data, run_dir / ROUTER_LOAD_PNG))
     return written
 
 
@@ -151,7 +158,9 @@ def render_router_load(data: dict, out: Path) -> Path:
         before = np.array([[np.nan if v is None else v for v in row] for row in data["before"]], dtype=float)
         after = np.array([[np.nan if v is None else v for v in row] for row in data["after"]], dtype=float)
     except (KeyError, TypeError, ValueError) as err:
-        raise UsafError(f"{ROUTER_LOAD_FILE} is malformed ({err}); expected layers, before, after.") from None
+        raise UsafError(
+            f"{ROUTER_LOAD_FILE} is malformed ({err!r}); expected layers, before, after: finish the run or delete it."
+        ) from None
     if before.shape != after.shape or before.ndim != 2 or before.shape[0] != len(layers):
         raise UsafError(
             f"{ROUTER_LOAD_FILE}: before {before.shape}, after {after.shape}, {len(layers)} layers."

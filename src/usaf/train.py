@@ -106,6 +106,7 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
     saved_selection = run_dir / "selection.safetensors" if resume else None
     model = load_model(config, device, dtype, calibration_batches=calibration, selection_file=saved_selection)
+    _check_positions(model, config, train_data, eval_data)
     if config.data.pack and not packed_documents_are_isolated(model, device):
         # this family's attention ignores restarting position_ids (gpt-oss in transformers 5.24): packed
         # documents would attend to each other, so each document gets its own row instead
@@ -162,6 +163,8 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     if scaler.is_enabled() and state["loss_scale"]:
         scaler.load_state_dict(state["loss_scale"])
     summary_entries = trainable_summary(model)
+    if resume:
+        _truncate_metrics(run_dir / "metrics.jsonl", state["step"])
     log = MetricsLog(
         run_dir, config.schedule.max_steps, state["step"], config.log.progress, config.log.tensorboard
     )
@@ -588,15 +591,53 @@ def load_model(
 
         model = load_for_training(config, device, dtype, calibration_batches=calibration_batches)
     else:
+        check_model_files(path)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        except OSError as err:
-            raise UsafError(f"cannot load the model at {path!r}: {err}") from None
+        except (OSError, ValueError) as err:
+            raise UsafError(f"cannot load the model at {path!r}: {_first_line(err)}") from None
         model.to(device)
         prepare_model(model, config.select, calibration_batches=calibration_batches)
     if config.train.recompute:
         enable_recomputation(model)
     return model
+
+
+def check_model_files(path: str) -> None:
+    """A local model folder's config.json and weight files, checked before transformers reads them: an unknown
+    model_type or a truncated shard is one line naming the file, not a traceback from deep inside the loader."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return  # a hub id: transformers downloads and checks it
+    from transformers import AutoConfig
+
+    from .shards import read_header
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise UsafError(f"{folder} has no config.json; give the folder of a Hugging Face model.")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise UsafError(f"{config_file} is not a readable JSON object ({_first_line(err)}).") from None
+    try:
+        AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        if "does not recognize this architecture" in str(err) or isinstance(err, KeyError):
+            import transformers
+
+            raise UsafError(
+                f"{config_file}: model_type {model_type!r} is not known to transformers {transformers.__version__}; "
+                "upgrade transformers (pip install -U transformers) or correct model_type."
+            ) from None
+        raise UsafError(f"{config_file} cannot be read: {_first_line(err)}") from None
+    for shard in sorted(folder.glob("*.safetensors")):
+        read_header(shard)  # checked against the file's size: a truncated copy is named here
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 @torch.no_grad()
@@ -623,6 +664,42 @@ def selection_summary(model, config: RunConfig) -> dict:
         "entries": {key: int(c.indices.numel()) for key, c in current_selection(model).items()},
         "calibration": calibration.summary() if calibration is not None else None,
     }
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """A resume continues the log from its checkpoint: rows a killed process wrote after it (steps the resume
+    trains again) are dropped, and so is a torn last line."""
+    if not path.exists():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+            keep = int(row["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        atomic_file(path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8"))
+
+
+def _check_positions(model, config: RunConfig, *datasets) -> None:
+    """Refuse documents longer than the model's max_position_embeddings (positions it never saw in training);
+    a larger data.max_seq_len alone is harmless, since packed documents restart their positions at 0."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0 or config.data.max_seq_len <= limit:
+        return
+    longest = max(int(d.position_ids.max()) + 1 for d in datasets if d is not None and len(d))
+    if longest > limit:
+        raise UsafError(
+            f"data.max_seq_len={config.data.max_seq_len} is above the model's max_position_embeddings={limit} "
+            f"(config.json), and documents reach {longest} tokens, positions the model has never seen; set "
+            f"data.max_seq_len={limit} or less (longer records are truncated and counted)."
+        )
 
 
 def _record_base(config: RunConfig, run_dir: Path) -> str | None:
@@ -839,6 +916,14 @@ def _summary(state, eval_after, entries, data_stats, prefix_cache) -> dict:
 def _target_entries(entries: dict) -> dict[str, int]:
     """{"attention_entries": n, ...} of `trainable_summary`: the entries of targets beyond the experts."""
     return {k: v for k, v in entries.items() if k.endswith("_entries") and k != "expert_entries"}
+
+
+def stopped_exit_code(summary: dict) -> int | None:
+    """The exit status of a run that stopped before its end (128 + the signal; 1 for a router-collapse stop), so
+    that `usaf train ... && usaf export ...` does not go on with a half-trained run; None when it finished."""
+    if not summary.get("stopped"):
+        return None
+    return 128 + summary["signal"] if summary.get("signal") else 1
 
 
 def format_summary(summary: dict) -> str:

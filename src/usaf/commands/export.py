@@ -67,7 +67,30 @@ def run_export(args) -> int:
     if args.merged:
         path = export.write_merged(base, delta, args.merged, force=args.force)
         print(f"merged checkpoint: {path}")
+    if args.run_dir:
+        print(_which_step(Path(args.run_dir), delta))
     return 0
+
+
+def _which_step(run_dir: Path, delta) -> str:
+    """Which step was exported, and whether the run had finished (a stopped run exports its last checkpoint)."""
+    import yaml
+
+    source = delta.info.get("source") or {}
+    step = source.get("step")
+    try:
+        planned = ((yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("schedule") or {}).get(
+            "max_steps"
+        )
+    except (OSError, yaml.YAMLError, AttributeError):
+        planned = None
+    of = f" of schedule.max_steps={planned}" if planned else ""
+    if (delta.info.get("training") or {}).get("steps") == step:
+        return f"exported step {step}{of} ({source.get('checkpoint')}): the run is finished"
+    return (
+        f"exported step {step}{of} ({source.get('checkpoint')}): the run is NOT finished (stopped or still "
+        f"training); to finish it: usaf train --resume {run_dir}"
+    )
 
 
 def run_apply(args) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from ..config import DEFAULT_DENSITY, DEFAULT_TARGETS
 from ..errors import UsafError
@@ -78,10 +79,38 @@ def add_command(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def memory_size(text: str, flag: str) -> int:
+    """--vram / --ram: a size with its unit, above zero ('12' alone would be 12 bytes: refused)."""
+    from .. import plan as planner
+
+    value = str(text).strip()
+    if value.startswith("-"):
+        raise UsafError(f"{flag} {value} is negative; give the memory size, e.g. {flag} 12GB.")
+    if re.fullmatch(r"\+?\d+(\.\d*)?", value):
+        raise UsafError(f"{flag} {value} has no unit; write {value}GB (or {value}GiB, {value}MB).")
+    size = planner.parse_size(value)
+    if size <= 0:
+        raise UsafError(f"{flag} {value} is no memory; give a size above zero, e.g. {flag} 12GB.")
+    return size
+
+
+def _check_numbers(args) -> None:
+    for flag, value, low in (
+        ("--seq", args.seq, 1),
+        ("--batch", args.batch, 1),
+        ("--logits-chunk", args.logits_chunk, 1),
+        ("--workspace-mb", args.workspace_mb, 1),
+    ):
+        if value < low:
+            raise UsafError(f"{flag} must be at least {low}, got {value}.")
+    if not 0 < args.density <= 1:
+        raise UsafError(f"--density must be in (0, 1], got {args.density:g} (e.g. 0.005 for 0.5 %).")
+
+
 def _device(args) -> tuple:
     from .. import plan as planner
 
-    vram = planner.parse_size(args.vram) if args.vram is not None else None
+    vram = memory_size(args.vram, "--vram") if args.vram is not None else None
     if args.device is None:
         matching = [d for d in planner.DEVICES.values() if d.is_gpu and d.memory == vram]
         device = matching[0] if matching else planner.DEVICES["rtx-3060-12gb"]
@@ -95,9 +124,10 @@ def _device(args) -> tuple:
 def run(args: argparse.Namespace) -> int:
     from .. import plan as planner
 
+    _check_numbers(args)
     name, config = planner.load_model_config(args.model)
     device, vram = _device(args)
-    ram = planner.parse_size(args.ram) if args.ram is not None else None
+    ram = memory_size(args.ram, "--ram") if args.ram is not None else None
     settings = planner.PlanSettings(
         seq=args.seq,
         batch=args.batch,

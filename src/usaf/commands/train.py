@@ -60,7 +60,7 @@ def effective_config(args) -> RunConfig:
 
 
 def run_train(args) -> int:
-    from ..train import format_summary, train
+    from ..train import format_summary, stopped_exit_code, train
 
     if args.list_options:
         print(describe())
@@ -79,9 +79,8 @@ def run_train(args) -> int:
             f"{config.schedule.max_steps}); nothing changed. To train longer: usaf train --resume {run_dir} "
             f"--set schedule.max_steps=N (N > {summary['step']})."
         )
-    if summary.get("stopped"):
-        # not finished: `usaf train ... && usaf export ...` must not go on with a half-trained run
-        return 128 + summary["signal"] if summary.get("signal") else 1
+    if (code := stopped_exit_code(summary)) is not None:
+        return code
     print(format_summary(summary))
     return 0
 

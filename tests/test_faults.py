@@ -1,0 +1,459 @@
+"""Issue 12: a table of bad inputs and faults across the commands. Each row runs `usaf.cli.main` in-process and
+asserts the exit code, that the one line names the file or field and what to do, that no traceback is printed,
+and that nothing was lost (folders it must not touch are byte for byte the same) or half-written (outputs that
+must not appear do not)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from helpers import make_model_dir, write_copy_task
+from safetensors.torch import load_file, save_file
+
+from usaf.cli import main
+
+SETS = [
+    "data.max_seq_len=48",
+    "data.batch_size=4",
+    "select.density=0.1",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "schedule.warmup_steps=1",
+    "checkpoint.every_steps=1",
+    "checkpoint.keep_last=0",
+]
+SET_ARGS = [f"--set={s}" for s in SETS]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    if folder.is_file():
+        return {"": folder.read_bytes()}
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    """Models, data files, a finished run, an unfinished one and a delta: made once, copied by rows that change
+    them."""
+    root = tmp_path_factory.mktemp("faults")
+    w = SimpleNamespace(root=root)
+    w.base = make_model_dir(root / "base")
+    w.data = write_copy_task(root / "train.jsonl", 60)
+    w.finished = root / "finished"
+    assert main(["train", f"--model={w.base}", f"--data={w.data}", f"--out={w.finished}", *SET_ARGS,
+                 "--set=schedule.max_steps=3"]) == 0  # fmt: skip
+    w.unfinished = root / "unfinished"  # stopped after step 2 of 3 (e.g. killed)
+    shutil.copytree(w.finished, w.unfinished)
+    shutil.rmtree(w.unfinished / "checkpoints" / "step-00000003")
+    (w.unfinished / "summary.json").unlink()
+    w.delta = root / "delta.safetensors"
+    assert main(["export", str(w.finished), f"--delta={w.delta}"]) == 0
+
+    w.trunc = root / "trunc"  # model.safetensors cut short
+    shutil.copytree(w.base, w.trunc)
+    blob = (w.trunc / "model.safetensors").read_bytes()
+    (w.trunc / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    w.unknown = root / "unknown"  # a model_type transformers does not know
+    shutil.copytree(w.base, w.unknown)
+    config = json.loads((w.unknown / "config.json").read_text())
+    (w.unknown / "config.json").write_text(json.dumps({**config, "model_type": "qwen9_moe"}))
+    w.bare = root / "bare"  # no tokenizer files
+    shutil.copytree(w.base, w.bare)
+    for name in os.listdir(w.bare):
+        if name not in ("config.json", "model.safetensors", "generation_config.json"):
+            os.remove(w.bare / name)
+    w.olmoe = make_model_dir(root / "olmoe", "olmoe")
+    w.altered = root / "altered"  # same architecture, other weights
+    shutil.copytree(w.base, w.altered)
+    tensors = load_file(str(w.altered / "model.safetensors"))
+    save_file(
+        {k: v + 0.01 for k, v in tensors.items()}, str(w.altered / "model.safetensors"), {"format": "pt"}
+    )
+
+    w.data_dir = root / "data-folder"
+    w.data_dir.mkdir()
+    shutil.copy(w.data, w.data_dir / "part1.jsonl")
+    w.csv = root / "train.csv"
+    w.csv.write_text("prompt,completion\n")
+    w.bad_json = root / "bad.jsonl"
+    w.bad_json.write_text('{"text": "fine"}\n{"text": "broken\n')
+    w.bad_keys = root / "keys.jsonl"
+    w.bad_keys.write_text('{"txt": "typo"}\n')
+    w.long = root / "long.jsonl"  # documents longer than the model's 64 positions
+    w.long.write_text("".join(json.dumps({"text": "abcdefgh" * 12}) + "\n" for _ in range(8)))
+    w.text = root / "text.jsonl"
+    w.text.write_text(json.dumps({"text": "hello there"}) + "\n")
+    w.yaml_list = root / "list.yaml"
+    w.yaml_list.write_text("- optim\n- lr: 3\n")
+    w.not_delta = w.base / "model.safetensors"
+    w.trunc_delta = root / "trunc-delta.safetensors"
+    w.trunc_delta.write_bytes(w.delta.read_bytes()[:-100])
+    w.user_dir = root / "mine"  # someone's folder, not a run
+    w.user_dir.mkdir()
+    (w.user_dir / "config.yaml").write_text("my: settings\n")
+    w.empty = root / "empty-dir"
+    w.empty.mkdir()
+    w.torn_report = root / "torn-report"  # a run folder whose router_load.json was cut short
+    w.torn_report.mkdir()
+    (w.torn_report / "router_load.json").write_text('{"layers": [0, 1], "bef')
+    return w
+
+
+# ---- faults a row sets up (tmp: the row's own folder; run: its copy of a run, when it asks for one) ---------------
+
+
+def damage_trainable(ctx, monkeypatch):
+    path = ctx.run / "checkpoints" / "step-00000003" / "trainable.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def truncate_optimizer(ctx, monkeypatch):
+    path = ctx.run / "checkpoints" / "step-00000003" / "optimizer.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+
+
+def move_data(ctx, monkeypatch):
+    config = ctx.run / "config.yaml"
+    config.write_text(config.read_text().replace(str(ctx.ws.data), str(ctx.tmp / "gone.jsonl")))
+
+
+def disk_full_on_checkpoint(ctx, monkeypatch):
+    import usaf.checkpoint
+
+    def full(tensors, path, *args, **kwargs):
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(usaf.checkpoint, "save_file", full)
+
+
+def disk_full_on_delta(ctx, monkeypatch):
+    import safetensors.torch
+
+    def full(tensors, path, *args, **kwargs):
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+
+
+def read_only_out(ctx, monkeypatch):
+    real = os.open
+
+    def refuse(path, *args, **kwargs):
+        if str(path).startswith(str(ctx.tmp / "ro")):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse)
+
+
+def read_only_merged(ctx, monkeypatch):
+    real = Path.mkdir
+
+    def refuse(self, *args, **kwargs):
+        if str(self).startswith(str(ctx.tmp)) and "usaf-tmp" in self.name:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+
+
+def existing_output(ctx, monkeypatch):
+    (ctx.tmp / "d.safetensors").write_bytes(b"keep me")
+
+
+# ---- the table ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    id: str
+    argv: list[str]  # formatted with ws (the workspace), tmp (the row's folder) and run (its copy of a run)
+    rc: int
+    says: list[str]  # formatted the same; all must be in stderr (stdout when rc == 0)
+    run: str | None = None  # "finished" or "unfinished": the row gets its own copy, at {run}
+    setup: object = None
+    keeps: list[str] = field(default_factory=lambda: ["{ws.finished}", "{ws.base}"])  # byte for byte the same
+    absent: list[str] = field(default_factory=list)  # must not exist afterwards
+
+
+def T(*args: str) -> list[str]:
+    return ["train", *args, *SET_ARGS, "--set=schedule.max_steps=2"]
+
+
+NEW = ["--model={ws.base}", "--data={ws.data}", "--out={tmp}/run"]
+
+ROWS = [
+    # ---- usaf train: the model
+    Row("train-missing-model", T("--model={tmp}/nope", "--data={ws.data}", "--out={tmp}/run"), 2,
+        ["{tmp}/nope: no such model directory"], absent=["{tmp}/run"]),
+    Row("train-truncated-weights", T("--model={ws.trunc}", "--data={ws.data}", "--out={tmp}/run"), 2,
+        ["{ws.trunc}/model.safetensors is truncated", "re-download or re-create it"], absent=["{tmp}/run"]),
+    Row("train-unknown-model-type", T("--model={ws.unknown}", "--data={ws.data}", "--out={tmp}/run"), 2,
+        ["{ws.unknown}/config.json: model_type 'qwen9_moe' is not known to transformers", "upgrade transformers"],
+        absent=["{tmp}/run"]),
+    Row("train-no-tokenizer-text", T("--model={ws.bare}", "--data={ws.text}", "--out={tmp}/run"), 2,
+        ["{ws.text}:1: 'text' records need a tokenizer, and the model folder {ws.bare} has no tokenizer"],
+        absent=["{tmp}/run"]),
+    # ---- usaf train: the data
+    Row("train-data-folder", T("--model={ws.base}", "--data={ws.data_dir}", "--out={tmp}/run"), 2,
+        ["{ws.data_dir} is a folder; give the data files in it", "--data {ws.data_dir}/part1.jsonl"],
+        absent=["{tmp}/run"]),
+    Row("train-data-missing", T("--model={ws.base}", "--data={tmp}/none.jsonl", "--out={tmp}/run"), 2,
+        ["{tmp}/none.jsonl: data file not found"], absent=["{tmp}/run"]),
+    Row("train-data-csv", T("--model={ws.base}", "--data={ws.csv}", "--out={tmp}/run"), 2,
+        ["{ws.csv}: unknown data file type '.csv'; use one of"], absent=["{tmp}/run"]),
+    Row("train-data-bad-json", T("--model={ws.base}", "--data={ws.bad_json}", "--out={tmp}/run"), 2,
+        ["{ws.bad_json}:2:", "--skip-bad-records"], absent=["{tmp}/run"]),
+    Row("train-data-unknown-keys", T("--model={ws.base}", "--data={ws.bad_keys}", "--out={tmp}/run"), 2,
+        ["{ws.bad_keys}:1: unknown record keys ['txt']"], absent=["{tmp}/run"]),
+    Row("train-positions-beyond-the-model",
+        [*T("--model={ws.base}", "--data={ws.long}", "--out={tmp}/run"), "--set=data.max_seq_len=128"], 2,
+        ["data.max_seq_len=128 is above the model's max_position_embeddings=64", "set data.max_seq_len=64"],
+        absent=["{tmp}/run"]),
+    # ---- usaf train: the options
+    Row("train-lr-zero", [*T(*NEW), "--set=optim.lr=0"], 2, ["optim.lr must be > 0, got 0.0"],
+        absent=["{tmp}/run"]),
+    Row("train-grad-accum-zero", [*T(*NEW), "--set=schedule.grad_accum=0"], 2,
+        ["schedule.grad_accum must be >= 1, got 0"], absent=["{tmp}/run"]),
+    Row("train-unknown-key", [*T(*NEW), "--set=optim.lrr=1"], 2,
+        ["optim: unknown key(s) ['lrr']; allowed keys:"], absent=["{tmp}/run"]),
+    Row("train-unknown-section", [*T(*NEW), "--set=optimizer.lr=1"], 2, ["unknown section(s) ['optimizer']"],
+        absent=["{tmp}/run"]),
+    Row("train-config-is-a-list", [*T(*NEW), "--config={ws.yaml_list}"], 2,
+        ["Config file {ws.yaml_list}: the top level is a list, not a mapping of sections"], absent=["{tmp}/run"]),
+    Row("train-no-out", T("--model={ws.base}", "--data={ws.data}"), 2, ["give --out RUN_DIR"]),
+    # ---- usaf train: the run folder
+    Row("train-out-is-a-file", T("--model={ws.base}", "--data={ws.data}", "--out={ws.data}"), 2,
+        ["--out {ws.data} is a file, not a folder"], keeps=["{ws.data}"]),
+    Row("train-out-not-a-run", T("--model={ws.base}", "--data={ws.data}", "--out={ws.user_dir}"), 2,
+        ["--out {ws.user_dir} is not empty and not a usaf run", "give --force"], keeps=["{ws.user_dir}"]),
+    Row("train-out-holds-a-run", T("--model={ws.base}", "--data={ws.data}", "--out={run}"), 2,
+        ["{run} already holds a run; resume it with --resume"], run="finished", keeps=["{run}"]),
+    Row("train-read-only-out", T("--model={ws.base}", "--data={ws.data}", "--out={tmp}/ro"), 2,
+        ["cannot write into {tmp}/ro: Read-only file system; choose another --out"], setup=read_only_out),
+    # ---- usaf train --resume
+    Row("resume-not-a-run", ["train", "--resume={ws.empty}"], 2,
+        ["--resume {ws.empty}: no config.yaml there; is it a usaf run directory?"], keeps=["{ws.empty}"]),
+    Row("resume-finished", ["train", "--resume={run}"], 0, ["{run} is finished (step 3 of schedule.max_steps=3)"],
+        run="finished", keeps=["{run}"]),
+    Row("resume-fixed-setting", ["train", "--resume={run}", "--set", "select.density=0.2", "schedule.max_steps=4"],
+        2, ["cannot resume: 'select.density' differs from the original run"], run="finished", keeps=["{run}"]),
+    Row("resume-damaged-trainable", ["train", "--resume={run}", "--set=schedule.max_steps=4"], 2,
+        ["Checkpoint file {run}/checkpoints/step-00000003/trainable.safetensors is damaged",
+         "delete {run}/checkpoints/step-00000003 to fall back"], run="finished", setup=damage_trainable,
+        keeps=["{run}"]),
+    Row("resume-truncated-optimizer", ["train", "--resume={run}", "--set=schedule.max_steps=4"], 2,
+        ["Checkpoint file {run}/checkpoints/step-00000003/optimizer.safetensors is damaged"], run="finished",
+        setup=truncate_optimizer, keeps=["{run}"]),
+    Row("resume-moved-data", ["train", "--resume={run}", "--set=schedule.max_steps=4"], 2,
+        ["data.train {tmp}/gone.jsonl does not exist (has it moved?)", "--data NEW_FILES"], run="finished",
+        setup=move_data, keeps=["{run}"]),
+    Row("resume-disk-full-on-checkpoint", ["train", "--resume={run}", "--set=schedule.max_steps=4"], 2,
+        ["No space left on device; free some space"], run="finished", setup=disk_full_on_checkpoint,
+        keeps=["{run}/checkpoints/step-00000003"], absent=["{run}/checkpoints/step-00000004"]),
+    # ---- usaf eval
+    Row("eval-missing-model", ["eval", "{tmp}/nope", "--data={ws.data}"], 2, ["{tmp}/nope: no such model directory"]),
+    Row("eval-data-folder", ["eval", "{ws.base}", "--data={ws.data_dir}"], 2, ["{ws.data_dir} is a folder"]),
+    Row("eval-damaged-checkpoint", ["eval", "{run}", "--data={ws.data}"], 2,
+        ["step-00000003/trainable.safetensors is damaged"], run="finished", setup=damage_trainable),
+    Row("eval-no-tokenizer-text", ["eval", "{ws.bare}", "--data={ws.text}"], 2,
+        ["the model folder {ws.bare} has no tokenizer"]),
+    # ---- usaf select
+    Row("select-out-suffix", ["select", "--model={ws.base}", "--data={ws.data}", "--out={tmp}/sel.bin"], 2,
+        ["--out {tmp}/sel.bin: the selection file must end in .safetensors"], absent=["{tmp}/sel.bin"]),
+    Row("select-no-data", ["select", "--model={ws.base}", "--out={tmp}/s.safetensors"], 2,
+        ["usaf select needs --model and --data"]),
+    Row("select-no-tokenizer-text",
+        ["select", "--model={ws.bare}", "--data={ws.text}", "--out={tmp}/s.safetensors"], 2,
+        ["the model folder {ws.bare} has no tokenizer"], absent=["{tmp}/s.safetensors"]),
+    Row("select-truncated-weights",
+        ["select", "--model={ws.trunc}", "--data={ws.data}", "--out={tmp}/s.safetensors"], 2,
+        ["{ws.trunc}/model.safetensors is truncated"], absent=["{tmp}/s.safetensors"]),
+    # ---- usaf export
+    Row("export-nothing-to-write", ["export", "{ws.finished}"], 2, ["say what to write: --delta"]),
+    Row("export-missing-run", ["export", "{tmp}/nope", "--delta={tmp}/d.safetensors"], 2,
+        ["Run directory {tmp}/nope does not exist"], absent=["{tmp}/d.safetensors"]),
+    Row("export-output-exists", ["export", "{ws.finished}", "--delta={tmp}/d.safetensors"], 2,
+        ["{tmp}/d.safetensors already exists", "--force"], setup=existing_output, keeps=["{tmp}/d.safetensors"]),
+    Row("export-base-of-another-family", ["export", "{ws.finished}", "--base={ws.olmoe}", "--merged={tmp}/m"], 2,
+        ["the run {ws.finished} was made for a qwen3_moe model, but {ws.olmoe} is olmoe"], absent=["{tmp}/m"]),
+    Row("export-base-with-other-weights", ["export", "{ws.finished}", "--base={ws.altered}", "--merged={tmp}/m"],
+        2, ["differs from the base the run {ws.finished} was trained on (sha256 mismatch)"], absent=["{tmp}/m"]),
+    Row("export-damaged-checkpoint", ["export", "{run}", "--delta={tmp}/d.safetensors"], 2,
+        ["trainable.safetensors is damaged"], run="finished", setup=damage_trainable, keeps=["{run}"],
+        absent=["{tmp}/d.safetensors"]),
+    Row("export-run-without-checkpoint", ["export", "{ws.empty}", "--delta={tmp}/d.safetensors"], 2,
+        ["{ws.empty} has no finished checkpoint"], absent=["{tmp}/d.safetensors"]),
+    Row("export-disk-full", ["export", "{ws.finished}", "--delta={tmp}/d.safetensors"], 2,
+        ["No space left on device"], setup=disk_full_on_delta, absent=["{tmp}/d.safetensors"]),
+    Row("export-read-only", ["export", "{ws.finished}", "--merged={tmp}/m"], 2,
+        ["Read-only file system; choose a writable folder"], setup=read_only_merged, absent=["{tmp}/m"]),
+    Row("export-unfinished-says-its-step", ["export", "{ws.unfinished}", "--delta={tmp}/d.safetensors"], 0,
+        ["exported step 2 of schedule.max_steps=3 (step-00000002): the run is NOT finished",
+         "usaf train --resume {ws.unfinished}"], keeps=["{ws.unfinished}"]),
+    # ---- usaf apply
+    Row("apply-missing-delta", ["apply", "{ws.base}", "{tmp}/none.safetensors", "{tmp}/out"], 2,
+        ["Delta file {tmp}/none.safetensors does not exist"], absent=["{tmp}/out"]),
+    Row("apply-not-a-delta", ["apply", "{ws.base}", "{ws.not_delta}", "{tmp}/out"], 2,
+        ["{ws.not_delta} is not a usaf delta file"], absent=["{tmp}/out"]),
+    Row("apply-truncated-delta", ["apply", "{ws.base}", "{ws.trunc_delta}", "{tmp}/out"], 2,
+        ["{ws.trunc_delta} is truncated"], absent=["{tmp}/out"]),
+    Row("apply-base-of-another-family", ["apply", "{ws.olmoe}", "{ws.delta}", "{tmp}/out"], 2,
+        ["{ws.delta} was made for a qwen3_moe model, but {ws.olmoe} is olmoe"], absent=["{tmp}/out"]),
+    Row("apply-base-with-other-weights", ["apply", "{ws.altered}", "{ws.delta}", "{tmp}/out"], 2,
+        ["differs from the base {ws.delta} was trained on (sha256 mismatch)"], absent=["{tmp}/out"]),
+    Row("apply-out-exists", ["apply", "{ws.base}", "{ws.delta}", "{ws.empty}"], 2,
+        ["{ws.empty} already exists; choose another output directory or pass --force"]),
+    Row("apply-into-the-base", ["apply", "{ws.base}", "{ws.delta}", "{ws.base}", "--force"], 2,
+        ["would replace the base checkpoint"]),
+    # ---- usaf plan
+    Row("plan-vram-without-unit", ["plan", "--model=qwen3-30b-a3b", "--vram", "12"], 2,
+        ["--vram 12 has no unit; write 12GB"]),
+    Row("plan-vram-zero", ["plan", "--model=qwen3-30b-a3b", "--vram", "0GB"], 2,
+        ["--vram 0GB is no memory; give a size above zero"]),
+    Row("plan-vram-negative", ["plan", "--model=qwen3-30b-a3b", "--vram", "-5GB"], 2, ["--vram -5GB is negative"]),
+    Row("plan-ram-negative", ["plan", "--model=qwen3-30b-a3b", "--ram", "-3"], 2, ["--ram -3 is negative"]),
+    Row("plan-size-unreadable", ["plan", "--model=qwen3-30b-a3b", "--vram", "12XB"], 2,
+        ["Cannot read the size '12XB'"]),
+    Row("plan-seq-zero", ["plan", "--model=qwen3-30b-a3b", "--seq", "0"], 2, ["--seq must be at least 1, got 0"]),
+    Row("plan-density-above-one", ["plan", "--model=qwen3-30b-a3b", "--density", "2"], 2,
+        ["--density must be in (0, 1], got 2"]),
+    Row("plan-unknown-model", ["plan", "--model={tmp}/nope"], 2, ["Unknown model '{tmp}/nope'", "Presets:"]),
+    Row("plan-unknown-device", ["plan", "--model=qwen3-30b-a3b", "--device=tpu"], 2,
+        ["Unknown device 'tpu'; device presets:"]),
+    # ---- usaf report
+    Row("report-not-a-run", ["report", "{ws.empty}"], 2, ["{ws.empty} has neither metrics.jsonl nor router_load"]),
+    Row("report-torn-router-load", ["report", "{ws.torn_report}"], 2,
+        ["{ws.torn_report}/router_load.json is not readable JSON", "delete the file"], keeps=["{ws.torn_report}"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+def test_fault(row: Row, ws, tmp_path, monkeypatch, capsys):
+    ctx = SimpleNamespace(ws=ws, tmp=tmp_path, run=tmp_path / "the-run")
+    if row.run:
+        shutil.copytree(getattr(ws, row.run), ctx.run)
+
+    def fill(text: str) -> str:
+        return text.format(ws=ws, tmp=tmp_path, run=ctx.run)
+
+    if row.setup is not None:
+        row.setup(ctx, monkeypatch)
+    kept = {fill(p): snapshot(Path(fill(p))) for p in row.keeps}
+    capsys.readouterr()
+    rc = main([fill(a) for a in row.argv])
+    monkeypatch.undo()
+    out, err = capsys.readouterr()
+    assert rc == row.rc, (out, err)
+    assert "Traceback" not in out + err
+    shown = out if rc == 0 else err
+    for fragment in row.says:
+        assert fill(fragment) in shown, shown
+    if rc == 2:
+        assert err.startswith("usaf: error: ") and err.count("\n") == 1, err
+    for path, before in kept.items():
+        assert snapshot(Path(path)) == before, f"{path} changed"
+    for path in row.absent:
+        assert not Path(fill(path)).exists(), f"{fill(path)} was left behind"
+    # nothing half-written beside the outputs: no temporaries of usaf's left in the row's folder
+    leftovers = [p for p in tmp_path.rglob("*") if "usaf-tmp" in p.name or p.name.startswith(".tmp-")]
+    assert not leftovers, leftovers
+
+
+def test_the_table_has_at_least_40_rows_across_the_commands():
+    assert len(ROWS) >= 40
+    assert {row.argv[0] for row in ROWS} >= {"train", "eval", "select", "export", "apply", "plan", "report"}
+
+
+# ---- faults that are not one command line --------------------------------------------------------------------------
+
+
+def test_a_resume_drops_stale_metrics_rows_and_dead_checkpoint_temporaries(ws, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(ws.finished, run)
+    (run / "summary.json").unlink()
+    with open(run / "metrics.jsonl", "a") as f:  # a killed process's rows after its last checkpoint, torn
+        f.write(json.dumps({"step": 4, "loss": 9.0}) + "\n" + json.dumps({"step": 5, "loss": 9.0}) + '\n{"st')
+    dead = run / "checkpoints" / ".tmp-step-00000004-4194999"  # above any pid: its writer is gone
+    dead.mkdir()
+    (dead / "trainable.safetensors").write_bytes(b"half")
+    assert main(["train", f"--resume={run}", "--set=schedule.max_steps=4"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert all(r["loss"] != 9.0 for r in rows if "loss" in r)
+    assert not dead.exists()
+
+
+def test_list_options_into_a_closed_pipe_has_no_traceback():
+    code = "import sys; from usaf.cli import main; sys.exit(main(['train', '--list-options']))"
+    proc = subprocess.run(
+        f'{sys.executable} -c "{code}" | head -1',
+        shell=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.stdout.startswith("model.path = ") and "Traceback" not in proc.stderr, proc.stderr
+    assert "BrokenPipeError" not in proc.stderr
+
+
+def test_the_demo_returns_non_zero_when_training_stops(monkeypatch, tmp_path, capsys):
+    import usaf.train
+    from usaf.cli import main as cli
+
+    stopped = {"stopped": True, "step": 7, "reason": "router collapse"}
+    monkeypatch.setattr(usaf.train, "train", lambda *args, **kwargs: stopped)
+    assert cli(["demo", f"--out={tmp_path / 'demo'}", "--set=schedule.max_steps=2"]) == 1
+    out = capsys.readouterr().out
+    assert "training stopped at step 7 (router collapse); nothing exported" in out
+    assert not (tmp_path / "demo" / "model").exists()
+    monkeypatch.setattr(
+        usaf.train, "train", lambda *args, **kwargs: {"stopped": True, "step": 3, "signal": 15}
+    )
+    assert cli(["demo", f"--out={tmp_path / 'demo'}"]) == 128 + 15
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]).returncode == 0
+
+
+def test_a_real_full_disk_during_checkpoint_and_export(ws, tmp_path, capsys):
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "400k"):
+        pytest.skip("needs root and a tmpfs mount for a small disk")
+    try:
+        run = disk / "run"
+        args = ["train", f"--model={ws.base}", f"--data={ws.data}", f"--out={run}", *SET_ARGS]
+        # each checkpoint of the tiny run is ~60 kB (trainable values, optimizer moments): the disk fills up
+        rc = main([*args, "--set=schedule.max_steps=100", "--set=checkpoint.keep_last=0"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "No space left on device; free some space" in err and "Traceback" not in err, err
+        saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+        assert saved and all(name.startswith("step-") for name in saved)  # no half-written .tmp- folder
+        last = run / "checkpoints" / saved[-1]
+        assert json.loads((last / "state.json").read_text())["files"]  # the last one is whole: it loads
+        from usaf import checkpoint
+
+        checkpoint.load(last)
+        # an export into the full disk fails the same way and leaves no partial output
+        assert main(["export", str(ws.finished), f"--merged={disk / 'merged'}"]) == 2
+        assert "No space left on device" in capsys.readouterr().err
+        assert not (disk / "merged").exists() and not [p for p in disk.iterdir() if "usaf-tmp" in p.name]
+    finally:
+        subprocess.run(["umount", str(disk)])
