@@ -411,9 +411,11 @@ def test_list_options_into_a_closed_pipe_has_no_traceback():
 
 
 def test_the_demo_returns_non_zero_when_training_stops(monkeypatch, tmp_path, capsys):
+    import usaf.demo_task
     import usaf.train
     from usaf.cli import main as cli
 
+    monkeypatch.setattr(usaf.demo_task, "task_accuracy", lambda *args, **kwargs: 0.0)
     stopped = {"stopped": True, "step": 7, "reason": "router collapse"}
     monkeypatch.setattr(usaf.train, "train", lambda *args, **kwargs: stopped)
     assert cli(["demo", f"--out={tmp_path / 'demo'}", "--set=schedule.max_steps=2"]) == 1

@@ -56,21 +56,7 @@ def test_pretokenized_data_trains_without_a_tokenizer(bare, tmp_path, capsys):
     assert main(args) == 0 and out.exists()
 
 
-@pytest.mark.parametrize("command", ["train", "eval", "select"])
-def test_text_data_without_a_tokenizer_gets_one_sentence(bare, tmp_path, capsys, command):
-    model, data = bare / "model", bare / "text.jsonl"
-    if command == "train":
-        args = ["train", f"--model={model}", f"--data={data}", f"--out={tmp_path / 'run'}", *_sets()]
-    elif command == "eval":
-        args = ["eval", str(model), f"--data={data}"]
-    else:
-        args = ["select", f"--model={model}", f"--data={data}", f"--out={tmp_path / 's.safetensors'}"]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert f"{data}:1: 'text' records need a tokenizer, and the model folder {model} has no tokenizer" in err
-    assert "pre-tokenized {'input_ids'} records" in err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert not (tmp_path / "run").exists() and not (tmp_path / "s.safetensors").exists()
+# text records without a tokenizer (train, eval, select): rows of tests/test_faults.py
 
 
 def test_ids_beyond_the_models_vocabulary_are_named(bare, tmp_path, capsys):

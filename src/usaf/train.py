@@ -101,12 +101,17 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
 
     tokenizer = load_tokenizer(config.model.path)
     train_data, eval_data, data_stats = _load_data(config, tokenizer, config.data.pack)
+    if (folder := Path(config.model.path).expanduser()).is_dir() and (folder / "config.json").is_file():
+        from transformers import AutoConfig
+
+        # before the model is loaded and calibrated; again on the loaded model's config for other sources
+        _check_positions(AutoConfig.from_pretrained(folder), config, train_data, eval_data)
     batches = Batches(train_data, config.data.batch_size, seed=config.train.seed)
     calibration = Batches(train_data, config.data.batch_size, seed=config.train.seed + 1)  # its own order
     # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
     saved_selection = run_dir / "selection.safetensors" if resume else None
     model = load_model(config, device, dtype, calibration_batches=calibration, selection_file=saved_selection)
-    _check_positions(model, config, train_data, eval_data)
+    _check_positions(model.config, config, train_data, eval_data)
     if config.data.pack and not packed_documents_are_isolated(model, device):
         # this family's attention ignores restarting position_ids (gpt-oss in transformers 5.24): packed
         # documents would attend to each other, so each document gets its own row instead
@@ -686,10 +691,10 @@ def _truncate_metrics(path: Path, step: int) -> None:
         atomic_file(path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8"))
 
 
-def _check_positions(model, config: RunConfig, *datasets) -> None:
+def _check_positions(model_config, config: RunConfig, *datasets) -> None:
     """Refuse documents longer than the model's max_position_embeddings (positions it never saw in training);
     a larger data.max_seq_len alone is harmless, since packed documents restart their positions at 0."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     limit = getattr(text, "max_position_embeddings", None)
     if not isinstance(limit, int) or limit <= 0 or config.data.max_seq_len <= limit:
         return
