@@ -710,12 +710,16 @@ def _check_positions(model_config, config: RunConfig, *datasets) -> None:
 def _record_base(config: RunConfig, run_dir: Path) -> str | None:
     """RUN/base.json: the identity and tensor checksums of the base, which `usaf export` checks a base against
     (as `usaf apply` checks a delta's). A note when the base is not a local folder, None when recorded."""
-    from .export import RUN_BASE_FILE, base_record
+    from .export import RUN_BASE_FILE, STORE_FILE, base_record
 
     model_dir = Path(config.model.path).expanduser()
-    if not (model_dir / "config.json").is_file():
+    if not ((model_dir / "config.json").is_file() or (model_dir / STORE_FILE).is_file()):
         return f"the base {config.model.path} is not a local folder: usaf export cannot check a --base against it"
-    atomic_json(run_dir / RUN_BASE_FILE, base_record(model_dir))
+    try:
+        record = base_record(model_dir)
+    except (UsafError, OSError, KeyError, ValueError) as err:  # e.g. a store whose source has moved
+        return f"the base's identity was not recorded ({_first_line(err)}): usaf export cannot check a --base"
+    atomic_json(run_dir / RUN_BASE_FILE, record)
     return None
 
 
