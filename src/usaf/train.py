@@ -104,6 +104,8 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     if (folder := Path(config.model.path).expanduser()).is_dir() and (folder / "config.json").is_file():
         from transformers import AutoConfig
 
+        check_model_files(config.model.path)  # an unknown model_type or a truncated shard: one line
+
         # before the model is loaded and calibrated; again on the loaded model's config for other sources
         _check_positions(AutoConfig.from_pretrained(folder), config, train_data, eval_data)
     batches = Batches(train_data, config.data.batch_size, seed=config.train.seed)
