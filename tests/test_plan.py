@@ -356,3 +356,12 @@ def test_the_ledger_counts_trained_routers_in_fp32_as_the_engine_trains_them():
     )
     assert shape.router_params == sum(p.numel() for p in params)
     assert line.device == engine
+
+
+def test_suggested_command_lines_give_sizes_with_a_unit():
+    """`usaf plan` refuses a bare number as a size, so the command lines it prints never contain one."""
+    from usaf.plan import _size_arg, parse_size
+
+    for size in (12 << 30, 3 << 20, 5 << 10, 4097):
+        text = _size_arg(size)
+        assert not text.isdigit() and parse_size(text) == size, text

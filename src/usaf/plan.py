@@ -1021,10 +1021,10 @@ def search(
 
 
 def _size_arg(num_bytes: int) -> str:
-    for unit, scale in (("GB", GiB), ("MB", MiB)):
+    for unit, scale in (("GB", GiB), ("MB", MiB), ("KB", 1024)):
         if num_bytes % scale == 0:
             return f"{num_bytes // scale}{unit}"
-    return str(num_bytes)
+    return f"{num_bytes}B"  # sizes are always given with a unit (a bare number is refused)
 
 
 def command_line(model: str, p: Plan) -> str:
