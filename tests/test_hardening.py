@@ -398,3 +398,33 @@ def test_a_resume_refuses_a_setting_the_checkpoint_fixes(workspace, tmp_path, ca
     assert f"cannot resume: '{key}' differs from the original run" in err
     assert "a resume may change only schedule.max_steps, optim.lr" in err and err.count("\n") == 1
     assert _snapshot(run) == before
+
+
+def test_a_hub_id_while_offline_fails_at_once_naming_the_id(monkeypatch, tmp_path, capsys):
+    """A hub id that is not cached, with the hub unreachable: one line at once, no minute of retries, no run
+    folder left behind; a cached hub id is not probed (it loads offline)."""
+    import socket
+
+    import huggingface_hub
+
+    from usaf.train import check_model_path
+
+    def unreachable(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    args = ["train", "--model=someorg/some-moe", f"--data={data}", f"--out={tmp_path / 'run'}"]
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the test suite's own setting
+    assert main(args) == 2 and "HF_HUB_OFFLINE is set" in capsys.readouterr().err
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and "someorg/some-moe" in err and "cannot be reached" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: "/cache/config.json")
+    check_model_path("someorg/some-moe")  # cached: no probe, no error

@@ -582,6 +582,35 @@ def check_model_path(path: str) -> None:
             f"{path}: no such model directory (expected a folder with config.json and weights, or a "
             "hub id like Qwen/Qwen3-30B-A3B)."
         )
+    _check_hub_reachable(path)
+
+
+def _check_hub_reachable(repo_id: str, timeout_s: float = 3.0) -> None:
+    """A hub id that is not in the local cache needs the hub: say so at once when it cannot be reached, instead
+    of after the minute of retries transformers spends (a cached model loads offline as usual)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise UsafError(
+            f"{repo_id}: not in the local hub cache and HF_HUB_OFFLINE is set; download it first "
+            f"(huggingface-cli download {repo_id}) or pass a local folder."
+        )
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return  # through a proxy a direct connection says nothing: transformers finds out
+    host = urlparse(os.environ.get("HF_ENDPOINT", constants.ENDPOINT)).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+    except OSError as err:
+        raise UsafError(
+            f"{repo_id}: not in the local hub cache and {host} cannot be reached ({err.strerror or err}); "
+            "connect to the network, download it elsewhere and copy the folder, or pass a local folder."
+        ) from None
 
 
 def load_model(
