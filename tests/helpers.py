@@ -29,3 +29,14 @@ def write_copy_task(path: Path, count: int, seed: int = 0) -> Path:
 
 # 0.1.0's default targets: what the tests of the experts engine, routers and selection are about
 EXPERTS_AND_ROUTERS = ["experts", "routers"]
+
+
+# settings of a short CPU run on the tiny model (fault and hardening tests)
+FAST_RUN = [
+    "data.max_seq_len=48",
+    "data.batch_size=4",
+    "select.density=0.1",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "schedule.warmup_steps=1",
+]

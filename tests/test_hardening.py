@@ -10,21 +10,14 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from helpers import make_model_dir, write_copy_task
+from helpers import FAST_RUN, make_model_dir, write_copy_task
 
 from usaf.cli import main
 from usaf.config import SECTIONS, RunConfig
 from usaf.errors import UsafError
 from usaf.train import train
 
-BASE = [
-    "data.max_seq_len=48",
-    "data.batch_size=4",
-    "select.density=0.1",
-    "log.progress=false",
-    "log.tensorboard=false",
-    "schedule.warmup_steps=1",
-]
+BASE = FAST_RUN
 
 
 @pytest.fixture(scope="module")

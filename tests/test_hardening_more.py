@@ -7,21 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import make_model_dir, write_copy_task
+from helpers import FAST_RUN, make_model_dir, write_copy_task
 from safetensors.torch import load_file, save_file
 
 from usaf.cli import main
 
-SETS = [
-    "data.max_seq_len=48",
-    "data.batch_size=4",
-    "select.density=0.1",
-    "log.progress=false",
-    "log.tensorboard=false",
-    "schedule.warmup_steps=1",
-    "checkpoint.every_steps=1",
-    "checkpoint.keep_last=0",
-]
+SETS = [*FAST_RUN, "checkpoint.every_steps=1", "checkpoint.keep_last=0"]
 
 
 def train_args(model: Path, data: Path, out, *sets: str) -> list[str]:
