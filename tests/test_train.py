@@ -270,14 +270,18 @@ def test_packing_probe_detects_models_that_let_packed_documents_mix():
     assert not packed_documents_are_isolated(tiny_model("gpt_oss"), torch.device("cpu"))
 
 
-def test_a_missing_model_directory_is_named_not_downloaded(tmp_path):
+def test_a_missing_model_directory_is_named_not_downloaded(tmp_path, monkeypatch):
+    import huggingface_hub
+
     from usaf.train import check_model_path
 
     for missing in (tmp_path / "nowhere", "nowhere", "./models/x"):
         with pytest.raises(UsafError, match="no such model directory"):
             check_model_path(str(missing))
     check_model_path(str(tmp_path))  # a directory
-    check_model_path("Qwen/Qwen3-30B-A3B")  # a hub id: left to the hub (and its offline message)
+    # a hub id in the local cache is left to the hub (one that is not: test_hardening's offline test)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: "/cache/config.json")
+    check_model_path("Qwen/Qwen3-30B-A3B")
 
 
 def test_router_health_after_resume_equals_an_uninterrupted_run(workspace, tmp_path, monkeypatch):
