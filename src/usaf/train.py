@@ -86,12 +86,11 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
 
 
 def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
-    config = _prepare_run_dir(config, run_dir, resume)
+    config, changes = _prepare_run_dir(config, run_dir, resume)
     notes: list[str] = []
     if resume:
         if (finished := _finished_run(run_dir, config)) is not None:
             return finished  # nothing to do, and nothing written: the run's files stay as they are
-        changes = _check_resumable(absolute_paths(RunConfig.load(str(run_dir / CONFIG_FILE))), config)
         if any(c.startswith("model.path ") for c in changes):
             _check_moved_base(run_dir, config.model.path)
         resumed_yaml = config.to_yaml()  # as given (a note may turn packing off for this process only)
@@ -317,7 +316,8 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> RunConfig:
+def _prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[RunConfig, list[str]]:
+    """The run's config, and (resuming) the changes it makes to the saved one; a new run's folder is marked."""
     saved_config = run_dir / CONFIG_FILE
     if resume:
         if checkpoint.latest(run_dir) is None:
@@ -326,12 +326,11 @@ def _prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> RunConfi
                 f"--out {run_dir}."
             )
         original = absolute_paths(RunConfig.load(str(saved_config)))
-        _check_resumable(original, config)
-        return config
+        return config, _check_resumable(original, config)
     # the marker first: from here on the folder is usaf's, whatever else fails
     atomic_json(run_dir / RUN_MARKER, {"usaf_version": __version__})
     atomic_file(saved_config, lambda tmp: tmp.write_text(config.to_yaml()))
-    return config
+    return config, []
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -371,8 +370,10 @@ def absolute_paths(config: RunConfig) -> RunConfig:
 
 
 def _is_local_path(path: str) -> bool:
-    p = Path(path).expanduser()
-    return p.exists() or not (path.count("/") == 1 and not path.startswith((".", "/", "~")))
+    """Anything but a hub id: an existing path, or a name not of the hub's `org/name` form."""
+    return Path(path).expanduser().exists() or not (
+        path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    )
 
 
 def _check_run_paths(config: RunConfig, run_dir: Path) -> None:
@@ -576,8 +577,7 @@ def check_model_path(path: str) -> None:
     p = Path(path).expanduser()
     if p.is_dir():
         return
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not p.exists()
-    if not looks_like_hub_id:
+    if _is_local_path(path):
         raise UsafError(
             f"{path}: no such model directory (expected a folder with config.json and weights, or a "
             "hub id like Qwen/Qwen3-30B-A3B)."
