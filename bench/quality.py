@@ -191,6 +191,7 @@ def methods_for(mode: str, extra_specs: list[dict], builtin_usaf: bool = True) -
                 "lr": float(spec["lr"]),
                 "select": dict(spec["select"]),
                 "router_lr_multiplier": float(spec.get("router_lr_multiplier", 1.0)),
+                "moments": spec.get("moments", "bf16"),
             }
         )
     keys = [r["key"] for r in rows]
@@ -337,7 +338,9 @@ def _build(method: dict, model_dir: str, calibration: list):
         usaf.prepare_model(model, config, calibration_batches=calibration)
         routers = {id(p) for p in _router_params(model)}
         trainable = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in trainable if id(p) not in routers], "lr": lr}]
+        # the values' moments as `usaf train` keeps them (optim.moments): bf16 unless the spec says "fp32"
+        compact = method.get("moments", "bf16") == "bf16"
+        groups = [{"params": [p for p in trainable if id(p) not in routers], "lr": lr, "compact": compact}]
         router_list = [p for p in trainable if id(p) in routers]
         if router_list:
             groups.append({"params": router_list, "lr": lr * method["router_lr_multiplier"]})
@@ -412,7 +415,12 @@ def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
     }
     if method["kind"] == "inference":
         return {**result, "curve": curve, "step_times_s": [], "train_losses": [], "peak_bytes": None}
-    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999), weight_decay=0.0)
+    if method["kind"] == "usaf":  # usaf's own AdamW (bf16 moments where the group is compact)
+        from usaf.optim import CompactAdamW
+
+        optimizer = CompactAdamW(groups, seed=seed, betas=(0.9, 0.999), weight_decay=0.0)
+    else:
+        optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(steps))
     reselector = None
     if config is not None and getattr(config, "reselect_every", 0):

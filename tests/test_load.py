@@ -18,6 +18,7 @@ from usaf import shards
 from usaf.cli import main as cli_main
 from usaf.errors import UsafError
 from usaf.load import load_prepared, prepare_store, read_store_metadata
+from usaf.loss import causal_lm_loss
 from usaf.quant import get_format
 from usaf.quant.store import QuantizedStore
 from usaf.store import StoredExpertTensor
@@ -429,3 +430,68 @@ def test_training_loads_a_checkpoint_through_the_cache_of_prepared_stores(qwen, 
     config.model.quant = "int8"
     with pytest.raises(UsafError, match=r"is a nf4 store but model\.quant is 'int8'"):
         load_for_training(config, torch.device("cpu"), torch.float32)
+
+
+def _entry_bytes(model, optimizer) -> dict[str, float]:
+    """Bytes per trained entry of each quantized expert tensor: everything the entries, their gradient and their
+    optimizer state hold, less the per-tensor expert offsets."""
+    from usaf.prepare import sparse_experts
+
+    per_entry = {}
+    for path, state in sparse_experts(model):
+        for name, entries in state.items():
+            held = [*entries.buffers(), entries.values, entries.values.grad]
+            held += [t for t in optimizer.state[entries.values].values() if t.dim() > 0]
+            total = sum(t.numel() * t.element_size() for t in held) - entries.expert_offsets.numel() * 8
+            per_entry[f"{path}.{name}"] = total / entries.numel()
+    return per_entry
+
+
+def test_a_trained_entry_on_a_quantized_store_costs_16_bytes(qwen):
+    from usaf.optim import CompactAdamW
+
+    _, src, out = qwen
+    model = load(out, src)
+    values = [p for n, p in model.named_parameters() if n.endswith(".values")]
+    optimizer = CompactAdamW([{"params": values, "lr": 1e-3, "compact": True}])
+    causal_lm_loss(model, IDS, IDS).backward()
+    optimizer.step()
+    sizes = _entry_bytes(model, optimizer)
+    assert sizes and all(v == 16 for v in sizes.values()), (
+        sizes
+    )  # value 4, int32 index 4, grad 4, moments 2 + 2
+    for _, state in usaf.prepare.sparse_experts(model):
+        assert all(e.base_values is None for e in state.values())  # the store gives the base back
+
+
+def test_reselection_on_a_quantized_store_reverts_to_the_dequantized_base(qwen):
+    from usaf.optim import CompactAdamW
+    from usaf.reselect import Reselector
+
+    reference, src, out = qwen
+    config = usaf.UsafConfig(
+        **{**CONFIG, "selection": "random", "reselect_every": 2, "reselect_fraction": 0.5}
+    )
+    model = load_prepared(out, src, config, device="cpu", dtype=torch.float32)
+    values = [p for n, p in model.named_parameters() if n.endswith(".values")]
+    optimizer = CompactAdamW([{"params": values, "lr": 1e-2, "compact": True}])
+    reselector = Reselector(model, config, total_steps=10)
+    before = {k: d.flat_indices.clone() for k, d in usaf.get_delta(model).items()}
+    info = None
+    for step in (1, 2):
+        reselector.before_step(step)
+        reselector.set_observing(True)
+        loss = causal_lm_loss(model, IDS, IDS)
+        reselector.set_observing(False)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        info = reselector.after_step(step, optimizer) or info
+    assert info and info["reselected_entries"] > 0
+    for k, d in usaf.get_delta(model).items():
+        assert d.flat_indices.numel() == before[k].numel()
+        assert not torch.equal(d.flat_indices, before[k])
+    # dropped entries read as the dequantized base again: the model equals the store with today's values written in
+    plain = naive_reference(reference, out, model)
+    with torch.no_grad():
+        assert (model(IDS).logits - plain(IDS).logits).abs().max() < 1e-5

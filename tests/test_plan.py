@@ -162,14 +162,22 @@ def test_sparse_state_counts_every_byte_per_entry_and_neurons_need_no_index():
     entries = planner.trained_entries(shape, element)
     assert entries == round(0.01 * shape.expert_weights)
     sparse = ledger(planner.plan(shape, element, cpu, ram=64 * GiB))["sparse state + optimizer"].device
-    row_pointers = 4 * (shape.expert_rows + sum(n for n, _, _ in shape.expert_matrices))
-    assert (
-        sparse == entries * (4 + 4 + 8 + 8 + 4 + 8) + row_pointers
-    )  # value, base, index, row/col, grad, moments
+    # value 4, int32 index 4, grad 4, bf16 moments 4, and the base (fp32 here): an unquantized store is written into
+    assert sparse == entries * (4 + 4 + 4 + 4 + 4)
+    nf4 = ledger(planner.plan(shape, element.replace(quant="nf4"), cpu, ram=64 * GiB))
+    assert nf4["sparse state + optimizer"].device == entries * 16  # a quantized store gives the base back
+    assert any(
+        "16 B per trained expert entry" in note
+        for note in planner.plan(shape, element.replace(quant="nf4"), cpu, ram=64 * GiB).notes
+    )
     neuron = ledger(planner.plan(shape, element.replace(granularity="neuron"), cpu, ram=64 * GiB))
-    assert neuron["sparse state + optimizer"].device == entries * (4 + 4 + 4 + 8)
+    assert neuron["sparse state + optimizer"].device == entries * (
+        4 + 4 + 4 + 4
+    )  # value, base, grad, moments
     eight_bit = ledger(planner.plan(shape, element.replace(optimizer="adamw8bit"), cpu, ram=64 * GiB))
-    assert eight_bit["sparse state + optimizer"].device == sparse - entries * 6
+    assert eight_bit["sparse state + optimizer"].device == sparse - entries * 2
+    fp32 = ledger(planner.plan(shape, element.replace(optimizer="adamw-fp32"), cpu, ram=64 * GiB))
+    assert fp32["sparse state + optimizer"].device == sparse + entries * 4
 
 
 def test_residency_moves_the_experts_off_the_device_and_adds_streaming_buffers():

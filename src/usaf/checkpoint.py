@@ -59,7 +59,7 @@ def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     tensors = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
     for path, state in sparse_modules(model):
         for tensor_name, entries in state.items():
-            for buffer_name, buffer in entries.named_buffers():
+            for buffer_name, buffer in entries.saved_tensors().items():
                 tensors[f"{path}.usaf.{tensor_name}.{buffer_name}"] = buffer
     return tensors
 

@@ -281,6 +281,11 @@ class OptimSection:
     beta1: float = option(0.9, "AdamW beta1", bounds="[0, 1)")
     beta2: float = option(0.999, "AdamW beta2", bounds="[0, 1)")
     eps: float = option(1e-8, "AdamW epsilon", bounds="(0, inf)")
+    moments: str = option(
+        "bf16",
+        "how AdamW keeps the trained values' moments: bf16 with stochastic rounding (4 B an entry) or fp32 (8 B)",
+        choices=("bf16", "fp32"),
+    )
     eight_bit: bool = option(False, "8-bit optimizer state via bitsandbytes (where it has kernels)")
     clip_grad_norm: float = option(1.0, "clip the global gradient norm to this (0: off)", bounds="[0, inf)")
 

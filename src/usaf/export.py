@@ -740,7 +740,9 @@ def _load_into_entries(state, attr: str, change: TensorChange, name: str, path: 
             # the old selection was written into the model's own weights: put the base back there first
             old.values.data.copy_(old.base_values.to(old.values.dtype).view_as(old.values))
             old.write_into(store.full(), None)
-    entries = ElementEntries(store.shape, flat.to(store.device), store.read(flat.to(store.device)))
+    entries = ElementEntries(
+        store.shape, flat.to(store.device), store.read(flat.to(store.device)), keep_base=store.resident
+    )
     entries.values.data.copy_(values.to(entries.values.dtype).view_as(entries.values))
     entries.values.requires_grad_(old.values.requires_grad if old is not None else False)
     state[attr] = entries.to(store.device)

@@ -7,8 +7,9 @@ over the config's fields. The ledger models what the usaf engine allocates:
 - frozen experts at the stores' own layouts (`usaf.quant`), where the residency keeps them (device, pinned host
   memory, memory map), and their quantization constants;
 - dense weights in the compute dtype (`--quant-dense` stores them as int8 on disk; loading dequantizes them);
-- the sparse state: per trained entry the fp32 value, a copy of its base value, its int64 flat index, the int32
-  (row, column) pair cached for the gradient kernel, the fp32 gradient and the optimizer moments;
+- the sparse state: per trained entry the fp32 value, its int32 index within its expert, the fp32 gradient and
+  the optimizer moments (bf16 by default, `usaf.optim`): 16 B; entries of a resident (unquantized) weight also
+  keep their base value, the only copy left once the trained values are written into it;
 - routers, trained densely in fp32 as the engine trains them (`make_routers_fp32`: an fp32 master weight in place
   of the model-dtype one, fp32 gradient and moments);
 - activations with per-layer recomputation: every layer's input, plus one layer's working set (what autograd saves
@@ -122,9 +123,11 @@ QUANT_ORDER = ("none", "int8", "nf4", "int4")  # most to least precise
 # cast; int4 unpacks nibbles (uint8), widens them to fp32 and forms the fp32 result; NF4's kernel writes the dtype.
 DEQUANT_TEMPORARIES = {"none": 0, "nf4": 0, "int8": 8, "int4": 9}
 OPTIMIZERS = {
-    "adamw": "AdamW (two moments in the parameter's dtype)",
+    "adamw": "AdamW, the values' moments in bf16 with stochastic rounding (4 B per value; routers fp32)",
+    "adamw-fp32": "AdamW with fp32 moments (8 B per value; optim.moments=fp32)",
     "adamw8bit": "8-bit AdamW (2 B per value)",
 }
+VALUE_MOMENT_BYTES = {"adamw": 4, "adamw-fp32": 8, "adamw8bit": 2}
 
 
 @dataclass(frozen=True)
@@ -696,36 +699,42 @@ def plan(
 
     # sparse trainable state
     entries = trained_entries(shape, s)
-    moments = 8 if s.optimizer == "adamw" else 2  # the values are fp32: AdamW's moments are fp32
+    moments = VALUE_MOMENT_BYTES[s.optimizer]
     beyond = trained_entries(
         shape, s.replace(targets=tuple(t for t in s.targets if t != "experts") or ("routers",))
     )
-    if beyond:  # entries of attention, embeddings, ... are always elements
-        element_bytes = 4 + d + 8 + 8 + 4 + moments
+    if beyond:  # entries of attention, embeddings, ...: elements of resident weights, which keep their base
+        element_bytes = 4 + 4 + 4 + moments + d
         targets = ", ".join(t for t in s.targets if t not in ("experts", "routers"))
         add(
             "sparse state beyond the experts",
             beyond * element_bytes,
-            f"{_count(beyond)} entries of {targets} x {element_bytes} B (as expert elements)",
+            f"{_count(beyond)} entries of {targets} x {element_bytes} B (value 4, index 4, grad 4, "
+            f"moments {moments}, base {d}: resident weights are written into)",
         )
         entries -= beyond
+    base = (
+        d if s.quant == "none" else 0
+    )  # a quantized store gives the base back; a resident one is overwritten
+    kept = f", base {d}" if base else ", no base (the quantized store gives it back)"
     if s.granularity == "element":
-        per_entry = 4 + d + 8 + 8 + 4 + moments
-        row_pointers = 4 * (
-            shape.expert_rows + sum(n for n, _, _ in shape.expert_matrices)
-        )  # int32 CSR per expert
-        detail = (
-            f"{_count(entries)} entries x {per_entry} B (value 4, base {d}, int64 index 8, int32 row/col 8, "
-            f"grad 4, moments {moments}) + CSR row pointers"
-        )
+        per_entry = 4 + 4 + 4 + moments + base
+        detail = f"{_count(entries)} entries x {per_entry} B (value 4, int32 index 4, grad 4, moments {moments}{kept})"
     else:
-        per_entry, row_pointers = 4 + d + 4 + moments, 0
+        per_entry = 4 + 4 + moments + d
         detail = (
             f"{_count(entries)} entries x {per_entry} B (value 4, base {d}, grad 4, moments {moments}); "
             "whole neurons need no per-entry index"
         )
-    add("sparse state + optimizer", entries * per_entry + row_pointers, detail)
-    router_moments = 8 if s.optimizer == "adamw" else 2
+    add("sparse state + optimizer", entries * per_entry, detail)
+    if s.granularity == "element" and entries:
+        old_bytes = 4 + d + 8 + 8 + 4 + (2 if s.optimizer == "adamw8bit" else 8)
+        notes.append(
+            f"{per_entry} B per trained expert entry where usaf 0.1.0 kept {old_bytes} (an int64 flat index, "
+            f"cached int32 rows and columns, a base copy, fp32 moments): {format_size(entries * (old_bytes - per_entry))}"
+            " freed at this density"
+        )
+    router_moments = 2 if s.optimizer == "adamw8bit" else 8
     routers = trained_router_params(shape, s)
     add(
         "routers (trainable)",
@@ -790,12 +799,15 @@ def plan(
         )
 
     if gpu:
-        add(
-            "optimizer step temporaries",
-            4 * (entries + beyond + routers),
-            "AdamW's foreach kernels copy the moments' square roots of a whole group",
-            phases=frozenset({STEP}),
-        )
+        if s.optimizer == "adamw":  # one tensor at a time: fp32 moments, denominator, rounding noise
+            step_bytes = 16 * (entries + beyond) // max(1, shape.num_moe_layers) + 4 * routers
+            step_detail = (
+                "bf16 moments widened to fp32 one tensor at a time; the routers' foreach square roots"
+            )
+        else:
+            step_bytes = 4 * (entries + beyond + routers)
+            step_detail = "AdamW's foreach kernels copy the moments' square roots of a whole group"
+        add("optimizer step temporaries", step_bytes, step_detail, phases=frozenset({STEP}))
         transient = _peak([line for line in lines if not line.persistent], "device")[0]
         add(
             "framework overhead",

@@ -169,8 +169,8 @@ def install_selection(model: nn.Module, chosen: dict, original_values=None) -> N
             )
         base = original_values(key, flat) if original_values is not None else store.read(flat)
         base = base.to(store.dtype)
-        if axis is None:
-            entries = ElementEntries(store.shape, flat, base)
+        if axis is None:  # a resident store is written into: only there must the base be kept to revert to
+            entries = ElementEntries(store.shape, flat, base, keep_base=store.resident)
         else:
             entries = LineEntries(store.shape, axis, indices, base.view(indices.numel(), -1))
         states[path][name] = entries.to(device)

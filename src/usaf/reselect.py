@@ -161,31 +161,38 @@ class Reselector:
         probe = state.probes[name]
         n = entries.numel()
         count = min(round(fraction * n), n)
+        flat = entries.flat_indices  # int64, derived: one tensor's transient
         candidates = probe.flat_indices()
         scores = probe.score.reshape(-1)
-        fresh = ~torch.isin(candidates, entries.flat_indices)
+        fresh = ~torch.isin(candidates, flat)
         candidates, scores = candidates[fresh], scores[fresh]
         count = min(count, candidates.numel())
         if count == 0:
             return 0
-        moved = (entries.values.detach() - entries.base_values.float()).abs()
+        store = state.stores[name]
+        # what dropping an entry changes in the weight the forward reads: back to the kept base on a resident
+        # store, to the dequantized base on a quantized one (which keeps no base: it reads it back)
+        base = entries.base_values if entries.keeps_base else store.read(flat)
+        moved = (entries.values.detach() - base.float()).abs()
         drop = torch.topk(moved, count, largest=False, sorted=False).indices
         grow = candidates[torch.topk(scores, count, sorted=False).indices]
         keep = torch.ones(n, dtype=torch.bool, device=moved.device)
         keep[drop] = False
-        store = state.stores[name]
         if store.resident:  # revert the dropped entries in the weights the forward reads
-            store.full().view(-1).index_copy_(0, entries.flat_indices[drop], entries.base_values[drop])
+            store.full().view(-1).index_copy_(0, flat[drop], base[drop].to(store.dtype))
         grow_base = self._original(state, name, store, grow)
-        merged = torch.cat([entries.flat_indices[keep], grow])
+        merged = torch.cat([flat[keep], grow])
         order = torch.argsort(merged)
         old_position = torch.cat([keep.nonzero().squeeze(1), torch.full((count,), -1, device=merged.device)])[
             order
         ]
         values = torch.cat([entries.values.detach()[keep], grow_base.float()])[order]
-        base = torch.cat([entries.base_values[keep], grow_base.to(entries.base_values.dtype)])[order]
+        kept_base = None
+        if entries.keeps_base:
+            kept_base = torch.cat([base[keep], grow_base.to(base.dtype)])[order]
+        del base, moved, flat
         _remap_optimizer_state(optimizer, entries.values, old_position)
-        entries.set_selection(merged[order], base, values)
+        entries.set_selection(merged[order], kept_base, values)
         return count
 
     def _original(self, state, name, store, flat) -> torch.Tensor:

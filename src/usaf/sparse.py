@@ -27,69 +27,129 @@ def _expert_offsets(expert_of_entry: torch.Tensor, num_experts: int) -> list[int
 
 
 class _Entries(nn.Module):
-    """Common parts: the values parameter, base values, per-expert grouping of entries."""
+    """Common parts: the values parameter, the base values where they are kept, per-expert grouping of entries.
+
+    `base_values` (the original weights at the entries) are kept only where nothing else can give them back: a
+    resident store is overwritten with the trained values, so reverting an entry there needs them. A quantized
+    (streamed) store is never written into, and a dropped entry reads as its dequantized base again; entries on
+    such a store keep no base (`base_values` is None), which saves 2 bytes an entry."""
 
     shape: tuple[int, int, int]
 
-    def __init__(self, shape, values_shape_base: torch.Tensor):
+    def __init__(self, shape, initial: torch.Tensor, keep_base: bool = True):
         super().__init__()
         self.shape = tuple(int(s) for s in shape)
-        self.register_buffer("base_values", values_shape_base.detach().clone())
-        self.values = nn.Parameter(values_shape_base.detach().float().clone())
+        self.base_values: torch.Tensor | None
+        if keep_base:
+            self.register_buffer("base_values", initial.detach().clone())
+        else:
+            self.base_values = None
+        self.values = nn.Parameter(initial.detach().float().clone())
         self._grouping: tuple | None = None
 
     @property
     def num_experts(self) -> int:
         return self.shape[0]
 
+    @property
+    def keeps_base(self) -> bool:
+        return self.base_values is not None
+
     def numel(self) -> int:
         return self.values.numel()
 
+    def _set_indices(self, selection: torch.Tensor) -> None:
+        setattr(self, self.selection_name, selection.to(device=self.values.device, dtype=torch.int64))
+
     def set_selection(
-        self, selection: torch.Tensor, base_values: torch.Tensor, values: torch.Tensor | None = None
+        self, selection: torch.Tensor, base_values: torch.Tensor | None, values: torch.Tensor | None = None
     ):
-        """Train a different set of entries: new indices (flat indices or line ids), their base values, and
-        their trained values (default: the base values).
+        """Train a different set of entries: new indices (flat indices or line ids), their base values (kept where
+        this object keeps them), and their trained values (default: the base values).
 
         The `values` parameter stays the same object (its data is swapped), so optimizers keep referring to it;
         their per-entry state must be remapped by the caller (see `usaf.reselect`)."""
-        device = self.base_values.device
-        setattr(self, self.selection_name, selection.to(device=device, dtype=torch.int64))
-        self.base_values = base_values.to(device=device, dtype=self.base_values.dtype)
+        device = self.values.device
+        self._set_indices(selection)
+        if self.keeps_base:
+            self.base_values = base_values.to(device=device, dtype=self.base_values.dtype)
         start = base_values if values is None else values
         self.values.data = start.detach().to(device=device, dtype=torch.float32).clone()
         self.values.grad = None
         self._grouping = None
 
+    def saved_tensors(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds besides the values: the selection (and the base where it is kept)."""
+        tensors = {self.selection_name: getattr(self, self.selection_name)}
+        if self.keeps_base:
+            tensors["base_values"] = self.base_values
+        return tensors
+
 
 class ElementEntries(_Entries):
+    """Arbitrary entries of an [E, A, B] tensor.
+
+    Held as one int32 index per entry within its expert (sorted, experts in order) and E + 1 offsets, not as an
+    int64 flat index with cached rows and columns: 4 bytes an entry instead of 16. Rows, columns and flat indices
+    are derived per use, one expert (or one tensor) at a time. Outside, `flat_indices` is the int64 flat index,
+    as checkpoints and deltas store it."""
+
     selection_name = "flat_indices"
 
-    def __init__(self, shape, flat_indices: torch.Tensor, base_values: torch.Tensor):
-        flat_indices = flat_indices.to(torch.int64)
-        if flat_indices.numel() > 1 and not bool((flat_indices[1:] > flat_indices[:-1]).all()):
-            raise ValueError("ElementEntries needs sorted, unique flat indices.")
-        super().__init__(shape, base_values)
-        self.register_buffer("flat_indices", flat_indices)
+    def __init__(self, shape, flat_indices: torch.Tensor, base_values: torch.Tensor, keep_base: bool = True):
+        super().__init__(shape, base_values, keep_base)
+        _, rows_a, cols_b = self.shape
+        self.per_expert = rows_a * cols_b
+        # within an expert, an int32 index when a matrix has fewer than 2^31 entries (every known model)
+        self.index_dtype = torch.int32 if self.per_expert < 2**31 else torch.int64
+        self.register_buffer("local_indices", torch.zeros(0, dtype=self.index_dtype), persistent=False)
+        self.register_buffer("expert_offsets", torch.zeros(0, dtype=torch.int64), persistent=False)
+        self._set_indices(flat_indices)
 
-    def grouping(self):
-        """(entry offsets per expert, row a and column b of each entry, CSR row pointers per expert), cached."""
-        key = (self.flat_indices.data_ptr(), self.flat_indices.numel())
+    def _set_indices(self, flat: torch.Tensor) -> None:
+        flat = flat.to(device=self.values.device, dtype=torch.int64)
+        if flat.numel() > 1 and not bool((flat[1:] > flat[:-1]).all()):
+            raise ValueError("ElementEntries needs sorted, unique flat indices.")
+        expert = torch.div(flat, self.per_expert, rounding_mode="floor")
+        counts = torch.bincount(expert, minlength=self.num_experts)
+        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=flat.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        self.local_indices = (flat - expert * self.per_expert).to(self.index_dtype)
+        self.expert_offsets = offsets
+        self._grouping = None
+
+    @property
+    def flat_indices(self) -> torch.Tensor:
+        """int64 flat indices into [E, A, B] (computed: a transient of one tensor's entries)."""
+        return self.local_indices.to(torch.int64) + self.expert_of_entry() * self.per_expert
+
+    def expert_of_entry(self) -> torch.Tensor:
+        counts = self.expert_offsets[1:] - self.expert_offsets[:-1]
+        experts = torch.arange(self.num_experts, device=counts.device)
+        return torch.repeat_interleave(experts, counts, output_size=self.local_indices.numel())
+
+    def offsets(self) -> list[int]:
+        """Entry offsets per expert (a host list, cached until the selection changes)."""
+        key = (self.expert_offsets.data_ptr(), self.local_indices.numel())
         if self._grouping is None or self._grouping[0] != key:
-            _, rows_a, cols_b = self.shape
-            per_expert = rows_a * cols_b
-            expert = torch.div(self.flat_indices, per_expert, rounding_mode="floor")
-            within = self.flat_indices - expert * per_expert
-            rows = torch.div(within, cols_b, rounding_mode="floor")
-            # int32 halves this cache (8 B per entry for both); expert matrices are far below 2^31 per side
-            cols = (within - rows * cols_b).to(torch.int32)
-            rows = rows.to(torch.int32)
-            offsets = _expert_offsets(expert, self.num_experts)
-            self._grouping = (key, offsets, rows, cols, {})
-        return self._grouping[1:]
+            self._grouping = (key, self.expert_offsets.tolist())
+        return self._grouping[1]
 
     def expanded_flat_indices(self) -> torch.Tensor:
         return self.flat_indices
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "flat_indices"] = self.flat_indices
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        key = prefix + "flat_indices"
+        if key in state_dict:
+            self._set_indices(state_dict[key])
+        elif strict:
+            missing.append(key)
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing, unexpected, errors)
 
     @torch.no_grad()
     def write_into(self, weight: torch.Tensor, expert_ids: list[int] | None) -> None:
@@ -101,42 +161,41 @@ class ElementEntries(_Entries):
         if expert_ids is None:
             flat.index_copy_(0, self.flat_indices, values)
             return
-        offsets, _, _, _ = self.grouping()
-        per_expert = self.shape[1] * self.shape[2]
+        offsets = self.offsets()
         for local, e in enumerate(expert_ids):
             k0, k1 = offsets[e], offsets[e + 1]
             if k0 < k1:
-                local_index = self.flat_indices[k0:k1] - (e - local) * per_expert
-                flat.index_copy_(0, local_index, values[k0:k1])
+                index = self.local_indices[k0:k1].to(torch.int64) + local * self.per_expert
+                flat.index_copy_(0, index, values[k0:k1])
 
     def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, expert_ids, row_offsets) -> None:
         """grad[k] += sum_t U[t, a_k] * V[t, b_k] over the rows of entry k's expert."""
-        offsets, rows, cols, csr_cache = self.grouping()
+        offsets = self.offsets()
         for local, e in enumerate(expert_ids):
             k0, k1 = offsets[e], offsets[e + 1]
             r0, r1 = row_offsets[local], row_offsets[local + 1]
             if k0 == k1 or r0 == r1:
                 continue
-            grad[k0:k1] += _sampled_dots(
-                U[r0:r1], V[r0:r1], rows[k0:k1], cols[k0:k1], e, csr_cache, self.shape
-            )
+            grad[k0:k1] += _sampled_dots(U[r0:r1], V[r0:r1], self.local_indices[k0:k1], self.shape)
 
 
-def _sampled_dots(Ue, Ve, rows, cols, expert, csr_cache, shape) -> torch.Tensor:
-    """(Ue^T @ Ve)[rows, cols] without forming Ue^T @ Ve: torch's sampled dense-dense product where it has a
-    kernel for the dtype, else dot products over chunks of gathered columns."""
+def _sampled_dots(Ue, Ve, local, shape) -> torch.Tensor:
+    """(Ue^T @ Ve).view(-1)[local] without forming Ue^T @ Ve: torch's sampled dense-dense product where it has a
+    kernel for the dtype, else dot products over chunks of gathered columns. Rows, columns and the CSR row
+    pointers are derived here from the sorted expert-local indices (transients of one expert's entries)."""
+    _, rows_a, cols_b = shape
+    index = local.to(torch.int32) if rows_a * cols_b < 2**31 else local
+    rows = torch.div(index, cols_b, rounding_mode="floor")
+    cols = index - rows * cols_b
     if Ue.dtype in (torch.float32, torch.float64) or Ue.is_cuda:
         try:
-            crow = csr_cache.get(expert)
-            if crow is None:
-                crow = torch.zeros(shape[1] + 1, dtype=torch.int32, device=rows.device)
-                crow[1:] = torch.cumsum(torch.bincount(rows, minlength=shape[1]), 0)
-                csr_cache[expert] = crow
+            starts = torch.arange(rows_a + 1, device=index.device, dtype=index.dtype) * cols_b
+            crow = torch.searchsorted(index, starts, out_int32=index.dtype == torch.int32)
             pattern = torch.sparse_csr_tensor(
-                crow,
+                crow.to(cols.dtype),
                 cols,
                 torch.zeros(cols.numel(), dtype=Ue.dtype, device=Ue.device),
-                (shape[1], shape[2]),
+                (rows_a, cols_b),
                 check_invariants=False,
             )
             return torch.sparse.sampled_addmm(pattern, Ue.t(), Ve, beta=0.0).values().float()

@@ -29,6 +29,7 @@ from .errors import UsafError
 from .evaluate import evaluate
 from .loss import IGNORE_INDEX, causal_lm_loss
 from .metrics import MetricsLog
+from .optim import CompactAdamW
 from .prefix_cache import FrozenPrefixCache
 from .prepare import current_selection, enable_recomputation, prepare_model, sparse_modules, trainable_summary
 from .report import write_router_load
@@ -780,15 +781,22 @@ def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor], wh
                     f"checkpoint {where} has no selection for {path}.{name}: different model or config."
                 )
             current = getattr(entries, entries.selection_name)
-            same = torch.isin(selection, current.cpu())
-            base_now = entries.base_values.cpu()[torch.isin(current.cpu(), selection)]
-            if not torch.equal(base_now, saved[prefix + "base_values"][same].to(base_now.dtype)):
+            saved_base = saved.get(prefix + "base_values")
+            if entries.keeps_base != (saved_base is not None):
                 raise UsafError(
-                    f"checkpoint {where} was trained on a different base model: the original weights of "
-                    f"{path}.{name} differ. Resume with the model the run started from."
+                    f"checkpoint {where} keeps the base values of {path}.{name} differently from this run (a "
+                    "quantized base against an unquantized one): resume with the run's own configuration."
                 )
+            if entries.keeps_base:  # a different base shows in the original weights at the shared entries
+                same = torch.isin(selection, current.cpu())
+                base_now = entries.base_values.cpu()[torch.isin(current.cpu(), selection)]
+                if not torch.equal(base_now, saved_base[same].to(base_now.dtype)):
+                    raise UsafError(
+                        f"checkpoint {where} was trained on a different base model: the original weights of "
+                        f"{path}.{name} differ. Resume with the model the run started from."
+                    )
             if not torch.equal(selection, current.cpu()):
-                entries.set_selection(selection, saved[prefix + "base_values"])
+                entries.set_selection(selection, saved_base, saved[prefix + "values"])
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, param in params.items():
@@ -803,7 +811,15 @@ def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor], wh
 def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Optimizer:
     routers = {id(p) for p in _router_params(model)}
     values = [p for p in model.parameters() if p.requires_grad and id(p) not in routers]
-    groups = [{"params": values, "lr": config.optim.lr, "weight_decay": config.optim.weight_decay}]
+    compact = config.optim.moments == "bf16"
+    groups = [
+        {
+            "params": values,
+            "lr": config.optim.lr,
+            "weight_decay": config.optim.weight_decay,
+            "compact": compact,
+        }
+    ]
     router_list = [p for p in model.parameters() if p.requires_grad and id(p) in routers]
     if router_list:
         groups.append(
@@ -819,7 +835,7 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
             raise UsafError(
                 f"optim.eight_bit needs bitsandbytes with kernels for this device: {err}"
             ) from None
-    return torch.optim.AdamW(groups, **kwargs)
+    return CompactAdamW(groups, seed=config.train.seed, **kwargs)
 
 
 def build_scheduler(optimizer, config: RunConfig):

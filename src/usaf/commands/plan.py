@@ -67,7 +67,8 @@ def add_command(subparsers) -> None:
         "--optimizer",
         default="adamw",
         choices=list(planner.OPTIMIZERS),
-        help="adamw: fp32 moments (8 B per value); adamw8bit: 2 B per value",
+        help="adamw: bf16 moments with stochastic rounding (4 B per value, the default); adamw-fp32: 8 B; "
+        "adamw8bit: 2 B",
     )
     p.add_argument(
         "--dtype",

@@ -1,0 +1,96 @@
+"""AdamW whose moments for the sparse values are stored in bfloat16 with stochastic rounding.
+
+Adam's two moments are 8 of the bytes each trained entry costs in fp32. Stored in bf16 they cost 4, but plain
+rounding to nearest stalls the second moment: a decay of beta2 = 0.999 changes it by 0.1 % a step, below bf16's
+resolution (0.4 %), so after a gradient spike it would never come back down. Rounding stochastically (up with the
+probability of the remainder) keeps every moment unbiased. The update itself is computed in fp32 from the
+moments before they are rounded, and the rounding noise comes from a generator seeded by the step and the
+parameter's position, so a resumed run draws the same noise as an uninterrupted one (nothing extra is saved).
+
+Groups with `compact=False` (the routers: few, dense, sensitive) keep torch's own AdamW, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+COMPACT_DTYPE = torch.bfloat16
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def round_stochastic(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """fp32 -> bf16, rounding up or down with probabilities that make the result unbiased."""
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int32)
+    # adding below the 16 kept bits carries into them with the probability of the dropped remainder
+    return ((bits + noise) & -65536).view(torch.float32).to(COMPACT_DTYPE)
+
+
+class CompactAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW, except that groups marked `compact` keep bf16 moments (see the module docstring)."""
+
+    def __init__(self, params, *, seed: int = 0, **kwargs):
+        super().__init__(params, **kwargs)
+        self.seed = seed
+        for group in self.param_groups:
+            group.setdefault("compact", False)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = self.param_groups
+        plain = [g for g in groups if not g["compact"]]
+        if plain:  # torch's own update for these groups: swap the list in for one call
+            self.param_groups = plain
+            try:
+                super().step()
+            finally:
+                self.param_groups = groups
+        index = 0
+        for group in groups:
+            for param in group["params"]:
+                if group["compact"] and param.grad is not None:
+                    self._compact_step(param, group, index)
+                index += 1
+        return loss
+
+    def _compact_step(self, param: torch.Tensor, group: dict, index: int) -> None:
+        if param.grad.is_sparse:
+            raise RuntimeError("CompactAdamW does not take sparse gradients.")
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            for key in _MOMENTS:
+                state[key] = torch.zeros_like(param, dtype=COMPACT_DTYPE, memory_format=torch.preserve_format)
+        beta1, beta2 = group["betas"]
+        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        state["step"] += 1
+        step = int(state["step"].item())
+        grad = param.grad.float()
+        if decay:
+            param.mul_(1 - lr * decay)
+        exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+        generator = torch.Generator(device=param.device)
+        generator.manual_seed((self.seed * 1_000_003 + index * 7_919 + step * 104_729) % (1 << 62))
+        state["exp_avg"] = round_stochastic(exp_avg, generator)
+        state["exp_avg_sq"] = round_stochastic(exp_avg_sq, generator)
+
+    def load_state_dict(self, state_dict) -> None:
+        # torch casts loaded floating-point state to the parameter's dtype: bring compact moments back to bf16
+        # (exact: they were bf16 before the cast)
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if group.get("compact"):
+                for param in group["params"]:
+                    state = self.state.get(param, {})
+                    for key in _MOMENTS:
+                        if key in state:
+                            state[key] = state[key].to(COMPACT_DTYPE)
