@@ -606,9 +606,18 @@ def markdown(payload: dict) -> str:
         "in brackets. Step ms: median step time over all seeds (first 2 steps of each left out); train s: training "
         "seconds of the whole run (evaluation excluded). Peak MB: resident-set peak above the run's process "
         "baseline during training (model, optimizer state and activations); live MB: live-tensor peak of one more "
-        "step (what a GPU allocator's peak counts). usaf routers train at lr × router_lr_multiplier.",
+        "step (what a GPU allocator's peak counts). usaf routers train at lr × router_lr_multiplier; usaf rows use "
+        "usaf's AdamW (`usaf.optim.CompactAdamW`: the values' moments in bf16 with stochastic rounding) unless a "
+        "row says moments fp32.",
         "",
     ]
+    if payload.get("reused_baselines"):
+        reused = payload["reused_baselines"]
+        lines += [
+            f"Baseline runs reused from `{reused['file']}` (same mode, seeds, steps and batches; they do not run "
+            f"usaf's code): {', '.join(reused['methods'])}. Their step times and peaks were measured in that run.",
+            "",
+        ]
     for task, data in payload["tasks"].items():
         info, rows = TASKS[task], data["methods"]
         facts = data["facts"]
@@ -815,6 +824,23 @@ def chart(payload: dict, path: Path) -> None:
 # ---- main ------------------------------------------------------------------------------------------------------
 
 
+def _reusable_baselines(path: Path, payload: dict) -> dict:
+    """{(task, method key): per-seed runs} of the baseline methods in an earlier results file with the same mode,
+    seeds, steps and sizes (refused otherwise: a different setting would compare unequal runs)."""
+    old = json.loads(Path(path).read_text())
+    for field in ("mode", "seeds"):
+        if old.get(field) != payload[field]:
+            raise SystemExit(f"{path}: {field} {old.get(field)!r} differs from this run's {payload[field]!r}")
+    found = {}
+    for task, sizes in payload["sizes"].items():
+        if old.get("sizes", {}).get(task) != sizes:
+            raise SystemExit(f"{path}: the {task} task's sizes differ from this run's")
+        for key, method in old["tasks"][task]["methods"].items():
+            if method["kind"] != "usaf" and len(method.get("runs", [])) == len(payload["seeds"]):
+                found[(task, key)] = method["runs"]
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
@@ -841,6 +867,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only-given-specs", action="store_true", help="of the usaf rows, run only those of --usaf-spec"
+    )
+    parser.add_argument(
+        "--reuse-baselines",
+        type=Path,
+        default=None,
+        help="a results JSON of the same mode, seeds and steps: take its LoRA, full fine-tuning, dense experts "
+        "and inference runs instead of running them again (they do not depend on usaf's code)",
     )
     args = parser.parse_args(argv)
     sizes = copy.deepcopy(MODES[args.mode])
@@ -879,6 +912,9 @@ def main(argv: list[str] | None = None) -> int:
         "lora": {"r": LORA_RANK, "alpha": LORA_ALPHA, "modules": LORA_ATTENTION, "parameters": LORA_EXPERTS},
         "tasks": {},
     }
+    reused = _reusable_baselines(args.reuse_baselines, payload) if args.reuse_baselines else {}
+    if reused:
+        payload["reused_baselines"] = {"file": str(args.reuse_baselines), "methods": sorted(reused)}
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="usaf-quality-")))
         for task in tasks:
@@ -906,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": sizes[task]["steps"],
                 "eval_every": sizes[task]["eval_every"],
             }
-            runs: dict[str, list] = {}
+            runs: dict[str, list] = {k: v for (t, k), v in reused.items() if t == task}
             errors: dict[str, str] = {}
 
             def one(method, seed, task=task, job=job):
@@ -919,7 +955,7 @@ def main(argv: list[str] | None = None) -> int:
                     return method, seed, None, str(err), time.perf_counter() - began
                 return method, seed, result, None, time.perf_counter() - began
 
-            todo = [(m, s) for m in methods for s in seeds]
+            todo = [(m, s) for m in methods for s in seeds if m["key"] not in runs]
             with ThreadPoolExecutor(max_workers=jobs) as pool:
                 for method, seed, result, error, took in pool.map(lambda ms: one(*ms), todo):
                     if error is not None:

@@ -121,12 +121,10 @@ class ElementEntries(_Entries):
     @property
     def flat_indices(self) -> torch.Tensor:
         """int64 flat indices into [E, A, B] (computed: a transient of one tensor's entries)."""
-        return self.local_indices.to(torch.int64) + self.expert_of_entry() * self.per_expert
-
-    def expert_of_entry(self) -> torch.Tensor:
         counts = self.expert_offsets[1:] - self.expert_offsets[:-1]
-        experts = torch.arange(self.num_experts, device=counts.device)
-        return torch.repeat_interleave(experts, counts, output_size=self.local_indices.numel())
+        starts = torch.arange(self.num_experts, device=counts.device) * self.per_expert
+        flat = torch.repeat_interleave(starts, counts, output_size=self.local_indices.numel())
+        return flat.add_(self.local_indices)
 
     def offsets(self) -> list[int]:
         """Entry offsets per expert (a host list, cached until the selection changes)."""
@@ -157,45 +155,60 @@ class ElementEntries(_Entries):
         if self.values.numel() == 0:
             return
         values = self.values.detach().to(weight.dtype)
-        flat = weight.view(-1)
         if expert_ids is None:
-            flat.index_copy_(0, self.flat_indices, values)
+            weight.view(-1).index_copy_(0, self.flat_indices, values)  # index_copy_ beats index_put_ on CPU
             return
         offsets = self.offsets()
         for local, e in enumerate(expert_ids):
             k0, k1 = offsets[e], offsets[e + 1]
             if k0 < k1:
-                index = self.local_indices[k0:k1].to(torch.int64) + local * self.per_expert
-                flat.index_copy_(0, index, values[k0:k1])
+                weight[local].view(-1).index_copy_(0, self.local_indices[k0:k1].long(), values[k0:k1])
 
     def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, expert_ids, row_offsets) -> None:
         """grad[k] += sum_t U[t, a_k] * V[t, b_k] over the rows of entry k's expert."""
         offsets = self.offsets()
+        first, last = expert_ids[0], expert_ids[-1]  # ascending: their entries are one contiguous range
+        base = offsets[first]
+        rows, cols, pointers = self._coordinates(first, last, base, offsets[last + 1])
         for local, e in enumerate(expert_ids):
             k0, k1 = offsets[e], offsets[e + 1]
             r0, r1 = row_offsets[local], row_offsets[local + 1]
             if k0 == k1 or r0 == r1:
                 continue
-            grad[k0:k1] += _sampled_dots(U[r0:r1], V[r0:r1], self.local_indices[k0:k1], self.shape)
+            i0, i1 = k0 - base, k1 - base
+            grad[k0:k1] += _sampled_dots(
+                U[r0:r1], V[r0:r1], rows[i0:i1], cols[i0:i1], pointers[e - first], self.shape
+            )
+
+    def _coordinates(self, first: int, last: int, k0: int, k1: int):
+        """Rows, columns and CSR row pointers (per expert, concatenated) of the entries of experts first..last:
+        derived in a few vectorized operations, transients of those entries only."""
+        _, rows_a, cols_b = self.shape
+        local = self.local_indices[k0:k1]
+        rows = torch.div(local, cols_b, rounding_mode="floor")
+        cols = local - rows * cols_b
+        span = self.expert_offsets[first : last + 2]
+        experts = torch.arange(last + 1 - first, device=local.device, dtype=local.dtype)
+        line = torch.repeat_interleave(experts * rows_a, span[1:] - span[:-1], output_size=local.numel()) + rows
+        count = last + 1 - first
+        crow = torch.zeros(count * rows_a + 1, dtype=local.dtype, device=local.device)
+        crow[1:] = torch.cumsum(torch.bincount(line, minlength=count * rows_a), 0)  # faster than searchsorted
+        # [experts, A + 1]: each expert's row pointers, counted from its own first entry
+        at = experts[:, None] * rows_a + torch.arange(rows_a + 1, device=local.device, dtype=local.dtype)
+        pointers = crow[at]
+        return rows, cols, pointers - pointers[:, :1]
 
 
-def _sampled_dots(Ue, Ve, local, shape) -> torch.Tensor:
-    """(Ue^T @ Ve).view(-1)[local] without forming Ue^T @ Ve: torch's sampled dense-dense product where it has a
-    kernel for the dtype, else dot products over chunks of gathered columns. Rows, columns and the CSR row
-    pointers are derived here from the sorted expert-local indices (transients of one expert's entries)."""
-    _, rows_a, cols_b = shape
-    index = local.to(torch.int32) if rows_a * cols_b < 2**31 else local
-    rows = torch.div(index, cols_b, rounding_mode="floor")
-    cols = index - rows * cols_b
+def _sampled_dots(Ue, Ve, rows, cols, crow, shape) -> torch.Tensor:
+    """(Ue^T @ Ve)[rows, cols] without forming Ue^T @ Ve: torch's sampled dense-dense product where it has a
+    kernel for the dtype, else dot products over chunks of gathered columns."""
     if Ue.dtype in (torch.float32, torch.float64) or Ue.is_cuda:
         try:
-            starts = torch.arange(rows_a + 1, device=index.device, dtype=index.dtype) * cols_b
-            crow = torch.searchsorted(index, starts, out_int32=index.dtype == torch.int32)
             pattern = torch.sparse_csr_tensor(
-                crow.to(cols.dtype),
+                crow,
                 cols,
                 torch.zeros(cols.numel(), dtype=Ue.dtype, device=Ue.device),
-                (rows_a, cols_b),
+                (shape[1], shape[2]),
                 check_invariants=False,
             )
             return torch.sparse.sampled_addmm(pattern, Ue.t(), Ve, beta=0.0).values().float()
