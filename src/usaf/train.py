@@ -125,7 +125,7 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
         save_selection(
             run_dir / "selection.safetensors", current_selection(model), selection_summary(model, config)
         )
-        if (unrecorded := _record_base(config, run_dir)) is not None:
+        if (unrecorded := _record_base(config, run_dir, trained_parameters(model))) is not None:
             notes.append(unrecorded)
     prefix_cache = _prefix_cache(model, config, run_dir)
 
@@ -397,19 +397,19 @@ def _check_run_paths(config: RunConfig, run_dir: Path) -> None:
 
 
 def _check_moved_base(run_dir: Path, model_dir: str) -> None:
-    """A resume from a base at a new place: it must be the base the run recorded (every tensor's sha256)."""
-    from .export import RUN_BASE_FILE, base_record, read_run_base_record
+    """A resume from a base at a new place: it must be the base the run recorded (what base.json holds: the sha256
+    of the tensors that can hold trained entries, cheap facts of the rest)."""
+    from .export import RUN_BASE_FILE, base_difference, read_run_base_record
 
     recorded = read_run_base_record(run_dir)
     if recorded is None:
         return  # nothing recorded: the checkpoint's base values are still compared on restore
-    now = base_record(model_dir)["tensors"]
-    for key, info in recorded["tensors"].items():
-        if now.get(key, {}).get("sha256") != info.get("sha256"):
-            raise UsafError(
-                f"--resume {run_dir}: the model at {model_dir} is not the base the run started from (tensor '{key}' "
-                f"differs from {run_dir / RUN_BASE_FILE}); give the folder the run was trained on."
-            )
+    differs = base_difference(recorded, model_dir)
+    if differs is not None:
+        raise UsafError(
+            f"--resume {run_dir}: the model at {model_dir} is not the base the run started from ({differs}, "
+            f"against {run_dir / RUN_BASE_FILE}); give the folder the run was trained on."
+        )
 
 
 def _check_resume_folder(run_dir: Path) -> None:
@@ -738,16 +738,26 @@ def _check_positions(model_config, config: RunConfig, *datasets) -> None:
         )
 
 
-def _record_base(config: RunConfig, run_dir: Path) -> str | None:
-    """RUN/base.json: the identity and tensor checksums of the base, which `usaf export` checks a base against
-    (as `usaf apply` checks a delta's). A note when the base is not a local folder, None when recorded."""
+def trained_parameters(model: torch.nn.Module) -> list[str]:
+    """The model parameters that can hold trained entries in this run (whatever a reselection moves): the
+    tensors with a selection, and the parameters trained whole (routers)."""
+    return [
+        *checkpoint.selection_layout(model),
+        *(name for name, p in model.named_parameters() if p.requires_grad and ".usaf." not in name),
+    ]
+
+
+def _record_base(config: RunConfig, run_dir: Path, trained: list[str]) -> str | None:
+    """RUN/base.json: the identity of the base, which `usaf export` checks a base against (as `usaf apply` checks
+    a delta's): the sha256 of the checkpoint tensors behind `trained` (the rest of the base is not read whole),
+    cheap facts of the others. A note when the base is not a local folder, None when recorded."""
     from .export import RUN_BASE_FILE, STORE_FILE, base_record
 
     model_dir = Path(config.model.path).expanduser()
     if not ((model_dir / "config.json").is_file() or (model_dir / STORE_FILE).is_file()):
         return f"the base {config.model.path} is not a local folder: usaf export cannot check a --base against it"
     try:
-        record = base_record(model_dir)
+        record = base_record(model_dir, trained)
     except (UsafError, OSError, KeyError, ValueError) as err:  # e.g. a store whose source has moved
         return f"the base's identity was not recorded ({_first_line(err)}): usaf export cannot check a --base"
     atomic_json(run_dir / RUN_BASE_FILE, record)
