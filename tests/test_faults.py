@@ -93,6 +93,20 @@ def ws(tmp_path_factory):
     (w.user_dir / "config.yaml").write_text("my: settings\n")
     w.empty = root / "empty-dir"
     w.empty.mkdir()
+    w.prequantized = root / "prequantized"  # config.json says the weights are already quantized
+    shutil.copytree(w.base, w.prequantized)
+    config = json.loads((w.prequantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (w.prequantized / "config.json").write_text(json.dumps(config))
+    w.pickles = root / "pickles"  # weights only as pytorch_model.bin
+    shutil.copytree(w.base, w.pickles)
+    (w.pickles / "model.safetensors").unlink()
+    (w.pickles / "pytorch_model.bin").write_bytes(b"not read")
+    w.bad_config = root / "bad-config"  # config.json cut short
+    shutil.copytree(w.base, w.bad_config)
+    (w.bad_config / "config.json").write_text('{"model_type": ')
+    w.store = root / "store"
+    assert main(["prepare", str(w.base), "--quant=int8", f"--out={w.store}"]) == 0
     w.torn_report = root / "torn-report"  # a run folder whose router_load.json was cut short
     w.torn_report.mkdir()
     (w.torn_report / "router_load.json").write_text('{"layers": [0, 1], "bef')
@@ -159,6 +173,15 @@ def read_only_merged(ctx, monkeypatch):
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "mkdir", refuse)
+
+
+def disk_full_on_store(ctx, monkeypatch):
+    import usaf.shards
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(usaf.shards.StreamingWriter, "write", full)
 
 
 def existing_output(ctx, monkeypatch):
@@ -273,6 +296,45 @@ ROWS = [
     Row("select-truncated-weights",
         ["select", "--model={ws.trunc}", "--data={ws.data}", "--out={tmp}/s.safetensors"], 2,
         ["{ws.trunc}/model.safetensors is truncated"], absent=["{tmp}/s.safetensors"]),
+    # ---- usaf prepare
+    Row("prepare-missing-model", ["prepare", "{tmp}/nope", "--out={tmp}/store"], 2,
+        ["MODEL_DIR {tmp}/nope: no such model directory", "download a hub model first"], absent=["{tmp}/store"]),
+    Row("prepare-model-is-a-file", ["prepare", "{ws.data}", "--out={tmp}/store"], 2,
+        ["MODEL_DIR {ws.data} is a file; give the model's folder"], absent=["{tmp}/store"]),
+    Row("prepare-no-config", ["prepare", "{ws.empty}", "--out={tmp}/store"], 2,
+        ["{ws.empty} has no config.json"], absent=["{tmp}/store"]),
+    Row("prepare-unreadable-config", ["prepare", "{ws.bad_config}", "--out={tmp}/store"], 2,
+        ["{ws.bad_config}/config.json is not a readable JSON object"], absent=["{tmp}/store"]),
+    Row("prepare-unknown-model-type", ["prepare", "{ws.unknown}", "--out={tmp}/store"], 2,
+        ["{ws.unknown}/config.json: model_type 'qwen9_moe' is not known", "upgrade transformers"],
+        absent=["{tmp}/store"]),
+    Row("prepare-truncated-weights", ["prepare", "{ws.trunc}", "--out={tmp}/store"], 2,
+        ["{ws.trunc}/model.safetensors is truncated", "re-download or re-create it"], absent=["{tmp}/store"]),
+    Row("prepare-pickles-only", ["prepare", "{ws.pickles}", "--out={tmp}/store"], 2,
+        ["No safetensors weights in {ws.pickles} (usaf reads safetensors only, never pickles)"],
+        absent=["{tmp}/store"]),
+    Row("prepare-pre-quantized", ["prepare", "{ws.prequantized}", "--out={tmp}/store"], 2,
+        ["{ws.prequantized} holds a pre-quantized checkpoint (fp8)", "prepares from the full-precision"],
+        absent=["{tmp}/store"]),
+    Row("prepare-unknown-quant", ["prepare", "{ws.base}", "--quant=nf3", "--out={tmp}/store"], 2,
+        ["usaf prepare: argument --quant: invalid choice: 'nf3'", "see `usaf prepare --help`"],
+        absent=["{tmp}/store"]),
+    Row("prepare-no-out", ["prepare", "{ws.base}"], 2,
+        ["the following arguments are required: --out", "see `usaf prepare --help`"]),
+    Row("prepare-unknown-device", ["prepare", "{ws.base}", "--device=tpu", "--out={tmp}/store"], 2,
+        ["--device 'tpu' is not a device torch knows"], absent=["{tmp}/store"]),
+    Row("prepare-absent-device", ["prepare", "{ws.base}", "--device=cuda:7", "--out={tmp}/store"], 2,
+        ["--device cuda:7: "], absent=["{tmp}/store"]),
+    Row("prepare-out-is-a-file", ["prepare", "{ws.base}", "--out={ws.data}", "--force"], 2,
+        ["--out {ws.data} is a file, not a folder"], keeps=["{ws.data}"]),
+    Row("prepare-out-inside-the-model", ["prepare", "{ws.base}", "--out={ws.base}/store"], 2,
+        ["must not be inside the checkpoint directory {ws.base}"], absent=["{ws.base}/store"]),
+    Row("prepare-out-exists", ["prepare", "{ws.base}", "--out={ws.store}"], 2,
+        ["{ws.store} already exists; choose another --out or pass --force"], keeps=["{ws.store}"]),
+    Row("prepare-out-not-a-store", ["prepare", "{ws.base}", "--out={ws.user_dir}", "--force"], 2,
+        ["{ws.user_dir} exists and is not a usaf prepared store"], keeps=["{ws.user_dir}"]),
+    Row("prepare-disk-full", ["prepare", "{ws.base}", "--out={tmp}/store"], 2,
+        ["No space left on device; free some space"], setup=disk_full_on_store, absent=["{tmp}/store"]),
     # ---- usaf export
     Row("export-nothing-to-write", ["export", "{ws.finished}"], 2, ["say what to write: --delta"]),
     Row("export-missing-run", ["export", "{tmp}/nope", "--delta={tmp}/d.safetensors"], 2,
@@ -283,6 +345,9 @@ ROWS = [
         ["the run {ws.finished} was made for a qwen3_moe model, but {ws.olmoe} is olmoe"], absent=["{tmp}/m"]),
     Row("export-base-with-other-weights", ["export", "{ws.finished}", "--base={ws.altered}", "--merged={tmp}/m"],
         2, ["differs from the base the run {ws.finished} was trained on (its first and last bytes differ)"], absent=["{tmp}/m"]),
+    Row("export-base-with-unreadable-config",
+        ["export", "{ws.finished}", "--base={ws.bad_config}", "--delta={tmp}/d.safetensors"], 2,
+        ["{ws.bad_config}/config.json is not a readable JSON object"], absent=["{tmp}/d.safetensors"]),
     Row("export-damaged-checkpoint", ["export", "{run}", "--delta={tmp}/d.safetensors"], 2,
         ["trainable.safetensors is damaged"], run="finished", setup=damage_trainable, keeps=["{run}"],
         absent=["{tmp}/d.safetensors"]),
@@ -306,6 +371,8 @@ ROWS = [
         ["{ws.delta} was made for a qwen3_moe model, but {ws.olmoe} is olmoe"], absent=["{tmp}/out"]),
     Row("apply-base-with-other-weights", ["apply", "{ws.altered}", "{ws.delta}", "{tmp}/out"], 2,
         ["differs from the base {ws.delta} was trained on (its first and last bytes differ)"], absent=["{tmp}/out"]),
+    Row("apply-base-of-unknown-model-type", ["apply", "{ws.unknown}", "{ws.delta}", "{tmp}/out"], 2,
+        ["{ws.unknown}/config.json: model_type 'qwen9_moe' is not known"], absent=["{tmp}/out"]),
     Row("apply-out-exists", ["apply", "{ws.base}", "{ws.delta}", "{ws.empty}"], 2,
         ["{ws.empty} already exists; choose another output directory or pass --force"]),
     Row("apply-into-the-base", ["apply", "{ws.base}", "{ws.delta}", "{ws.base}", "--force"], 2,
@@ -366,7 +433,8 @@ def test_fault(row: Row, ws, tmp_path, monkeypatch, capsys):
 
 def test_the_table_has_at_least_40_rows_across_the_commands():
     assert len(ROWS) >= 40
-    assert {row.argv[0] for row in ROWS} >= {"train", "eval", "select", "export", "apply", "plan", "report"}
+    commands = {"train", "eval", "select", "prepare", "export", "apply", "plan", "report"}
+    assert {row.argv[0] for row in ROWS} >= commands
 
 
 # ---- faults that are not one command line --------------------------------------------------------------------------
@@ -450,3 +518,23 @@ def test_a_real_full_disk_during_checkpoint_and_export(ws, tmp_path, capsys):
         assert not (disk / "merged").exists() and not [p for p in disk.iterdir() if "usaf-tmp" in p.name]
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+def test_the_first_lines_of_a_run_come_whole_before_its_progress_bar(ws, tmp_path):
+    """stdout and stderr into one pipe (a terminal, `> log 2>&1`): the information line and notes are out before
+    the bar draws, never broken into by it."""
+    run = tmp_path / "run"
+    args = ["train", f"--model={ws.base}", f"--data={ws.data}", f"--out={run}", *SET_ARGS]
+    args += ["--set=schedule.max_steps=2", "--set=log.progress=true"]
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from usaf.cli import main; sys.exit(main(sys.argv[1:]))", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    first = proc.stdout.split("\n", 1)[0]
+    assert first.startswith("usaf ") and ": training " in first and "train:" not in first, proc.stdout[:500]
+    assert "supervised tokens" in first  # the whole line, up to its end
+    assert "train:" in proc.stdout  # the bar did draw, after it

@@ -97,6 +97,9 @@ class BaseCheckpoint:
             raise UsafError(
                 f"{self.dir} has no config.json; pass the Hugging Face model directory the model was trained from."
             )
+        from .train import check_model_files
+
+        check_model_files(str(self.dir))  # an unreadable config.json or an unknown model_type: one line
         self.config = AutoConfig.from_pretrained(self.dir)
         self.skeleton = build_skeleton(self.config)
         self.layers = find_moe_layers(self.skeleton)

@@ -171,16 +171,19 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     summary_entries = trainable_summary(model)
     if resume:
         _truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+    # the run's first lines are out (flushed) before the progress bar starts drawing on stderr, so that a terminal
+    # (or one log file for both streams) shows them whole, not broken into by the bar
+    print(
+        f"usaf {__version__}: training {summary_entries['expert_entries']:,} expert entries"
+        + "".join(f" + {n:,} {t.replace('_', ' ')}" for t, n in _target_entries(summary_entries).items())
+        + f" + {summary_entries['routers']:,} router weights on {device} ({dtype}); {data_stats.summary()}",
+        flush=True,
+    )
+    for note in notes:
+        print(f"note: {note}", flush=True)
     log = MetricsLog(
         run_dir, config.schedule.max_steps, state["step"], config.log.progress, config.log.tensorboard
     )
-    log.message(
-        f"usaf {__version__}: training {summary_entries['expert_entries']:,} expert entries"
-        + "".join(f" + {n:,} {t.replace('_', ' ')}" for t, n in _target_entries(summary_entries).items())
-        + f" + {summary_entries['routers']:,} router weights on {device} ({dtype}); {data_stats.summary()}"
-    )
-    for note in notes:
-        log.message(f"note: {note}")
     if eval_data is not None and state["eval_before"] is None:
         state["eval_before"] = _evaluate(model, eval_data, config, device, autocast)
         log.log(state["step"], {f"eval/{k}": v for k, v in state["eval_before"].items()})
