@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import FAST_RUN, make_model_dir, write_copy_task
+import torch
+from helpers import FAST_RUN, losses, make_model_dir, run_killed, start_usaf, write_copy_task
 from safetensors.torch import load_file, save_file
 
 from usaf.cli import main
@@ -221,6 +223,8 @@ ROWS = [
     Row("train-no-tokenizer-text", T("--model={ws.bare}", "--data={ws.text}", "--out={tmp}/run"), 2,
         ["{ws.text}:1: 'text' records need a tokenizer, and the model folder {ws.bare} has no tokenizer"],
         absent=["{tmp}/run"]),
+    Row("train-unreadable-config", T("--model={ws.bad_config}", "--data={ws.data}", "--out={tmp}/run"), 2,
+        ["{ws.bad_config}/config.json is not a readable JSON object"], absent=["{tmp}/run"]),
     # ---- usaf train: the data
     Row("train-data-folder", T("--model={ws.base}", "--data={ws.data_dir}", "--out={tmp}/run"), 2,
         ["{ws.data_dir} is a folder; give the data files in it", "--data {ws.data_dir}/part1.jsonl"],
@@ -280,6 +284,8 @@ ROWS = [
         keeps=["{run}/checkpoints/step-00000003"], absent=["{run}/checkpoints/step-00000004"]),
     # ---- usaf eval
     Row("eval-missing-model", ["eval", "{tmp}/nope", "--data={ws.data}"], 2, ["{tmp}/nope: no such model directory"]),
+    Row("eval-unreadable-config", ["eval", "{ws.bad_config}", "--data={ws.data}"], 2,
+        ["{ws.bad_config}/config.json is not a readable JSON object"]),
     Row("eval-data-folder", ["eval", "{ws.base}", "--data={ws.data_dir}"], 2, ["{ws.data_dir} is a folder"]),
     Row("eval-damaged-checkpoint", ["eval", "{run}", "--data={ws.data}"], 2,
         ["step-00000003/trainable.safetensors is damaged"], run="finished", setup=damage_trainable),
@@ -337,6 +343,8 @@ ROWS = [
         ["No space left on device; free some space"], setup=disk_full_on_store, absent=["{tmp}/store"]),
     # ---- usaf export
     Row("export-nothing-to-write", ["export", "{ws.finished}"], 2, ["say what to write: --delta"]),
+    Row("export-run-is-a-file", ["export", "{ws.data}", "--delta={tmp}/d.safetensors"], 2,
+        ["{ws.data} is a file, not a run directory"], keeps=["{ws.data}"], absent=["{tmp}/d.safetensors"]),
     Row("export-missing-run", ["export", "{tmp}/nope", "--delta={tmp}/d.safetensors"], 2,
         ["Run directory {tmp}/nope does not exist"], absent=["{tmp}/d.safetensors"]),
     Row("export-output-exists", ["export", "{ws.finished}", "--delta={tmp}/d.safetensors"], 2,
@@ -438,6 +446,81 @@ def test_the_table_has_at_least_40_rows_across_the_commands():
 
 
 # ---- faults that are not one command line --------------------------------------------------------------------------
+
+# kill -9 at random steps: in the middle of a step (after its metrics row, before any checkpoint of it) or right
+# after a checkpoint; a resume then equals the uninterrupted run bit for bit. The steps are drawn from
+# USAF_FAULT_SEED (fixed by default, so that a failure repeats; set it to draw others).
+KILL_STEPS = 8
+KILL_SETS = [
+    *FAST_RUN,
+    f"schedule.max_steps={KILL_STEPS}",
+    "checkpoint.every_steps=3",
+    "checkpoint.keep_last=0",
+    "select.reselect_every=3",  # a reselection (and its probe window) inside the killed stretch
+    "train.seed=5",
+]
+_draw = random.Random(int(os.environ.get("USAF_FAULT_SEED", "12")))
+KILLS = [
+    ("row", _draw.randint(1, KILL_STEPS - 1)),
+    ("checkpoint", 3 * _draw.randint(1, (KILL_STEPS - 1) // 3)),
+]
+
+
+@pytest.fixture(scope="module")
+def straight_run(ws):
+    run = ws.root / "straight"
+    args = ["train", f"--model={ws.base}", f"--data={ws.data}", f"--out={run}"]
+    assert main([*args, *(f"--set={s}" for s in KILL_SETS)]) == 0
+    return run
+
+
+@pytest.mark.parametrize("when, step", KILLS, ids=[f"kill-9-at-{w}-of-step-{s}" for w, s in KILLS])
+def test_kill_9_at_a_random_step_then_resume_equals_an_uninterrupted_run(
+    ws, straight_run, tmp_path, when, step
+):
+    from safetensors.torch import load_file as load
+
+    run = tmp_path / "run"
+    args = [
+        "train",
+        f"--model={ws.base}",
+        f"--data={ws.data}",
+        f"--out={run}",
+        *(f"--set={s}" for s in KILL_SETS),
+    ]
+    killed = run_killed(args, step, when)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    last = step if when == "checkpoint" else 3 * (step // 3)
+    assert saved == [f"step-{s:08d}" for s in range(3, last + 1, 3)]  # nothing half-written beside them
+    assert not (run / "summary.json").exists()
+    assert main(["train", f"--resume={run}"]) == 0
+    assert losses(run) == losses(straight_run)  # every step once, equal to the last bit
+    final = f"checkpoints/step-{KILL_STEPS:08d}/trainable.safetensors"
+    a, b = load(str(straight_run / final)), load(str(run / final))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_writers_starting_into_one_run_folder_at_once(ws, tmp_path):
+    """Both start at the same moment: one trains, the other is refused with one clear line, and the run it
+    would have shared is whole (every step once, no rows of the other)."""
+    run = tmp_path / "run"
+    args = ["train", f"--model={ws.base}", f"--data={ws.data}", f"--out={run}", *SET_ARGS]
+    procs = [start_usaf([*args, "--set=schedule.max_steps=4"]) for _ in range(2)]
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    codes = sorted(rc for rc, _, _ in results)
+    assert codes == [0, 2], results
+    _, _, err = next(r for r in results if r[0] == 2)
+    winner = next(p for p, r in zip(procs, results, strict=True) if r[0] == 0)
+    assert (
+        f"{run} is in use by another usaf train (process {winner.pid})" in err
+        or f"{run} already holds a run; resume it with --resume" in err
+    ), err
+    assert err.startswith("usaf: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    assert main(["export", str(run), f"--delta={tmp_path / 'd.safetensors'}"]) == 0  # its checkpoints load
 
 
 def test_a_resume_drops_stale_metrics_rows_and_dead_checkpoint_temporaries(ws, tmp_path):

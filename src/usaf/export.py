@@ -399,6 +399,8 @@ def run_base_dir(run_dir: Path, base_dir: str | Path | None = None) -> Path:
 def delta_from_run(run_dir: str | Path) -> Delta:
     """The trained entries and routers of a run's latest finished checkpoint."""
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        raise UsafError(f"{run_dir} is a file, not a run directory; pass the --out folder of `usaf train`.")
     if not run_dir.is_dir():
         raise UsafError(f"Run directory {run_dir} does not exist; pass the --out folder of `usaf train`.")
     latest = checkpoint.latest(run_dir)

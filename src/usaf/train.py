@@ -566,6 +566,8 @@ def load_tokenizer(path: str):
     """The model's tokenizer; for a model folder without tokenizer files, a NoTokenizer (pre-tokenized data
     only, ids checked against config.vocab_size) instead of transformers' empty one."""
     check_model_path(path)
+    if (Path(path).expanduser() / "config.json").is_file():
+        check_model_files(path)  # an unreadable config.json is named as such, not as a tokenizer that failed
     if Path(path).expanduser().is_dir() and not has_tokenizer_files(Path(path).expanduser()):
         return model_vocabulary(path)
     try:
