@@ -186,6 +186,13 @@ def disk_full_on_store(ctx, monkeypatch):
     monkeypatch.setattr(usaf.shards.StreamingWriter, "write", full)
 
 
+def start_in_its_first_instant(ctx, monkeypatch):
+    """The folder as another start leaves it while it writes its marker (here: a dead one's)."""
+    (ctx.tmp / "run").mkdir()
+    (ctx.tmp / "run" / ".usaf-lock").write_text("")
+    (ctx.tmp / "run" / "..usaf-run.usaf-tmp-4194999-0a1b2c3d").write_text("{")
+
+
 def existing_output(ctx, monkeypatch):
     (ctx.tmp / "d.safetensors").write_bytes(b"keep me")
 
@@ -260,6 +267,8 @@ ROWS = [
         ["--out {ws.user_dir} is not empty and not a usaf run", "give --force"], keeps=["{ws.user_dir}"]),
     Row("train-out-holds-a-run", T("--model={ws.base}", "--data={ws.data}", "--out={run}"), 2,
         ["{run} already holds a run; resume it with --resume"], run="finished", keeps=["{run}"]),
+    Row("train-into-a-dead-start-at-its-first-write", T("--model={ws.base}", "--data={ws.data}", "--out={tmp}/run"),
+        0, [" expert entries + "], setup=start_in_its_first_instant),
     Row("train-read-only-out", T("--model={ws.base}", "--data={ws.data}", "--out={tmp}/ro"), 2,
         ["cannot write into {tmp}/ro: Read-only file system; choose another --out"], setup=read_only_out),
     # ---- usaf train --resume

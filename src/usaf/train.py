@@ -433,7 +433,10 @@ def _check_new_run(config: RunConfig, run_dir: Path, force: bool) -> str:
         raise UsafError(f"--out {run_dir} is a file, not a folder; choose another --out.")
     if checkpoint.latest(run_dir) is not None:
         raise UsafError(f"{run_dir} already holds a run; resume it with --resume or choose another --out.")
-    entries = sorted(set(os.listdir(run_dir)) - {LOCK_FILE})
+    # usaf's own temporaries of its run files (a start in its first instant, or one killed then) are not the
+    # user's files: such a folder is a start's, and the lock then says whether it is alive
+    temporaries = tuple(f".{name}.usaf-tmp-" for name in RUN_FILES)
+    entries = sorted(e for e in set(os.listdir(run_dir)) - {LOCK_FILE} if not e.startswith(temporaries))
     if not entries:
         return "empty"
     if RUN_MARKER in entries:
