@@ -1,7 +1,11 @@
 """Small on-disk fixtures: a tiny model directory with the char tokenizer, and a tiny task."""
 
 import json
+import os
 import random
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from usaf.tiny import tiny_model
@@ -40,3 +44,70 @@ FAST_RUN = [
     "log.tensorboard=false",
     "schedule.warmup_steps=1",
 ]
+
+
+# ---- usaf in its own process: killed, or running beside the test ---------------------------------------------------
+
+# `python -c KILLER ARGS...`: usaf's command line, SIGKILLed (no clean-up of any kind) at step KILL_AT_STEP, either
+# right after that step's checkpoint is saved (KILL_WHEN=checkpoint) or in the middle of it, after its metrics row
+# and before its checkpoint (KILL_WHEN=row)
+KILLER = """
+import os, signal, sys
+import usaf.checkpoint as checkpoint
+import usaf.metrics as metrics
+from usaf.cli import main
+at, when = int(os.environ["KILL_AT_STEP"]), os.environ.get("KILL_WHEN", "checkpoint")
+save, log = checkpoint.save, metrics.MetricsLog.log
+def save_then_die(run_dir, step, **kw):
+    path = save(run_dir, step, **kw)
+    if when == "checkpoint" and step == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return path
+def log_then_die(self, step, record, show=None):
+    log(self, step, record, show)
+    if when == "row" and step == at and "loss" in record:
+        os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.save, metrics.MetricsLog.log = save_then_die, log_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+CLI = "import sys; from usaf.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _env(**extra) -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **extra}
+
+
+def run_killed(args: list[str], kill_at: int, when: str = "checkpoint") -> subprocess.CompletedProcess:
+    """`usaf ARGS` in a process SIGKILLed at step `kill_at` (see KILLER)."""
+    return subprocess.run(
+        [sys.executable, "-c", KILLER, *args],
+        capture_output=True,
+        text=True,
+        env=_env(KILL_AT_STEP=str(kill_at), KILL_WHEN=when),
+    )
+
+
+def start_usaf(args: list[str]) -> subprocess.Popen:
+    """`usaf ARGS` running beside the test."""
+    return subprocess.Popen(
+        [sys.executable, "-c", CLI, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+
+
+def wait_for_rows(proc: subprocess.Popen, path: Path, rows: int, timeout_s: float = 120) -> None:
+    """Until `path` (a metrics.jsonl) has `rows` complete lines; fails if `proc` ends first."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() or path.read_text().count("\n") < rows:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """{step: loss} of a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import FAST_RUN, make_model_dir, write_copy_task
+import torch
+from helpers import FAST_RUN, losses, make_model_dir, run_killed, start_usaf, write_copy_task
 from safetensors.torch import load_file, save_file
 
 from usaf.cli import main
@@ -93,6 +95,20 @@ def ws(tmp_path_factory):
     (w.user_dir / "config.yaml").write_text("my: settings\n")
     w.empty = root / "empty-dir"
     w.empty.mkdir()
+    w.prequantized = root / "prequantized"  # config.json says the weights are already quantized
+    shutil.copytree(w.base, w.prequantized)
+    config = json.loads((w.prequantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (w.prequantized / "config.json").write_text(json.dumps(config))
+    w.pickles = root / "pickles"  # weights only as pytorch_model.bin
+    shutil.copytree(w.base, w.pickles)
+    (w.pickles / "model.safetensors").unlink()
+    (w.pickles / "pytorch_model.bin").write_bytes(b"not read")
+    w.bad_config = root / "bad-config"  # config.json cut short
+    shutil.copytree(w.base, w.bad_config)
+    (w.bad_config / "config.json").write_text('{"model_type": ')
+    w.store = root / "store"
+    assert main(["prepare", str(w.base), "--quant=int8", f"--out={w.store}"]) == 0
     w.torn_report = root / "torn-report"  # a run folder whose router_load.json was cut short
     w.torn_report.mkdir()
     (w.torn_report / "router_load.json").write_text('{"layers": [0, 1], "bef')
@@ -161,6 +177,22 @@ def read_only_merged(ctx, monkeypatch):
     monkeypatch.setattr(Path, "mkdir", refuse)
 
 
+def disk_full_on_store(ctx, monkeypatch):
+    import usaf.shards
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(usaf.shards.StreamingWriter, "write", full)
+
+
+def start_in_its_first_instant(ctx, monkeypatch):
+    """The folder as another start leaves it while it writes its marker (here: a dead one's)."""
+    (ctx.tmp / "run").mkdir()
+    (ctx.tmp / "run" / ".usaf-lock").write_text("")
+    (ctx.tmp / "run" / "..usaf-run.usaf-tmp-4194999-0a1b2c3d").write_text("{")
+
+
 def existing_output(ctx, monkeypatch):
     (ctx.tmp / "d.safetensors").write_bytes(b"keep me")
 
@@ -198,6 +230,8 @@ ROWS = [
     Row("train-no-tokenizer-text", T("--model={ws.bare}", "--data={ws.text}", "--out={tmp}/run"), 2,
         ["{ws.text}:1: 'text' records need a tokenizer, and the model folder {ws.bare} has no tokenizer"],
         absent=["{tmp}/run"]),
+    Row("train-unreadable-config", T("--model={ws.bad_config}", "--data={ws.data}", "--out={tmp}/run"), 2,
+        ["{ws.bad_config}/config.json is not a readable JSON object"], absent=["{tmp}/run"]),
     # ---- usaf train: the data
     Row("train-data-folder", T("--model={ws.base}", "--data={ws.data_dir}", "--out={tmp}/run"), 2,
         ["{ws.data_dir} is a folder; give the data files in it", "--data {ws.data_dir}/part1.jsonl"],
@@ -233,6 +267,8 @@ ROWS = [
         ["--out {ws.user_dir} is not empty and not a usaf run", "give --force"], keeps=["{ws.user_dir}"]),
     Row("train-out-holds-a-run", T("--model={ws.base}", "--data={ws.data}", "--out={run}"), 2,
         ["{run} already holds a run; resume it with --resume"], run="finished", keeps=["{run}"]),
+    Row("train-into-a-dead-start-at-its-first-write", T("--model={ws.base}", "--data={ws.data}", "--out={tmp}/run"),
+        0, [" expert entries + "], setup=start_in_its_first_instant),
     Row("train-read-only-out", T("--model={ws.base}", "--data={ws.data}", "--out={tmp}/ro"), 2,
         ["cannot write into {tmp}/ro: Read-only file system; choose another --out"], setup=read_only_out),
     # ---- usaf train --resume
@@ -257,6 +293,8 @@ ROWS = [
         keeps=["{run}/checkpoints/step-00000003"], absent=["{run}/checkpoints/step-00000004"]),
     # ---- usaf eval
     Row("eval-missing-model", ["eval", "{tmp}/nope", "--data={ws.data}"], 2, ["{tmp}/nope: no such model directory"]),
+    Row("eval-unreadable-config", ["eval", "{ws.bad_config}", "--data={ws.data}"], 2,
+        ["{ws.bad_config}/config.json is not a readable JSON object"]),
     Row("eval-data-folder", ["eval", "{ws.base}", "--data={ws.data_dir}"], 2, ["{ws.data_dir} is a folder"]),
     Row("eval-damaged-checkpoint", ["eval", "{run}", "--data={ws.data}"], 2,
         ["step-00000003/trainable.safetensors is damaged"], run="finished", setup=damage_trainable),
@@ -273,8 +311,49 @@ ROWS = [
     Row("select-truncated-weights",
         ["select", "--model={ws.trunc}", "--data={ws.data}", "--out={tmp}/s.safetensors"], 2,
         ["{ws.trunc}/model.safetensors is truncated"], absent=["{tmp}/s.safetensors"]),
+    # ---- usaf prepare
+    Row("prepare-missing-model", ["prepare", "{tmp}/nope", "--out={tmp}/store"], 2,
+        ["MODEL_DIR {tmp}/nope: no such model directory", "download a hub model first"], absent=["{tmp}/store"]),
+    Row("prepare-model-is-a-file", ["prepare", "{ws.data}", "--out={tmp}/store"], 2,
+        ["MODEL_DIR {ws.data} is a file; give the model's folder"], absent=["{tmp}/store"]),
+    Row("prepare-no-config", ["prepare", "{ws.empty}", "--out={tmp}/store"], 2,
+        ["{ws.empty} has no config.json"], absent=["{tmp}/store"]),
+    Row("prepare-unreadable-config", ["prepare", "{ws.bad_config}", "--out={tmp}/store"], 2,
+        ["{ws.bad_config}/config.json is not a readable JSON object"], absent=["{tmp}/store"]),
+    Row("prepare-unknown-model-type", ["prepare", "{ws.unknown}", "--out={tmp}/store"], 2,
+        ["{ws.unknown}/config.json: model_type 'qwen9_moe' is not known", "upgrade transformers"],
+        absent=["{tmp}/store"]),
+    Row("prepare-truncated-weights", ["prepare", "{ws.trunc}", "--out={tmp}/store"], 2,
+        ["{ws.trunc}/model.safetensors is truncated", "re-download or re-create it"], absent=["{tmp}/store"]),
+    Row("prepare-pickles-only", ["prepare", "{ws.pickles}", "--out={tmp}/store"], 2,
+        ["No safetensors weights in {ws.pickles} (usaf reads safetensors only, never pickles)"],
+        absent=["{tmp}/store"]),
+    Row("prepare-pre-quantized", ["prepare", "{ws.prequantized}", "--out={tmp}/store"], 2,
+        ["{ws.prequantized} holds a pre-quantized checkpoint (fp8)", "prepares from the full-precision"],
+        absent=["{tmp}/store"]),
+    Row("prepare-unknown-quant", ["prepare", "{ws.base}", "--quant=nf3", "--out={tmp}/store"], 2,
+        ["usaf prepare: argument --quant: invalid choice: 'nf3'", "see `usaf prepare --help`"],
+        absent=["{tmp}/store"]),
+    Row("prepare-no-out", ["prepare", "{ws.base}"], 2,
+        ["the following arguments are required: --out", "see `usaf prepare --help`"]),
+    Row("prepare-unknown-device", ["prepare", "{ws.base}", "--device=tpu", "--out={tmp}/store"], 2,
+        ["--device 'tpu' is not a device torch knows"], absent=["{tmp}/store"]),
+    Row("prepare-absent-device", ["prepare", "{ws.base}", "--device=cuda:7", "--out={tmp}/store"], 2,
+        ["--device cuda:7: "], absent=["{tmp}/store"]),
+    Row("prepare-out-is-a-file", ["prepare", "{ws.base}", "--out={ws.data}", "--force"], 2,
+        ["--out {ws.data} is a file, not a folder"], keeps=["{ws.data}"]),
+    Row("prepare-out-inside-the-model", ["prepare", "{ws.base}", "--out={ws.base}/store"], 2,
+        ["must not be inside the checkpoint directory {ws.base}"], absent=["{ws.base}/store"]),
+    Row("prepare-out-exists", ["prepare", "{ws.base}", "--out={ws.store}"], 2,
+        ["{ws.store} already exists; choose another --out or pass --force"], keeps=["{ws.store}"]),
+    Row("prepare-out-not-a-store", ["prepare", "{ws.base}", "--out={ws.user_dir}", "--force"], 2,
+        ["{ws.user_dir} exists and is not a usaf prepared store"], keeps=["{ws.user_dir}"]),
+    Row("prepare-disk-full", ["prepare", "{ws.base}", "--out={tmp}/store"], 2,
+        ["No space left on device; free some space"], setup=disk_full_on_store, absent=["{tmp}/store"]),
     # ---- usaf export
     Row("export-nothing-to-write", ["export", "{ws.finished}"], 2, ["say what to write: --delta"]),
+    Row("export-run-is-a-file", ["export", "{ws.data}", "--delta={tmp}/d.safetensors"], 2,
+        ["{ws.data} is a file, not a run directory"], keeps=["{ws.data}"], absent=["{tmp}/d.safetensors"]),
     Row("export-missing-run", ["export", "{tmp}/nope", "--delta={tmp}/d.safetensors"], 2,
         ["Run directory {tmp}/nope does not exist"], absent=["{tmp}/d.safetensors"]),
     Row("export-output-exists", ["export", "{ws.finished}", "--delta={tmp}/d.safetensors"], 2,
@@ -282,7 +361,10 @@ ROWS = [
     Row("export-base-of-another-family", ["export", "{ws.finished}", "--base={ws.olmoe}", "--merged={tmp}/m"], 2,
         ["the run {ws.finished} was made for a qwen3_moe model, but {ws.olmoe} is olmoe"], absent=["{tmp}/m"]),
     Row("export-base-with-other-weights", ["export", "{ws.finished}", "--base={ws.altered}", "--merged={tmp}/m"],
-        2, ["differs from the base the run {ws.finished} was trained on (sha256 mismatch)"], absent=["{tmp}/m"]),
+        2, ["differs from the base the run {ws.finished} was trained on (its first and last bytes differ)"], absent=["{tmp}/m"]),
+    Row("export-base-with-unreadable-config",
+        ["export", "{ws.finished}", "--base={ws.bad_config}", "--delta={tmp}/d.safetensors"], 2,
+        ["{ws.bad_config}/config.json is not a readable JSON object"], absent=["{tmp}/d.safetensors"]),
     Row("export-damaged-checkpoint", ["export", "{run}", "--delta={tmp}/d.safetensors"], 2,
         ["trainable.safetensors is damaged"], run="finished", setup=damage_trainable, keeps=["{run}"],
         absent=["{tmp}/d.safetensors"]),
@@ -305,7 +387,9 @@ ROWS = [
     Row("apply-base-of-another-family", ["apply", "{ws.olmoe}", "{ws.delta}", "{tmp}/out"], 2,
         ["{ws.delta} was made for a qwen3_moe model, but {ws.olmoe} is olmoe"], absent=["{tmp}/out"]),
     Row("apply-base-with-other-weights", ["apply", "{ws.altered}", "{ws.delta}", "{tmp}/out"], 2,
-        ["differs from the base {ws.delta} was trained on (sha256 mismatch)"], absent=["{tmp}/out"]),
+        ["differs from the base {ws.delta} was trained on (its first and last bytes differ)"], absent=["{tmp}/out"]),
+    Row("apply-base-of-unknown-model-type", ["apply", "{ws.unknown}", "{ws.delta}", "{tmp}/out"], 2,
+        ["{ws.unknown}/config.json: model_type 'qwen9_moe' is not known"], absent=["{tmp}/out"]),
     Row("apply-out-exists", ["apply", "{ws.base}", "{ws.delta}", "{ws.empty}"], 2,
         ["{ws.empty} already exists; choose another output directory or pass --force"]),
     Row("apply-into-the-base", ["apply", "{ws.base}", "{ws.delta}", "{ws.base}", "--force"], 2,
@@ -366,10 +450,86 @@ def test_fault(row: Row, ws, tmp_path, monkeypatch, capsys):
 
 def test_the_table_has_at_least_40_rows_across_the_commands():
     assert len(ROWS) >= 40
-    assert {row.argv[0] for row in ROWS} >= {"train", "eval", "select", "export", "apply", "plan", "report"}
+    commands = {"train", "eval", "select", "prepare", "export", "apply", "plan", "report"}
+    assert {row.argv[0] for row in ROWS} >= commands
 
 
 # ---- faults that are not one command line --------------------------------------------------------------------------
+
+# kill -9 at random steps: in the middle of a step (after its metrics row, before any checkpoint of it) or right
+# after a checkpoint; a resume then equals the uninterrupted run bit for bit. The steps are drawn from
+# USAF_FAULT_SEED (fixed by default, so that a failure repeats; set it to draw others).
+KILL_STEPS = 8
+KILL_SETS = [
+    *FAST_RUN,
+    f"schedule.max_steps={KILL_STEPS}",
+    "checkpoint.every_steps=3",
+    "checkpoint.keep_last=0",
+    "select.reselect_every=3",  # a reselection (and its probe window) inside the killed stretch
+    "train.seed=5",
+]
+_draw = random.Random(int(os.environ.get("USAF_FAULT_SEED", "12")))
+KILLS = [
+    ("row", _draw.randint(1, KILL_STEPS - 1)),
+    ("checkpoint", 3 * _draw.randint(1, (KILL_STEPS - 1) // 3)),
+]
+
+
+@pytest.fixture(scope="module")
+def straight_run(ws):
+    run = ws.root / "straight"
+    args = ["train", f"--model={ws.base}", f"--data={ws.data}", f"--out={run}"]
+    assert main([*args, *(f"--set={s}" for s in KILL_SETS)]) == 0
+    return run
+
+
+@pytest.mark.parametrize("when, step", KILLS, ids=[f"kill-9-at-{w}-of-step-{s}" for w, s in KILLS])
+def test_kill_9_at_a_random_step_then_resume_equals_an_uninterrupted_run(
+    ws, straight_run, tmp_path, when, step
+):
+    from safetensors.torch import load_file as load
+
+    run = tmp_path / "run"
+    args = [
+        "train",
+        f"--model={ws.base}",
+        f"--data={ws.data}",
+        f"--out={run}",
+        *(f"--set={s}" for s in KILL_SETS),
+    ]
+    killed = run_killed(args, step, when)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    last = step if when == "checkpoint" else 3 * (step // 3)
+    assert saved == [f"step-{s:08d}" for s in range(3, last + 1, 3)]  # nothing half-written beside them
+    assert not (run / "summary.json").exists()
+    assert main(["train", f"--resume={run}"]) == 0
+    assert losses(run) == losses(straight_run)  # every step once, equal to the last bit
+    final = f"checkpoints/step-{KILL_STEPS:08d}/trainable.safetensors"
+    a, b = load(str(straight_run / final)), load(str(run / final))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_writers_starting_into_one_run_folder_at_once(ws, tmp_path):
+    """Both start at the same moment: one trains, the other is refused with one clear line, and the run it
+    would have shared is whole (every step once, no rows of the other)."""
+    run = tmp_path / "run"
+    args = ["train", f"--model={ws.base}", f"--data={ws.data}", f"--out={run}", *SET_ARGS]
+    procs = [start_usaf([*args, "--set=schedule.max_steps=4"]) for _ in range(2)]
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    codes = sorted(rc for rc, _, _ in results)
+    assert codes == [0, 2], results
+    _, _, err = next(r for r in results if r[0] == 2)
+    winner = next(p for p, r in zip(procs, results, strict=True) if r[0] == 0)
+    assert (
+        f"{run} is in use by another usaf train (process {winner.pid})" in err
+        or f"{run} already holds a run; resume it with --resume" in err
+    ), err
+    assert err.startswith("usaf: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    assert main(["export", str(run), f"--delta={tmp_path / 'd.safetensors'}"]) == 0  # its checkpoints load
 
 
 def test_a_resume_drops_stale_metrics_rows_and_dead_checkpoint_temporaries(ws, tmp_path):
@@ -450,3 +610,23 @@ def test_a_real_full_disk_during_checkpoint_and_export(ws, tmp_path, capsys):
         assert not (disk / "merged").exists() and not [p for p in disk.iterdir() if "usaf-tmp" in p.name]
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+def test_the_first_lines_of_a_run_come_whole_before_its_progress_bar(ws, tmp_path):
+    """stdout and stderr into one pipe (a terminal, `> log 2>&1`): the information line and notes are out before
+    the bar draws, never broken into by it."""
+    run = tmp_path / "run"
+    args = ["train", f"--model={ws.base}", f"--data={ws.data}", f"--out={run}", *SET_ARGS]
+    args += ["--set=schedule.max_steps=2", "--set=log.progress=true"]
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from usaf.cli import main; sys.exit(main(sys.argv[1:]))", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    first = proc.stdout.split("\n", 1)[0]
+    assert first.startswith("usaf ") and ": training " in first and "train:" not in first, proc.stdout[:500]
+    assert "supervised tokens" in first  # the whole line, up to its end
+    assert "train:" in proc.stdout  # the bar did draw, after it

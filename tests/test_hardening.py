@@ -4,13 +4,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from helpers import FAST_RUN, make_model_dir, write_copy_task
+from helpers import FAST_RUN, make_model_dir, start_usaf, wait_for_rows, write_copy_task
 
 from usaf.cli import main
 from usaf.config import SECTIONS, RunConfig
@@ -245,21 +243,7 @@ def test_a_router_collapse_stop_exits_non_zero(workspace, tmp_path, capsys):
 
 
 def _start_training(workspace, run: Path, *sets) -> subprocess.Popen:
-    args = cli_args(workspace, run, "schedule.max_steps=100000", *sets)
-    return subprocess.Popen(
-        [sys.executable, "-c", "import sys; from usaf.cli import main; sys.exit(main(sys.argv[1:]))", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-
-
-def _wait_for_rows(proc, path: Path, rows: int) -> None:
-    deadline = time.monotonic() + 120
-    while not path.exists() or path.read_text().count("\n") < rows:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
+    return start_usaf(cli_args(workspace, run, "schedule.max_steps=100000", *sets))
 
 
 def test_a_second_training_into_a_busy_run_folder_is_refused(workspace, tmp_path, capsys):
@@ -267,7 +251,7 @@ def test_a_second_training_into_a_busy_run_folder_is_refused(workspace, tmp_path
     # no checkpoint yet (every_steps=0): the busy folder must not pass for a dead start
     proc = _start_training(workspace, run, "checkpoint.every_steps=0")
     try:
-        _wait_for_rows(proc, run / "metrics.jsonl", 3)
+        wait_for_rows(proc, run / "metrics.jsonl", 3)
         config_before = (run / "config.yaml").read_bytes()
         assert main(cli_args(workspace, run, "schedule.max_steps=2")) == 2
         err = capsys.readouterr().err
@@ -284,7 +268,7 @@ def test_a_resume_of_a_busy_run_is_refused_and_the_lock_dies_with_its_process(wo
     run = tmp_path / "run"
     proc = _start_training(workspace, run, "checkpoint.every_steps=2")
     try:
-        _wait_for_rows(proc, run / "metrics.jsonl", 4)
+        wait_for_rows(proc, run / "metrics.jsonl", 4)
         assert main(["train", f"--resume={run}", "--set=schedule.max_steps=3"]) == 2
         assert f"{run} is in use by another usaf train (process {proc.pid})" in capsys.readouterr().err
     finally:
@@ -338,7 +322,7 @@ def test_a_failed_start_leaves_no_run_behind(workspace, tmp_path, capsys):
 def test_a_killed_start_is_started_over_not_continued(workspace, tmp_path):
     run = tmp_path / "run"
     proc = _start_training(workspace, run, "checkpoint.every_steps=0")
-    _wait_for_rows(proc, run / "metrics.jsonl", 3)
+    wait_for_rows(proc, run / "metrics.jsonl", 3)
     proc.kill()  # no checkpoint, no clean-up: a dead start
     proc.communicate()
     assert main(cli_args(workspace, run, "schedule.max_steps=2")) == 0

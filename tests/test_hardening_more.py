@@ -64,7 +64,7 @@ def test_export_refuses_a_base_with_other_weights(finished, tmp_path, capsys):
     capsys.readouterr()
     assert main(["export", str(finished["run"]), f"--base={other}", f"--delta={out}"]) == 2
     err = capsys.readouterr().err
-    assert f"differs from the base the run {finished['run']} was trained on (sha256 mismatch)" in err
+    assert f"differs from the base the run {finished['run']} was trained on" in err
     assert "Use the exact checkpoint it was made from" in err and "Traceback" not in err
     assert err.count("\n") == 1 and not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
@@ -79,8 +79,11 @@ def test_export_takes_an_identical_copy_of_the_base(finished, tmp_path, capsys):
     assert main(["apply", str(copy), str(tmp_path / "d.safetensors"), str(tmp_path / "applied")]) == 0
     record = json.loads((finished["run"] / "base.json").read_text())
     assert record["model_type"] == "qwen3_moe" and all(
-        len(t["sha256"]) == 64 for t in record["tensors"].values()
+        len(t["sample_sha256"]) == 64 for t in record["tensors"].values()
     )
+    # hashed whole: what this run's targets can train (not the norms)
+    assert len(record["tensors"]["model.layers.0.self_attn.q_proj.weight"]["sha256"]) == 64
+    assert "sha256" not in record["tensors"]["model.norm.weight"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -204,3 +207,84 @@ def test_a_run_with_relative_paths_works_from_elsewhere_and_a_moved_base_or_data
     assert f"model.path '{work / 'base'}' -> '{moved}'" in capsys.readouterr().out
     assert f"path: {moved}\n" in (run / "config.yaml").read_text()
     assert main(["export", str(run), "--delta=d2.safetensors"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# base.json: a start hashes only the tensors that can hold trained entries; the rest by cheap facts
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_run_start_hashes_only_the_tensors_it_can_train(finished, tmp_path, monkeypatch, capsys):
+    import usaf.shards
+
+    hashed: list[str] = []
+    real = usaf.shards.sha256_of
+    monkeypatch.setattr(usaf.shards, "sha256_of", lambda entry: hashed.append(entry.name) or real(entry))
+    everything = set(load_file(str(finished["base"] / "model.safetensors")))
+    # layer 1's expert tensors (stored one per expert and projection, fused by the model) and its router
+    trained = {key for key in everything if key.startswith("model.layers.1.mlp.")}
+    assert len(trained) == 6 * 3 + 1
+    run = tmp_path / "run"
+    sets = ["schedule.max_steps=1", "select.layers=[1]", "select.targets=[experts,routers]"]
+    assert main(train_args(finished["base"], finished["data"], run, *sets)) == 0
+    assert sorted(hashed) == sorted(trained)  # each once, nothing else read whole
+    record = json.loads((run / "base.json").read_text())
+    assert {key for key, t in record["tensors"].items() if "sha256" in t} == trained
+    assert set(record["tensors"]) == everything and record["files"] == {
+        "model.safetensors": (finished["base"] / "model.safetensors").stat().st_size
+    }
+    assert all(len(t["sample_sha256"]) == 64 for t in record["tensors"].values())
+
+    # a resume from a moved copy, an export: again only the recorded tensors are hashed
+    copy = tmp_path / "copy"
+    shutil.copytree(finished["base"], copy)
+    hashed.clear()
+    assert main(["train", f"--resume={run}", f"--model={copy}", "--set=schedule.max_steps=2"]) == 0
+    assert sorted(hashed) == sorted(trained)
+    hashed.clear()
+    assert main(["export", str(run), f"--merged={tmp_path / 'merged'}"]) == 0
+    assert set(hashed) <= trained
+
+    # a base that differs only where this run trains nothing is still refused: by resume, export and apply
+    other = tmp_path / "other"
+    shutil.copytree(finished["base"], other)
+    tensors = load_file(str(other / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.weight"] += 0.01
+    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    capsys.readouterr()
+    before = snapshot(run)
+    assert main(["train", f"--resume={run}", f"--model={other}", "--set=schedule.max_steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert f"the model at {other} is not the base the run started from" in err
+    assert "tensor 'model.layers.0.self_attn.q_proj.weight' differs" in err and err.count("\n") == 1
+    assert snapshot(run) == before
+    assert main(["export", str(run), f"--base={other}", f"--delta={tmp_path / 'd.safetensors'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"Tensor 'model.layers.0.self_attn.q_proj.weight' in {other / 'model.safetensors'} differs" in err
+    assert "Use the exact checkpoint it was made from" in err and not (tmp_path / "d.safetensors").exists()
+    assert main(["export", str(run), f"--delta={tmp_path / 'd.safetensors'}"]) == 0
+    assert main(["apply", str(other), str(tmp_path / "d.safetensors"), str(tmp_path / "applied")]) == 2
+    assert "differs from the base" in capsys.readouterr().err and not (tmp_path / "applied").exists()
+
+
+def test_an_older_runs_base_json_with_every_tensor_hashed_is_still_read_and_checked(
+    finished, tmp_path, capsys
+):
+    from usaf import export
+
+    run = copy_run(finished, tmp_path)
+    full = export.base_record(finished["base"])  # no trained names: every tensor hashed
+    assert all("sha256" in t for t in full["tensors"].values())
+    keep = ("file", "dtype", "shape", "sha256")
+    old = {  # as usaf wrote base.json before: every tensor's sha256, no sampled bytes, no file sizes
+        **{k: full[k] for k in ("model_type", "config_sha256", "name_or_path")},
+        "tensors": {key: {k: t[k] for k in keep} for key, t in full["tensors"].items()},
+    }
+    (run / "base.json").write_text(json.dumps(old))
+    assert export.base_difference(old, finished["base"]) is None
+    assert main(["export", str(run), f"--delta={tmp_path / 'd.safetensors'}"]) == 0
+    other = altered_copy(finished["base"], tmp_path / "other")
+    assert "sha256 mismatch" in export.base_difference(old, other)
+    capsys.readouterr()
+    assert main(["export", str(run), f"--base={other}", f"--delta={tmp_path / 'e.safetensors'}"]) == 2
+    assert f"differs from the base the run {run} was trained on (sha256 mismatch)" in capsys.readouterr().err

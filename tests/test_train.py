@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_model_dir, write_copy_task
+from helpers import losses, make_model_dir, run_killed, write_copy_task
 from safetensors.torch import load_file
 
 from usaf.cli import main
@@ -44,32 +44,12 @@ def config_for(workspace, *extra):
     )
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 def test_training_lowers_eval_loss(workspace, tmp_path):
     summary = train(config_for(workspace, "schedule.max_steps=25"), tmp_path / "run")
     assert summary["steps"] == 25
     assert summary["eval_loss_after"] < summary["eval_loss_before"] - 0.05
     assert (tmp_path / "run" / "summary.json").exists()
     assert summary["trained_expert_entries"] > 0 and summary["skipped_steps"] == 0
-
-
-KILLER = """
-import os, signal, sys
-import usaf.checkpoint as checkpoint
-from usaf.cli import main
-save = checkpoint.save
-def save_then_die(run_dir, step, **kw):
-    path = save(run_dir, step, **kw)
-    if step == int(os.environ["KILL_AT_STEP"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return path
-checkpoint.save = save_then_die
-sys.exit(main(sys.argv[1:]))
-"""
 
 
 @pytest.mark.parametrize(
@@ -105,12 +85,7 @@ def test_resume_after_sigkill_is_exact(workspace, tmp_path, kill_at, extra):
     sets = [f"--set={s}" for s in [*BASE, "schedule.max_steps=20", "train.seed=3", *extra]]
     assert main(["train", *args, f"--out={tmp_path / 'straight'}", *sets]) == 0
 
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLER, "train", *args, f"--out={tmp_path / 'killed'}", *sets],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "KILL_AT_STEP": str(kill_at)},
-    )
+    killed = run_killed(["train", *args, f"--out={tmp_path / 'killed'}", *sets], kill_at)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (tmp_path / "killed" / "checkpoints" / "step-00000020").exists()
     assert main(["train", f"--resume={tmp_path / 'killed'}"]) == 0

@@ -20,8 +20,20 @@ from .errors import UsafError
 COMMANDS: tuple[str, ...] = ("plan", "train", "prepare", "export", "report", "select")
 
 
+class UsageError(UsafError):
+    """A command line argparse cannot read."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as usaf's: one line naming the option and where the usage is, not the usage block and
+    argparse's own exit (subcommands' parsers are of this class too)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message}; see `{self.prog} --help`.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="usaf",
         description="Fine-tune a Mixture-of-Experts model's own expert weights, sparsely, on a frozen base.",
     )
@@ -68,7 +80,11 @@ def _join_values(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_join_values(list(sys.argv[1:] if argv is None else argv)))
+    try:
+        args = parser.parse_args(_join_values(list(sys.argv[1:] if argv is None else argv)))
+    except UsageError as err:
+        print(f"usaf: error: {err}", file=sys.stderr)
+        return 2
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight-loading bars would bury usaf's own progress

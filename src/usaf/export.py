@@ -64,8 +64,10 @@ class Delta:
 
     changes: dict[str, TensorChange]
     info: dict = field(default_factory=dict)
-    # the identity of the base the values were trained against ({"model_type", "config_sha256", "tensors": {key:
-    # {"file", "dtype", "shape", "sha256"}}}): a delta file's "base", a run's base.json; None when nothing was recorded
+    # the identity of the base the values were trained against ({"model_type", "config_sha256", "files": {shard:
+    # size}, "tensors": {key: {"file", "dtype", "shape", "sample_sha256", and "sha256" for the tensors that can
+    # hold trained entries}}}; records of older usaf: every tensor's sha256, no samples): a delta file's "base", a
+    # run's base.json; None when nothing was recorded
     base_record: dict | None = None
     origin: str = "the delta"  # how messages name where the delta came from
 
@@ -95,6 +97,9 @@ class BaseCheckpoint:
             raise UsafError(
                 f"{self.dir} has no config.json; pass the Hugging Face model directory the model was trained from."
             )
+        from .train import check_model_files
+
+        check_model_files(str(self.dir))  # an unreadable config.json or an unknown model_type: one line
         self.config = AutoConfig.from_pretrained(self.dir)
         self.skeleton = build_skeleton(self.config)
         self.layers = find_moe_layers(self.skeleton)
@@ -228,28 +233,132 @@ def _split_by_source(ids: torch.Tensor, sources: list[tuple[str, int]]):
 RUN_BASE_FILE = "base.json"  # a run's record of the base it trains on, written when the run starts
 
 
-def base_record(model_dir: str | Path) -> dict:
-    """What `check_base` compares a base against: its identity and every tensor's file, dtype, shape and sha256
-    (a prepared store: the checkpoint it was prepared from, with the checksums the store recorded)."""
+SAMPLE_BYTES = 4096  # a tensor that is not hashed whole is known by the sha256 of its first and last 4 KiB
+
+
+def base_record(model_dir: str | Path, trained: list[str] | None = None) -> dict:
+    """What `check_base` compares a base against: its identity, every tensor's file, dtype, shape and a digest of
+    its first and last bytes (`sample_sha256`), every shard file's size, and the full sha256 of the tensors that
+    can hold trained entries: the checkpoint tensors that the model parameters `trained` (usaf's names, e.g. a
+    fused `experts.gate_up_proj`) are built from; every tensor when `trained` is None or cannot be mapped. A
+    prepared store: the checkpoint it was prepared from, with the checksums the store recorded (nothing hashed).
+
+    Hashing only what can change keeps a run's start from reading the whole base (minutes on a 30B model); the
+    rest is still compared, cheaply, so another model or a modified copy is refused."""
     model_dir = Path(model_dir)
     store = model_dir / STORE_FILE
+    known: dict[str, str] = {}
     if store.exists():
         metadata = json.loads(store.read_text())
         base = BaseCheckpoint(metadata["source"]["dir"])
-        return {**base.identity(), "tensors": metadata["source_tensors"]}
-    base = BaseCheckpoint(model_dir)
+        known = {key: info["sha256"] for key, info in metadata["source_tensors"].items()}
+    else:
+        base = BaseCheckpoint(model_dir)
+    hashed = checkpoint_keys(base, trained) if trained is not None else None
+    tensors = {}
+    for key, entry in sorted(base.source.entries.items()):
+        facts = tensor_facts(entry)
+        if hashed is None or key in hashed:
+            facts["sha256"] = known.get(key) or shards.sha256_of(entry)
+        tensors[key] = facts
     return {
         **base.identity(),
-        "tensors": {
-            key: {
-                "file": entry.file.name,
-                "dtype": shards.DTYPE_NAMES[entry.dtype],
-                "shape": list(entry.shape),
-                "sha256": shards.sha256_of(entry),
-            }
-            for key, entry in sorted(base.source.entries.items())
-        },
+        "sha256_of": "all tensors" if hashed is None else "the tensors that can hold trained entries",
+        "files": {name: (base.dir / name).stat().st_size for name in base.shard_files()},
+        "tensors": tensors,
     }
+
+
+def checkpoint_keys(base: BaseCheckpoint, names) -> set[str] | None:
+    """The checkpoint tensors that the model parameters `names` are built from (through the loader's own
+    renamings and conversions: Mixtral's `block_sparse_moe.experts.3.w1.weight` for `mlp.experts.gate_up_proj`);
+    None when one of them is not built from the checkpoint."""
+    tied = getattr(base.skeleton, "all_tied_weights_keys", None)
+    tied = tied if isinstance(tied, dict) else {}
+    keys: set[str] = set()
+    for name in names:
+        target = base.source.targets.get(name) or base.source.targets.get(tied.get(name) or "")
+        if target is None:
+            return None
+        keys.update(base.source.groups[target.group].keys())
+    return keys
+
+
+def tensor_facts(entry: shards.TensorEntry) -> dict:
+    return {
+        "file": entry.file.name,
+        "dtype": shards.DTYPE_NAMES[entry.dtype],
+        "shape": list(entry.shape),
+        "sample_sha256": sample_sha256(entry),
+    }
+
+
+def sample_sha256(entry: shards.TensorEntry) -> str:
+    """sha256 of a tensor's first and last SAMPLE_BYTES (all of it when smaller): a cheap fingerprint that any
+    fine-tune or re-initialisation of the tensor changes."""
+    spans = [(entry.begin, min(entry.end, entry.begin + SAMPLE_BYTES))]
+    if entry.nbytes > SAMPLE_BYTES:
+        spans.append((max(spans[0][1], entry.end - SAMPLE_BYTES), entry.end))
+    hasher = hashlib.sha256()
+    with open(entry.file, "rb") as f:
+        for begin, end in spans:
+            f.seek(begin)
+            block = f.read(end - begin)
+            if len(block) != end - begin:
+                raise UsafError(
+                    f"{entry.file} ended early while reading tensor '{entry.name}'; re-download it."
+                )
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def base_difference(recorded: dict, model_dir: str | Path) -> str | None:
+    """How the base at `model_dir` (a checkpoint, or a prepared store: the checkpoint it was prepared from)
+    differs from `recorded` (a run's base.json), checking exactly what was recorded: names, dtypes, shapes,
+    sampled bytes and file sizes, and the sha256 of the tensors recorded with one (a store's own checksums are
+    taken, not recomputed); None when it does not differ."""
+    model_dir = Path(model_dir)
+    store = model_dir / STORE_FILE
+    known: dict[str, str] = {}
+    if store.exists():
+        metadata = json.loads(store.read_text())
+        base = BaseCheckpoint(metadata["source"]["dir"])
+        known = {key: info.get("sha256") for key, info in metadata.get("source_tensors", {}).items()}
+    else:
+        base = BaseCheckpoint(model_dir)
+    if recorded.get("model_type") != getattr(base.config, "model_type", None):
+        return (
+            f"it is {getattr(base.config, 'model_type', None)}, the run's base {recorded.get('model_type')}"
+        )
+    found = _structural_difference(recorded, base)
+    if found is not None:
+        return found[1]
+    for key, info in sorted((recorded.get("tensors") or {}).items()):
+        if (
+            "sha256" in info
+            and (known.get(key) or shards.sha256_of(base.source.entries[key])) != info["sha256"]
+        ):
+            return f"tensor '{key}' differs (sha256 mismatch)"
+    return None
+
+
+def _structural_difference(recorded: dict, base: BaseCheckpoint) -> tuple[str, str] | None:
+    """(tensor key or file name, what differs) for the first difference between `base` and the cheap facts of
+    `recorded`: file sizes (of the files `base` has under the recorded names), every recorded tensor's presence,
+    dtype, shape and sampled bytes. The full sha256 are not checked here."""
+    for name, size in sorted((recorded.get("files") or {}).items()):
+        path = base.dir / name
+        if path.is_file() and path.stat().st_size != size:
+            return name, f"{path} is {path.stat().st_size} bytes"
+    for key, info in sorted((recorded.get("tensors") or {}).items()):
+        entry = base.source.entries.get(key)
+        if entry is None:
+            return key, f"tensor '{key}' is missing"
+        if shards.DTYPE_NAMES[entry.dtype] != info["dtype"] or list(entry.shape) != info["shape"]:
+            return key, f"tensor '{key}' is {shards.DTYPE_NAMES[entry.dtype]} {list(entry.shape)}"
+        if "sample_sha256" in info and sample_sha256(entry) != info["sample_sha256"]:
+            return key, f"tensor '{key}' differs (its sampled bytes)"
+    return None
 
 
 def read_run_base_record(run_dir: Path) -> dict | None:
@@ -290,6 +399,8 @@ def run_base_dir(run_dir: Path, base_dir: str | Path | None = None) -> Path:
 def delta_from_run(run_dir: str | Path) -> Delta:
     """The trained entries and routers of a run's latest finished checkpoint."""
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        raise UsafError(f"{run_dir} is a file, not a run directory; pass the --out folder of `usaf train`.")
     if not run_dir.is_dir():
         raise UsafError(f"Run directory {run_dir} does not exist; pass the --out folder of `usaf train`.")
     latest = checkpoint.latest(run_dir)
@@ -381,12 +492,20 @@ def write_delta(
             want = ((delta.base_record or {}).get("tensors") or {}).get(key, {}).get("sha256")
             if want is not None and checksums[key]["sha256"] != want:
                 raise UsafError(_checksum_message(key, source_entry.file, delta.origin))
+    # the other tensors by their cheap facts, so that `usaf apply` refuses another model with the same shapes
+    # even where the delta changes nothing
+    facts = {key: tensor_facts(entry) for key, entry in sorted(base.source.entries.items())}
+    files = {name: (base.dir / name).stat().st_size for name in base.shard_files()}
     info = {
         "format": DELTA_FORMAT,
         "format_version": DELTA_FORMAT_VERSION,
         "usaf_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "base": {**base.identity(), "tensors": checksums},
+        "base": {
+            **base.identity(),
+            "files": files,
+            "tensors": {key: {**facts[key], **checksums.get(key, {})} for key in facts},
+        },
         "changes": described,
         **delta.info,
         "payload_sha256": _payload_digest(tensors),
@@ -498,7 +617,9 @@ def apply_delta(
 
 def check_base(delta: Delta, base: BaseCheckpoint) -> None:
     """Cheap checks that `base` is the model `delta` was made against, for a delta file (`usaf apply`, load_delta)
-    and a run (`usaf export`) alike; the recorded checksums are verified as the changed tensors are read."""
+    and a run (`usaf export`) alike: model type, every recorded tensor's presence, dtype, shape and sampled bytes,
+    the shard files' sizes. The recorded full sha256 (of the tensors that can hold trained entries) are verified as
+    the changed tensors are read."""
     recorded, delta_path = delta.base_record, delta.origin
     if recorded is None:
         return  # a run from before base.json (or trained from the hub): nothing to compare against
@@ -514,29 +635,41 @@ def check_base(delta: Delta, base: BaseCheckpoint) -> None:
                 f"{delta_path} changes '{name}' of shape {entry['shape']}, but in {base.dir} it is "
                 f"{list(base.shape(name))}; use the model it was trained from."
             )
-    for key, info in recorded["tensors"].items():
-        entry = base.source.entries.get(key)
-        if (
-            entry is None
-            or shards.DTYPE_NAMES[entry.dtype] != info["dtype"]
-            or list(entry.shape) != info["shape"]
-        ):
-            raise UsafError(
-                f"{delta_path} was made against a base whose tensor '{key}' is {info['dtype']} {info['shape']}; "
-                f"{base.dir} {'lacks it' if entry is None else 'differs'}. Use the model it was trained from."
-            )
+    found = _structural_difference(recorded, base)
+    if found is None:
+        return
+    key, what = found
+    entry = base.source.entries.get(key)
+    info = (recorded.get("tensors") or {}).get(key)
+    if info is None:  # a shard file of another size
+        raise UsafError(
+            f"{delta_path} was made against a base whose shard {key} is {recorded['files'][key]} bytes, but "
+            f"{what}: this is another model or a modified copy. Use the exact checkpoint it was made from."
+        )
+    if (
+        entry is None
+        or shards.DTYPE_NAMES[entry.dtype] != info["dtype"]
+        or list(entry.shape) != info["shape"]
+    ):
+        raise UsafError(
+            f"{delta_path} was made against a base whose tensor '{key}' is {info['dtype']} {info['shape']}; "
+            f"{base.dir} {'lacks it' if entry is None else 'differs'}. Use the model it was trained from."
+        )
+    raise UsafError(_checksum_message(key, entry.file, delta_path, "its first and last bytes differ"))
 
 
 def verify_checksums(delta: Delta, base: BaseCheckpoint) -> None:
+    """The full sha256 of exactly the tensors recorded with one (a delta's changed tensors, a run's trained ones);
+    the others are compared by `check_base`'s cheap facts."""
     for key, info in ((delta.base_record or {}).get("tensors") or {}).items():
-        if base.sha256(key) != info["sha256"]:
+        if "sha256" in info and base.sha256(key) != info["sha256"]:
             raise UsafError(_checksum_message(key, base.source.entries[key].file, delta.origin))
 
 
-def _checksum_message(key: str, file: Path, delta_path: Path | str) -> str:
+def _checksum_message(key: str, file: Path, delta_path: Path | str, how: str = "sha256 mismatch") -> str:
     return (
-        f"Tensor '{key}' in {file} differs from the base {delta_path} was trained on (sha256 mismatch): this is "
-        "another model or a modified copy. Use the exact checkpoint it was made from."
+        f"Tensor '{key}' in {file} differs from the base {delta_path} was trained on ({how}): this is another "
+        "model or a modified copy. Use the exact checkpoint it was made from."
     )
 
 

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections import Counter
@@ -177,6 +178,10 @@ def _check_output(model_dir: Path, out_dir: Path, force: bool) -> None:
         )
     if not out_dir.exists():
         return
+    if not out_dir.is_dir():
+        raise UsafError(
+            f"--out {out_dir} is a file, not a folder; choose another --out for the prepared store."
+        )
     if not force:
         raise UsafError(f"{out_dir} already exists; choose another --out or pass --force to replace it.")
     if not (out_dir / STORE_FILE).exists() and any(out_dir.iterdir()):
@@ -233,12 +238,25 @@ def _assign_files(tensors: dict, max_file_bytes: int) -> dict[str, list[str]]:
 
 
 def _write_tensors(source: SourceCheckpoint, tensors: dict, writers: dict, device, progress: bool) -> None:
-    done: set[str] = set()
     names = list(tensors)
-    if progress:
-        from tqdm import tqdm
+    if not progress:
+        _write_each(source, tensors, writers, device, names)
+        return
+    from tqdm import tqdm
 
-        names = tqdm(names, desc="usaf prepare", unit="tensor")
+    # on a terminal only (disable=None): a log file or pipe gets no bar to break into the lines that follow
+    bar = tqdm(names, desc="usaf prepare", unit="tensor", file=sys.stderr, disable=None)
+    try:
+        _write_each(source, tensors, writers, device, bar)
+    except BaseException:
+        bar.leave = False  # cleared: the error line that follows starts on a line of its own
+        bar.close()
+        raise
+    bar.close()
+
+
+def _write_each(source: SourceCheckpoint, tensors: dict, writers: dict, device, names) -> None:
+    done: set[str] = set()
     for name in names:
         if name in done:
             continue

@@ -49,7 +49,13 @@ class MetricsLog:
             self.bar.update(steps)
 
     def message(self, text: str) -> None:
-        (self.bar.write if self.bar is not None else print)(text)
+        """A line on stdout, flushed while the bar (on stderr) is cleared: the two never share a line, in a
+        terminal or in one log file for both streams."""
+        if self.bar is None:
+            print(text, flush=True)
+            return
+        with tqdm.external_write_mode(file=sys.stdout):
+            print(text, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

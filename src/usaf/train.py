@@ -126,7 +126,7 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
         save_selection(
             run_dir / "selection.safetensors", current_selection(model), selection_summary(model, config)
         )
-        if (unrecorded := _record_base(config, run_dir)) is not None:
+        if (unrecorded := _record_base(config, run_dir, trained_parameters(model))) is not None:
             notes.append(unrecorded)
     prefix_cache = _prefix_cache(model, config, run_dir)
 
@@ -172,16 +172,19 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     summary_entries = trainable_summary(model)
     if resume:
         _truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+    # the run's first lines are out (flushed) before the progress bar starts drawing on stderr, so that a terminal
+    # (or one log file for both streams) shows them whole, not broken into by the bar
+    print(
+        f"usaf {__version__}: training {summary_entries['expert_entries']:,} expert entries"
+        + "".join(f" + {n:,} {t.replace('_', ' ')}" for t, n in _target_entries(summary_entries).items())
+        + f" + {summary_entries['routers']:,} router weights on {device} ({dtype}); {data_stats.summary()}",
+        flush=True,
+    )
+    for note in notes:
+        print(f"note: {note}", flush=True)
     log = MetricsLog(
         run_dir, config.schedule.max_steps, state["step"], config.log.progress, config.log.tensorboard
     )
-    log.message(
-        f"usaf {__version__}: training {summary_entries['expert_entries']:,} expert entries"
-        + "".join(f" + {n:,} {t.replace('_', ' ')}" for t, n in _target_entries(summary_entries).items())
-        + f" + {summary_entries['routers']:,} router weights on {device} ({dtype}); {data_stats.summary()}"
-    )
-    for note in notes:
-        log.message(f"note: {note}")
     if eval_data is not None and state["eval_before"] is None:
         state["eval_before"] = _evaluate(model, eval_data, config, device, autocast)
         log.log(state["step"], {f"eval/{k}": v for k, v in state["eval_before"].items()})
@@ -398,19 +401,19 @@ def _check_run_paths(config: RunConfig, run_dir: Path) -> None:
 
 
 def _check_moved_base(run_dir: Path, model_dir: str) -> None:
-    """A resume from a base at a new place: it must be the base the run recorded (every tensor's sha256)."""
-    from .export import RUN_BASE_FILE, base_record, read_run_base_record
+    """A resume from a base at a new place: it must be the base the run recorded (what base.json holds: the sha256
+    of the tensors that can hold trained entries, cheap facts of the rest)."""
+    from .export import RUN_BASE_FILE, base_difference, read_run_base_record
 
     recorded = read_run_base_record(run_dir)
     if recorded is None:
         return  # nothing recorded: the checkpoint's base values are still compared on restore
-    now = base_record(model_dir)["tensors"]
-    for key, info in recorded["tensors"].items():
-        if now.get(key, {}).get("sha256") != info.get("sha256"):
-            raise UsafError(
-                f"--resume {run_dir}: the model at {model_dir} is not the base the run started from (tensor '{key}' "
-                f"differs from {run_dir / RUN_BASE_FILE}); give the folder the run was trained on."
-            )
+    differs = base_difference(recorded, model_dir)
+    if differs is not None:
+        raise UsafError(
+            f"--resume {run_dir}: the model at {model_dir} is not the base the run started from ({differs}, "
+            f"against {run_dir / RUN_BASE_FILE}); give the folder the run was trained on."
+        )
 
 
 def _check_resume_folder(run_dir: Path) -> None:
@@ -431,7 +434,10 @@ def _check_new_run(config: RunConfig, run_dir: Path, force: bool) -> str:
         raise UsafError(f"--out {run_dir} is a file, not a folder; choose another --out.")
     if checkpoint.latest(run_dir) is not None:
         raise UsafError(f"{run_dir} already holds a run; resume it with --resume or choose another --out.")
-    entries = sorted(set(os.listdir(run_dir)) - {LOCK_FILE})
+    # usaf's own temporaries of its run files (a start in its first instant, or one killed then) are not the
+    # user's files: such a folder is a start's, and the lock then says whether it is alive
+    temporaries = tuple(f".{name}.usaf-tmp-" for name in RUN_FILES)
+    entries = sorted(e for e in set(os.listdir(run_dir)) - {LOCK_FILE} if not e.startswith(temporaries))
     if not entries:
         return "empty"
     if RUN_MARKER in entries:
@@ -564,6 +570,8 @@ def load_tokenizer(path: str):
     """The model's tokenizer; for a model folder without tokenizer files, a NoTokenizer (pre-tokenized data
     only, ids checked against config.vocab_size) instead of transformers' empty one."""
     check_model_path(path)
+    if (Path(path).expanduser() / "config.json").is_file():
+        check_model_files(path)  # an unreadable config.json is named as such, not as a tokenizer that failed
     if Path(path).expanduser().is_dir() and not has_tokenizer_files(Path(path).expanduser()):
         return model_vocabulary(path)
     try:
@@ -739,16 +747,26 @@ def _check_positions(model_config, config: RunConfig, *datasets) -> None:
         )
 
 
-def _record_base(config: RunConfig, run_dir: Path) -> str | None:
-    """RUN/base.json: the identity and tensor checksums of the base, which `usaf export` checks a base against
-    (as `usaf apply` checks a delta's). A note when the base is not a local folder, None when recorded."""
+def trained_parameters(model: torch.nn.Module) -> list[str]:
+    """The model parameters that can hold trained entries in this run (whatever a reselection moves): the
+    tensors with a selection, and the parameters trained whole (routers)."""
+    return [
+        *checkpoint.selection_layout(model),
+        *(name for name, p in model.named_parameters() if p.requires_grad and ".usaf." not in name),
+    ]
+
+
+def _record_base(config: RunConfig, run_dir: Path, trained: list[str]) -> str | None:
+    """RUN/base.json: the identity of the base, which `usaf export` checks a base against (as `usaf apply` checks
+    a delta's): the sha256 of the checkpoint tensors behind `trained` (the rest of the base is not read whole),
+    cheap facts of the others. A note when the base is not a local folder, None when recorded."""
     from .export import RUN_BASE_FILE, STORE_FILE, base_record
 
     model_dir = Path(config.model.path).expanduser()
     if not ((model_dir / "config.json").is_file() or (model_dir / STORE_FILE).is_file()):
         return f"the base {config.model.path} is not a local folder: usaf export cannot check a --base against it"
     try:
-        record = base_record(model_dir)
+        record = base_record(model_dir, trained)
     except (UsafError, OSError, KeyError, ValueError) as err:  # e.g. a store whose source has moved
         return f"the base's identity was not recorded ({_first_line(err)}): usaf export cannot check a --base"
     atomic_json(run_dir / RUN_BASE_FILE, record)

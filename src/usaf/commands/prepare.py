@@ -43,6 +43,7 @@ def _run(args) -> int:
     from ..load import prepare_store, read_store_metadata
     from ..plan import format_size
 
+    _check_model_dir(Path(args.model_dir))
     start = time.time()
     out = prepare_store(
         args.model_dir,
@@ -50,7 +51,7 @@ def _run(args) -> int:
         args.quant,
         args.quant_dense,
         force=args.force,
-        device=args.device,
+        device=_device(args.device),
         progress=True,
     )
     metadata = read_store_metadata(out)
@@ -63,3 +64,55 @@ def _run(args) -> int:
         f"{format_size(stored)} from {format_size(source)} in {time.time() - start:.0f} s"
     )
     return 0
+
+
+def _check_model_dir(folder: Path) -> None:
+    """MODEL_DIR is a local Hugging Face folder whose config and shards read: one line otherwise."""
+    from ..errors import UsafError
+    from ..train import check_model_files
+
+    if folder.is_file():
+        raise UsafError(
+            f"MODEL_DIR {folder} is a file; give the model's folder (config.json and *.safetensors)."
+        )
+    if not folder.is_dir():
+        raise UsafError(
+            f"MODEL_DIR {folder}: no such model directory; usaf prepare reads a local folder (config.json and "
+            "*.safetensors): download a hub model first (hf download ORG/NAME --local-dir DIR)."
+        )
+    check_model_files(str(folder))  # an unreadable config.json, an unknown model_type, a truncated shard
+
+
+def _device(name: str | None):
+    """--device as a torch device this machine has (None: the accelerator torch sees, else the CPU)."""
+    import torch
+
+    from ..errors import UsafError
+
+    if name is None:
+        return None
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsafError(
+            f"--device {name!r} is not a device torch knows; give cpu, cuda, cuda:1, xpu or mps, or leave it out."
+        ) from None
+    if device.type == "cpu":
+        return device
+    if device.type == "mps":
+        available, count = torch.backends.mps.is_available(), 1
+    else:
+        backend = getattr(torch, device.type, None)
+        available = bool(backend is not None and hasattr(backend, "is_available") and backend.is_available())
+        count = backend.device_count() if available and hasattr(backend, "device_count") else 0
+    if not available:
+        raise UsafError(
+            f"--device {name}: this torch build sees no {device.type} device; give --device cpu, or leave it out "
+            "(the accelerator torch sees, else the CPU)."
+        )
+    if device.index is not None and device.index >= count:
+        raise UsafError(
+            f"--device {name}: there {'is' if count == 1 else 'are'} {count} {device.type} device(s) (index 0 to "
+            f"{count - 1}); give one of them."
+        )
+    return device
