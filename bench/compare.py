@@ -331,9 +331,26 @@ class Worker:
                 import usaf
 
                 usaf.enable_recomputation(self.model)
-            self.optimizer = torch.optim.AdamW(
-                self.trainable, lr=self.method.lr, betas=(0.9, 0.999), weight_decay=0.0
-            )
+            if (
+                self.method.kind == "usaf"
+            ):  # usaf's own AdamW: the values' moments in bf16, as `usaf train` keeps them
+                from usaf.optim import CompactAdamW
+
+                values = {id(p) for n, p in self.model.named_parameters() if n.endswith(".values")}
+                groups = [
+                    {"params": [p for p in self.trainable if id(p) in values], "compact": True},
+                    {"params": [p for p in self.trainable if id(p) not in values], "compact": False},
+                ]
+                self.optimizer = CompactAdamW(
+                    [g for g in groups if g["params"]],
+                    lr=self.method.lr,
+                    betas=(0.9, 0.999),
+                    weight_decay=0.0,
+                )
+            else:
+                self.optimizer = torch.optim.AdamW(
+                    self.trainable, lr=self.method.lr, betas=(0.9, 0.999), weight_decay=0.0
+                )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_factor(job["steps"]))
         else:
             self.model.eval()

@@ -69,43 +69,48 @@ from forked import call_in_fork  # noqa: E402
 # ============================================================================================================
 USAF_SPECS: list[dict] = [
     # the defaults (usaf.UsafConfig(), optim.lr, router.lr_multiplier): experts + attention + embedding and output
-    # rows at 0.5 %, chosen by gradient on calibration batches, routers frozen; and at two other rates
-    {"label": "usaf default", "select": {}, "lr": 1e-2, "router_lr_multiplier": 0.1},
+    # rows at 1 %, chosen by gradient on calibration batches and reselected every 10 steps, routers frozen, values'
+    # moments in bf16; at the default rate 5e-3 and at half and twice it
     {"label": "usaf default", "select": {}, "lr": 5e-3, "router_lr_multiplier": 0.1},
-    {"label": "usaf default", "select": {}, "lr": 2e-2, "router_lr_multiplier": 0.1},
+    {"label": "usaf default", "select": {}, "lr": 2.5e-3, "router_lr_multiplier": 0.1},
+    {"label": "usaf default", "select": {}, "lr": 1e-2, "router_lr_multiplier": 0.1},
+    # the same with fp32 moments: what the 16-byte entry state (bf16 moments) changes
+    {
+        "label": "usaf default, fp32 moments",
+        "select": {},
+        "lr": 5e-3,
+        "router_lr_multiplier": 0.1,
+        "moments": "fp32",
+    },
+    # what reselection and the larger budget add: the previous default (0.5 %, no reselection) and 1 % without
+    {
+        "label": "usaf 0.5 %, no reselection",
+        "select": {"density": 0.005, "reselect_every": 0},
+        "lr": 1e-2,
+        "router_lr_multiplier": 0.1,
+    },
+    {
+        "label": "usaf 1 %, no reselection",
+        "select": {"reselect_every": 0},
+        "lr": 5e-3,
+        "router_lr_multiplier": 0.1,
+    },
     # 0.1.0's defaults: experts + routers at 0.5 % by magnitude, lr 1e-3, routers at the same rate
     {
         "label": "usaf 0.1.0 default (experts + routers, magnitude)",
-        "select": {"targets": ["experts", "routers"], "selection": "magnitude"},
+        "select": {
+            "targets": ["experts", "routers"],
+            "selection": "magnitude",
+            "density": 0.005,
+            "reselect_every": 0,
+        },
         "lr": 1e-3,
         "router_lr_multiplier": 1.0,
     },
-    # what each choice adds: experts alone by gradient, routers on top of the default, a larger budget
-    {
-        "label": "usaf experts + routers, gradient",
-        "select": {"targets": ["experts", "routers"], "selection": "gradient"},
-        "lr": 1e-2,
-        "router_lr_multiplier": 0.1,
-    },
+    # routers on top of the default, at a tenth of the rate
     {
         "label": "usaf default + routers (lr x 0.1)",
         "select": {"targets": ["experts", "routers", "attention", "embeddings", "lm_head"]},
-        "lr": 1e-2,
-        "router_lr_multiplier": 0.1,
-    },
-    # a larger budget at a lower rate (what moves usaf ahead of LoRA's frontier), and reselection (what the demo
-    # task needs); the budget weighed towards attention (select.density_ratios) is in quality-budget-2026-12-03.md
-    {"label": "usaf default at 1 %", "select": {"density": 0.01}, "lr": 5e-3, "router_lr_multiplier": 0.1},
-    {"label": "usaf default at 2 %", "select": {"density": 0.02}, "lr": 2.5e-3, "router_lr_multiplier": 0.1},
-    {
-        "label": "usaf default, reselect every 10",
-        "select": {"reselect_every": 10},
-        "lr": 1e-2,
-        "router_lr_multiplier": 0.1,
-    },
-    {
-        "label": "usaf default at 1 %, reselect every 10",
-        "select": {"density": 0.01, "reselect_every": 10},
         "lr": 5e-3,
         "router_lr_multiplier": 0.1,
     },

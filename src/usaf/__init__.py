@@ -6,9 +6,11 @@ from .config import UsafConfig
 from .errors import UsafError
 from .export import delta_from_trainer_checkpoint, load_delta
 from .loss import causal_lm_loss, chunked_causal_lm_loss
+from .optim import CompactAdamW
 from .prepare import enable_recomputation, get_delta, prepare_model, trainable_summary
 
 __all__ = [
+    "CompactAdamW",
     "UsafConfig",
     "UsafError",
     "__version__",

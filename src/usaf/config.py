@@ -17,9 +17,11 @@ STRATEGIES = ("uniform", "routing", "gradient", "file")
 TARGETS = ("experts", "routers", "attention", "dense_mlp", "norms", "embeddings", "lm_head")
 # chosen on bench/quality.py (README, "Fine-tunes against LoRA"): routers add forgetting, not adaptation
 DEFAULT_TARGETS = ("experts", "attention", "embeddings", "lm_head")
-# 1 % lies on the same quality frontier (bench/quality.py) but does not fit Qwen3-30B-A3B's sparse state on a 12 GB
-# card at today's bytes per entry (`usaf plan --model qwen3-30b-a3b --vram 12GB --density 0.01`)
-DEFAULT_DENSITY = 0.005
+# 1 % with reselection every 10 steps at lr 5e-3: the best practical point of bench/quality.py (README, "Fine-tunes
+# against LoRA"); at 16 bytes an entry its state fits Qwen3-30B-A3B on a 12 GB card
+# (`usaf plan --model qwen3-30b-a3b --vram 12GB --ram 32GB`)
+DEFAULT_DENSITY = 0.01
+DEFAULT_RESELECT_EVERY = 10
 
 
 def option(default, doc: str, choices: tuple | None = None, bounds: str | None = None):
@@ -122,8 +124,8 @@ class UsafConfig:
     )
     file: str | None = option(None, "strategy=file: a selection.safetensors saved by a run or `usaf select`")
     reselect_every: int = option(
-        0,
-        "every N steps drop entries that moved least and grow where gradients are large (0: off)",
+        DEFAULT_RESELECT_EVERY,
+        "every N steps drop entries that moved least and grow where gradients are large (0: off; usaf train)",
         bounds="[0, inf)",
     )
     reselect_fraction: float = option(
@@ -273,7 +275,7 @@ class RouterSection:
 class OptimSection:
     # lr > 0: a zero or negative rate would silently not train, or climb the loss
     lr: float = option(
-        1e-2, "peak learning rate of trained values (sparse entries move far from few)", bounds="(0, inf)"
+        5e-3, "peak learning rate of trained values (sparse entries move far from few)", bounds="(0, inf)"
     )
     weight_decay: float = option(
         0.0, "AdamW decoupled weight decay (towards zero, applied to values)", bounds="[0, inf)"

@@ -17,10 +17,7 @@ from .errors import UsafError
 
 MARKER = "usaf_demo.json"
 # Chosen on this project's 2-core CPU: the shift skill goes from ~0 % to most words right in a few minutes.
-DEMO_SETTINGS = [  # usaf's defaults for what to train and how fast, but for the budget, the steps and the data:
-    # 0.5 % of this 0.5 M-parameter model is 2.4 k entries, too few for the shift in a minute (9.5 % after 300
-    # steps); 1 % learns it (99 % after 500 steps)
-    "select.density=0.01",
+DEMO_SETTINGS = [  # usaf's defaults for what to train and how fast; only the steps and the data differ
     "schedule.max_steps=500",
     "schedule.warmup_steps=10",
     "data.batch_size=16",
