@@ -89,6 +89,7 @@ class Device:
     memory_gbps: float  # device memory bandwidth
     link_gbps: float  # host -> device copy rate from pinned memory
     is_gpu: bool = True
+    fast_bf16: bool = True  # bf16 matrix units; without them `usaf train` computes in fp16 with loss scaling
 
 
 DEVICES: dict[str, Device] = {
@@ -96,6 +97,13 @@ DEVICES: dict[str, Device] = {
     "rtx-3090": Device("rtx-3090", 24 * GiB, 71.0, 936.0, 25.0),
     "rtx-4090": Device("rtx-4090", 24 * GiB, 165.0, 1008.0, 25.0),
     "h100": Device("h100", 80 * GiB, 989.0, 3350.0, 50.0),
+    # AMD (ROCm), from amd.com product specifications. RX 6750 XT (RDNA2, gfx1031): 12 GB GDDR6 at 432 GB/s,
+    # 13.3 TFLOPS fp32 and 26.6 fp16 (packed, twice fp32), no bf16 matrix units; PCIe 4.0 x16
+    "rx-6750-xt": Device("rx-6750-xt", 12 * GiB, 26.6, 432.0, 25.0, fast_bf16=False),
+    # RX 7900 XTX (RDNA3, gfx1100): 24 GB at 960 GB/s, 122.8 TFLOPS fp16/bf16 (WMMA, dual issue); PCIe 4.0 x16
+    "rx-7900-xtx": Device("rx-7900-xtx", 24 * GiB, 122.8, 960.0, 25.0),
+    # Instinct MI300X (CDNA3, gfx942): 192 GB HBM3 at 5.3 TB/s, 1307.4 TFLOPS dense bf16; PCIe 5.0 x16 host link
+    "mi300x": Device("mi300x", 192 * GiB, 1307.4, 5300.0, 50.0),
     "cpu": Device("cpu", 0, 0.2, 20.0, 0.0, is_gpu=False),
 }
 # Shares of the datasheet peaks MoE training reaches: grouped matmuls over a few hundred tokens per expert and
@@ -186,8 +194,11 @@ class PlanSettings:
 
 
 def default_dtype(device: Device) -> str:
-    """What `usaf train` picks: bf16 on accelerators, fp32 on the CPU (bf16 matmuls are slow on most CPUs)."""
-    return "bf16" if device.is_gpu else "fp32"
+    """What `usaf train` picks (`usaf.runtime.resolve_dtype`): bf16 on accelerators with bf16 matrix units, fp16 on
+    those without (AMD RDNA2), fp32 on the CPU (bf16 matmuls are slow on most CPUs)."""
+    if not device.is_gpu:
+        return "fp32"
+    return "bf16" if device.fast_bf16 else "fp16"
 
 
 # ---- model configs and presets --------------------------------------------------------------------------------

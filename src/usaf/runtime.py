@@ -35,12 +35,30 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+# AMD GPUs of RDNA1/RDNA2 (gfx10xx, e.g. the RX 6750 XT's gfx1031) have no bf16 matrix units: ROCm runs bf16
+# matmuls emulated, while fp16 runs at twice the fp32 rate. RDNA3 (gfx11xx) and CDNA (gfx9xx) have bf16 WMMA/MFMA.
+_NO_FAST_BF16_ARCHES = ("gfx10",)
+
+
+def has_fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls have hardware support on `device` (a CUDA or ROCm/HIP GPU)."""
+    if device.type != "cuda" or not torch.cuda.is_bf16_supported():
+        return False
+    if getattr(torch.version, "hip", None):
+        arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "") or ""
+        return not arch.startswith(_NO_FAST_BF16_ARCHES)
+    return True
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 where the accelerator supports it, fp32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    """`auto`: bf16 where the accelerator has bf16 matmuls, fp16 (trained with loss scaling) on a GPU without them
+    (AMD RDNA2), fp32 on CPU (bf16 matmuls are slow on most CPUs)."""
     if name != "auto":
         return DTYPES[name]
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if has_fast_bf16(device):
         return torch.bfloat16
+    if device.type == "cuda":
+        return torch.float16
     return torch.float32
 
 

@@ -189,7 +189,9 @@ class ElementEntries(_Entries):
         cols = local - rows * cols_b
         span = self.expert_offsets[first : last + 2]
         experts = torch.arange(last + 1 - first, device=local.device, dtype=local.dtype)
-        line = torch.repeat_interleave(experts * rows_a, span[1:] - span[:-1], output_size=local.numel()) + rows
+        line = (
+            torch.repeat_interleave(experts * rows_a, span[1:] - span[:-1], output_size=local.numel()) + rows
+        )
         count = last + 1 - first
         crow = torch.zeros(count * rows_a + 1, dtype=local.dtype, device=local.device)
         crow[1:] = torch.cumsum(torch.bincount(line, minlength=count * rows_a), 0)  # faster than searchsorted
