@@ -288,3 +288,11 @@ def test_an_older_runs_base_json_with_every_tensor_hashed_is_still_read_and_chec
     capsys.readouterr()
     assert main(["export", str(run), f"--base={other}", f"--delta={tmp_path / 'e.safetensors'}"]) == 2
     assert f"differs from the base the run {run} was trained on (sha256 mismatch)" in capsys.readouterr().err
+
+
+def test_an_unknown_option_is_named_with_its_command(capsys):
+    from usaf.cli import main
+
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "usaf: error: usaf plan: unrecognized arguments: --bogus; see `usaf plan --help`."

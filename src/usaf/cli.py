@@ -81,7 +81,10 @@ def _join_values(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(_join_values(list(sys.argv[1:] if argv is None else argv)))
+        args, extra = parser.parse_known_args(_join_values(list(sys.argv[1:] if argv is None else argv)))
+        if extra:  # argparse names the top-level program; the options belong to the command's
+            prog = f"usaf {args.command}" if getattr(args, "command", None) else "usaf"
+            raise UsageError(f"{prog}: unrecognized arguments: {' '.join(extra)}; see `{prog} --help`.")
     except UsageError as err:
         print(f"usaf: error: {err}", file=sys.stderr)
         return 2
