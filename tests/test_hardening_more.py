@@ -296,3 +296,15 @@ def test_an_unknown_option_is_named_with_its_command(capsys):
     assert main(["plan", "--model", "qwen3-30b-a3b", "--bogus"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "usaf: error: usaf plan: unrecognized arguments: --bogus; see `usaf plan --help`."
+
+
+def test_python_dash_m_usaf_runs_the_cli():
+    import subprocess
+    import sys
+
+    import usaf
+
+    done = subprocess.run(
+        [sys.executable, "-m", "usaf", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == f"usaf {usaf.__version__}", done.stderr

@@ -1,0 +1,7 @@
+"""`python -m usaf ...`: the CLI, so launchers that take a module (torchrun -m, accelerate launch -m) can start it."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
