@@ -495,3 +495,55 @@ def test_reselection_on_a_quantized_store_reverts_to_the_dequantized_base(qwen):
     plain = naive_reference(reference, out, model)
     with torch.no_grad():
         assert (model(IDS).logits - plain(IDS).logits).abs().max() < 1e-5
+
+
+def test_the_backward_streams_only_the_experts_its_forward_routed_to(tmp_path):
+    """Host residency: going down (the backward), a layer's copy holds only the experts its forward routed to, and
+    nothing is fetched outside the copies; training is the same as with the experts on the device."""
+    save_checkpoint(tmp_path / "src", num_hidden_layers=4)
+    prepare_store(tmp_path / "src", tmp_path / "nf4", "nf4")
+    ids = IDS[:, :2]  # 4 tokens, 2 experts each: at most 8 routed rows per layer
+    results = {}
+    for residency in ("device", "host"):
+        model = load(tmp_path / "nf4", residency=residency)
+        model.train()
+        streamer = model.usaf_store["streamer"]
+        fills, outside = [], []
+        if streamer is not None:
+            fill, fetch = streamer._fill, streamer.fetch
+
+            def recording_fill(layer, copy, non_blocking, fill=fill, streamer=streamer, fills=fills):
+                fill(layer, copy, non_blocking)
+                fills.append((layer, streamer.direction, {e for rows in copy.rows.values() for e in rows}))
+
+            def recording_fetch(
+                parts, expert_ids, fetch=fetch, streamer=streamer, fills=fills, outside=outside
+            ):
+                before, copies = streamer.bytes_streamed, len(fills)
+                out = fetch(parts, expert_ids)
+                if len(fills) == copies and streamer.bytes_streamed != before:
+                    outside.append((parts.layer, expert_ids))  # a fetch outside any layer copy
+                return out
+
+            streamer._fill, streamer.fetch = recording_fill, recording_fetch
+        losses, grads = [], []
+        for _ in range(2):
+            fills.clear()
+            loss = model(ids, labels=ids).loss
+            routed = {layer: set(experts) for layer, experts in (streamer.routed if streamer else {}).items()}
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+            model.zero_grad()
+            losses.append(loss.item())
+        results[residency] = (losses, grads)
+    assert results["device"][0] == results["host"][0]
+    for a, b in zip(results["device"][1], results["host"][1], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    layers = sorted(streamer.layers)
+    experts = streamer.layers[layers[0]][0].num_experts
+    down = [(layer, copied) for layer, direction, copied in fills if direction < 0 and layer != layers[0]]
+    assert down, fills
+    for layer, copied in down:
+        assert copied == routed[layer], (layer, copied, routed)
+    assert any(len(copied) < experts for _, copied in down), down  # some layer routed to fewer than all
+    assert not outside

@@ -126,6 +126,11 @@ class LayerStreamer:
 
     "Next" follows the direction of travel: up the layers in a forward, down them in a backward (with or without
     recomputation). At most two layers' copies exist at a time, besides the cache.
+
+    Going up, a layer's routing is not known before it runs, so the whole next layer is prefetched. Going down
+    (the backward and its recomputation), each layer's routing is the one its forward used: only the experts that
+    forward asked for are copied. An expert asked for that was not copied is fetched at once (a safe fallback,
+    counted like any other copy in `bytes_streamed`).
     """
 
     def __init__(self, device: torch.device | str, cache_bytes: int = 0):
@@ -135,7 +140,10 @@ class LayerStreamer:
         self.current: int | None = None
         self.direction = 1
         self.cache = ExpertCache(cache_bytes)
-        self.bytes_streamed = 0
+        self.bytes_streamed = 0  # host -> device bytes of quantized expert data, cumulative
+        self.routed: dict[
+            int, set[int]
+        ] = {}  # layer -> experts its last forward asked for (per parts, union)
         self._module, self._side_stream = _streams_for(self.device)
 
     def register(self, parts: StreamedParts) -> None:
@@ -143,6 +151,8 @@ class LayerStreamer:
 
     def fetch(self, parts: StreamedParts, expert_ids: list[int]) -> dict[str, torch.Tensor]:
         self._enter(parts.layer)
+        if self.direction > 0:
+            self.routed.setdefault(parts.layer, set()).update(expert_ids)
         self.cache.record(parts, expert_ids)
         copy = self.copies[parts.layer]
         rows = copy.rows[parts]
@@ -168,6 +178,8 @@ class LayerStreamer:
             return
         if self.current is not None:
             self.direction = 1 if layer > self.current else -1
+        if self.direction > 0:  # a new forward through this layer: its routing is recorded afresh
+            self.routed.pop(layer, None)
         self.current = layer
         copy = self.copies.get(layer)
         if copy is None:  # not prefetched (the first layer, or a change of direction)
@@ -191,8 +203,13 @@ class LayerStreamer:
         return copy
 
     def _fill(self, layer: int, copy: _LayerCopy, non_blocking: bool) -> None:
+        # going down, the layer's own forward told which experts it routes to; going up, all may be. The lowest
+        # layer is where the next forward turns back up: it is copied whole.
+        partial = self.direction < 0 and layer != min(self.layers)
+        routed = self.routed.get(layer) if partial else None
         for parts in self.layers[layer]:
-            wanted = [e for e in range(parts.num_experts) if self.cache.get(parts, e) is None]
+            candidates = sorted(routed) if routed is not None else range(parts.num_experts)
+            wanted = [e for e in candidates if self.cache.get(parts, e) is None]
             copy.rows[parts] = {e: i for i, e in enumerate(wanted)}
             copy.tensors[parts] = {}
             for name, host in parts.host.items():
