@@ -11,6 +11,7 @@ output layer of a 151 k vocabulary is never scored whole.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -60,22 +61,23 @@ class _Observer:
 
     def __call__(self, state, plan, top_k_weights, h):
         if not self.active:
-            return
+            return None
         cal = self.calibration
         cal.tokens[self.path] += torch.tensor(plan.counts, dtype=torch.float64)
         gates = top_k_weights.detach().reshape(-1)[plan.order].double().cpu()
         cal.gate_weight[self.path].index_add_(0, plan.expert_of_row.cpu(), gates)
-        if self.with_gradients and h.requires_grad:
-            experts, values = plan.expert_of_row, h.detach()  # not `h`: h -> hook -> h is a reference cycle
+        if not (self.with_gradients and h.requires_grad):
+            return None
+        experts = plan.expert_of_row
 
-            def accumulate(grad_h):
-                taylor = (values * grad_h).float().pow(2)
-                score = cal.neuron_score.setdefault(
-                    self.path, torch.zeros(state.num_experts, values.shape[1], device=values.device)
-                )
-                score.index_add_(0, experts, taylor)
+        def accumulate(values, grad_h):  # in backward, with the activation autograd saved (see usaf.experts)
+            taylor = (values.detach() * grad_h).float().pow(2)
+            score = cal.neuron_score.setdefault(
+                self.path, torch.zeros(state.num_experts, values.shape[1], device=values.device)
+            )
+            score.index_add_(0, experts, taylor)
 
-            h.register_hook(accumulate)
+        return accumulate
 
 
 class _RowObserver:
@@ -98,6 +100,25 @@ def _require_input_grad(model):
     return model.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_(True))
 
 
+@contextlib.contextmanager
+def _recomputing_layers(model, backward: bool):
+    """Calibration runs in eval mode (no dropout), but transformers recomputes a checkpointed layer only in training
+    mode: the checkpointed layers alone (not their submodules) are marked as training while a backward is wanted,
+    so that calibration recomputes exactly when training does and peaks no higher than a training step."""
+    layers = [
+        m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and not m.training
+    ]
+    if backward:
+        for layer in layers:
+            layer.training = True
+    try:
+        yield
+    finally:
+        if backward:
+            for layer in layers:
+                layer.training = False
+
+
 def run_batches(
     model, batches, num_batches: int, backward: bool, observers=(), chunk_tokens: int = 1024
 ) -> int:
@@ -112,7 +133,7 @@ def run_batches(
             batch = {k: v.to(device) for k, v in batch.items()}
             for o in observers:
                 o.active = True
-            with torch.set_grad_enabled(backward):
+            with torch.set_grad_enabled(backward), _recomputing_layers(model, backward):
                 loss = causal_lm_loss(
                     model,
                     batch["input_ids"],

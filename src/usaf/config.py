@@ -342,7 +342,16 @@ class LogSection:
 class TrainSection:
     seed: int = option(0, "seed for selection, data order and everything random", bounds="[0, inf)")
     precision: str = option("auto", "autocast dtype", ("auto", "none", "bf16", "fp16"))
-    recompute: bool = option(True, "per-layer recomputation (activation checkpointing)")
+    recompute: str | bool = option(
+        "auto",
+        "per-layer recomputation (activation checkpointing); auto: on exactly when the planner's ledger says the "
+        "activations without it would not fit train.memory_limit",
+        ("auto", True, False),
+    )
+    memory_limit: str = option(
+        "",
+        "memory recompute=auto plans against, e.g. 12GB (empty: the GPU's memory, or the machine's RAM on CPU)",
+    )
     max_bad_steps: int = option(
         10, "stop after this many steps with NaN/Inf loss or gradients", bounds="[0, inf)"
     )
@@ -468,10 +477,16 @@ def _build_section(section_cls, values: dict, where: str):
     for name, value in values.items():
         spec = known[name]
         default = spec.default if spec.default is not MISSING else spec.default_factory()
-        checked[name] = _coerce(value, default, f"{where}.{name}")
         choices = spec.metadata.get("choices")
+        # a boolean choice of a string-valued option (train.recompute: auto, true or false)
+        if isinstance(value, bool) and choices and any(c is value for c in choices):
+            checked[name] = value
+        else:
+            checked[name] = _coerce(value, default, f"{where}.{name}")
         if choices and checked[name] not in choices:
-            raise UsafError(f"{where}.{name} = {value!r} is not allowed; allowed values: {list(choices)}.")
+            raise UsafError(
+                f"{where}.{name} = {value!r} is not allowed; allowed values: {_choices_text(choices)}."
+            )
         check_bounds(checked[name], spec.metadata.get("bounds"), f"{where}.{name}")
     try:
         return section_cls(**checked)
@@ -483,11 +498,19 @@ def _check_fields(section, where: str) -> None:
     for spec in fields(section):
         value = getattr(section, spec.name)
         choices = spec.metadata.get("choices")
-        if choices and value not in choices:
+        if choices and not any(c is value if isinstance(c, bool) else c == value for c in choices):
             raise UsafError(
-                f"{where}.{spec.name} = {value!r} is not allowed; allowed values: {list(choices)}."
+                f"{where}.{spec.name} = {value!r} is not allowed; allowed values: {_choices_text(choices)}."
             )
         check_bounds(value, spec.metadata.get("bounds"), f"{where}.{spec.name}")
+
+
+def _choice_text(choice) -> str:
+    return str(choice).lower() if isinstance(choice, bool) else str(choice)
+
+
+def _choices_text(choices) -> str:
+    return "[" + ", ".join(repr(c) if isinstance(c, str) else _choice_text(c) for c in choices) + "]"
 
 
 def _coerce(value, default, where: str):
@@ -527,7 +550,7 @@ def describe() -> str:
             default = f.default if f.default is not MISSING else f.default_factory()
             choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
             doc = f.metadata.get("doc", "")
-            extra = f" (one of {', '.join(choices)})" if choices else ""
+            extra = f" (one of {', '.join(_choice_text(c) for c in choices)})" if choices else ""
             extra += f" (allowed: {bounds_text(bounds).removeprefix('in ')})" if bounds else ""
             lines.append(f"{name}.{f.name} = {default!r}  {doc}{extra}")
     return "\n".join(lines)

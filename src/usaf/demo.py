@@ -19,12 +19,10 @@ MARKER = "usaf_demo.json"
 # Chosen on this project's 2-core CPU: the shift skill goes from ~0 % to most words right in a few minutes.
 DEMO_SETTINGS = [  # usaf's defaults for what to train and how fast; only the steps and the data differ
     "schedule.max_steps=500",
-    "schedule.warmup_steps=10",
     "data.batch_size=16",
     "data.max_seq_len=64",
     "checkpoint.every_steps=250",
     "log.tensorboard=false",
-    "train.recompute=false",
 ]
 
 

@@ -67,8 +67,12 @@ def evaluate_target(target: str, data_files: list[str], overrides: list[str]) ->
     device = runtime.resolve_device(config.model.device)
     dtype = runtime.resolve_dtype(config.model.dtype, device)
     tokenizer = load_tokenizer(config.model.path)
-    model = load_model(
-        config, device, dtype, selection_file=run_dir / "selection.safetensors" if is_run else None
+    model = load_model(  # no backward here: nothing to recompute
+        config,
+        device,
+        dtype,
+        selection_file=run_dir / "selection.safetensors" if is_run else None,
+        recompute=False,
     )
     if is_run:
         restore_trainable(model, checkpoint.load(saved)["trainable"], saved)

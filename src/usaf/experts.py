@@ -194,13 +194,38 @@ class SparseGroupedLinear(torch.autograd.Function):
         return grad_x, grad_values, grad_bias, None, None
 
 
+class ObserveGradient(torch.autograd.Function):
+    """Identity that hands the intermediate activation and its gradient to observers in backward.
+
+    The activation is saved through autograd, not held by a hook's closure: under per-layer recomputation it is
+    recomputed with its layer instead of staying alive from the forward to the backward (which held every
+    layer's [rows, I] activation and undid recomputation for it). The node is inserted whenever observers exist,
+    active or not, so that a recomputed forward saves the same tensors as the original."""
+
+    @staticmethod
+    def forward(ctx, h, on_grad):
+        ctx.on_grad = on_grad
+        ctx.save_for_backward(h)  # always: the original forward and its recomputation save alike
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        if ctx.on_grad:
+            (h,) = ctx.saved_tensors
+            for fn in ctx.on_grad:
+                fn(h, grad_h)
+        return grad_h, None
+
+
 class SparseExperts(nn.ModuleDict):
     """usaf's state on one experts module: trained entries per tensor (as submodules) and the frozen stores."""
 
     def __init__(self, stores: dict, entries: dict, transposed: bool, workspace_bytes: int):
         super().__init__(entries)
         self.stores = stores
-        self.observers: list = []  # callables (state, plan, top_k_weights, intermediate) run in each forward
+        # callables (state, plan, top_k_weights, intermediate) run in each forward; one may return a function
+        # (intermediate, its gradient) that the backward calls (see `ObserveGradient`)
+        self.observers: list = []
         self.probes: dict = {}  # tensor name -> LineProbe: gradients of candidate lines (see usaf.sparse)
         self.transposed = transposed
         self.workspace_bytes = workspace_bytes
@@ -261,8 +286,12 @@ def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     x = TokensToRows.apply(hidden_states, plan)
     h = state.project("gate_up_proj" if self.has_gate else "up_proj", x, plan)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    for observe in state.observers:
-        observe(state, plan, top_k_weights, h)
+    if state.observers:
+        on_grad = [
+            f for observe in state.observers if (f := observe(state, plan, top_k_weights, h)) is not None
+        ]
+        if h.requires_grad:
+            h = ObserveGradient.apply(h, on_grad)
     routing_weights = top_k_weights.reshape(-1)[plan.order].unsqueeze(-1)
     linear_down = "down_proj_bias" not in state.stores and not self.has_post_expert_norm
     if linear_down and h.shape[-1] <= hidden_states.shape[-1]:

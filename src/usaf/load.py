@@ -41,7 +41,7 @@ from .atomic import (
 from .config import RESIDENCIES, UsafConfig
 from .errors import UsafError
 from .offload import LayerStreamer, ResidentParts, StreamedParts, host_copy
-from .prepare import prepare_model
+from .prepare import enable_recomputation, prepare_model
 from .quant import default_device, get_format, resolve_format
 from .quant import int4 as int4_format
 from .quant import int8 as int8_format
@@ -409,7 +409,9 @@ def ensure_prepared(
 # ---- loading --------------------------------------------------------------------------------------------------
 
 
-def load_for_training(config, device: torch.device, dtype: torch.dtype | None, calibration_batches=None):
+def load_for_training(
+    config, device: torch.device, dtype: torch.dtype | None, calibration_batches=None, recompute: bool = False
+):
     """The model `usaf train` trains when `model.quant` is not "none" (`config` is its RunConfig).
 
     `model.path` is either a prepared store (used as it is; the trained values start from the checkpoint it was
@@ -449,6 +451,7 @@ def load_for_training(config, device: torch.device, dtype: torch.dtype | None, c
         residency=config.model.residency,
         cache_mb=config.model.cache_mb,
         calibration_batches=calibration_batches,
+        recompute=recompute,
     )
 
 
@@ -481,6 +484,7 @@ def load_prepared(
     residency: str = "device",
     cache_mb: int = 0,
     calibration_batches=None,
+    recompute: bool = False,
 ) -> nn.Module:
     """A sparsely trainable model on a prepared (quantized) frozen base.
 
@@ -493,6 +497,7 @@ def load_prepared(
         prefetched) or "mmap" (memory-mapped from the store, streamed the same way).
     cache_mb: for "host"/"mmap", device memory for keeping the most-routed experts resident.
     calibration_batches: passed to `prepare_model` (selection strategies that look at data).
+    recompute: per-layer recomputation (`usaf.enable_recomputation`), on before calibration runs.
     """
     prepared_dir = Path(prepared_dir)
     metadata = read_store_metadata(prepared_dir)
@@ -547,6 +552,8 @@ def load_prepared(
         def original_values(key: str, flat_indices: torch.Tensor) -> torch.Tensor:
             return source.read_entries(key, flat_indices).to(flat_indices.device)
 
+    if recompute:
+        enable_recomputation(model)
     prepare_model(
         model, config, stores=stores, original_values=original_values, calibration_batches=calibration_batches
     )

@@ -38,17 +38,17 @@ class _NeuronImportance:
 
     def __call__(self, state, plan, top_k_weights, h):
         if not (self.active and h.requires_grad):
-            return
-        experts, values = plan.expert_of_row, h.detach()
+            return None
+        experts = plan.expert_of_row
 
-        # the hook holds the detached values, never `h` itself: h -> its hook -> h would be a reference cycle that
-        # keeps every step's activations alive until the garbage collector runs (memory grew ~25 MB a step)
-        def accumulate(grad_h):
+        # called in backward with the activation autograd saved (recomputed with its layer under recomputation):
+        # nothing here holds `h` from the forward to the backward
+        def accumulate(values, grad_h):
             if self.score is None:
                 self.score = torch.zeros(state.num_experts, values.shape[1], device=values.device)
-            self.score.index_add_(0, experts, (values * grad_h).float().pow(2))
+            self.score.index_add_(0, experts, (values.detach() * grad_h).float().pow(2))
 
-        h.register_hook(accumulate)
+        return accumulate
 
 
 class Reselector:

@@ -32,6 +32,7 @@ from .metrics import MetricsLog
 from .optim import CompactAdamW
 from .prefix_cache import FrozenPrefixCache
 from .prepare import current_selection, enable_recomputation, prepare_model, sparse_modules, trainable_summary
+from .recompute import choose_recompute
 from .report import write_router_load
 from .reselect import Reselector
 from .router import RouterCollapse, RouterTraining
@@ -112,7 +113,16 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     calibration = Batches(train_data, config.data.batch_size, seed=config.train.seed + 1)  # its own order
     # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
     saved_selection = run_dir / "selection.safetensors" if resume else None
-    model = load_model(config, device, dtype, calibration_batches=calibration, selection_file=saved_selection)
+    # decided before loading: calibration recomputes as training does
+    recompute = choose_recompute(config, device, dtype)
+    model = load_model(
+        config,
+        device,
+        dtype,
+        calibration_batches=calibration,
+        selection_file=saved_selection,
+        recompute=recompute.recompute,
+    )
     _check_positions(model.config, config, train_data, eval_data)
     if config.data.pack and not packed_documents_are_isolated(model, device):
         # this family's attention ignores restarting position_ids (gpt-oss in transformers 5.24): packed
@@ -180,6 +190,7 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
         + f" + {summary_entries['routers']:,} router weights on {device} ({dtype}); {data_stats.summary()}",
         flush=True,
     )
+    print(recompute.line, flush=True)
     for note in notes:
         print(f"note: {note}", flush=True)
     log = MetricsLog(
@@ -623,18 +634,29 @@ def _check_hub_reachable(repo_id: str, timeout_s: float = 3.0) -> None:
 
 
 def load_model(
-    config: RunConfig, device: torch.device, dtype: torch.dtype, calibration_batches=None, selection_file=None
+    config: RunConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    calibration_batches=None,
+    selection_file=None,
+    recompute: bool | None = None,
 ):
     """The base model (from a directory or the hub), prepared for sparse training (with the selection in
-    `selection_file` instead of choosing one, when given)."""
+    `selection_file` instead of choosing one, when given). `recompute`: per-layer recomputation, switched on
+    before calibration so that calibration recomputes as training does (None: `train.recompute`, auto resolved by
+    the planner)."""
     path = config.model.path
+    if recompute is None:
+        recompute = choose_recompute(config, device, dtype).recompute
     if selection_file is not None:
         config = copy.deepcopy(config)
         config.select.strategy, config.select.file = "file", str(selection_file)
     if config.model.quant != "none":
         from .load import load_for_training
 
-        model = load_for_training(config, device, dtype, calibration_batches=calibration_batches)
+        model = load_for_training(
+            config, device, dtype, calibration_batches=calibration_batches, recompute=recompute
+        )
     else:
         check_model_files(path)
         try:
@@ -642,9 +664,9 @@ def load_model(
         except (OSError, ValueError) as err:
             raise UsafError(f"cannot load the model at {path!r}: {_first_line(err)}") from None
         model.to(device)
+        if recompute:
+            enable_recomputation(model)
         prepare_model(model, config.select, calibration_batches=calibration_batches)
-    if config.train.recompute:
-        enable_recomputation(model)
     return model
 
 
