@@ -111,3 +111,18 @@ def losses(run_dir: Path) -> dict[int, float]:
     """{step: loss} of a run's metrics.jsonl."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def reselecting_step(model, optimizer, reselector, step: int, ids, reselect: bool = True):
+    """One optimizer step on `ids` as usaf's loop runs it with reselection; returns the reselection's report
+    (`reselect=False`: the step up to, not including, the reselection that may follow it)."""
+    from usaf.loss import causal_lm_loss
+
+    reselector.before_step(step)
+    reselector.set_observing(True)
+    loss = causal_lm_loss(model, ids, ids)
+    reselector.set_observing(False)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return reselector.after_step(step, optimizer) if reselect else None

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import reselecting_step
 from safetensors.torch import load_file, save_file
 
 import usaf
@@ -479,14 +480,7 @@ def test_reselection_on_a_quantized_store_reverts_to_the_dequantized_base(qwen):
     before = {k: d.flat_indices.clone() for k, d in usaf.get_delta(model).items()}
     info = None
     for step in (1, 2):
-        reselector.before_step(step)
-        reselector.set_observing(True)
-        loss = causal_lm_loss(model, IDS, IDS)
-        reselector.set_observing(False)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        info = reselector.after_step(step, optimizer) or info
+        info = reselecting_step(model, optimizer, reselector, step, IDS) or info
     assert info and info["reselected_entries"] > 0
     for k, d in usaf.get_delta(model).items():
         assert d.flat_indices.numel() == before[k].numel()

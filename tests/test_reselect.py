@@ -4,32 +4,19 @@ import copy
 
 import pytest
 import torch
-from helpers import EXPERTS_AND_ROUTERS
+from helpers import EXPERTS_AND_ROUTERS, reselecting_step
 
 import usaf
-from usaf.loss import causal_lm_loss
 from usaf.reselect import Reselector
 from usaf.tiny import tiny_model
 
 IDS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(6))
 
 
-def optimizer_step(model, optimizer, reselector, step):
-    """One training step up to (not including) the reselection that may follow it."""
-    reselector.before_step(step)
-    reselector.set_observing(True)
-    loss = causal_lm_loss(model, IDS, IDS)
-    reselector.set_observing(False)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 def train_steps(model, optimizer, reselector, first, last):
     info = None
     for step in range(first, last + 1):
-        optimizer_step(model, optimizer, reselector, step)
-        info = reselector.after_step(step, optimizer) or info
+        info = reselecting_step(model, optimizer, reselector, step, IDS) or info
     return info
 
 
@@ -104,7 +91,7 @@ def test_every_target_is_reselected_keeping_moments_and_budget():
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     reselector = Reselector(model, config, total_steps=20)
     train_steps(model, optimizer, reselector, 1, 3)
-    optimizer_step(model, optimizer, reselector, 4)
+    reselecting_step(model, optimizer, reselector, 4, IDS, reselect=False)
     before = {}
     for k, d in usaf.get_delta(model).items():
         state = optimizer.state[d.values]

@@ -236,6 +236,17 @@ RUN_BASE_FILE = "base.json"  # a run's record of the base it trains on, written 
 SAMPLE_BYTES = 4096  # a tensor that is not hashed whole is known by the sha256 of its first and last 4 KiB
 
 
+def _base_and_store_checksums(model_dir) -> tuple[BaseCheckpoint, dict[str, str]]:
+    """The checkpoint behind `model_dir` (itself, or the source a prepared store was made from) and the sha256
+    per tensor the store recorded (none for a checkpoint)."""
+    store = Path(model_dir) / STORE_FILE
+    if not store.exists():
+        return BaseCheckpoint(model_dir), {}
+    metadata = json.loads(store.read_text())
+    known = {key: info.get("sha256") for key, info in metadata.get("source_tensors", {}).items()}
+    return BaseCheckpoint(metadata["source"]["dir"]), known
+
+
 def base_record(model_dir: str | Path, trained: list[str] | None = None) -> dict:
     """What `check_base` compares a base against: its identity, every tensor's file, dtype, shape and a digest of
     its first and last bytes (`sample_sha256`), every shard file's size, and the full sha256 of the tensors that
@@ -245,15 +256,7 @@ def base_record(model_dir: str | Path, trained: list[str] | None = None) -> dict
 
     Hashing only what can change keeps a run's start from reading the whole base (minutes on a 30B model); the
     rest is still compared, cheaply, so another model or a modified copy is refused."""
-    model_dir = Path(model_dir)
-    store = model_dir / STORE_FILE
-    known: dict[str, str] = {}
-    if store.exists():
-        metadata = json.loads(store.read_text())
-        base = BaseCheckpoint(metadata["source"]["dir"])
-        known = {key: info["sha256"] for key, info in metadata["source_tensors"].items()}
-    else:
-        base = BaseCheckpoint(model_dir)
+    base, known = _base_and_store_checksums(model_dir)
     hashed = checkpoint_keys(base, trained) if trained is not None else None
     tensors = {}
     for key, entry in sorted(base.source.entries.items()):
@@ -317,15 +320,7 @@ def base_difference(recorded: dict, model_dir: str | Path) -> str | None:
     differs from `recorded` (a run's base.json), checking exactly what was recorded: names, dtypes, shapes,
     sampled bytes and file sizes, and the sha256 of the tensors recorded with one (a store's own checksums are
     taken, not recomputed); None when it does not differ."""
-    model_dir = Path(model_dir)
-    store = model_dir / STORE_FILE
-    known: dict[str, str] = {}
-    if store.exists():
-        metadata = json.loads(store.read_text())
-        base = BaseCheckpoint(metadata["source"]["dir"])
-        known = {key: info.get("sha256") for key, info in metadata.get("source_tensors", {}).items()}
-    else:
-        base = BaseCheckpoint(model_dir)
+    base, known = _base_and_store_checksums(model_dir)
     if recorded.get("model_type") != getattr(base.config, "model_type", None):
         return (
             f"it is {getattr(base.config, 'model_type', None)}, the run's base {recorded.get('model_type')}"
