@@ -210,7 +210,7 @@ def test_recomputation_keeps_one_layer_and_the_peak_is_the_largest_phase():
     )
     everything = planner.plan(shape, planner.PlanSettings(recompute=False), gpu, ram=256 * GiB)
     assert ledger(everything)["activations: all layers"].device > 40 * lines["activations: one layer"].device
-    smaller_chunk = planner.plan(shape, planner.PlanSettings(logits_chunk=256), gpu, ram=256 * GiB)
+    smaller_chunk = planner.plan(shape, planner.PlanSettings(logits_chunk=128), gpu, ram=256 * GiB)
     assert ledger(smaller_chunk)["logits chunk"].device < lines["logits chunk"].device / 3
 
 
@@ -373,3 +373,15 @@ def test_suggested_command_lines_give_sizes_with_a_unit():
     for size in (12 << 30, 3 << 20, 5 << 10, 4097):
         text = _size_arg(size)
         assert not text.isdigit() and parse_size(text) == size, text
+
+
+def test_reselection_probes_are_counted_and_go_with_no_reselect():
+    shape = shape_of("qwen3-30b-a3b")
+    gpu = planner.DEVICES["rtx-3060-12gb"]
+    settings = planner.PlanSettings(density=0.01)
+    entries = planner.trained_entries(shape, settings)
+    with_probes = ledger(planner.plan(shape, settings, gpu, ram=32 * GiB))
+    # select.oversample (4) x select.reselect_fraction (0.3) candidate entries per trained entry, fp32
+    assert with_probes["reselection probes"].device == int(4 * 4 * 0.3 * entries)
+    without = ledger(planner.plan(shape, settings.replace(reselect=False), gpu, ram=32 * GiB))
+    assert "reselection probes" not in without

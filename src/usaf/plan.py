@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .config import DEFAULT_DENSITY, DEFAULT_TARGETS, RESIDENCIES
+from .config import (
+    DEFAULT_DENSITY,
+    DEFAULT_LOGITS_CHUNK,
+    DEFAULT_RESELECT_EVERY,
+    DEFAULT_TARGETS,
+    RESIDENCIES,
+    UsafConfig,
+)
 from .errors import UsafError
 
 GiB = 1 << 30
@@ -148,7 +155,10 @@ class PlanSettings:
     granularity: str = "element"
     residency: str = "device"  # device | host | mmap
     recompute: bool = True
-    logits_chunk: int = 1024
+    reselect: bool = (
+        DEFAULT_RESELECT_EVERY > 0
+    )  # select.reselect_every: probe windows hold candidates' gradients
+    logits_chunk: int = DEFAULT_LOGITS_CHUNK  # train.logits_chunk_tokens
     optimizer: str = "adamw"
     dtype: str = "bf16"
     workspace_mb: int = 256
@@ -744,6 +754,17 @@ def plan(
             f"{per_entry} B per trained expert entry where usaf 0.1.0 kept {old_bytes} (an int64 flat index, "
             f"cached int32 rows and columns, a base copy, fp32 moments): {format_size(entries * (old_bytes - per_entry))}"
             " freed at this density"
+        )
+    if s.reselect:
+        # a probe window (select.reselect_probe_steps before each reselection) sums |gradient| over candidate
+        # lines: oversample x the share regrown x the entries, fp32, largest at the first reselection
+        select = UsafConfig.__dataclass_fields__
+        share = select["oversample"].default * select["reselect_fraction"].default
+        add(
+            "reselection probes",
+            int(4 * share * (entries + beyond)),
+            f"candidates' gradient sums during a probe window: {share:g} x the trained entries x 4 B "
+            "(select.oversample x select.reselect_fraction, at the first reselection)",
         )
     router_moments = 2 if s.optimizer == "adamw8bit" else 8
     routers = trained_router_params(shape, s)

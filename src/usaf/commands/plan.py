@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from ..config import DEFAULT_DENSITY, DEFAULT_TARGETS
+from ..config import DEFAULT_DENSITY, DEFAULT_LOGITS_CHUNK, DEFAULT_TARGETS
 from ..errors import UsafError
 
 
@@ -61,7 +61,15 @@ def add_command(subparsers) -> None:
         "--no-recompute", action="store_true", help="keep every layer's activations (no recomputation)"
     )
     p.add_argument(
-        "--logits-chunk", type=int, default=1024, help="tokens per logits chunk of the loss (default 1024)"
+        "--no-reselect",
+        action="store_true",
+        help="no reselection (select.reselect_every=0): no probe windows",
+    )
+    p.add_argument(
+        "--logits-chunk",
+        type=int,
+        default=DEFAULT_LOGITS_CHUNK,
+        help=f"tokens per logits chunk of the loss (default {DEFAULT_LOGITS_CHUNK}, as train.logits_chunk_tokens)",
     )
     p.add_argument(
         "--optimizer",
@@ -137,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         quant_dense=args.quant_dense,
         granularity=args.granularity,
         recompute=not args.no_recompute,
+        reselect=not args.no_reselect,
         logits_chunk=args.logits_chunk,
         optimizer=args.optimizer,
         dtype=args.dtype or planner.default_dtype(device),
