@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_model_dir, write_copy_task
+from helpers import FAST_RUN, make_model_dir, write_copy_task
 
 import usaf
 from usaf.config import RunConfig
@@ -156,12 +156,7 @@ def _config(workspace, *extra):
         [
             f"model.path={workspace / 'model'}",
             f"data.train={workspace / 'train.jsonl'}",
-            "data.max_seq_len=48",
-            "data.batch_size=4",
-            "select.density=0.1",
-            "log.progress=false",
-            "log.tensorboard=false",
-            "schedule.warmup_steps=1",
+            *FAST_RUN,
             *extra,
         ],
     )

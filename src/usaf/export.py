@@ -84,7 +84,7 @@ class BaseCheckpoint:
 
         from .arch import expert_weight_names, find_moe_layers
         from .load import build_skeleton
-        from .source import SourceCheckpoint
+        from .source import SourceCheckpoint, check_model_files
 
         self.dir = Path(model_dir)
         if (self.dir / STORE_FILE).exists():
@@ -97,8 +97,6 @@ class BaseCheckpoint:
             raise UsafError(
                 f"{self.dir} has no config.json; pass the Hugging Face model directory the model was trained from."
             )
-        from .train import check_model_files
-
         check_model_files(str(self.dir))  # an unreadable config.json or an unknown model_type: one line
         self.config = AutoConfig.from_pretrained(self.dir)
         self.skeleton = build_skeleton(self.config)

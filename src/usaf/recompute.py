@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UsafError
+from .errors import UsafError, first_line
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -44,7 +44,7 @@ def choose_recompute(config, device: torch.device, dtype: torch.dtype) -> Recomp
     except Exception as err:
         return RecomputeChoice(
             True,
-            f"recompute: on (train.recompute=auto: the planner cannot read this model: {_first_line(err)})",
+            f"recompute: on (train.recompute=auto: the planner cannot read this model: {first_line(err)})",
         )
     vram, ram = (budget, None) if planned_device.is_gpu else (None, budget)
     without = planner.plan(shape, settings.replace(recompute=False), planned_device, vram=vram, ram=ram)
@@ -103,17 +103,20 @@ def _settings(config, dtype: torch.dtype, planner):
         granularity=config.select.granularity,
         residency=config.model.residency,
         logits_chunk=config.train.logits_chunk_tokens,
-        optimizer="adamw8bit" if config.optim.eight_bit else "adamw",
+        optimizer=_optimizer(config),
+        reselect=config.select.reselect_every > 0,
         dtype=_DTYPES.get(dtype, "fp32"),
         workspace_mb=config.select.workspace_mb,
         targets=tuple(config.select.targets),
     )
 
 
+def _optimizer(config) -> str:
+    """The planner's name for the run's optimizer state (`build_optimizer`)."""
+    if config.optim.eight_bit:
+        return "adamw8bit"
+    return "adamw" if config.optim.moments == "bf16" else "adamw-fp32"
+
+
 def _activations(p) -> float:
     return sum(line.device for line in p.lines if line.name.startswith("activations"))
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__

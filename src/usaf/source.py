@@ -28,7 +28,7 @@ from transformers.core_model_loading import (
 )
 
 from . import shards
-from .errors import UsafError
+from .errors import UsafError, first_line
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -320,3 +320,33 @@ class SourceCheckpoint:
         for key in keys:
             self.verify(key)
         return {key: self.checksums[key] for key in keys}
+
+
+def check_model_files(path: str) -> None:
+    """A local model folder's config.json and weight files, checked before transformers reads them: an unknown
+    model_type or a truncated shard is one line naming the file, not a traceback from deep inside the loader."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return  # a hub id: transformers downloads and checks it
+    from transformers import AutoConfig
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise UsafError(f"{folder} has no config.json; give the folder of a Hugging Face model.")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise UsafError(f"{config_file} is not a readable JSON object ({first_line(err)}).") from None
+    try:
+        AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        if "does not recognize this architecture" in str(err) or isinstance(err, KeyError):
+            import transformers
+
+            raise UsafError(
+                f"{config_file}: model_type {model_type!r} is not known to transformers {transformers.__version__}; "
+                "upgrade transformers (pip install -U transformers) or correct model_type."
+            ) from None
+        raise UsafError(f"{config_file} cannot be read: {first_line(err)}") from None
+    for shard in sorted(folder.glob("*.safetensors")):
+        shards.read_header(shard)  # checked against the file's size: a truncated copy is named here

@@ -160,7 +160,8 @@ class _SparseRows(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:
             entries = state.entries
             _, width = entries.shape[1:]
-            row, col = entries.flat_indices // width, entries.flat_indices % width
+            flat = entries.flat_indices  # derived per call: once
+            row, col = flat // width, flat % width
             where = torch.searchsorted(rows, row).clamp_max(rows.numel() - 1)
             hit = rows[where] == row
             grad_values = torch.where(hit, per_row[where, col], torch.zeros((), device=g.device))

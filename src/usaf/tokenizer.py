@@ -21,7 +21,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import PreTrainedTokenizerFast
 
-from .errors import UsafError
+from .errors import UsafError, first_line
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
@@ -127,7 +127,7 @@ def model_vocabulary(folder: str) -> NoTokenizer:
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as err:
-        raise UsafError(f"cannot read {folder}/config.json: {_first_line(err)}") from None
+        raise UsafError(f"cannot read {folder}/config.json: {first_line(err)}") from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1:
@@ -138,8 +138,3 @@ def model_vocabulary(folder: str) -> NoTokenizer:
     ids = {k: getattr(text, k, None) for k in ("pad_token_id", "eos_token_id", "bos_token_id")}
     ids = {k: (v[0] if isinstance(v, list) and v else v) for k, v in ids.items()}
     return NoTokenizer(folder, vocab, **{k: v if isinstance(v, int) else None for k, v in ids.items()})
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__

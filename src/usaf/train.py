@@ -25,7 +25,7 @@ from .arch import find_moe_layers
 from .atomic import atomic_file, atomic_json
 from .config import RunConfig
 from .data import Batches, collate, load_dataset
-from .errors import UsafError
+from .errors import UsafError, first_line
 from .evaluate import evaluate
 from .loss import IGNORE_INDEX, causal_lm_loss
 from .metrics import MetricsLog
@@ -37,6 +37,7 @@ from .report import write_router_load
 from .reselect import Reselector
 from .router import RouterCollapse, RouterTraining
 from .select import save_selection
+from .source import check_model_files
 from .tokenizer import has_tokenizer_files, model_vocabulary
 
 CONFIG_FILE = "config.yaml"
@@ -105,9 +106,8 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     if (folder := Path(config.model.path).expanduser()).is_dir() and (folder / "config.json").is_file():
         from transformers import AutoConfig
 
-        check_model_files(config.model.path)  # an unknown model_type or a truncated shard: one line
-
-        # before the model is loaded and calibrated; again on the loaded model's config for other sources
+        # (its files were checked by load_tokenizer) before the model is loaded and calibrated; again on the
+        # loaded model's config for other sources
         _check_positions(AutoConfig.from_pretrained(folder), config, train_data, eval_data)
     batches = Batches(train_data, config.data.batch_size, seed=config.train.seed)
     calibration = Batches(train_data, config.data.batch_size, seed=config.train.seed + 1)  # its own order
@@ -662,49 +662,12 @@ def load_model(
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except (OSError, ValueError) as err:
-            raise UsafError(f"cannot load the model at {path!r}: {_first_line(err)}") from None
+            raise UsafError(f"cannot load the model at {path!r}: {first_line(err)}") from None
         model.to(device)
         if recompute:
             enable_recomputation(model)
         prepare_model(model, config.select, calibration_batches=calibration_batches)
     return model
-
-
-def check_model_files(path: str) -> None:
-    """A local model folder's config.json and weight files, checked before transformers reads them: an unknown
-    model_type or a truncated shard is one line naming the file, not a traceback from deep inside the loader."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        return  # a hub id: transformers downloads and checks it
-    from transformers import AutoConfig
-
-    from .shards import read_header
-
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise UsafError(f"{folder} has no config.json; give the folder of a Hugging Face model.")
-    try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError) as err:
-        raise UsafError(f"{config_file} is not a readable JSON object ({_first_line(err)}).") from None
-    try:
-        AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError, KeyError) as err:
-        if "does not recognize this architecture" in str(err) or isinstance(err, KeyError):
-            import transformers
-
-            raise UsafError(
-                f"{config_file}: model_type {model_type!r} is not known to transformers {transformers.__version__}; "
-                "upgrade transformers (pip install -U transformers) or correct model_type."
-            ) from None
-        raise UsafError(f"{config_file} cannot be read: {_first_line(err)}") from None
-    for shard in sorted(folder.glob("*.safetensors")):
-        read_header(shard)  # checked against the file's size: a truncated copy is named here
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
 
 
 @torch.no_grad()
@@ -790,7 +753,7 @@ def _record_base(config: RunConfig, run_dir: Path, trained: list[str]) -> str | 
     try:
         record = base_record(model_dir, trained)
     except (UsafError, OSError, KeyError, ValueError) as err:  # e.g. a store whose source has moved
-        return f"the base's identity was not recorded ({_first_line(err)}): usaf export cannot check a --base"
+        return f"the base's identity was not recorded ({first_line(err)}): usaf export cannot check a --base"
     atomic_json(run_dir / RUN_BASE_FILE, record)
     return None
 

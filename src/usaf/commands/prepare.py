@@ -69,7 +69,7 @@ def _run(args) -> int:
 def _check_model_dir(folder: Path) -> None:
     """MODEL_DIR is a local Hugging Face folder whose config and shards read: one line otherwise."""
     from ..errors import UsafError
-    from ..train import check_model_files
+    from ..source import check_model_files
 
     if folder.is_file():
         raise UsafError(
