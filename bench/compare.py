@@ -20,7 +20,7 @@ How it measures
   cosine to 10 % of the peak learning rate, the same recomputation setting (off unless --recompute).
 - The baselines (LoRA, full fine-tuning, experts+routers, routers only, inference) run transformers' stock
   `grouped_mm` experts implementation; usaf runs its own. "nf4" methods use a usaf prepared store
-  (`usaf.load.prepare_store` / `load_prepared`), whose inference row is usaf's engine with nothing trained.
+  (`usaf.base.load.prepare_store` / `load_prepared`), whose inference row is usaf's engine with nothing trained.
 - Learning rates, one per method (ROUTER AND VALUE LRs EQUAL), chosen on the demo task (see LEARNING_RATES).
 """
 
@@ -269,7 +269,7 @@ def _exercise_libraries(method: Method, device) -> None:
     import torch
 
     import usaf
-    from usaf.tiny import tiny_model
+    from usaf.testing.tiny import tiny_model
 
     model = tiny_model("qwen3_moe").to(device)
     if method.kind == "usaf" or method.quant != "none":
@@ -334,7 +334,7 @@ class Worker:
             if (
                 self.method.kind == "usaf"
             ):  # usaf's own AdamW: the values' moments in bf16, as `usaf train` keeps them
-                from usaf.optim import CompactAdamW
+                from usaf.train.optim import CompactAdamW
 
                 values = {id(p) for n, p in self.model.named_parameters() if n.endswith(".values")}
                 groups = [
@@ -370,7 +370,7 @@ class Worker:
 
         m, job = self.method, self.job
         if m.quant != "none":
-            from usaf.load import load_prepared
+            from usaf.base.load import load_prepared
 
             if m.kind == "usaf":
                 config = _experts_config(m)
@@ -448,7 +448,7 @@ class Worker:
             return {"step": self.step, "accuracy": None}
         from transformers import AutoTokenizer
 
-        from usaf.demo_task import read_jsonl, task_accuracy
+        from usaf.demo.task import read_jsonl, task_accuracy
 
         tokenizer = AutoTokenizer.from_pretrained(self.job["model_dir"])
         records = read_jsonl(self.job["eval_records"])
@@ -493,7 +493,7 @@ def stock_baseline(model, kind: str):
     model.set_experts_implementation("grouped_mm")  # the fastest stock path
     model.requires_grad_(kind == "full")
     if kind in ("experts", "routers"):
-        from usaf.arch import find_moe_layers
+        from usaf.model.layout import find_moe_layers
 
         for layer in find_moe_layers(model):
             if layer.router is not None:
@@ -559,7 +559,7 @@ def _own_weights(model) -> None:
 
 def _count_params(model) -> int:
     """Parameters of the model as stored (a quantized expert tensor counts its entries, not its bytes)."""
-    from usaf.arch import find_moe_layers
+    from usaf.model.layout import find_moe_layers
 
     seen = {id(p) for p in model.parameters()}
     total = sum(p.numel() for p in model.parameters())
@@ -621,7 +621,7 @@ def prepare_model_dir(run: Run, workdir: Path, device: str, smoke: bool, threads
     the demo assets are missing."""
     import torch
 
-    from usaf.load import prepare_store
+    from usaf.base.load import prepare_store
 
     torch.set_num_threads(threads)
     root = workdir / run.model
@@ -672,7 +672,7 @@ def prepare_model_dir(run: Run, workdir: Path, device: str, smoke: bool, threads
 def _demo_assets(root: Path, smoke: bool):
     """The bundled demo model and data; in smoke runs a random model of the demo's shape on generated data (the
     accuracy is then ~0, but every code path runs)."""
-    from usaf.demo import assets as demo_assets
+    from usaf.demo.run import assets as demo_assets
 
     assets = demo_assets()
     if not smoke:
@@ -683,8 +683,8 @@ def _demo_assets(root: Path, smoke: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from usaf.demo_task import demo_model_config, write_demo_data
-    from usaf.tokenizer import char_tokenizer
+    from usaf.demo.task import demo_model_config, write_demo_data
+    from usaf.train.tokenizer import char_tokenizer
 
     tokenizer = char_tokenizer()
     torch.manual_seed(0)
@@ -698,7 +698,7 @@ def _demo_assets(root: Path, smoke: bool):
 def _demo_batches(model_dir: Path, data_dir: Path, run: Run):
     from transformers import AutoTokenizer
 
-    from usaf.demo_task import encode_records, read_jsonl
+    from usaf.demo.task import encode_records, read_jsonl
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     records = read_jsonl(data_dir / "train.jsonl")
@@ -1267,7 +1267,9 @@ def main(argv: list[str] | None = None) -> int:
 
     context = mp.get_context("forkserver")
     # imported once by the server; each method's process is a fork of it (no import cost, nothing computed yet)
-    context.set_forkserver_preload(["torch", "transformers", "peft", "usaf", "usaf.load", "usaf.demo_task"])
+    context.set_forkserver_preload(
+        ["torch", "transformers", "peft", "usaf", "usaf.base.load", "usaf.demo.task"]
+    )
     started = time.perf_counter()
     env = call_in_fork(context, "compare", "environment", device=args.device, threads=args.threads)
     print(

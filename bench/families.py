@@ -1,7 +1,7 @@
 """Every transformers model family whose experts use `@use_experts_implementation`: does usaf prepare it, and do
 its logits and gradients match transformers' own? A survey beyond the nine families the tests pin down.
 
-For each family with a causal-LM class, a tiny random configuration (usaf.tiny's sizes over the family's
+For each family with a causal-LM class, a tiny random configuration (usaf.testing.tiny's sizes over the family's
 defaults) is built; then, in fp32: the prepared model's logits against the untouched model's, and the trained
 values' gradients against the untouched model's dense expert gradients gathered at the same entries.
 
@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, write_results
 
 import usaf
-from usaf.arch import find_moe_layers
 from usaf.errors import UsafError
-from usaf.tiny import FAMILIES, randomize_routers_and_biases, tiny_config
+from usaf.model.layout import find_moe_layers
+from usaf.testing.tiny import FAMILIES, randomize_routers_and_biases, tiny_config
 
 MAX_PARAMETERS = 20_000_000
 
@@ -61,7 +61,7 @@ def check(model_type: str) -> dict:
     failure = {}
     for extra in attempts:
         try:  # a tiny model of this family that transformers itself runs
-            # the families of usaf.tiny as tested; others at the common tiny sizes, ids inside the tiny vocabulary
+            # the families of usaf.testing.tiny as tested; others at the common tiny sizes, ids inside the tiny vocabulary
             config = (
                 tiny_config(model_type)
                 if model_type in FAMILIES
@@ -139,7 +139,7 @@ def main() -> None:
         "Every model type defined next to a `@use_experts_implementation` experts class, tiny random config, fp32: "
         "logits of the prepared model vs the untouched one (ok: < 1e-5), trained values' gradients vs the dense "
         "expert gradient at the same entries (ok: relative error < 1e-4). The nine families in the test suite "
-        "use usaf.tiny's hand-made configs; the others the common tiny sizes over the family's defaults (where "
+        "use usaf.testing.tiny's hand-made configs; the others the common tiny sizes over the family's defaults (where "
         "those do not build, that is this survey's limit, not a usaf result).",
         "",
         "Summary: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),

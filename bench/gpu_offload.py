@@ -1,6 +1,6 @@
 """A Qwen3-30B-A3B-shaped model trained by usaf under an emulated 12 GB device: the frozen experts, quantized (nf4;
 int4 where bitsandbytes has no kernels for the device), live in pinned host memory and are streamed to the device
-one MoE layer at a time, the next layer's copy overlapping the current layer's compute (`usaf.offload`).
+one MoE layer at a time, the next layer's copy overlapping the current layer's compute (`usaf.store.offload`).
 
 Random weights are generated on the device (no download, no checkpoint on disk): 48 layers, 128 experts top-8,
 hidden 2048, expert width 768, vocab 151936 — about 30 B parameters, 29 B of them in experts (16 GB at nf4). The
@@ -31,13 +31,13 @@ from torch import nn
 from transformers import AutoConfig
 
 import usaf
-from usaf.arch import find_moe_layers
-from usaf.load import _compute_missing_buffers, build_skeleton
-from usaf.offload import LayerStreamer, StreamedParts
-from usaf.plan import format_size, load_model_config
+from usaf.model.hf import build_skeleton, compute_missing_buffers
+from usaf.model.layout import find_moe_layers
+from usaf.planner.ledger import format_size, load_model_config
 from usaf.quant import get_format, resolve_format
-from usaf.quant.store import QuantizedStore
-from usaf.store import StoredExpertTensor
+from usaf.store.dense import StoredExpertTensor
+from usaf.store.offload import LayerStreamer, StreamedParts
+from usaf.store.quantized import QuantizedStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
@@ -115,7 +115,7 @@ def build_offloaded_model(
                 value.normal_(0.0, 0.02, generator=generator)
             module._parameters[param_name] = nn.Parameter(value, requires_grad=False)
             value._is_hf_initialized = True  # transformers' initialisation must leave it alone
-    _compute_missing_buffers(model)  # rotary frequencies, computed by the model's own initialisation
+    compute_missing_buffers(model)  # rotary frequencies, computed by the model's own initialisation
     model.to(device)
     return model, stores, streamer, fmt_name
 

@@ -27,7 +27,7 @@ TARGET = 1.3
 MODEL = dict(
     hidden_size=512,
     moe_intermediate_size=512,
-    num_experts=16,  # usaf.tiny sets the families' other names for it
+    num_experts=16,  # usaf.testing.tiny sets the families' other names for it
     num_experts_per_tok=4,
     num_hidden_layers=8,
     num_attention_heads=8,
@@ -44,8 +44,9 @@ def child(args) -> None:
     from transformers import AutoConfig
 
     import usaf
-    from usaf.load import build_skeleton, load_prepared
-    from usaf.loss import causal_lm_loss
+    from usaf.base.load import load_prepared
+    from usaf.engine.loss import causal_lm_loss
+    from usaf.model.hf import build_skeleton
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import TensorPeak, proc_status_bytes, reset_peak_rss
@@ -110,9 +111,9 @@ def _warm_up(dtype) -> None:
     import torch
 
     import usaf
-    from usaf.loss import causal_lm_loss
+    from usaf.engine.loss import causal_lm_loss
     from usaf.quant import nf4
-    from usaf.tiny import tiny_model
+    from usaf.testing.tiny import tiny_model
 
     nf4.dequantize({k: v[None] for k, v in nf4.quantize(torch.randn(64, 64)).items()}, 64, 64, dtype)
     model = usaf.prepare_model(tiny_model("qwen3_moe", dtype=dtype), usaf.UsafConfig())
@@ -165,8 +166,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import machine, write_results
 
-    from usaf.load import prepare_store, read_store_metadata
-    from usaf.tiny import tiny_model
+    from usaf.base.load import prepare_store, read_store_metadata
+    from usaf.testing.tiny import tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         source, store = Path(tmp, "model"), Path(tmp, f"store-{args.quant}")

@@ -1,7 +1,7 @@
 """The planner's predicted peak against the peak measured on this CPU, for a few small MoE configurations.
 
 Each case trains in its own subprocess: a tiny-family model at larger dimensions, fp32, prepared by usaf (or saved,
-prepared as an NF4 store in another subprocess, and loaded with `usaf.load.load_prepared`), with per-layer
+prepared as an NF4 store in another subprocess, and loaded with `usaf.base.load.load_prepared`), with per-layer
 recomputation, the chunked loss, backward and AdamW over the trainable parameters, for three steps (the optimizer
 state exists from the second on).
 Peak memory is the process's peak RSS above the baseline taken once everything is imported (VmHWM, reset through
@@ -113,8 +113,8 @@ CASES = [
 def prepare(case: dict, workdir: str) -> str:
     """Save the case's model as a checkpoint and prepare a store in the case's format (its own process, so that
     neither the saving nor the quantization warms up or fills the measured one); returns the store's path."""
-    from usaf.load import prepare_store
-    from usaf.tiny import tiny_model
+    from usaf.base.load import prepare_store
+    from usaf.testing.tiny import tiny_model
 
     source = Path(workdir) / "source"
     tiny_model(case["family"], **case["model"]).save_pretrained(source)
@@ -127,10 +127,10 @@ def child(case: dict, store: str | None) -> dict:
     from common import lifetime_peak_rss, proc_status_bytes, reset_peak_rss
 
     import usaf
-    from usaf.load import load_prepared
-    from usaf.loss import causal_lm_loss
+    from usaf.base.load import load_prepared
+    from usaf.engine.loss import causal_lm_loss
     from usaf.prepare import enable_recomputation
-    from usaf.tiny import tiny_model
+    from usaf.testing.tiny import tiny_model
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -164,8 +164,8 @@ def child(case: dict, store: str | None) -> dict:
 
 
 def predict(case: dict) -> dict:
-    from usaf import plan as planner
-    from usaf.tiny import tiny_config
+    from usaf.planner import ledger as planner
+    from usaf.testing.tiny import tiny_config
 
     config = tiny_config(case["family"], **case["model"]).to_dict()
     shape = planner.model_shape(config, case["name"])

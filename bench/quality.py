@@ -13,7 +13,7 @@ Tasks
   prose (scripts/make_shift_model.py, cached in bench/.cache/shift-model/) is fine-tuned on roff man-page
   source. Adaptation: held-out loss on the new domain (nats/byte = nats/token); forgetting: held-out loss on the
   old domain. Lower is better for both.
-- demo: the bundled demo model (knows `copy` and `upper`) learns `shift` (usaf.demo_task) from the bundled
+- demo: the bundled demo model (knows `copy` and `upper`) learns `shift` (usaf.demo.task) from the bundled
   train.jsonl. Adaptation: exact-match accuracy on the bundled held-out shift records; forgetting: the mean
   accuracy on fresh copy and upper records (a seed that neither pretraining nor the bundled data used).
   Higher is better for both.
@@ -275,8 +275,8 @@ def _prepare_demo(root: Path, sizes: dict, seeds: list[int], smoke: bool) -> dic
     import torch
     from transformers import AutoTokenizer
 
-    from usaf.demo import assets
-    from usaf.demo_task import encode_records, make_examples, read_jsonl
+    from usaf.demo.run import assets
+    from usaf.demo.task import encode_records, make_examples, read_jsonl
 
     model_dir, data_dir = assets() / "model", assets() / "data"
     if not (model_dir / "config.json").exists():
@@ -337,7 +337,7 @@ def _build(method: dict, model_dir: str, calibration: list):
     _own_weights(model)
     kind, lr = method["kind"], method["lr"]
     if kind == "usaf":
-        from usaf.train import _router_params
+        from usaf.train.loop import _router_params
 
         config = usaf.UsafConfig(**method["select"])
         usaf.prepare_model(model, config, calibration_batches=calibration)
@@ -378,7 +378,7 @@ class _Evaluator:
                         total = sum(float(usaf.causal_lm_loss(model, b, b)) * b.shape[0] for b in batches)
                         out[name] = total / sum(b.shape[0] for b in batches)
                 return out
-            from usaf.demo_task import task_accuracy
+            from usaf.demo.task import task_accuracy
 
             acc = {k: task_accuracy(model, self.tokenizer, records) for k, records in self.evals.items()}
             return {"new": acc["shift"], "old": (acc["copy"] + acc["upper"]) / 2, **acc}
@@ -421,7 +421,7 @@ def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
     if method["kind"] == "inference":
         return {**result, "curve": curve, "step_times_s": [], "train_losses": [], "peak_bytes": None}
     if method["kind"] == "usaf":  # usaf's own AdamW (bf16 moments where the group is compact)
-        from usaf.optim import CompactAdamW
+        from usaf.train.optim import CompactAdamW
 
         optimizer = CompactAdamW(groups, seed=seed, betas=(0.9, 0.999), weight_decay=0.0)
     else:
@@ -429,7 +429,7 @@ def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(steps))
     reselector = None
     if config is not None and getattr(config, "reselect_every", 0):
-        from usaf.reselect import Reselector
+        from usaf.selection.reselect import Reselector
 
         reselector = Reselector(model, config, steps)
     model.train()
@@ -612,7 +612,7 @@ def markdown(payload: dict) -> str:
         "seconds of the whole run (evaluation excluded). Peak MB: resident-set peak above the run's process "
         "baseline during training (model, optimizer state and activations); live MB: live-tensor peak of one more "
         "step (what a GPU allocator's peak counts). usaf routers train at lr × router_lr_multiplier; usaf rows use "
-        "usaf's AdamW (`usaf.optim.CompactAdamW`: the values' moments in bf16 with stochastic rounding) unless a "
+        "usaf's AdamW (`usaf.train.optim.CompactAdamW`: the values' moments in bf16 with stochastic rounding) unless a "
         "row says moments fp32.",
         "",
     ]
@@ -899,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
 
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(
-        ["torch", "transformers", "peft", "usaf", "usaf.demo_task", "compare", "common"]
+        ["torch", "transformers", "peft", "usaf", "usaf.demo.task", "compare", "common"]
     )
     started = time.perf_counter()
     env = call_in_fork(context, "quality", "environment", threads=args.threads)

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, sync, write_results
 
 import usaf
-from usaf.loss import causal_lm_loss
-from usaf.reselect import Reselector
-from usaf.tiny import tiny_model
+from usaf.engine.loss import causal_lm_loss
+from usaf.selection.reselect import Reselector
+from usaf.testing.tiny import tiny_model
 
 SHAPE = dict(
     hidden_size=512,

@@ -45,9 +45,9 @@ def child(args) -> None:
     from common import TensorPeak, proc_status_bytes, reset_peak_rss
 
     import usaf
-    from usaf.loss import causal_lm_loss
-    from usaf.reselect import Reselector
-    from usaf.tiny import tiny_model
+    from usaf.engine.loss import causal_lm_loss
+    from usaf.selection.reselect import Reselector
+    from usaf.testing.tiny import tiny_model
 
     torch.set_num_threads(args.threads)
     shape = SMOKE_SHAPE if args.smoke else SHAPE

@@ -34,10 +34,10 @@ def run_one(name: str, reselect: bool, router: bool, seed: int, args, scratch: P
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from usaf.config import RunConfig
-    from usaf.demo import DEMO_SETTINGS, assets
-    from usaf.demo_task import read_jsonl, task_accuracy
-    from usaf.export import export_merged
-    from usaf.train import train
+    from usaf.demo.run import DEMO_SETTINGS, assets
+    from usaf.demo.task import read_jsonl, task_accuracy
+    from usaf.export.merged import export_merged
+    from usaf.train.loop import train
 
     strategy, selection = STRATEGIES[name]
     model_dir, data_dir = assets() / "model", assets() / "data"

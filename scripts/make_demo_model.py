@@ -5,7 +5,7 @@
 
 A fresh qwen3_moe model (3 layers, hidden 64, 8 experts, top-2; ~0.5 M parameters, fp32, ~2 MB) is fully
 trained with plain transformers/torch on the demo's pretraining skills, `copy: kqzm -> kqzm` and
-`upper: kqzm -> KQZM` (usaf.demo_task), loss on the completion only. Its attention thereby learns to fetch
+`upper: kqzm -> KQZM` (usaf.demo.task), loss on the completion only. Its attention thereby learns to fetch
 the aligned source character and its FFNs to map it; the demo's new skill, `shift: kqzm -> lran`, reuses the
 attention pattern and needs a new per-character mapping, which training only expert weights (+ routers) can
 provide.
@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from usaf.demo_task import (
+from usaf.demo.task import (
     KINDS,
     PRETRAIN_KINDS,
     demo_model_config,
@@ -42,7 +42,7 @@ from usaf.demo_task import (
     task_accuracy,
     write_demo_data,
 )
-from usaf.tokenizer import char_tokenizer
+from usaf.train.tokenizer import char_tokenizer
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "usaf" / "demo_assets"
 SEED = 0

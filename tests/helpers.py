@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from usaf.tiny import tiny_model
-from usaf.tokenizer import char_tokenizer
+from usaf.testing.tiny import tiny_model
+from usaf.train.tokenizer import char_tokenizer
 
 
 def make_model_dir(folder: Path, family: str = "qwen3_moe", seed: int = 0) -> Path:
@@ -53,8 +53,8 @@ FAST_RUN = [
 # and before its checkpoint (KILL_WHEN=row)
 KILLER = """
 import os, signal, sys
-import usaf.checkpoint as checkpoint
-import usaf.metrics as metrics
+import usaf.train.checkpoint as checkpoint
+import usaf.train.metrics as metrics
 from usaf.cli import main
 at, when = int(os.environ["KILL_AT_STEP"]), os.environ.get("KILL_WHEN", "checkpoint")
 save, log = checkpoint.save, metrics.MetricsLog.log
@@ -116,7 +116,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 def reselecting_step(model, optimizer, reselector, step: int, ids, reselect: bool = True):
     """One optimizer step on `ids` as usaf's loop runs it with reselection; returns the reselection's report
     (`reselect=False`: the step up to, not including, the reselection that may follow it)."""
-    from usaf.loss import causal_lm_loss
+    from usaf.engine.loss import causal_lm_loss
 
     reselector.before_step(step)
     reselector.set_observing(True)

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from usaf.data import IGNORE_INDEX, Batches, collate, load_dataset
 from usaf.errors import UsafError
-from usaf.tiny import tiny_model
-from usaf.tokenizer import char_tokenizer
+from usaf.testing.tiny import tiny_model
+from usaf.train.data import IGNORE_INDEX, Batches, collate, load_dataset
+from usaf.train.tokenizer import char_tokenizer
 
 CHAT = [
     {"role": "system", "content": "Be brief."},

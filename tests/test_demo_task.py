@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import usaf
-from usaf.demo_task import (
+from usaf.demo.task import (
     KINDS,
     NEW_SKILL,
     make_examples,
@@ -21,7 +21,7 @@ from usaf.demo_task import (
     write_demo_data,
 )
 from usaf.errors import UsafError
-from usaf.tokenizer import char_tokenizer
+from usaf.train.tokenizer import char_tokenizer
 
 ASSETS = Path(str(files("usaf") / "demo_assets"))
 MODEL_DIR = ASSETS / "model"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import usaf
-from usaf.tiny import FAMILIES, tiny_model
+from usaf.testing.tiny import FAMILIES, tiny_model
 
 IDS = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
 

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import usaf
-from usaf.arch import find_moe_layers
-from usaf.loss import causal_lm_loss, chunked_causal_lm_loss, output_head
-from usaf.store import DenseStore
-from usaf.tiny import tiny_model
+from usaf.engine.loss import causal_lm_loss, chunked_causal_lm_loss, output_head
+from usaf.model.layout import find_moe_layers
+from usaf.store.dense import DenseStore
+from usaf.testing.tiny import tiny_model
 
 IDS = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(4))
 

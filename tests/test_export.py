@@ -18,14 +18,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import usaf
-from usaf import checkpoint, runtime
 from usaf.cli import main
 from usaf.config import RunConfig
 from usaf.errors import UsafError
-from usaf.export import read_delta
+from usaf.export.delta import read_delta
 from usaf.prepare import get_delta
-from usaf.tiny import tiny_model
-from usaf.tokenizer import char_tokenizer
+from usaf.testing.tiny import tiny_model
+from usaf.train import checkpoint, runtime
+from usaf.train.tokenizer import char_tokenizer
 
 ROUND_TRIP = {  # every tested family; granularity alternates (neurons exercise whole-line selections)
     "qwen3_moe": "element",
@@ -170,7 +170,7 @@ def _first_shard(folder: Path) -> str:
 def test_merged_checkpoint_keeps_names_dtypes_and_untouched_bytes(trained):
     run = trained["runs"]["qwen3_moe"]
     out = trained["root"] / "qwen3_moe" / "kept"
-    usaf.export.export_merged(run["run"], out)
+    usaf.export.merged.export_merged(run["run"], out)
     assert (out / "model.safetensors.index.json").read_bytes() == (
         run["base"] / "model.safetensors.index.json"
     ).read_bytes()
@@ -190,7 +190,7 @@ def test_merged_checkpoint_keeps_names_dtypes_and_untouched_bytes(trained):
 def test_delta_file_is_small_and_self_describing(trained):
     run = trained["runs"]["gpt_oss"]
     path = trained["root"] / "gpt_oss" / "small.safetensors"
-    usaf.export.export_delta(run["run"], path)
+    usaf.export.delta.export_delta(run["run"], path)
     delta = read_delta(path)
     info = delta.info
     assert info["usaf_version"] == usaf.__version__ and info["base"]["model_type"] == "gpt_oss"
@@ -222,7 +222,7 @@ def test_delta_file_is_small_and_self_describing(trained):
 def test_load_delta_into_plain_and_prepared_models(trained):
     run = trained["runs"]["mixtral"]
     path = trained["root"] / "mixtral" / "for_loading.safetensors"
-    usaf.export.export_delta(run["run"], path)
+    usaf.export.delta.export_delta(run["run"], path)
     ids = trained["input_ids"]
 
     plain = usaf.load_delta(AutoModelForCausalLM.from_pretrained(run["base"]), path, base_dir=run["base"])
@@ -268,7 +268,7 @@ def test_usaf_train_run_exports_with_its_summary(tmp_path):
 
 
 def test_nf4_trained_run_merges_into_the_original_precision(tmp_path):
-    from usaf import load
+    from usaf.base import load
 
     base = model_dir(tmp_path / "base", "qwen3_moe", dtype=torch.bfloat16)
     store = load.prepare_store(base, tmp_path / "store", quant="nf4", device="cpu")
@@ -310,7 +310,7 @@ def test_nf4_trained_run_merges_into_the_original_precision(tmp_path):
     torch.testing.assert_close(logits(merged_model, input_ids), logits(plain, input_ids), atol=0, rtol=0)
 
     with pytest.raises(UsafError, match=r"prepared \(quantized\) store"):
-        usaf.export.apply_delta(store, tmp_path / "delta.safetensors", tmp_path / "from_store")
+        usaf.export.merged.apply_delta(store, tmp_path / "delta.safetensors", tmp_path / "from_store")
 
     # the delta also loads into the quantized model for inference
     requantized = load.load_prepared(store, base, usaf.UsafConfig(density=0.05), device="cpu")
@@ -322,7 +322,7 @@ def test_nf4_trained_run_merges_into_the_original_precision(tmp_path):
 
 KILLER = """
 import os, signal, sys
-import usaf.export as export
+import usaf.export.delta as export
 from usaf.cli import main
 
 write_shard = export._write_shard
@@ -359,7 +359,7 @@ def test_killed_export_leaves_nothing_that_looks_complete(trained, tmp_path):
 def test_apply_refuses_a_base_whose_tensors_differ(trained, tmp_path):
     run = trained["runs"]["gpt_oss"]
     delta = tmp_path / "delta.safetensors"
-    usaf.export.export_delta(run["run"], delta)
+    usaf.export.delta.export_delta(run["run"], delta)
     other = tmp_path / "other_base"
     shutil.copytree(run["base"], other)
     tensors = load_file(str(other / "model.safetensors"))
@@ -368,18 +368,18 @@ def test_apply_refuses_a_base_whose_tensors_differ(trained, tmp_path):
     )
     save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(UsafError, match=r"model\.layers\.1\.mlp\.experts\.down_proj.*differs from the base"):
-        usaf.export.apply_delta(other, delta, tmp_path / "out")
+        usaf.export.merged.apply_delta(other, delta, tmp_path / "out")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
     with pytest.raises(UsafError, match="differs from the base"):
         usaf.load_delta(AutoModelForCausalLM.from_pretrained(other), delta, base_dir=other)
     # another family altogether
     with pytest.raises(UsafError, match="was made for a gpt_oss model"):
-        usaf.export.apply_delta(trained["runs"]["mixtral"]["base"], delta, tmp_path / "out")
+        usaf.export.merged.apply_delta(trained["runs"]["mixtral"]["base"], delta, tmp_path / "out")
 
 
 def test_truncated_or_corrupted_delta_is_refused(trained, tmp_path):
     delta = tmp_path / "delta.safetensors"
-    usaf.export.export_delta(trained["runs"]["deepseek_v3"]["run"], delta)
+    usaf.export.delta.export_delta(trained["runs"]["deepseek_v3"]["run"], delta)
     raw = delta.read_bytes()
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(raw[: len(raw) - 100])
@@ -410,12 +410,12 @@ def test_run_without_finished_checkpoint_is_refused(trained, tmp_path):
         RunConfig.load(None, [f"model.path={trained['runs']['qwen3_moe']['base']}"]).to_yaml()
     )
     with pytest.raises(UsafError, match="has no finished checkpoint"):
-        usaf.export.export_delta(run, tmp_path / "d.safetensors")
+        usaf.export.delta.export_delta(run, tmp_path / "d.safetensors")
     with pytest.raises(UsafError, match="has no finished checkpoint"):
-        usaf.export.export_merged(run, tmp_path / "m")
+        usaf.export.merged.export_merged(run, tmp_path / "m")
     assert not (tmp_path / "d.safetensors").exists() and not (tmp_path / "m").exists()
     with pytest.raises(UsafError, match="does not exist"):
-        usaf.export.export_delta(tmp_path / "nowhere", tmp_path / "d.safetensors")
+        usaf.export.delta.export_delta(tmp_path / "nowhere", tmp_path / "d.safetensors")
 
 
 def test_existing_outputs_need_force(trained, tmp_path, capsys):
@@ -445,7 +445,7 @@ def test_existing_outputs_need_force(trained, tmp_path, capsys):
     read_delta(tmp_path / "d.safetensors")
     base = trained["runs"]["gemma4_text"]["base"]
     with pytest.raises(UsafError, match="would replace the base checkpoint"):
-        usaf.export.apply_delta(base, tmp_path / "d.safetensors", base, force=True)
+        usaf.export.merged.apply_delta(base, tmp_path / "d.safetensors", base, force=True)
 
 
 # ---- transformers.Trainer ----------------------------------------------------------------------------------------

@@ -136,13 +136,13 @@ def move_data(ctx, monkeypatch):
 
 
 def disk_full_on_checkpoint(ctx, monkeypatch):
-    import usaf.checkpoint
+    import usaf.train.checkpoint
 
     def full(tensors, path, *args, **kwargs):
         Path(path).write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(usaf.checkpoint, "save_file", full)
+    monkeypatch.setattr(usaf.train.checkpoint, "save_file", full)
 
 
 def disk_full_on_delta(ctx, monkeypatch):
@@ -178,12 +178,12 @@ def read_only_merged(ctx, monkeypatch):
 
 
 def disk_full_on_store(ctx, monkeypatch):
-    import usaf.shards
+    import usaf.io.shards
 
     def full(self, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
 
-    monkeypatch.setattr(usaf.shards.StreamingWriter, "write", full)
+    monkeypatch.setattr(usaf.io.shards.StreamingWriter, "write", full)
 
 
 def start_in_its_first_instant(ctx, monkeypatch):
@@ -562,19 +562,19 @@ def test_list_options_into_a_closed_pipe_has_no_traceback():
 
 
 def test_the_demo_returns_non_zero_when_training_stops(monkeypatch, tmp_path, capsys):
-    import usaf.demo_task
-    import usaf.train
+    import usaf.demo.task
+    import usaf.train.loop
     from usaf.cli import main as cli
 
-    monkeypatch.setattr(usaf.demo_task, "task_accuracy", lambda *args, **kwargs: 0.0)
+    monkeypatch.setattr(usaf.demo.task, "task_accuracy", lambda *args, **kwargs: 0.0)
     stopped = {"stopped": True, "step": 7, "reason": "router collapse"}
-    monkeypatch.setattr(usaf.train, "train", lambda *args, **kwargs: stopped)
+    monkeypatch.setattr(usaf.train.loop, "train", lambda *args, **kwargs: stopped)
     assert cli(["demo", f"--out={tmp_path / 'demo'}", "--set=schedule.max_steps=2"]) == 1
     out = capsys.readouterr().out
     assert "training stopped at step 7 (router collapse); nothing exported" in out
     assert not (tmp_path / "demo" / "model").exists()
     monkeypatch.setattr(
-        usaf.train, "train", lambda *args, **kwargs: {"stopped": True, "step": 3, "signal": 15}
+        usaf.train.loop, "train", lambda *args, **kwargs: {"stopped": True, "step": 3, "signal": 15}
     )
     assert cli(["demo", f"--out={tmp_path / 'demo'}"]) == 128 + 15
 
@@ -601,7 +601,7 @@ def test_a_real_full_disk_during_checkpoint_and_export(ws, tmp_path, capsys):
         assert saved and all(name.startswith("step-") for name in saved)  # no half-written .tmp- folder
         last = run / "checkpoints" / saved[-1]
         assert json.loads((last / "state.json").read_text())["files"]  # the last one is whole: it loads
-        from usaf import checkpoint
+        from usaf.train import checkpoint
 
         checkpoint.load(last)
         # an export into the full disk fails the same way and leaves no partial output

@@ -13,7 +13,7 @@ from helpers import FAST_RUN, make_model_dir, start_usaf, wait_for_rows, write_c
 from usaf.cli import main
 from usaf.config import SECTIONS, RunConfig
 from usaf.errors import UsafError
-from usaf.train import train
+from usaf.train.loop import train
 
 BASE = FAST_RUN
 
@@ -114,6 +114,23 @@ def test_every_numeric_run_option_has_a_range_shown_by_list_options(capsys):
     assert any(row.startswith("checkpoint.every_steps = ") and "0: off" in row for row in listing)
 
 
+def test_every_run_option_has_help_text_and_lists_its_choices(capsys):
+    assert main(["train", "--list-options"]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    for name, section_cls in SECTIONS.items():
+        for f in fields(section_cls):
+            line = next(row for row in listing if row.startswith(f"{name}.{f.name} = "))
+            assert len(f.metadata.get("doc") or "") > 10, f"{name}.{f.name} has no help text"
+            assert f.metadata["doc"] in line, line
+            if f.metadata.get("choices"):
+                shown = ", ".join(
+                    str(c).lower() if isinstance(c, bool) else str(c) for c in f.metadata["choices"]
+                )
+                assert f"(one of {shown})" in line, line
+    seed = next(row for row in listing if row.startswith("train.seed = "))
+    assert "data order" in seed and "select.seed" in seed, seed
+
+
 def test_zero_means_off_for_checkpoint_and_log_intervals(workspace, tmp_path):
     run = tmp_path / "run"
     summary = train(
@@ -211,12 +228,12 @@ def test_resuming_below_the_last_checkpoint_without_a_summary_is_refused(workspa
 def test_an_interrupt_outside_the_loop_exits_130_without_a_traceback(
     workspace, tmp_path, monkeypatch, capsys
 ):
-    import usaf.train
+    import usaf.train.loop
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # e.g. Ctrl-C while the model loads, or a second Ctrl-C in the loop
 
-    monkeypatch.setattr(usaf.train, "load_model", interrupted)
+    monkeypatch.setattr(usaf.train.loop, "load_model", interrupted)
     assert main(cli_args(workspace, tmp_path / "run")) == 130
     err = capsys.readouterr().err
     assert err.startswith("usaf: interrupted") and err.count("\n") == 1 and "Traceback" not in err
@@ -384,7 +401,7 @@ def test_a_hub_id_while_offline_fails_at_once_naming_the_id(monkeypatch, tmp_pat
 
     import huggingface_hub
 
-    from usaf.train import check_model_path
+    from usaf.train.session import check_model_path
 
     def unreachable(*args, **kwargs):
         raise socket.gaierror(-2, "Name or service not known")
@@ -405,3 +422,11 @@ def test_a_hub_id_while_offline_fails_at_once_naming_the_id(monkeypatch, tmp_pat
     assert not (tmp_path / "run").exists()
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: "/cache/config.json")
     check_model_path("someorg/some-moe")  # cached: no probe, no error
+
+
+def test_a_prefix_cache_over_no_frozen_layer_is_a_usaf_error():
+    from usaf.testing.tiny import tiny_model
+    from usaf.train.prefix_cache import FrozenPrefixCache
+
+    with pytest.raises(UsafError, match=r"select\.layers"):
+        FrozenPrefixCache(tiny_model("qwen3_moe"), 0, "ram")

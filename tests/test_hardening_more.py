@@ -215,11 +215,11 @@ def test_a_run_with_relative_paths_works_from_elsewhere_and_a_moved_base_or_data
 
 
 def test_a_run_start_hashes_only_the_tensors_it_can_train(finished, tmp_path, monkeypatch, capsys):
-    import usaf.shards
+    import usaf.io.shards
 
     hashed: list[str] = []
-    real = usaf.shards.sha256_of
-    monkeypatch.setattr(usaf.shards, "sha256_of", lambda entry: hashed.append(entry.name) or real(entry))
+    real = usaf.io.shards.sha256_of
+    monkeypatch.setattr(usaf.io.shards, "sha256_of", lambda entry: hashed.append(entry.name) or real(entry))
     everything = set(load_file(str(finished["base"] / "model.safetensors")))
     # layer 1's expert tensors (stored one per expert and projection, fused by the model) and its router
     trained = {key for key in everything if key.startswith("model.layers.1.mlp.")}
@@ -270,10 +270,10 @@ def test_a_run_start_hashes_only_the_tensors_it_can_train(finished, tmp_path, mo
 def test_an_older_runs_base_json_with_every_tensor_hashed_is_still_read_and_checked(
     finished, tmp_path, capsys
 ):
-    from usaf import export
+    from usaf.base import record
 
     run = copy_run(finished, tmp_path)
-    full = export.base_record(finished["base"])  # no trained names: every tensor hashed
+    full = record.base_record(finished["base"])  # no trained names: every tensor hashed
     assert all("sha256" in t for t in full["tensors"].values())
     keep = ("file", "dtype", "shape", "sha256")
     old = {  # as usaf wrote base.json before: every tensor's sha256, no sampled bytes, no file sizes
@@ -281,10 +281,10 @@ def test_an_older_runs_base_json_with_every_tensor_hashed_is_still_read_and_chec
         "tensors": {key: {k: t[k] for k in keep} for key, t in full["tensors"].items()},
     }
     (run / "base.json").write_text(json.dumps(old))
-    assert export.base_difference(old, finished["base"]) is None
+    assert record.base_difference(old, finished["base"]) is None
     assert main(["export", str(run), f"--delta={tmp_path / 'd.safetensors'}"]) == 0
     other = altered_copy(finished["base"], tmp_path / "other")
-    assert "sha256 mismatch" in export.base_difference(old, other)
+    assert "sha256 mismatch" in record.base_difference(old, other)
     capsys.readouterr()
     assert main(["export", str(run), f"--base={other}", f"--delta={tmp_path / 'e.safetensors'}"]) == 2
     assert f"differs from the base the run {run} was trained on (sha256 mismatch)" in capsys.readouterr().err

@@ -15,15 +15,15 @@ from helpers import reselecting_step
 from safetensors.torch import load_file, save_file
 
 import usaf
-from usaf import shards
+from usaf.base.load import load_prepared, prepare_store, read_store_metadata
 from usaf.cli import main as cli_main
+from usaf.engine.loss import causal_lm_loss
 from usaf.errors import UsafError
-from usaf.load import load_prepared, prepare_store, read_store_metadata
-from usaf.loss import causal_lm_loss
+from usaf.io import shards
 from usaf.quant import get_format
-from usaf.quant.store import QuantizedStore
-from usaf.store import StoredExpertTensor
-from usaf.tiny import tiny_model
+from usaf.store.dense import StoredExpertTensor
+from usaf.store.quantized import QuantizedStore
+from usaf.testing.tiny import tiny_model
 
 IDS = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
 CONFIG = dict(density=0.1, selection="random", targets=["experts", "routers"])  # the quantized experts
@@ -251,7 +251,8 @@ def test_prepare_streams_a_multi_shard_checkpoint_within_bounded_memory(tmp_path
         f"""
         import json, torch
         from transformers import AutoConfig
-        from usaf.load import build_skeleton, prepare_store
+        from usaf.model.hf import build_skeleton
+        from usaf.base.load import prepare_store
         from usaf.quant import nf4
         torch.set_num_threads(2)
         build_skeleton(AutoConfig.from_pretrained({str(src)!r}))  # imports everything preparing needs
@@ -330,7 +331,7 @@ def test_a_damaged_checkpoint_fails_clearly_and_leaves_no_store(tmp_path, damage
 
 
 def test_an_interrupted_preparation_leaves_no_store(tmp_path, monkeypatch):
-    from usaf.source import SourceCheckpoint
+    from usaf.io.source import SourceCheckpoint
 
     src, out = tmp_path / "src", tmp_path / "out"
     save_checkpoint(src)
@@ -399,8 +400,8 @@ def rel(a, b):
 
 
 def test_training_loads_a_checkpoint_through_the_cache_of_prepared_stores(qwen, tmp_path, monkeypatch):
+    from usaf.base.load import load_for_training
     from usaf.config import RunConfig
-    from usaf.load import load_for_training
 
     reference, src, store = qwen
     monkeypatch.setenv("USAF_CACHE", str(tmp_path / "cache"))
@@ -436,7 +437,7 @@ def test_training_loads_a_checkpoint_through_the_cache_of_prepared_stores(qwen, 
 def _entry_bytes(model, optimizer) -> dict[str, float]:
     """Bytes per trained entry of each quantized expert tensor: everything the entries, their gradient and their
     optimizer state hold, less the per-tensor expert offsets."""
-    from usaf.prepare import sparse_experts
+    from usaf.engine.installed import sparse_experts
 
     per_entry = {}
     for path, state in sparse_experts(model):
@@ -449,7 +450,7 @@ def _entry_bytes(model, optimizer) -> dict[str, float]:
 
 
 def test_a_trained_entry_on_a_quantized_store_costs_16_bytes(qwen):
-    from usaf.optim import CompactAdamW
+    from usaf.train.optim import CompactAdamW
 
     _, src, out = qwen
     model = load(out, src)
@@ -461,13 +462,13 @@ def test_a_trained_entry_on_a_quantized_store_costs_16_bytes(qwen):
     assert sizes and all(v == 16 for v in sizes.values()), (
         sizes
     )  # value 4, int32 index 4, grad 4, moments 2 + 2
-    for _, state in usaf.prepare.sparse_experts(model):
+    for _, state in usaf.engine.installed.sparse_experts(model):
         assert all(e.base_values is None for e in state.values())  # the store gives the base back
 
 
 def test_reselection_on_a_quantized_store_reverts_to_the_dequantized_base(qwen):
-    from usaf.optim import CompactAdamW
-    from usaf.reselect import Reselector
+    from usaf.selection.reselect import Reselector
+    from usaf.train.optim import CompactAdamW
 
     reference, src, out = qwen
     config = usaf.UsafConfig(

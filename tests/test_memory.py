@@ -12,11 +12,11 @@ from helpers import FAST_RUN, make_model_dir, write_copy_task
 
 import usaf
 from usaf.config import RunConfig
+from usaf.engine.loss import causal_lm_loss
 from usaf.errors import UsafError
-from usaf.loss import causal_lm_loss
-from usaf.recompute import choose_recompute, decide
-from usaf.reselect import Reselector
-from usaf.tiny import tiny_model
+from usaf.selection.reselect import Reselector
+from usaf.testing.tiny import tiny_model
+from usaf.train.recompute import choose_recompute, decide
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from common import TensorPeak
@@ -107,8 +107,8 @@ def test_calibration_peaks_no_higher_than_a_training_step():
 
 def test_train_switches_recomputation_on_before_calibration(tmp_path, monkeypatch):
     """load_model enables recomputation before the model is calibrated (not after, as it did)."""
-    from usaf import calibrate
-    from usaf.train import load_model
+    from usaf.selection import calibrate
+    from usaf.train.session import load_model
 
     make_model_dir(tmp_path / "model")
     config = RunConfig.load(None, [f"model.path={tmp_path / 'model'}", "select.selection=gradient"])
@@ -191,7 +191,7 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def test_a_default_run_says_its_choice_and_trains_as_the_explicit_setting(workspace, tmp_path, capsys):
-    from usaf.train import train
+    from usaf.train.loop import train
 
     train(_config(workspace, "schedule.max_steps=4"), tmp_path / "auto")
     first_lines = capsys.readouterr().out.splitlines()[:3]

@@ -6,8 +6,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import usaf
-from usaf.arch import find_moe_layers
-from usaf.tiny import FAMILIES, tiny_model
+from usaf.model.layout import find_moe_layers
+from usaf.testing.tiny import FAMILIES, tiny_model
 
 IDS = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
 
@@ -76,9 +76,9 @@ def test_recorder_catches_the_dense_path():
 
 def target_matrix_shapes(model):
     """Every targeted matrix beyond the experts (attention, dense MLPs, embedding, output layer), both ways.
-    Norm weights are vectors as long as one activation row: their gradient is exempt (see usaf.sparse_weights)."""
-    from usaf.prepare import sparse_modules
-    from usaf.sparse_weights import SparseWeight
+    Norm weights are vectors as long as one activation row: their gradient is exempt (see usaf.engine.sparse_weights)."""
+    from usaf.engine.installed import sparse_modules
+    from usaf.engine.sparse_weights import SparseWeight
 
     shapes = set()
     for _, state in sparse_modules(model):
@@ -108,7 +108,7 @@ def test_backward_forms_no_dense_gradient_of_any_target(family, recompute):
 
 def test_recorder_catches_a_dense_attention_gradient():
     """Autograd's own gradient of a trainable attention weight is caught by the same check."""
-    from usaf.targets import find_target_weights
+    from usaf.model.targets import find_target_weights
 
     model = tiny_model("qwen3_moe", tie_word_embeddings=False)
     shapes = set()

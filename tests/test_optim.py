@@ -2,7 +2,7 @@
 
 import torch
 
-from usaf.optim import COMPACT_DTYPE, CompactAdamW, round_stochastic
+from usaf.train.optim import COMPACT_DTYPE, CompactAdamW, round_stochastic
 
 
 def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():

@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 
-from usaf import plan as planner
 from usaf.cli import main
 from usaf.errors import UsafError
+from usaf.planner import ledger as planner
 
 GiB = 1 << 30
 
@@ -303,10 +303,10 @@ def test_cli_mistakes_are_clear_errors(capsys):
 def test_targets_beyond_the_experts_are_in_the_ledger():
     """select.targets follows into the planner: entries of the named weights at the same density, routers only
     when targeted; the counts come from the same discovery the engine uses (tiny skeleton vs real model)."""
-    from usaf.arch import find_moe_layers
     from usaf.config import TARGETS
-    from usaf.targets import find_target_weights
-    from usaf.tiny import tiny_config, tiny_model
+    from usaf.model.layout import find_moe_layers
+    from usaf.model.targets import find_target_weights
+    from usaf.testing.tiny import tiny_config, tiny_model
 
     config = tiny_config("qwen2_moe", tie_word_embeddings=False).to_dict()
     shape = planner.model_shape(config, "tiny")
@@ -338,8 +338,8 @@ def test_the_ledger_counts_trained_routers_in_fp32_as_the_engine_trains_them():
     import torch
 
     import usaf
-    from usaf.arch import find_moe_layers
-    from usaf.tiny import tiny_config, tiny_model
+    from usaf.model.layout import find_moe_layers
+    from usaf.testing.tiny import tiny_config, tiny_model
 
     model = tiny_model("qwen3_moe").to(torch.bfloat16)
     usaf.prepare_model(
@@ -368,7 +368,7 @@ def test_the_ledger_counts_trained_routers_in_fp32_as_the_engine_trains_them():
 
 def test_suggested_command_lines_give_sizes_with_a_unit():
     """`usaf plan` refuses a bare number as a size, so the command lines it prints never contain one."""
-    from usaf.plan import _size_arg, parse_size
+    from usaf.planner.ledger import _size_arg, parse_size
 
     for size in (12 << 30, 3 << 20, 5 << 10, 4097):
         text = _size_arg(size)

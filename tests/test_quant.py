@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from usaf.errors import UsafError
-from usaf.offload import ExpertCache, LayerStreamer, ResidentParts, StreamedParts
 from usaf.quant import FORMATS, get_format, resolve_format
-from usaf.quant.store import QuantizedStore
+from usaf.store.offload import ExpertCache, LayerStreamer, ResidentParts, StreamedParts
+from usaf.store.quantized import QuantizedStore
 
 # Relative RMS error of quantize -> dequantize on Gaussian weights, measured bounds around the known values:
 # NF4 (64-blocks) ~0.092, int8 per row ~0.008, int4 64-groups ~0.09 (less on rows shorter than a group).

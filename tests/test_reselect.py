@@ -7,8 +7,8 @@ import torch
 from helpers import EXPERTS_AND_ROUTERS, reselecting_step
 
 import usaf
-from usaf.reselect import Reselector
-from usaf.tiny import tiny_model
+from usaf.selection.reselect import Reselector
+from usaf.testing.tiny import tiny_model
 
 IDS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(6))
 
@@ -138,8 +138,7 @@ def test_every_target_is_reselected_keeping_moments_and_budget():
 
 @pytest.mark.parametrize("targets", [EXPERTS_AND_ROUTERS, None], ids=["experts", "default-targets"])
 def test_evaluated_equals_checkpointed_equals_exported(tmp_path, targets):
-    from usaf.checkpoint import load, save
-    from usaf.train import restore_trainable
+    from usaf.train.checkpoint import load, restore_trainable, save
 
     config = usaf.UsafConfig(
         targets=targets or list(usaf.config.DEFAULT_TARGETS),
@@ -187,9 +186,9 @@ def test_observers_do_not_keep_activations_alive():
     import gc
     import weakref
 
-    from usaf.calibrate import Calibration, _Observer
-    from usaf.prepare import sparse_experts
-    from usaf.reselect import Reselector
+    from usaf.engine.installed import sparse_experts
+    from usaf.selection.calibrate import Calibration, _Observer
+    from usaf.selection.reselect import Reselector
 
     model = tiny_model("qwen3_moe")
     config = usaf.UsafConfig(targets=EXPERTS_AND_ROUTERS, density=0.1, reselect_every=2)

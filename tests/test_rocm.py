@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from usaf import plan as planner
-from usaf import runtime
+from usaf.planner import ledger as planner
+from usaf.train import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 # torch.cuda functions that ROCm builds provide over HIP (the torch.cuda API is the HIP API there)

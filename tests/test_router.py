@@ -9,10 +9,8 @@ import torch.nn.functional as F
 from helpers import EXPERTS_AND_ROUTERS
 
 import usaf
-from usaf.arch import find_moe_layers
 from usaf.config import RunConfig
-from usaf.errors import UsafError
-from usaf.router import (
+from usaf.engine.router import (
     CollapseGuard,
     RouterCollapse,
     RouterHealth,
@@ -24,7 +22,9 @@ from usaf.router import (
     router_z_loss,
     routing_drift,
 )
-from usaf.tiny import tiny_model
+from usaf.errors import UsafError
+from usaf.model.layout import find_moe_layers
+from usaf.testing.tiny import tiny_model
 
 IDS = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(1))
 

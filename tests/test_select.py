@@ -5,11 +5,11 @@ import torch
 from helpers import EXPERTS_AND_ROUTERS
 
 import usaf
-from usaf.arch import find_moe_layers
-from usaf.calibrate import calibrate
+from usaf.model.layout import find_moe_layers
 from usaf.prepare import current_selection
-from usaf.select import load_selection, save_selection
-from usaf.tiny import tiny_model
+from usaf.selection.calibrate import calibrate
+from usaf.selection.choose import load_selection, save_selection
+from usaf.testing.tiny import tiny_model
 
 
 def batches(n, seed=0, length=12):
@@ -122,7 +122,7 @@ def test_gradient_selection_prefers_entries_the_task_moves():
     norms = []
     for model in (grad_model, rand_model):
         for batch in data:
-            usaf.loss.causal_lm_loss(model, batch["input_ids"], batch["labels"]).backward()
+            usaf.engine.loss.causal_lm_loss(model, batch["input_ids"], batch["labels"]).backward()
         norms.append(sum(float(d.values.grad.abs().sum()) for d in usaf.get_delta(model).values()))
     assert norms[0] > 2 * norms[1]
 
@@ -159,7 +159,7 @@ def test_data_driven_strategy_without_data_is_a_clear_error():
 def test_a_file_selection_after_a_calibrated_one_reports_no_calibration(tmp_path):
     """Calibration statistics belong to the model they selected for, not to the process (issue 10)."""
     from usaf.config import RunConfig
-    from usaf.train import selection_summary
+    from usaf.train.session import selection_summary
 
     calibrated = usaf.prepare_model(
         tiny_model("qwen3_moe"),

@@ -12,7 +12,7 @@ from test_engine import patched_reference, perturb
 import usaf
 from usaf.config import TARGETS
 from usaf.errors import UsafError
-from usaf.tiny import FAMILIES, tiny_model
+from usaf.testing.tiny import FAMILIES, tiny_model
 
 IDS = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
 ALL = list(TARGETS)
@@ -69,7 +69,7 @@ def trained_all_targets(tmp_path_factory):
     from test_export import adamw_steps, logits, save_run
     from transformers import AutoModelForCausalLM
 
-    from usaf.tokenizer import char_tokenizer
+    from usaf.train.tokenizer import char_tokenizer
 
     root = tmp_path_factory.mktemp("targets")
     input_ids = torch.randint(8, 100, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -106,7 +106,7 @@ def test_all_targets_export_merged_and_applied_into_plain_transformers(trained_a
         assert main(["export", str(run["run"]), "--merged", str(out / "merged")]) == 0
         assert main(["export", str(run["run"]), "--delta", str(out / "delta.safetensors")]) == 0
         assert main(["apply", str(run["base"]), str(out / "delta.safetensors"), str(out / "applied")]) == 0
-        changed = usaf.export.read_delta(out / "delta.safetensors").changes
+        changed = usaf.export.delta.read_delta(out / "delta.safetensors").changes
         for part in ("self_attn", "embed_tokens", "lm_head", "norm"):
             assert any(part in name for name in changed), (family, part)
         jobs += [(f"{family}/{k}", out / k, t["ids"]) for k in ("merged", "applied")]
@@ -124,7 +124,7 @@ def test_all_targets_delta_loads_into_plain_and_prepared_models(trained_all_targ
     t = trained_all_targets
     run = t["runs"]["qwen2_moe"]
     path = t["root"] / "qwen2_moe" / "loading.safetensors"
-    usaf.export.export_delta(run["run"], path)
+    usaf.export.delta.export_delta(run["run"], path)
     plain = usaf.load_delta(AutoModelForCausalLM.from_pretrained(run["base"]), path, base_dir=run["base"])
     torch.testing.assert_close(logits(plain, t["input_ids"]), run["logits"], atol=2e-5, rtol=1e-5)
     prepared = usaf.prepare_model(
@@ -227,7 +227,7 @@ TARGETS_NO_ROUTERS = [t for t in TARGETS if t != "routers"]
 def test_calibration_probes_only_the_best_rows_of_a_native_weight(monkeypatch):
     """Gradient selection never scores a whole output layer: its rows are ranked by first-order importance
     first, and only oversample x the budget (in rows) get exact gradients."""
-    from usaf import calibrate
+    from usaf.selection import calibrate
 
     probed = {}
     real = calibrate.probe_lines

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from usaf.cli import main
 from usaf.config import RunConfig
 from usaf.errors import UsafError
-from usaf.train import train
+from usaf.train.loop import train
+from usaf.train.session import PACKING_OFF
 
 BASE = [
     "data.max_seq_len=48",
@@ -178,7 +179,7 @@ def test_prefix_cache_gives_equal_losses(workspace, tmp_path):
     "precision", ["none", "fp16"]
 )  # fp16: a skipped step must still close the loss scaler
 def test_nan_steps_are_skipped_then_the_run_stops(workspace, tmp_path, monkeypatch, precision):
-    import usaf.train as train_module
+    import usaf.train.loop as train_module
 
     real = train_module.causal_lm_loss
     calls = {"n": 0}
@@ -238,8 +239,8 @@ def test_cli_config_validation_and_print_config(workspace, capsys):
 
 
 def test_packing_probe_detects_models_that_let_packed_documents_mix():
-    from usaf.tiny import tiny_model
-    from usaf.train import packed_documents_are_isolated
+    from usaf.testing.tiny import tiny_model
+    from usaf.train.session import packed_documents_are_isolated
 
     assert packed_documents_are_isolated(tiny_model("qwen3_moe"), torch.device("cpu"))
     assert not packed_documents_are_isolated(tiny_model("gpt_oss"), torch.device("cpu"))
@@ -248,7 +249,7 @@ def test_packing_probe_detects_models_that_let_packed_documents_mix():
 def test_a_missing_model_directory_is_named_not_downloaded(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from usaf.train import check_model_path
+    from usaf.train.session import check_model_path
 
     for missing in (tmp_path / "nowhere", "nowhere", "./models/x"):
         with pytest.raises(UsafError, match="no such model directory"):
@@ -261,7 +262,7 @@ def test_a_missing_model_directory_is_named_not_downloaded(tmp_path, monkeypatch
 
 def test_router_health_after_resume_equals_an_uninterrupted_run(workspace, tmp_path, monkeypatch):
     """The health window spans the resume: the guard judges the same counts as in a straight run."""
-    import usaf.checkpoint
+    import usaf.train.checkpoint
 
     health = ["schedule.max_steps=8", "router.health_every_steps=2", "router.health_window_steps=4"]
     health.append("checkpoint.every_steps=4")
@@ -271,7 +272,7 @@ def test_router_health_after_resume_equals_an_uninterrupted_run(workspace, tmp_p
         return {r["step"]: r["router/layers"] for r in rows if "router/layers" in r}
 
     train(config_for(workspace, *health), tmp_path / "straight")
-    save = usaf.checkpoint.save
+    save = usaf.train.checkpoint.save
 
     def save_then_crash(run_dir, step, **kw):
         path = save(run_dir, step, **kw)
@@ -279,7 +280,7 @@ def test_router_health_after_resume_equals_an_uninterrupted_run(workspace, tmp_p
             raise RuntimeError("crash after the step-4 checkpoint")
         return path
 
-    monkeypatch.setattr(usaf.checkpoint, "save", save_then_crash)
+    monkeypatch.setattr(usaf.train.checkpoint, "save", save_then_crash)
     with pytest.raises(RuntimeError, match="crash"):
         train(config_for(workspace, *health), tmp_path / "resumed")
     monkeypatch.undo()
@@ -287,3 +288,26 @@ def test_router_health_after_resume_equals_an_uninterrupted_run(workspace, tmp_p
     straight, resumed = router_records(tmp_path / "straight"), router_records(tmp_path / "resumed")
     assert sorted(straight) == [2, 4, 6, 8] and sorted(resumed) == [2, 4, 6, 8]
     assert resumed[6] == straight[6] and resumed[8] == straight[8]  # windows of steps 3-6 and 5-8
+
+
+def test_usaf_eval_of_a_gpt_oss_run_equals_the_runs_own_final_eval(tmp_path):
+    """gpt-oss lets packed documents attend to each other: `usaf eval RUN` must unpack them as the run did."""
+    from usaf.train.evaluate import evaluate_target
+
+    make_model_dir(tmp_path / "model", family="gpt_oss")
+    write_copy_task(tmp_path / "train.jsonl", 40)
+    write_copy_task(tmp_path / "eval.jsonl", 12, seed=1)
+    config = RunConfig.load(
+        None,
+        [
+            f"model.path={tmp_path / 'model'}",
+            f"data.train={tmp_path / 'train.jsonl'}",
+            f"data.eval={tmp_path / 'eval.jsonl'}",
+            *BASE,
+            "schedule.max_steps=3",
+        ],
+    )
+    summary = train(config, tmp_path / "run")
+    evaluated = evaluate_target(str(tmp_path / "run"), [str(tmp_path / "eval.jsonl")], [])
+    assert evaluated["notes"] == [PACKING_OFF]
+    assert evaluated["loss"] == pytest.approx(summary["eval_loss_after"], rel=1e-6, abs=1e-6)

@@ -1,13 +1,13 @@
 """usaf: fine-tune a Mixture-of-Experts model's own expert weights, sparsely, on a frozen base."""
 
-__version__ = "0.1.0"
-
-from .config import UsafConfig
-from .errors import UsafError
-from .export import delta_from_trainer_checkpoint, load_delta
-from .loss import causal_lm_loss, chunked_causal_lm_loss
-from .optim import CompactAdamW
-from .prepare import enable_recomputation, get_delta, prepare_model, trainable_summary
+from usaf.config import UsafConfig
+from usaf.engine.loss import causal_lm_loss, chunked_causal_lm_loss
+from usaf.errors import UsafError
+from usaf.export.inference import load_delta
+from usaf.export.trainer import delta_from_trainer_checkpoint
+from usaf.prepare import enable_recomputation, get_delta, prepare_model, trainable_summary
+from usaf.train.optim import CompactAdamW
+from usaf.version import __version__
 
 __all__ = [
     "CompactAdamW",

@@ -12,9 +12,9 @@ import sys
 
 from safetensors import SafetensorError
 
-from . import __version__
-from .commands import add_set_option
-from .errors import UsafError
+from usaf.commands import add_set_option
+from usaf.errors import UsafError
+from usaf.version import __version__
 
 # Each command lives in its own module exposing `add_command(subparsers)`; add new ones here.
 COMMANDS: tuple[str, ...] = ("plan", "train", "prepare", "export", "report", "select")
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _demo(args) -> int:
-    from .demo import run_demo
+    from usaf.demo.run import run_demo
 
     return run_demo(args)
 
@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"usaf: error: {err}", file=sys.stderr)
         return 2
-    from transformers.utils import logging as hf_logging
+    from usaf.model.hf import quiet_progress_bars
 
-    hf_logging.disable_progress_bar()  # weight-loading bars would bury usaf's own progress
+    quiet_progress_bars()
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

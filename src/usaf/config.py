@@ -5,15 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from .errors import UsafError
+from usaf.errors import UsafError
 
-RESIDENCIES = ("device", "host", "mmap")  # where a quantized base's experts live (see usaf.offload)
-GUARD_ACTIONS = ("warn", "raise_balance", "freeze_router", "stop")  # see usaf.router.CollapseGuard
+RESIDENCIES = ("device", "host", "mmap")  # where a quantized base's experts live (see usaf.store.offload)
+GUARD_ACTIONS = ("warn", "raise_balance", "freeze_router", "stop")  # see usaf.engine.router.CollapseGuard
 
 GRANULARITIES = ("element", "neuron")
 SELECTIONS = ("auto", "random", "magnitude", "gradient")
 STRATEGIES = ("uniform", "routing", "gradient", "file")
-# which native weights may hold trained entries (see usaf.targets); routers are trained whole
+# which native weights may hold trained entries (see usaf.model.targets); routers are trained whole
 TARGETS = ("experts", "routers", "attention", "dense_mlp", "norms", "embeddings", "lm_head")
 # chosen on bench/quality.py (README, "Fine-tunes against LoRA"): routers add forgetting, not adaptation
 DEFAULT_TARGETS = ("experts", "attention", "embeddings", "lm_head")
@@ -343,7 +343,12 @@ class LogSection:
 
 @dataclass
 class TrainSection:
-    seed: int = option(0, "seed for selection, data order and everything random", bounds="[0, inf)")
+    seed: int = option(
+        0,
+        "seed of the data order, the eval split, calibration batches, the optimizer's stochastic rounding and "
+        "torch's RNG (select.seed seeds a random selection)",
+        bounds="[0, inf)",
+    )
     precision: str = option("auto", "autocast dtype", ("auto", "none", "bf16", "fp16"))
     recompute: str | bool = option(
         "auto",

@@ -8,16 +8,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import select
-from .arch import MoELayer, find_moe_layers
-from .config import UsafConfig
-from .errors import UsafError
-from .experts import IMPLEMENTATION_NAME, SparseExperts, register
-from .router import make_routers_fp32
-from .sparse import ElementEntries, LineEntries, line_flat_indices
-from .sparse_weights import SparseWeight, install, tie
-from .store import DenseStore
-from .targets import find_target_weights, tied_output_layer
+from usaf.config import UsafConfig
+from usaf.engine.experts import IMPLEMENTATION_NAME, SparseExperts, register
+from usaf.engine.installed import sparse_experts, sparse_modules
+from usaf.engine.router import make_routers_fp32
+from usaf.engine.sparse import ElementEntries, LineEntries, line_flat_indices
+from usaf.engine.sparse_weights import SparseWeight, install, tie
+from usaf.errors import UsafError
+from usaf.model.hf import apply_renamings, checkpoint_renamings, use_experts_implementation
+from usaf.model.layout import MoELayer, find_moe_layers
+from usaf.model.targets import find_target_weights, tied_output_layer
+from usaf.selection import choose
+from usaf.store.dense import DenseStore
 
 
 @dataclass
@@ -41,7 +43,7 @@ def prepare_model(
     model.
 
     stores: frozen storage per expert tensor, keyed "<experts module path>.<tensor name>" (e.g. quantized stores
-        from `usaf.load`); tensors not named use the module's own parameter in place.
+        from `usaf.base.load`); tensors not named use the module's own parameter in place.
     original_values: (key, flat indices) -> the original full-precision values there, used to initialise the
         trained values when the store holds only an approximation (a quantized base).
     calibration_batches: batches of the task (dicts with input_ids, labels, position_ids) for data-driven
@@ -86,7 +88,7 @@ def prepare_model(
         tie(tied_head, states[embedding_key])
     weight_stores = {w.key: (w.target, states[w.key].stores["weight"]) for w in weights}
 
-    chosen, calibration = select.choose(
+    chosen, calibration = choose.choose(
         trained, layer_stores, config, calibration_batches, model, weight_stores
     )
     install_selection(model, chosen, original_values)
@@ -104,10 +106,7 @@ def prepare_model(
 
 def model_renamings(model: nn.Module) -> list:
     """The key renamings transformers applies when loading `model`'s checkpoints (and reverses when saving)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
-
-    return [m for m in get_model_conversion_mapping(model) if isinstance(m, WeightRenaming)]
+    return checkpoint_renamings(model)
 
 
 def _accept_checkpoint_names(model: nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -115,8 +114,6 @@ def _accept_checkpoint_names(model: nn.Module, state_dict: dict, prefix: str, *a
     as `.block_sparse_moe.`), but Trainer's resume and best-model reload use a plain `load_state_dict`: rename keys
     that the model's own load-time renamings map onto its parameters and buffers (trained values, selections,
     routers), or they would be skipped silently and training would restart from the base."""
-    from transformers.core_model_loading import apply_renamings
-
     try:
         renamings = model_renamings(model)
     except Exception:  # a model transformers has no conversion mapping for: nothing to rename
@@ -132,12 +129,7 @@ def _accept_checkpoint_names(model: nn.Module, state_dict: dict, prefix: str, *a
 
 def _switch_implementation(model: nn.Module, layers: list[MoELayer]) -> None:
     register()
-    if hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation(IMPLEMENTATION_NAME)
-    for layer in layers:
-        config_of = getattr(layer.experts, "config", None)
-        if config_of is not None and config_of._experts_implementation != IMPLEMENTATION_NAME:
-            config_of._experts_implementation_internal = IMPLEMENTATION_NAME
+    use_experts_implementation(model, [layer.experts for layer in layers], IMPLEMENTATION_NAME)
 
 
 def install_selection(model: nn.Module, chosen: dict, original_values=None) -> None:
@@ -177,9 +169,9 @@ def install_selection(model: nn.Module, chosen: dict, original_values=None) -> N
 
 
 def current_selection(model: nn.Module) -> dict:
-    """The selection a prepared model trains, as `usaf.select.Chosen` per tensor key (for saving and reuse)."""
+    """The selection a prepared model trains, as `usaf.selection.choose.Chosen` per tensor key (for saving and reuse)."""
     return {
-        f"{path}.{name}": select.Chosen(getattr(e, "axis", None), getattr(e, e.selection_name).detach().cpu())
+        f"{path}.{name}": choose.Chosen(getattr(e, "axis", None), getattr(e, e.selection_name).detach().cpu())
         for path, state in sparse_modules(model)
         for name, e in state.items()
     }
@@ -195,24 +187,6 @@ def _trained_layers(layers: list[MoELayer], config: UsafConfig) -> set[int]:
             f"UsafConfig.layers names {missing}, which are not MoE layers; MoE layers: {sorted(by_number)}."
         )
     return {by_number[i] for i in config.layers}
-
-
-def sparse_modules(model: nn.Module):
-    """(module path, state) for every prepared module: SparseExperts on experts modules, then SparseWeight on the
-    other targeted weights, in model order within each kind."""
-    yield from sparse_experts(model)
-    for path, module in model.named_modules():
-        state = getattr(module, "usaf", None)
-        if isinstance(state, SparseWeight):
-            yield path, state
-
-
-def sparse_experts(model: nn.Module):
-    """(experts module path, SparseExperts) for every prepared experts module."""
-    for path, module in model.named_modules():
-        state = getattr(module, "usaf", None)
-        if isinstance(state, SparseExperts):
-            yield path, state
 
 
 def get_delta(model: nn.Module) -> dict[str, Delta]:

@@ -16,11 +16,10 @@ import json
 import math
 from pathlib import Path
 
-from .atomic import atomic_json
-from .errors import UsafError
+from usaf.errors import UsafError
+from usaf.files import METRICS_FILE, ROUTER_LOAD_FILE
+from usaf.io.atomic import atomic_json
 
-METRICS_FILE = "metrics.jsonl"
-ROUTER_LOAD_FILE = "router_load.json"
 REPORT_PNG = "report.png"
 ROUTER_LOAD_PNG = "router_load.png"
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import UsafError
+from usaf.errors import UsafError
+from usaf.files import CONFIG_FILE
 
 
 def add_command(sub) -> None:
@@ -39,15 +40,18 @@ def add_command(sub) -> None:
 
 
 def run_export(args) -> int:
-    from .. import export
+    from usaf.base.checkpoint import BaseCheckpoint
+    from usaf.export.delta import check_output_dir, check_output_file, run_delta_and_base, write_delta
+    from usaf.export.merged import write_merged
+    from usaf.export.trainer import trainer_checkpoint_delta
 
     if not (args.delta or args.merged):
         raise UsafError("say what to write: --delta OUT.safetensors and/or --merged OUT_DIR.")
     # refuse existing outputs before any work is done
     if args.delta:
-        export.check_output_file(Path(args.delta), args.force)
+        check_output_file(Path(args.delta), args.force)
     if args.merged:
-        export.check_output_dir(Path(args.merged), args.base, args.force)
+        check_output_dir(Path(args.merged), args.base, args.force)
     if args.from_trainer:
         if args.run_dir:
             raise UsafError("give either RUN_DIR or --from-trainer CKPT_DIR, not both.")
@@ -55,17 +59,17 @@ def run_export(args) -> int:
             raise UsafError(
                 "--from-trainer needs --base MODEL_DIR: the checkpoint the trained model was loaded from."
             )
-        base = export.BaseCheckpoint(args.base)
-        delta = export.trainer_checkpoint_delta(args.from_trainer, base)
+        base = BaseCheckpoint(args.base)
+        delta = trainer_checkpoint_delta(args.from_trainer, base)
     elif args.run_dir:
-        delta, base = export.run_delta_and_base(args.run_dir, args.base)
+        delta, base = run_delta_and_base(args.run_dir, args.base)
     else:
         raise UsafError("give RUN_DIR (a usaf run directory) or --from-trainer CKPT_DIR --base MODEL_DIR.")
     if args.delta:
-        path = export.write_delta(delta, base, args.delta, fp32=args.fp32, force=args.force)
+        path = write_delta(delta, base, args.delta, fp32=args.fp32, force=args.force)
         print(f"delta: {path} ({_size(path)}, {sum(c.count for c in delta.changes.values()):,} values)")
     if args.merged:
-        path = export.write_merged(base, delta, args.merged, force=args.force)
+        path = write_merged(base, delta, args.merged, force=args.force)
         print(f"merged checkpoint: {path}")
     if args.run_dir:
         print(_which_step(Path(args.run_dir), delta))
@@ -79,7 +83,7 @@ def _which_step(run_dir: Path, delta) -> str:
     source = delta.info.get("source") or {}
     step = source.get("step")
     try:
-        planned = ((yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("schedule") or {}).get(
+        planned = ((yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}).get("schedule") or {}).get(
             "max_steps"
         )
     except (OSError, yaml.YAMLError, AttributeError):
@@ -94,7 +98,7 @@ def _which_step(run_dir: Path, delta) -> str:
 
 
 def run_apply(args) -> int:
-    from ..export import apply_delta
+    from usaf.export.merged import apply_delta
 
     path = apply_delta(args.base_dir, args.delta, args.out_dir, force=args.force)
     print(f"merged checkpoint: {path}")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import re
 
-from ..config import DEFAULT_DENSITY, DEFAULT_LOGITS_CHUNK, DEFAULT_TARGETS
-from ..errors import UsafError
+from usaf.config import DEFAULT_DENSITY, DEFAULT_LOGITS_CHUNK, DEFAULT_TARGETS
+from usaf.errors import UsafError
 
 
 def add_command(subparsers) -> None:
-    from .. import plan as planner
+    from usaf.planner import ledger as planner
 
     p = subparsers.add_parser(
         "plan",
@@ -90,7 +90,7 @@ def add_command(subparsers) -> None:
 
 def memory_size(text: str, flag: str) -> int:
     """--vram / --ram: a size with its unit, above zero ('12' alone would be 12 bytes: refused)."""
-    from .. import plan as planner
+    from usaf.planner import ledger as planner
 
     value = str(text).strip()
     if value.startswith("-"):
@@ -117,7 +117,7 @@ def _check_numbers(args) -> None:
 
 
 def _device(args) -> tuple:
-    from .. import plan as planner
+    from usaf.planner import ledger as planner
 
     vram = memory_size(args.vram, "--vram") if args.vram is not None else None
     if args.device is None:
@@ -131,7 +131,7 @@ def _device(args) -> tuple:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import plan as planner
+    from usaf.planner import ledger as planner
 
     _check_numbers(args)
     name, config = planner.load_model_config(args.model)

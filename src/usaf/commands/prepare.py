@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def add_command(subparsers) -> None:
-    from ..quant import FORMATS
+    from usaf.quant import FORMATS
 
     p = subparsers.add_parser(
         "prepare",
@@ -40,8 +40,8 @@ def add_command(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from ..load import prepare_store, read_store_metadata
-    from ..plan import format_size
+    from usaf.base.load import prepare_store, read_store_metadata
+    from usaf.planner.ledger import format_size
 
     _check_model_dir(Path(args.model_dir))
     start = time.time()
@@ -68,8 +68,8 @@ def _run(args) -> int:
 
 def _check_model_dir(folder: Path) -> None:
     """MODEL_DIR is a local Hugging Face folder whose config and shards read: one line otherwise."""
-    from ..errors import UsafError
-    from ..source import check_model_files
+    from usaf.errors import UsafError
+    from usaf.io.source import check_model_files
 
     if folder.is_file():
         raise UsafError(
@@ -87,7 +87,7 @@ def _device(name: str | None):
     """--device as a torch device this machine has (None: the accelerator torch sees, else the CPU)."""
     import torch
 
-    from ..errors import UsafError
+    from usaf.errors import UsafError
 
     if name is None:
         return None

@@ -16,7 +16,7 @@ def add_command(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..report import render_report
+    from usaf.report import render_report
 
     for path in render_report(args.run_dir):
         print(f"wrote {path}")

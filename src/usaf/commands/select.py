@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import UsafError
-from . import add_set_option
-from .train import effective_config
+from usaf.commands import add_set_option
+from usaf.commands.train import effective_config
+from usaf.errors import UsafError
 
 
 def add_command(sub) -> None:
@@ -26,10 +26,10 @@ def add_command(sub) -> None:
 
 
 def run_select(args) -> int:
-    from .. import runtime
-    from ..data import Batches, load_dataset
-    from ..select import save_selection
-    from ..train import current_selection, load_model, load_tokenizer, selection_summary
+    from usaf.prepare import current_selection
+    from usaf.selection.choose import save_selection
+    from usaf.train.data import load_dataset
+    from usaf.train.session import open_session, selection_summary
 
     config = effective_config(args)
     if not config.data.train or not config.model.path:
@@ -39,15 +39,14 @@ def run_select(args) -> int:
         raise UsafError(
             f"--out {out}: the selection file must end in .safetensors (a .json summary goes beside it)."
         )
-    device = runtime.resolve_device(config.model.device)
-    dtype = runtime.resolve_dtype(config.model.dtype, device)
-    tokenizer = load_tokenizer(config.model.path)
-    data, _, stats = load_dataset(
-        config.data.train, tokenizer, config.data.max_seq_len, pack=config.data.pack, eval_fraction=0.0
+    session = open_session(
+        config,
+        lambda config, tokenizer, pack: load_dataset(
+            config.data.train, tokenizer, config.data.max_seq_len, pack=pack, eval_fraction=0.0
+        ),
+        recompute=False,  # nothing is trained here
     )
-    batches = Batches(data, config.data.batch_size, seed=config.train.seed + 1)
-    config.train.recompute = False  # nothing is trained here
-    model = load_model(config, device, dtype, calibration_batches=batches)
+    model, config, stats = session.model, session.config, session.data_stats
     summary = selection_summary(model, config)
     save_selection(out, current_selection(model), summary)
     counts = summary["entries"]

@@ -6,9 +6,10 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import RunConfig, describe
-from ..errors import UsafError
-from . import add_set_option
+from usaf.commands import add_set_option
+from usaf.config import RunConfig, describe
+from usaf.errors import UsafError
+from usaf.files import CONFIG_FILE
 
 
 def add_command(sub) -> None:
@@ -44,7 +45,7 @@ def effective_config(args) -> RunConfig:
     overrides = list(args.set)
     config_path = args.config
     if getattr(args, "resume", None):
-        saved = Path(args.resume) / "config.yaml"
+        saved = Path(args.resume) / CONFIG_FILE
         if not saved.exists():
             raise UsafError(f"--resume {args.resume}: no config.yaml there; is it a usaf run directory?")
         config_path = config_path or str(saved)
@@ -60,7 +61,7 @@ def effective_config(args) -> RunConfig:
 
 
 def run_train(args) -> int:
-    from ..train import format_summary, stopped_exit_code, train
+    from usaf.train.loop import format_summary, stopped_exit_code, train
 
     if args.list_options:
         print(describe())
@@ -86,7 +87,7 @@ def run_train(args) -> int:
 
 
 def run_eval(args) -> int:
-    from ..evaluate import evaluate_target
+    from usaf.train.evaluate import evaluate_target
 
     result = evaluate_target(args.target, args.data.split(","), args.set)
     json.dump(result, sys.stdout, indent=2)

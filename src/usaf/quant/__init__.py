@@ -17,8 +17,8 @@ from types import ModuleType
 
 import torch
 
-from ..errors import UsafError
-from . import int4, int8, nf4, none
+from usaf.errors import UsafError
+from usaf.quant import int4, int8, nf4, none
 
 FORMATS: dict[str, ModuleType] = {"nf4": nf4, "int8": int8, "int4": int4, "none": none}
 

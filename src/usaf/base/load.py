@@ -1,0 +1,631 @@
+"""The prepared store: a checkpoint streamed into a quantized frozen base, and loading it back as a trainable model.
+
+`prepare_store` reads the source checkpoint one tensor (one expert, for fused expert stacks) at a time, quantizes
+the experts per expert, and writes safetensors files plus `usaf_store.json` (formats, shapes, dtypes, the source
+tensors' checksums, the usaf version). The store appears atomically: it is written into a hidden directory next to
+the output and renamed into place only when complete.
+
+`load_prepared` builds the model skeleton on the meta device, materialises the dense weights, gives every expert
+tensor a `QuantizedStore` (on the device, in host memory or memory-mapped), and calls `prepare_model`, initialising
+the trained values from the source checkpoint's original full-precision weights when it is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+from usaf.config import RESIDENCIES, UsafConfig
+from usaf.errors import UsafError
+from usaf.files import STORE_FILE
+from usaf.io import shards
+from usaf.io.atomic import (
+    copy_side_files,
+    fsync_dir,
+    install_dir,
+    remove_stale_temporaries,
+    temporary_name,
+    write_json,
+)
+from usaf.io.source import SourceCheckpoint
+from usaf.model.hf import build_skeleton, compute_missing_buffers, mark_loaded
+from usaf.model.layout import expert_weight_names, find_moe_layers
+from usaf.prepare import enable_recomputation, prepare_model
+from usaf.quant import default_device, get_format, resolve_format
+from usaf.quant import int4 as int4_format
+from usaf.quant import int8 as int8_format
+from usaf.quant import nf4 as nf4_format
+from usaf.store.dense import StoredExpertTensor
+from usaf.store.offload import LayerStreamer, ResidentParts, StreamedParts, host_copy
+from usaf.store.quantized import QuantizedStore
+from usaf.version import __version__
+
+STORE_FORMAT_VERSION = 1
+DEFAULT_FILE_BYTES = 4 << 30
+_PIECE_ELEMENTS = 1 << 18  # quantizers' temporaries are a few times this many values
+
+
+# ---- the model skeleton ---------------------------------------------------------------------------------------
+
+
+def _dense_linear_weights(model: nn.Module) -> set[str]:
+    """Weights of the model's linear layers other than routers (trained) and the output head."""
+    routers = {layer.router_name for layer in find_moe_layers(model)}
+    head = model.get_output_embeddings()
+    return {
+        f"{path}.weight"
+        for path, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not head and path not in routers
+    }
+
+
+# ---- preparing ------------------------------------------------------------------------------------------------
+
+
+def prepare_store(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    quant: str = "nf4",
+    quant_dense: bool = False,
+    *,
+    force: bool = False,
+    device: torch.device | str | None = None,
+    max_file_bytes: int = DEFAULT_FILE_BYTES,
+    progress: bool = False,
+) -> Path:
+    """Stream the safetensors checkpoint in `model_dir` into a prepared store at `out_dir`; returns `out_dir`.
+
+    quant: expert format, "nf4" | "int8" | "int4" | "none" ("nf4" becomes "int4" where bitsandbytes has no
+        kernels for `device`).
+    quant_dense: also store the dense linear weights (attention, shared experts) as int8.
+    device: where quantization runs (default: the accelerator torch sees, else the CPU).
+    Peak memory is a small multiple of the largest single checkpoint tensor (one expert for stacked experts).
+    """
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    device = torch.device(device) if device is not None else default_device()
+    _check_output(model_dir, out_dir, force)
+    if not (model_dir / "config.json").exists():
+        raise UsafError(f"{model_dir} has no config.json; pass a Hugging Face model directory.")
+    fmt_name = resolve_format(quant, device)
+    config = AutoConfig.from_pretrained(model_dir)
+    if getattr(config, "quantization_config", None):
+        method = config.quantization_config
+        method = (
+            method.get("quant_method")
+            if isinstance(method, dict)
+            else getattr(method, "quant_method", method)
+        )
+        raise UsafError(
+            f"{model_dir} holds a pre-quantized checkpoint ({method}); usaf prepares from the full-precision "
+            "(bf16/fp16/fp32) checkpoint."
+        )
+    skeleton = build_skeleton(config)
+    experts = expert_weight_names(find_moe_layers(skeleton))
+    source = SourceCheckpoint(model_dir, skeleton, set(experts))
+    dense_linear = _dense_linear_weights(skeleton) if quant_dense else set()
+    tensors = _plan_tensors(source, experts, fmt_name, dense_linear)
+    files = _assign_files(tensors, max_file_bytes)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out_dir)
+    tmp = temporary_name(out_dir)
+    tmp.mkdir()
+    writers: dict[str, shards.StreamingWriter] = {}
+    try:
+        for file, names in files.items():
+            planned = [
+                shards.PlannedTensor(key, dtype, shape)
+                for name in names
+                for key, (dtype, shape) in tensors[name]["stored"].items()
+            ]
+            writers[file] = shards.StreamingWriter(tmp / file, planned, {"format": "usaf-store"})
+            for name in names:
+                tensors[name]["file"] = file
+        _write_tensors(source, tensors, writers, device, progress)
+        for writer in writers.values():
+            writer.close()
+        writers.clear()
+        used = sorted({key for info in tensors.values() for key in info["sources"]})
+        checksums = source.finish_checksums(used)
+        copy_side_files(model_dir, tmp, keep_shard_index=False)
+        metadata = _metadata(model_dir, source, tensors, checksums, quant, fmt_name, quant_dense, tmp)
+        write_json(tmp / STORE_FILE, metadata)
+        fsync_dir(tmp)
+        install_dir(tmp, out_dir)
+    except BaseException:
+        for writer in writers.values():
+            with contextlib.suppress(Exception):
+                writer.file.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _check_output(model_dir: Path, out_dir: Path, force: bool) -> None:
+    if out_dir.resolve() == model_dir.resolve() or model_dir.resolve() in out_dir.resolve().parents:
+        raise UsafError(
+            f"The prepared store {out_dir} must not be inside the checkpoint directory {model_dir}."
+        )
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise UsafError(
+            f"--out {out_dir} is a file, not a folder; choose another --out for the prepared store."
+        )
+    if not force:
+        raise UsafError(f"{out_dir} already exists; choose another --out or pass --force to replace it.")
+    if not (out_dir / STORE_FILE).exists() and any(out_dir.iterdir()):
+        raise UsafError(
+            f"{out_dir} exists and is not a usaf prepared store; refusing to replace it even with --force."
+        )
+
+
+def _plan_tensors(
+    source: SourceCheckpoint, experts: dict[str, int], fmt: str, dense_linear: set[str]
+) -> dict:
+    """Per model tensor: its format, shape, dtype, and the stored parts ({stored key: (dtype, shape)})."""
+    tensors = {}
+    for name, target in source.targets.items():
+        shape = target.shape
+        if name in experts:
+            kind, fmt_name = "experts", fmt
+            layout = get_format(fmt).layout(shape[1], shape[2], target.dtype)
+            stored = {f"{name}:{part}": (dtype, (shape[0], *s)) for part, (dtype, s) in layout.items()}
+        elif name in dense_linear and len(shape) == 2:
+            kind, fmt_name = "dense", "int8"
+            layout = int8_format.layout(shape[0], shape[1], target.dtype)
+            stored = {f"{name}:{part}": (dtype, tuple(s)) for part, (dtype, s) in layout.items()}
+        else:
+            kind, fmt_name = "dense", "none"
+            stored = {f"{name}:data": (target.dtype, shape)}
+        tensors[name] = {
+            "kind": kind,
+            "format": fmt_name,
+            "shape": list(shape),
+            "dtype": shards.DTYPE_NAMES[target.dtype],
+            "group": target.group,
+            "sources": source.source_keys(name),
+            "stored": stored,
+        }
+        if kind == "experts":
+            tensors[name]["layer"] = experts[name]
+    return tensors
+
+
+def _assign_files(tensors: dict, max_file_bytes: int) -> dict[str, list[str]]:
+    """Tensors into files of at most `max_file_bytes` (a bigger tensor gets a file of its own), in model order."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, info in tensors.items():
+        nbytes = sum(shards.PlannedTensor(k, d, s).nbytes for k, (d, s) in info["stored"].items())
+        if groups[-1] and size + nbytes > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    count = len(groups)
+    return {f"usaf-{i + 1:05d}-of-{count:05d}.safetensors": names for i, names in enumerate(groups)}
+
+
+def _write_tensors(source: SourceCheckpoint, tensors: dict, writers: dict, device, progress: bool) -> None:
+    names = list(tensors)
+    if not progress:
+        _write_each(source, tensors, writers, device, names)
+        return
+    from tqdm import tqdm
+
+    # on a terminal only (disable=None): a log file or pipe gets no bar to break into the lines that follow
+    bar = tqdm(names, desc="usaf prepare", unit="tensor", file=sys.stderr, disable=None)
+    try:
+        _write_each(source, tensors, writers, device, bar)
+    except BaseException:
+        bar.leave = False  # cleared: the error line that follows starts on a line of its own
+        bar.close()
+        raise
+    bar.close()
+
+
+def _write_each(source: SourceCheckpoint, tensors: dict, writers: dict, device, names) -> None:
+    done: set[str] = set()
+    for name in names:
+        if name in done:
+            continue
+        _release_freed_memory()
+        info = tensors[name]
+        writer = writers[info["file"]]
+        if info["kind"] == "experts":
+            fmt = get_format(info["format"])
+            num_experts = info["shape"][0]
+            expert_bytes = {key: _nbytes(dtype, shape[1:]) for key, (dtype, shape) in info["stored"].items()}
+            for e in range(num_experts):
+                weight = source.build_expert(name, e)
+                _check_finite(weight, source, name, source.expert_source_keys(name, e), f"expert {e} of ")
+                offsets = {key: e * size for key, size in expert_bytes.items()}
+                for piece in fmt.pieces(weight, _PIECE_ELEMENTS):
+                    for part, value in fmt.quantize(piece.to(device)).items():
+                        key = f"{name}:{part}"
+                        writer.write(key, value, offsets[key])
+                        offsets[key] += value.numel() * value.element_size()
+            source.release()  # a stack built for this tensor's experts is not needed for the next tensor
+            done.add(name)
+            continue
+        for produced, value in source.build(info["group"]).items():  # a group may produce several tensors
+            if produced not in tensors or produced in done:
+                continue
+            _check_finite(value, source, produced, source.source_keys(produced), "")
+            _write_dense(writers[tensors[produced]["file"]], produced, tensors[produced], value)
+            done.add(produced)
+
+
+def _write_dense(writer: shards.StreamingWriter, name: str, info: dict, value: torch.Tensor) -> None:
+    if info["format"] == "none":
+        writer.write(f"{name}:data", value)
+        return
+    offsets = Counter()  # in pieces of rows, so that no full-precision copy of a large matrix exists
+    for piece in int8_format.pieces(value, _PIECE_ELEMENTS):
+        for part, quantized in int8_format.quantize(piece).items():
+            key = f"{name}:{part}"
+            writer.write(key, quantized, offsets[key])
+            offsets[key] += quantized.numel() * quantized.element_size()
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by the previous tensor back to the OS: glibc keeps freed blocks of a few MB in its heap,
+    and over thousands of tensors that retention, not the data in use, would set the peak."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return shards.PlannedTensor("", dtype, tuple(shape)).nbytes
+
+
+def _check_finite(
+    value: torch.Tensor, source: SourceCheckpoint, name: str, keys: list[str], what: str
+) -> None:
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        files = sorted({str(source.entries[k].file) for k in keys})
+        raise UsafError(
+            f"Non-finite values in {what}'{name}' (checkpoint tensors {keys[:3]}{'...' if len(keys) > 3 else ''} "
+            f"in {', '.join(files)}): the shard is corrupted; re-download it."
+        )
+
+
+def _metadata(model_dir, source, tensors, checksums, requested, fmt, quant_dense, tmp: Path) -> dict:
+    files = {}
+    for info in tensors.values():
+        files.setdefault(info["file"], {"size": (tmp / info["file"]).stat().st_size})
+    source_files = {entry.file.name for key, entry in source.entries.items() if key in checksums}
+    return {
+        "format": "usaf-store",
+        "format_version": STORE_FORMAT_VERSION,
+        "usaf_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "quant": fmt,
+        "requested_quant": requested,
+        "quant_dense": quant_dense,
+        "format_constants": {
+            "nf4_block_size": nf4_format.BLOCK_SIZE,
+            "int4_group_size": int4_format.GROUP_SIZE,
+        },
+        "source": {
+            "dir": str(model_dir.resolve()),
+            "files": {name: _file_stamp(model_dir / name) for name in sorted(source_files)},
+            "ignored_tensors": source.ignored,
+        },
+        "files": files,
+        "tensors": {
+            name: {
+                **{k: v for k, v in info.items() if k not in ("stored", "group")},
+                "stored": {
+                    key: {"dtype": shards.DTYPE_NAMES[d], "shape": list(s)}
+                    for key, (d, s) in info["stored"].items()
+                },
+            }
+            for name, info in tensors.items()
+        },
+        "source_tensors": {
+            key: {
+                "file": source.entries[key].file.name,
+                "dtype": shards.DTYPE_NAMES[source.entries[key].dtype],
+                "shape": list(source.entries[key].shape),
+                "sha256": digest,
+            }
+            for key, digest in checksums.items()
+        },
+    }
+
+
+def _file_stamp(path: Path) -> dict:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def ensure_prepared(
+    model_dir: str | Path,
+    quant: str = "nf4",
+    quant_dense: bool = False,
+    cache_dir: str | Path | None = None,
+    **kwargs,
+) -> Path:
+    """A prepared store of `model_dir`, from the cache when one was made from the same files with the same
+    settings, else prepared now (what `usaf train` runs before loading). The cache lives in `cache_dir`, else
+    $USAF_CACHE/prepared, else ~/.cache/usaf/prepared."""
+    model_dir = Path(model_dir).resolve()
+    default_root = (
+        Path(os.environ["USAF_CACHE"]) if os.environ.get("USAF_CACHE") else Path.home() / ".cache" / "usaf"
+    )
+    cache_dir = Path(cache_dir or default_root / "prepared")
+    stamps = {p.name: _file_stamp(p) for p in sorted(model_dir.glob("*.safetensors"))}
+    key = json.dumps([str(model_dir), stamps, quant, quant_dense, STORE_FORMAT_VERSION], sort_keys=True)
+    out_dir = (
+        cache_dir
+        / f"{model_dir.name}-{quant}{'-qd' if quant_dense else ''}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    )
+    if (out_dir / STORE_FILE).exists():
+        return out_dir
+    return prepare_store(model_dir, out_dir, quant, quant_dense, force=out_dir.exists(), **kwargs)
+
+
+# ---- loading --------------------------------------------------------------------------------------------------
+
+
+def load_for_training(
+    config, device: torch.device, dtype: torch.dtype | None, calibration_batches=None, recompute: bool = False
+):
+    """The model `usaf train` trains when `model.quant` is not "none" (`config` is its RunConfig).
+
+    `model.path` is either a prepared store (used as it is; the trained values start from the checkpoint it was
+    prepared from, when that is still there) or a checkpoint directory (prepared now at `model.quant`, or taken
+    from the cache of earlier preparations).
+    """
+    path = Path(config.model.path)
+    if (path / STORE_FILE).exists():
+        store = path
+        metadata = read_store_metadata(store)
+        if config.model.quant not in (metadata["quant"], metadata["requested_quant"]):
+            raise UsafError(
+                f"{store} is a {metadata['quant']} store but model.quant is {config.model.quant!r}; set "
+                f"model.quant={metadata['quant']} or point model.path at the checkpoint to prepare it again."
+            )
+        recorded = Path(metadata["source"]["dir"])
+        source = recorded if (recorded / "config.json").exists() else None
+        if source is None:
+            warnings.warn(
+                f"{recorded}, the checkpoint {store} was prepared from, is gone: the trained values start from the "
+                "dequantized base rather than the original weights.",
+                stacklevel=2,
+            )
+    elif path.is_dir():
+        store, source = ensure_prepared(path, config.model.quant, progress=True), path
+    else:
+        raise UsafError(
+            f"model.path {str(path)!r} is not a local directory; a quantized base is prepared from a local "
+            "checkpoint (download it first, e.g. with `hf download`)."
+        )
+    return load_prepared(
+        store,
+        source,
+        config.select,
+        device=device,
+        dtype=dtype,
+        residency=config.model.residency,
+        cache_mb=config.model.cache_mb,
+        calibration_batches=calibration_batches,
+        recompute=recompute,
+    )
+
+
+def read_store_metadata(prepared_dir: str | Path) -> dict:
+    path = Path(prepared_dir) / STORE_FILE
+    if not path.exists():
+        raise UsafError(
+            f"{prepared_dir} is not a prepared usaf store (no {STORE_FILE}); run `usaf prepare` first."
+        )
+    try:
+        metadata = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UsafError(f"{path} is corrupted ({err}); prepare the store again.") from err
+    if metadata.get("format") != "usaf-store" or metadata.get("format_version", 0) > STORE_FORMAT_VERSION:
+        raise UsafError(
+            f"{path} is a store of format version {metadata.get('format_version')!r} made by usaf "
+            f"{metadata.get('usaf_version')}; this usaf {__version__} reads version {STORE_FORMAT_VERSION}: "
+            "prepare the store again."
+        )
+    return metadata
+
+
+def load_prepared(
+    prepared_dir: str | Path,
+    source_dir: str | Path | None = None,
+    config: UsafConfig | None = None,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    residency: str = "device",
+    cache_mb: int = 0,
+    calibration_batches=None,
+    recompute: bool = False,
+) -> nn.Module:
+    """A sparsely trainable model on a prepared (quantized) frozen base.
+
+    source_dir: the full-precision checkpoint the store was prepared from. When given, its tensors are checked
+        against the store's checksums and the trained values start from its original weights; without it they
+        start from the dequantized base.
+    device: the compute device (default: the accelerator torch sees, else the CPU).
+    dtype: the compute dtype (default: the checkpoint's).
+    residency: where the experts' quantized data lives: "device", "host" (streamed per layer, next layer
+        prefetched) or "mmap" (memory-mapped from the store, streamed the same way).
+    cache_mb: for "host"/"mmap", device memory for keeping the most-routed experts resident.
+    calibration_batches: passed to `prepare_model` (selection strategies that look at data).
+    recompute: per-layer recomputation (`usaf.enable_recomputation`), on before calibration runs.
+    """
+    prepared_dir = Path(prepared_dir)
+    metadata = read_store_metadata(prepared_dir)
+    if residency not in RESIDENCIES:
+        raise UsafError(f"residency must be one of {RESIDENCIES}, got {residency!r}.")
+    device = torch.device(device) if device is not None else default_device()
+    entries = _store_entries(prepared_dir, metadata)
+    tensors = metadata["tensors"]
+    if dtype is None:
+        dtype = _checkpoint_dtype(tensors)
+    model = build_skeleton(AutoConfig.from_pretrained(prepared_dir), dtype)
+    experts = expert_weight_names(find_moe_layers(model))
+    missing = sorted(set(experts) - {n for n, t in tensors.items() if t["kind"] == "experts"})
+    if missing:
+        raise UsafError(f"The store in {prepared_dir} has no expert tensor '{missing[0]}'; prepare it again.")
+    source = _open_source(Path(source_dir), metadata, model, experts) if source_dir is not None else None
+
+    owned = dict(model.named_parameters())
+    owned.update(model.named_buffers())
+    for name, info in tensors.items():
+        if info["kind"] == "dense":
+            value = _read_dense(entries, name, info)
+            _set_tensor(model, name, value.to(device=device, dtype=owned[name].dtype))
+
+    streamer = LayerStreamer(device, cache_mb << 20) if residency != "device" else None
+    stores = {}
+    for name, layer in experts.items():
+        info = tensors[name]
+        parts = {key.rsplit(":", 1)[1]: entries[key] for key in info["stored"]}
+        loaded = {part: _read_part(entry, residency, device) for part, entry in parts.items()}
+        holder = ResidentParts(loaded) if streamer is None else StreamedParts(loaded, streamer, layer)
+        module_path, _, attr = name.rpartition(".")
+        experts_module = model.get_submodule(module_path)
+        store = QuantizedStore(
+            info["format"], holder, tuple(info["shape"]), getattr(experts_module, attr).dtype
+        )
+        del experts_module._parameters[
+            attr
+        ]  # the meta parameter goes: nothing can compute with it by accident
+        setattr(experts_module, attr, StoredExpertTensor(store, name))
+        stores[name] = store
+
+    model.tie_weights()
+    compute_missing_buffers(model)
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if leftover:
+        raise UsafError(f"The store in {prepared_dir} lacks {leftover[:3]}; prepare it again.")
+    model.to(device)  # buffers the model computed itself
+    original_values = None
+    if source is not None:
+
+        def original_values(key: str, flat_indices: torch.Tensor) -> torch.Tensor:
+            return source.read_entries(key, flat_indices).to(flat_indices.device)
+
+    if recompute:
+        enable_recomputation(model)
+    prepare_model(
+        model, config, stores=stores, original_values=original_values, calibration_batches=calibration_batches
+    )
+    if source is not None:
+        source.verify_partial_reads()
+    model.usaf_store = {"dir": str(prepared_dir.resolve()), "metadata": metadata, "streamer": streamer}
+    return model
+
+
+def _checkpoint_dtype(tensors: dict) -> torch.dtype:
+    counts = Counter(t["dtype"] for t in tensors.values() if shards.DTYPES[t["dtype"]].is_floating_point)
+    return shards.DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
+
+
+def _store_entries(prepared_dir: Path, metadata: dict) -> dict[str, shards.TensorEntry]:
+    """Every stored tensor, with each file checked against its recorded size (a truncated store fails here)."""
+    entries = {}
+    for file, info in metadata["files"].items():
+        path = prepared_dir / file
+        if not path.exists():
+            raise UsafError(f"{path} is missing from the prepared store; prepare it again.")
+        if path.stat().st_size != info["size"]:
+            raise UsafError(
+                f"{path} has {path.stat().st_size} bytes, the store recorded {info['size']}: it is truncated or "
+                "corrupted; prepare the store again."
+            )
+        found, _ = shards.read_header(path)
+        entries.update(found)
+    for info in metadata["tensors"].values():
+        for key in info["stored"]:
+            if key not in entries:
+                raise UsafError(f"The prepared store {prepared_dir} lacks '{key}'; prepare it again.")
+    return entries
+
+
+def _read_dense(entries: dict, name: str, info: dict) -> torch.Tensor:
+    if info["format"] == "none":
+        return shards.read_tensor(entries[f"{name}:data"])
+    parts = {key.rsplit(":", 1)[1]: shards.read_tensor(entries[key]) for key in info["stored"]}
+    rows, cols = info["shape"]
+    return get_format(info["format"]).dequantize(parts, rows, cols, torch.float32)[0]
+
+
+def _read_part(entry: shards.TensorEntry, residency: str, device: torch.device) -> torch.Tensor:
+    if residency == "mmap":
+        from safetensors import safe_open
+
+        with safe_open(entry.file, framework="pt") as f:  # zero-copy: pages come from the file as touched
+            return f.get_tensor(entry.name)
+    tensor = shards.read_tensor(entry)
+    return tensor.to(device) if residency == "device" else host_copy(tensor, device)
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_path, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    if attr in module._buffers:
+        module._buffers[attr] = value
+    else:
+        module._parameters[attr] = value = nn.Parameter(value, requires_grad=False)
+    mark_loaded(value)
+
+
+def _open_source(source_dir: Path, metadata: dict, model: nn.Module, experts: dict) -> SourceCheckpoint:
+    """The source checkpoint, checked against the store: same tensors, and the same bytes in every file that
+    changed since preparation; tensors read later are checked as they are read."""
+    if not source_dir.is_dir():
+        raise UsafError(f"Source checkpoint {source_dir} does not exist.")
+    source = SourceCheckpoint(source_dir, model, set(experts))
+    recorded = metadata["source_tensors"]
+    for key, info in recorded.items():
+        entry = source.entries.get(key)
+        if entry is None:
+            raise UsafError(
+                f"Tensor '{key}' (in {info['file']} when the store was prepared) is missing from {source_dir}; "
+                "pass the checkpoint the store was prepared from."
+            )
+        if list(entry.shape) != info["shape"] or shards.DTYPE_NAMES[entry.dtype] != info["dtype"]:
+            raise UsafError(
+                f"Tensor '{key}' in {entry.file} is {shards.DTYPE_NAMES[entry.dtype]} {list(entry.shape)}, the store "
+                f"was prepared from {info['dtype']} {info['shape']}; pass the checkpoint the store was prepared from."
+            )
+    source.expected_checksums = {key: info["sha256"] for key, info in recorded.items()}
+    changed = {
+        name
+        for name, stamp in metadata["source"]["files"].items()
+        if not (source_dir / name).exists() or _file_stamp(source_dir / name) != stamp
+    }
+    for key, info in recorded.items():
+        if info["file"] in changed:
+            source.verify(key)
+    return source

@@ -1,0 +1,1 @@
+"""The sparse trainable entries and their autograd: experts, dense weights, routers, the loss."""

@@ -1,0 +1,311 @@
+"""The experts implementation usaf registers with transformers' ExpertsInterface.
+
+One forward for every fused-experts family: route, run the up (or gate+up) projection, the family's own gate or
+activation, the down projection, the optional post-expert norm, and weight by the router. Each projection is a
+`SparseGroupedLinear`: a grouped matmul over the routed experts' effective weights (frozen base with the trained
+values written in), whose backward gives the input gradient through those weights and value gradients only at
+the trained entries.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from usaf.engine.sparse import ElementEntries
+from usaf.model.hf import gated_activation, register_experts_implementation
+
+IMPLEMENTATION_NAME = "usaf"
+
+
+class RoutingPlan:
+    """Token-expert pairs sorted by expert: which token each row is, and how many rows each expert has."""
+
+    def __init__(self, top_k_index: torch.Tensor, num_experts: int):
+        flat = top_k_index.reshape(-1)
+        self.num_tokens, self.num_top_k = flat.numel() // top_k_index.shape[-1], top_k_index.shape[-1]
+        self.expert_of_row, self.order = torch.sort(flat, stable=True)
+        self.token_of_row = torch.div(self.order, self.num_top_k, rounding_mode="floor")
+        self.inverse = torch.empty_like(self.order)
+        self.inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+        # the one host sync of a layer: chunking and the grouped matmul need the counts
+        self.counts: list[int] = torch.bincount(self.expert_of_row, minlength=num_experts).tolist()
+        self.row_offsets = [0, *itertools.accumulate(self.counts)]
+
+    def chunks(self, resident: bool, bytes_per_expert: int, workspace_bytes: int):
+        """(expert ids or None for all, first row, last row, rows per expert) per chunk of routed experts.
+
+        A resident store is used whole (grouped matmul skips empty experts). Otherwise only experts that received
+        tokens are materialized, as many at a time as fit the workspace.
+        """
+        if resident:
+            yield None, 0, self.row_offsets[-1], self.counts
+            return
+        per_chunk = max(1, workspace_bytes // max(1, bytes_per_expert))
+        active = [e for e, c in enumerate(self.counts) if c]
+        for i in range(0, len(active), per_chunk):
+            ids = active[i : i + per_chunk]
+            yield ids, self.row_offsets[ids[0]], self.row_offsets[ids[-1] + 1], [self.counts[e] for e in ids]
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """rows of x (grouped by expert, `counts` rows each) @ weight[e] ([k, K, N]) -> [rows, N]."""
+    if x.shape[0] == 0:
+        return x.new_zeros(0, weight.shape[2])
+    if hasattr(torch.nn.functional, "grouped_mm"):
+        offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
+        try:
+            return torch.nn.functional.grouped_mm(x, weight, offs=offsets)
+        except (RuntimeError, NotImplementedError):
+            pass  # unaligned strides, old GPU or unsupported dtype: the portable path below
+    out = x.new_empty(x.shape[0], weight.shape[2])
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            torch.mm(x[start : start + count], weight[e], out=out[start : start + count])
+        start += count
+    return out
+
+
+class Projection:
+    """One projection of an experts module: its frozen store, trained entries, and optional bias."""
+
+    def __init__(
+        self, store, entries, bias_store, bias_entries, transposed: bool, workspace_bytes: int, probe=None
+    ):
+        self.store, self.entries, self.probe = store, entries, probe
+        self.bias_store, self.bias_entries = bias_store, bias_entries
+        self.transposed = transposed
+        self.workspace_bytes = workspace_bytes
+
+    def weights(self, expert_ids):
+        """Effective weights [k, A, B] of a chunk (the whole patched stack for a resident store)."""
+        if expert_ids is None:
+            return self.store.full()  # already patched once per forward, see `SparseGroupedLinear.forward`
+        weight = self.store.materialize(expert_ids)
+        if self.entries is not None:
+            self.entries.write_into(weight, expert_ids)
+        return weight
+
+    def chunks(self, plan: RoutingPlan):
+        _, a, b = self.store.shape
+        bytes_per_expert = a * b * torch.empty((), dtype=self.store.dtype).element_size()
+        return plan.chunks(self.store.resident, bytes_per_expert, self.workspace_bytes)
+
+
+def sum_rows_into_tokens(rows: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """[rows, H] in routing order -> [tokens, H], each token the sum of its top-k rows."""
+    if rows.device.type == "cpu":  # one pass, and deterministic on the CPU
+        return rows.new_zeros(plan.num_tokens, rows.shape[1]).index_add_(0, plan.token_of_row, rows)
+    # index_add_ on CUDA sums in a racing order: gather by the inverse permutation, then sum the k copies
+    return rows.index_select(0, plan.inverse).view(plan.num_tokens, plan.num_top_k, -1).sum(dim=1)
+
+
+class TokensToRows(torch.autograd.Function):
+    """rows = tokens[token_of_row]: each token's hidden state once per routed expert, grouped by expert.
+
+    Autograd's own backward for indexing is a generic scatter-add; knowing each token has exactly k rows, the
+    backward is `sum_rows_into_tokens`, and the two classes here are each other's adjoint.
+    """
+
+    @staticmethod
+    def forward(ctx, tokens, plan: RoutingPlan):
+        ctx.plan = plan
+        return tokens.index_select(0, plan.token_of_row)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        return sum_rows_into_tokens(grad_rows, ctx.plan), None
+
+
+class RowsToTokens(torch.autograd.Function):
+    """tokens = the sum of each token's rows (the experts' outputs, already weighted by routing)."""
+
+    @staticmethod
+    def forward(ctx, rows, plan: RoutingPlan):
+        ctx.plan = plan
+        return sum_rows_into_tokens(rows, plan)
+
+    @staticmethod
+    def backward(ctx, grad_tokens):
+        return grad_tokens.index_select(0, ctx.plan.token_of_row), None
+
+
+class SparseGroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, values, bias_values, proj: Projection, plan: RoutingPlan):
+        ctx.x_dtype = x.dtype
+        x = x.to(proj.store.dtype)
+        if proj.store.resident and proj.entries is not None:
+            proj.entries.write_into(proj.store.full(), None)
+        out = None
+        for expert_ids, r0, r1, counts in proj.chunks(plan):
+            weight = proj.weights(expert_ids)
+            oriented = weight if proj.transposed else weight.transpose(1, 2)  # [k, in, out]
+            y = grouped_matmul(x[r0:r1], oriented, counts)
+            if out is None:  # every row belongs to exactly one chunk: no need to zero
+                out = y if (r0, r1) == (0, x.shape[0]) else x.new_empty(x.shape[0], y.shape[1])
+            if out is not y:
+                out[r0:r1] = y
+        if out is None:  # no rows at all
+            out_dim = proj.store.shape[2] if proj.transposed else proj.store.shape[1]
+            out = x.new_zeros(0, out_dim)
+        if proj.bias_store is not None:
+            bias = proj.bias_store.full()
+            if proj.bias_entries is not None:
+                proj.bias_entries.write_into(bias, None)
+            out = out + bias.view(bias.shape[0], -1)[plan.expert_of_row]
+        ctx.proj, ctx.plan = proj, plan
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        proj, plan = ctx.proj, ctx.plan
+        need_x, need_values, need_bias = ctx.needs_input_grad[:3]
+        gy = grad_out.to(x.dtype)
+        grad_x = torch.empty_like(x) if need_x else None  # every row belongs to exactly one chunk
+        grad_values = torch.zeros_like(proj.entries.values) if need_values else None
+        if need_x or need_values or proj.probe is not None:
+            for expert_ids, r0, r1, counts in proj.chunks(plan):
+                if need_x:
+                    weight = proj.weights(expert_ids)
+                    oriented = weight.transpose(1, 2) if proj.transposed else weight  # [k, out, in]
+                    grad_x[r0:r1] = grouped_matmul(gy[r0:r1], oriented, counts)
+                if need_values or proj.probe is not None:
+                    U, V = (x, gy) if proj.transposed else (gy, x)
+                    ids = list(range(len(counts))) if expert_ids is None else expert_ids
+                    local_offsets = [0, *itertools.accumulate(counts)]
+                    if need_values:
+                        proj.entries.add_grad(grad_values, U[r0:r1], V[r0:r1], ids, local_offsets)
+                    if proj.probe is not None:
+                        proj.probe.accumulate(U[r0:r1], V[r0:r1], ids, local_offsets)
+        grad_bias = None
+        if need_bias:
+            entries: ElementEntries = proj.bias_entries
+            per_expert = gy.new_zeros(entries.shape[0], gy.shape[1], dtype=torch.float32)
+            per_expert.index_add_(0, plan.expert_of_row, gy.float())
+            grad_bias = per_expert.view(-1)[entries.flat_indices]
+        if grad_x is not None:
+            grad_x = grad_x.to(ctx.x_dtype)
+        return grad_x, grad_values, grad_bias, None, None
+
+
+class ObserveGradient(torch.autograd.Function):
+    """Identity that hands the intermediate activation and its gradient to observers in backward.
+
+    The activation is saved through autograd, not held by a hook's closure: under per-layer recomputation it is
+    recomputed with its layer instead of staying alive from the forward to the backward (which held every
+    layer's [rows, I] activation and undid recomputation for it). The node is inserted whenever observers exist,
+    active or not, so that a recomputed forward saves the same tensors as the original."""
+
+    @staticmethod
+    def forward(ctx, h, on_grad):
+        ctx.on_grad = on_grad
+        ctx.save_for_backward(h)  # always: the original forward and its recomputation save alike
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        if ctx.on_grad:
+            (h,) = ctx.saved_tensors
+            for fn in ctx.on_grad:
+                fn(h, grad_h)
+        return grad_h, None
+
+
+class SparseExperts(nn.ModuleDict):
+    """usaf's state on one experts module: trained entries per tensor (as submodules) and the frozen stores."""
+
+    def __init__(self, stores: dict, entries: dict, transposed: bool, workspace_bytes: int):
+        super().__init__(entries)
+        self.stores = stores
+        # callables (state, plan, top_k_weights, intermediate) run in each forward; one may return a function
+        # (intermediate, its gradient) that the backward calls (see `ObserveGradient`)
+        self.observers: list = []
+        self.probes: dict = {}  # tensor name -> LineProbe: gradients of candidate lines (see usaf.engine.sparse)
+        self.transposed = transposed
+        self.workspace_bytes = workspace_bytes
+        self.num_experts = next(iter(stores.values())).shape[0]
+        # Trainer and save_pretrained read (and restore) the experts' own parameters: keep them the effective weights.
+        # The parent's parameters enter a state dict as views before this child's hook runs, so writing here counts.
+        self.register_state_dict_pre_hook(_write_before_save)
+        self.register_load_state_dict_post_hook(_write_after_load)
+
+    def projection(self, name: str) -> Projection:
+        bias = name + "_bias"
+        return Projection(
+            self.stores[name],
+            self[name] if name in self else None,  # noqa: SIM401 (ModuleDict has no .get)
+            self.stores.get(bias),
+            self[bias] if bias in self else None,  # noqa: SIM401
+            self.transposed,
+            self.workspace_bytes,
+            self.probes.get(name),
+        )
+
+    @torch.no_grad()
+    def write_resident(self) -> None:
+        """Write the trained values into resident (unquantized) stores now. The forward does this lazily, so after an
+        optimizer step the module's own parameters lag one step; `state_dict` and `save_pretrained` (what
+        `transformers.Trainer` checkpoints) must see the effective weights."""
+        for name, entries in self.items():
+            store = self.stores.get(name)
+            if store is not None and store.resident:
+                entries.write_into(store.full(), None)
+
+    def after_load(self) -> None:
+        """After `load_state_dict` (e.g. Trainer's resume or best-model reload) replaced values and selections in
+        place: forget cached groupings (keyed by storage) and write the loaded values through."""
+        for entries in self.values():
+            entries._grouping = None
+        self.write_resident()
+
+    def project(self, name: str, x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        proj = self.projection(name)
+        values = proj.entries.values if proj.entries is not None else None
+        bias_values = proj.bias_entries.values if proj.bias_entries is not None else None
+        return SparseGroupedLinear.apply(x, values, bias_values, proj, plan)
+
+
+def _write_before_save(state: SparseExperts, prefix: str, keep_vars: bool) -> None:
+    state.write_resident()
+
+
+def _write_after_load(state: SparseExperts, incompatible_keys) -> None:
+    state.after_load()
+
+
+def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Drop-in for transformers' experts forward (same signature and result as `grouped_mm`)."""
+    state: SparseExperts = self.usaf
+    plan = RoutingPlan(top_k_index, state.num_experts)
+    x = TokensToRows.apply(hidden_states, plan)
+    h = state.project("gate_up_proj" if self.has_gate else "up_proj", x, plan)
+    h = gated_activation(self, h) if self.has_gate else self.act_fn(h)
+    if state.observers:
+        on_grad = [
+            f for observe in state.observers if (f := observe(state, plan, top_k_weights, h)) is not None
+        ]
+        if h.requires_grad:
+            h = ObserveGradient.apply(h, on_grad)
+    routing_weights = top_k_weights.reshape(-1)[plan.order].unsqueeze(-1)
+    linear_down = "down_proj_bias" not in state.stores and not self.has_post_expert_norm
+    if linear_down and h.shape[-1] <= hidden_states.shape[-1]:
+        # weighting a linear map's input is weighting its output, and the input is the narrower (I <= H)
+        y = state.project("down_proj", h * routing_weights, plan)
+    else:
+        y = state.project("down_proj", h, plan)
+        if self.has_post_expert_norm:
+            y = self.post_expert_norm(y)
+        y = y * routing_weights
+    out = RowsToTokens.apply(y, plan)
+    return out.to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Make "usaf" a valid `experts_implementation` (idempotent)."""
+    register_experts_implementation(IMPLEMENTATION_NAME, usaf_experts_forward)

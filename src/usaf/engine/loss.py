@@ -1,0 +1,90 @@
+"""Causal-LM loss computed in chunks of tokens, so the [tokens, vocab] logits never exist in full.
+
+Each chunk's logits are recomputed in backward (activation checkpointing), so at most one chunk of logits is
+alive at a time. Positions without a label are dropped before the output head: prompt tokens cost nothing there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from usaf.model.hf import decoder_body
+
+IGNORE_INDEX = -100
+
+
+def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Callable) -> torch.Tensor:
+    logits = head(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 logits: fp32 softmax
+    return F.cross_entropy(logits, labels, reduction="sum")
+
+
+def chunked_causal_lm_loss(
+    hidden_states: torch.Tensor,
+    labels: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    chunk_tokens: int = 1024,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Next-token cross entropy of `head(hidden_states)` against `labels` ([batch, seq], -100 = no loss).
+
+    `labels` are aligned with the inputs (as transformers expects); the shift happens here.
+    reduction: "mean" over supervised tokens, or "sum".
+    """
+    hidden = hidden_states[:, :-1, :].reshape(-1, hidden_states.shape[-1])
+    targets = labels[:, 1:].reshape(-1)
+    keep = targets != IGNORE_INDEX
+    hidden, targets = hidden[keep], targets[keep]
+    total = hidden_states.new_zeros((), dtype=torch.promote_types(hidden_states.dtype, torch.float32))
+    for start in range(0, targets.numel(), chunk_tokens):
+        piece = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            total = total + checkpoint(
+                _chunk_loss_sum, hidden[piece], targets[piece], head, use_reentrant=False
+            )
+        else:
+            total = total + _chunk_loss_sum(hidden[piece], targets[piece], head)
+    if reduction == "sum":
+        return total
+    return total / targets.numel() if targets.numel() else total
+
+
+def output_head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model's output layer with the logit transforms some families apply after it."""
+    head = model.get_output_embeddings()
+    config = getattr(model, "config", None)
+    scaling = getattr(config, "logits_scaling", None)  # granite families divide logits
+    softcap = getattr(getattr(config, "get_text_config", lambda: config)(), "final_logit_softcapping", None)
+
+    def apply(hidden: torch.Tensor) -> torch.Tensor:
+        logits = head(hidden)
+        if scaling:
+            logits = logits / scaling
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    return apply
+
+
+def causal_lm_loss(
+    model: torch.nn.Module,
+    input_ids,
+    labels,
+    attention_mask=None,
+    chunk_tokens: int = 1024,
+    reduction: str = "mean",
+    **kw,
+):
+    """Run the decoder and the chunked loss: the training forward that never builds full logits.
+
+    No KV cache: a cache is useless in training and disables transformers' detection of packed sequences
+    (restarting position_ids), which keeps packed documents from attending to each other.
+    """
+    body = decoder_body(model)
+    out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kw)
+    return chunked_causal_lm_loss(out.last_hidden_state, labels, output_head(model), chunk_tokens, reduction)

@@ -1,0 +1,334 @@
+"""Sparse trainable state of one expert tensor: which entries are trained, their values, and their gradients.
+
+Two granularities share one interface:
+- `ElementEntries`: arbitrary entries, as sorted flat indices into the [E, A, B] tensor.
+- `LineEntries`: whole lines of expert matrices (a row W[e, a, :] or a column W[e, :, b]); an expert neuron is a
+  row of gate and up and a column of down (or the transpose, for transposed layouts).
+
+Gradients are sampled products of the two activations that meet in a weight (U indexed by A, V indexed by B):
+dL/dW[e, a, b] = sum_t U[t, a] * V[t, b] over the tokens routed to e. They are computed only at the trained
+entries (a sampled dense-dense product, or a small matmul for whole lines) and never as a dense expert matrix.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+# torch's sampled dense-dense product needs a CSR pattern; building one warns on every call.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+
+
+def _expert_offsets(expert_of_entry: torch.Tensor, num_experts: int) -> list[int]:
+    counts = torch.bincount(expert_of_entry, minlength=num_experts)
+    return [0, *torch.cumsum(counts, 0).tolist()]
+
+
+class _Entries(nn.Module):
+    """Common parts: the values parameter, the base values where they are kept, per-expert grouping of entries.
+
+    `base_values` (the original weights at the entries) are kept only where nothing else can give them back: a
+    resident store is overwritten with the trained values, so reverting an entry there needs them. A quantized
+    (streamed) store is never written into, and a dropped entry reads as its dequantized base again; entries on
+    such a store keep no base (`base_values` is None), which saves 2 bytes an entry."""
+
+    shape: tuple[int, int, int]
+
+    def __init__(self, shape, initial: torch.Tensor, keep_base: bool = True):
+        super().__init__()
+        self.shape = tuple(int(s) for s in shape)
+        self.base_values: torch.Tensor | None
+        if keep_base:
+            self.register_buffer("base_values", initial.detach().clone())
+        else:
+            self.base_values = None
+        self.values = nn.Parameter(initial.detach().float().clone())
+        self._grouping: tuple | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.shape[0]
+
+    @property
+    def keeps_base(self) -> bool:
+        return self.base_values is not None
+
+    def numel(self) -> int:
+        return self.values.numel()
+
+    def _set_indices(self, selection: torch.Tensor) -> None:
+        setattr(self, self.selection_name, selection.to(device=self.values.device, dtype=torch.int64))
+
+    def set_selection(
+        self, selection: torch.Tensor, base_values: torch.Tensor | None, values: torch.Tensor | None = None
+    ):
+        """Train a different set of entries: new indices (flat indices or line ids), their base values (kept where
+        this object keeps them), and their trained values (default: the base values).
+
+        The `values` parameter stays the same object (its data is swapped), so optimizers keep referring to it;
+        their per-entry state must be remapped by the caller (see `usaf.selection.reselect`)."""
+        device = self.values.device
+        self._set_indices(selection)
+        if self.keeps_base:
+            self.base_values = base_values.to(device=device, dtype=self.base_values.dtype)
+        start = base_values if values is None else values
+        self.values.data = start.detach().to(device=device, dtype=torch.float32).clone()
+        self.values.grad = None
+        self._grouping = None
+
+    def saved_tensors(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds besides the values: the selection (and the base where it is kept)."""
+        tensors = {self.selection_name: getattr(self, self.selection_name)}
+        if self.keeps_base:
+            tensors["base_values"] = self.base_values
+        return tensors
+
+
+class ElementEntries(_Entries):
+    """Arbitrary entries of an [E, A, B] tensor.
+
+    Held as one int32 index per entry within its expert (sorted, experts in order) and E + 1 offsets, not as an
+    int64 flat index with cached rows and columns: 4 bytes an entry instead of 16. Rows, columns and flat indices
+    are derived per use, one expert (or one tensor) at a time. Outside, `flat_indices` is the int64 flat index,
+    as checkpoints and deltas store it."""
+
+    selection_name = "flat_indices"
+
+    def __init__(self, shape, flat_indices: torch.Tensor, base_values: torch.Tensor, keep_base: bool = True):
+        super().__init__(shape, base_values, keep_base)
+        _, rows_a, cols_b = self.shape
+        self.per_expert = rows_a * cols_b
+        # within an expert, an int32 index when a matrix has fewer than 2^31 entries (every known model)
+        self.index_dtype = torch.int32 if self.per_expert < 2**31 else torch.int64
+        self.register_buffer("local_indices", torch.zeros(0, dtype=self.index_dtype), persistent=False)
+        self.register_buffer("expert_offsets", torch.zeros(0, dtype=torch.int64), persistent=False)
+        self._set_indices(flat_indices)
+
+    def _set_indices(self, flat: torch.Tensor) -> None:
+        flat = flat.to(device=self.values.device, dtype=torch.int64)
+        if flat.numel() > 1 and not bool((flat[1:] > flat[:-1]).all()):
+            raise ValueError("ElementEntries needs sorted, unique flat indices.")
+        expert = torch.div(flat, self.per_expert, rounding_mode="floor")
+        counts = torch.bincount(expert, minlength=self.num_experts)
+        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=flat.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        self.local_indices = (flat - expert * self.per_expert).to(self.index_dtype)
+        self.expert_offsets = offsets
+        self._grouping = None
+
+    @property
+    def flat_indices(self) -> torch.Tensor:
+        """int64 flat indices into [E, A, B] (computed: a transient of one tensor's entries)."""
+        counts = self.expert_offsets[1:] - self.expert_offsets[:-1]
+        starts = torch.arange(self.num_experts, device=counts.device) * self.per_expert
+        flat = torch.repeat_interleave(starts, counts, output_size=self.local_indices.numel())
+        return flat.add_(self.local_indices)
+
+    def offsets(self) -> list[int]:
+        """Entry offsets per expert (a host list, cached until the selection changes)."""
+        key = (self.expert_offsets.data_ptr(), self.local_indices.numel())
+        if self._grouping is None or self._grouping[0] != key:
+            self._grouping = (key, self.expert_offsets.tolist())
+        return self._grouping[1]
+
+    def expanded_flat_indices(self) -> torch.Tensor:
+        return self.flat_indices
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "flat_indices"] = self.flat_indices
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        key = prefix + "flat_indices"
+        if key in state_dict:
+            self._set_indices(state_dict[key])
+        elif strict:
+            missing.append(key)
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing, unexpected, errors)
+
+    @torch.no_grad()
+    def write_into(self, weight: torch.Tensor, expert_ids: list[int] | None) -> None:
+        """Write the trained values into `weight` ([E, A, B] when expert_ids is None, else [k, A, B])."""
+        if self.values.numel() == 0:
+            return
+        values = self.values.detach().to(weight.dtype)
+        if expert_ids is None:
+            weight.view(-1).index_copy_(0, self.flat_indices, values)  # index_copy_ beats index_put_ on CPU
+            return
+        offsets = self.offsets()
+        for local, e in enumerate(expert_ids):
+            k0, k1 = offsets[e], offsets[e + 1]
+            if k0 < k1:
+                weight[local].view(-1).index_copy_(0, self.local_indices[k0:k1].long(), values[k0:k1])
+
+    def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, expert_ids, row_offsets) -> None:
+        """grad[k] += sum_t U[t, a_k] * V[t, b_k] over the rows of entry k's expert."""
+        offsets = self.offsets()
+        first, last = expert_ids[0], expert_ids[-1]  # ascending: their entries are one contiguous range
+        base = offsets[first]
+        rows, cols, pointers = self._coordinates(first, last, base, offsets[last + 1])
+        for local, e in enumerate(expert_ids):
+            k0, k1 = offsets[e], offsets[e + 1]
+            r0, r1 = row_offsets[local], row_offsets[local + 1]
+            if k0 == k1 or r0 == r1:
+                continue
+            i0, i1 = k0 - base, k1 - base
+            grad[k0:k1] += _sampled_dots(
+                U[r0:r1], V[r0:r1], rows[i0:i1], cols[i0:i1], pointers[e - first], self.shape
+            )
+
+    def _coordinates(self, first: int, last: int, k0: int, k1: int):
+        """Rows, columns and CSR row pointers (per expert, concatenated) of the entries of experts first..last:
+        derived in a few vectorized operations, transients of those entries only."""
+        _, rows_a, cols_b = self.shape
+        local = self.local_indices[k0:k1]
+        rows = torch.div(local, cols_b, rounding_mode="floor")
+        cols = local - rows * cols_b
+        span = self.expert_offsets[first : last + 2]
+        experts = torch.arange(last + 1 - first, device=local.device, dtype=local.dtype)
+        line = (
+            torch.repeat_interleave(experts * rows_a, span[1:] - span[:-1], output_size=local.numel()) + rows
+        )
+        count = last + 1 - first
+        crow = torch.zeros(count * rows_a + 1, dtype=local.dtype, device=local.device)
+        crow[1:] = torch.cumsum(torch.bincount(line, minlength=count * rows_a), 0)  # faster than searchsorted
+        # [experts, A + 1]: each expert's row pointers, counted from its own first entry
+        at = experts[:, None] * rows_a + torch.arange(rows_a + 1, device=local.device, dtype=local.dtype)
+        pointers = crow[at]
+        return rows, cols, pointers - pointers[:, :1]
+
+
+def _sampled_dots(Ue, Ve, rows, cols, crow, shape) -> torch.Tensor:
+    """(Ue^T @ Ve)[rows, cols] without forming Ue^T @ Ve: torch's sampled dense-dense product where it has a
+    kernel for the dtype, else dot products over chunks of gathered columns."""
+    if Ue.dtype in (torch.float32, torch.float64) or Ue.is_cuda:
+        try:
+            pattern = torch.sparse_csr_tensor(
+                crow,
+                cols,
+                torch.zeros(cols.numel(), dtype=Ue.dtype, device=Ue.device),
+                (shape[1], shape[2]),
+                check_invariants=False,
+            )
+            return torch.sparse.sampled_addmm(pattern, Ue.t(), Ve, beta=0.0).values().float()
+        except (RuntimeError, NotImplementedError):
+            pass
+    out = torch.empty(rows.numel(), dtype=torch.float32, device=Ue.device)
+    Ut, Vt = Ue.t().contiguous(), Ve.t().contiguous()
+    step = 512
+    for i in range(0, rows.numel(), step):
+        out[i : i + step] = torch.linalg.vecdot(Ut[rows[i : i + step]], Vt[cols[i : i + step]]).float()
+    return out
+
+
+class LineEntries(_Entries):
+    """Whole lines: axis 1 trains rows W[e, a, :] (line index a), axis 2 trains columns W[e, :, b]."""
+
+    selection_name = "line_ids"
+
+    def __init__(self, shape, axis: int, line_ids: torch.Tensor, base_values: torch.Tensor):
+        if axis not in (1, 2):
+            raise ValueError("LineEntries axis must be 1 (rows) or 2 (columns).")
+        line_ids = line_ids.to(torch.int64)
+        if line_ids.numel() > 1 and not bool((line_ids[1:] > line_ids[:-1]).all()):
+            raise ValueError("LineEntries needs sorted, unique line ids.")
+        super().__init__(shape, base_values)
+        self.axis = axis
+        self.register_buffer("line_ids", line_ids)  # expert * lines_per_expert + line
+
+    @property
+    def lines_per_expert(self) -> int:
+        return self.shape[self.axis]
+
+    def grouping(self):
+        key = (self.line_ids.data_ptr(), self.line_ids.numel())
+        if self._grouping is None or self._grouping[0] != key:
+            self._grouping = (key, *_line_grouping(self.line_ids, self.shape, self.axis))
+        return self._grouping[1:]
+
+    def expanded_flat_indices(self) -> torch.Tensor:
+        """Flat indices of every trained entry, in the order of `values.view(-1)`."""
+        return line_flat_indices(self.shape, self.axis, self.line_ids)
+
+    @torch.no_grad()
+    def write_into(self, weight: torch.Tensor, expert_ids: list[int] | None) -> None:
+        if self.values.numel() == 0:
+            return
+        offsets, expert, line = self.grouping()
+        values = self.values.detach().to(weight.dtype)
+        if expert_ids is None:
+            self._write(weight, expert, line, values)
+            return
+        for local, e in enumerate(expert_ids):
+            k0, k1 = offsets[e], offsets[e + 1]
+            if k0 < k1:
+                self._write(weight, torch.full_like(line[k0:k1], local), line[k0:k1], values[k0:k1])
+
+    def _write(self, weight, expert, line, values) -> None:
+        if self.axis == 1:
+            weight[expert, line, :] = values
+        else:
+            weight[expert, :, line] = values
+
+    def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, expert_ids, row_offsets) -> None:
+        offsets, _, line = self.grouping()
+        _add_line_grads(grad, U, V, expert_ids, row_offsets, offsets, line, self.axis)
+
+
+def _line_grouping(line_ids: torch.Tensor, shape, axis: int):
+    """(entry offsets per expert, expert of each line, line index within its expert)."""
+    expert = torch.div(line_ids, shape[axis], rounding_mode="floor")
+    line = line_ids - expert * shape[axis]
+    return _expert_offsets(expert, shape[0]), expert, line
+
+
+def _add_line_grads(grad, U, V, expert_ids, row_offsets, offsets, line, axis: int) -> None:
+    """Rows: grad[k, :] += U[:, a_k]^T V; columns: grad[k, :] += V[:, b_k]^T U (small matmuls per expert)."""
+    fixed, spanning = (U, V) if axis == 1 else (V, U)
+    for local, e in enumerate(expert_ids):
+        k0, k1 = offsets[e], offsets[e + 1]
+        r0, r1 = row_offsets[local], row_offsets[local + 1]
+        if k0 == k1 or r0 == r1:
+            continue
+        picked = fixed[r0:r1].index_select(1, line[k0:k1])  # [t, n]
+        grad[k0:k1] += (picked.t() @ spanning[r0:r1]).float()
+
+
+class LineProbe:
+    """Gradient magnitudes of candidate lines that are not trained: used to choose what to train next.
+
+    Each backward adds |dL/dW| over the candidate lines to `score` (a sum of per-micro-batch magnitudes);
+    nothing is written into the weights and nothing is trained.
+    """
+
+    def __init__(self, shape, axis: int, line_ids: torch.Tensor):
+        self.shape, self.axis = tuple(shape), axis
+        self.line_ids = line_ids.to(torch.int64)
+        self.offsets, _, self.line = _line_grouping(self.line_ids, self.shape, axis)
+        length = self.shape[3 - axis]
+        self.score = torch.zeros(self.line_ids.numel(), length, device=line_ids.device)
+
+    def accumulate(self, U, V, expert_ids, row_offsets) -> None:
+        grad = torch.zeros_like(self.score)
+        _add_line_grads(grad, U, V, expert_ids, row_offsets, self.offsets, self.line, self.axis)
+        self.score += grad.abs()
+
+    def flat_indices(self) -> torch.Tensor:
+        """Flat indices of the candidate entries, in the order of `score.view(-1)`."""
+        return line_flat_indices(self.shape, self.axis, self.line_ids)
+
+
+def line_flat_indices(shape, axis: int, line_ids: torch.Tensor) -> torch.Tensor:
+    """Flat indices into [E, A, B] of whole lines (`line_ids` = expert * lines_per_expert + line), line-major."""
+    _, rows_a, cols_b = shape
+    lines_per_expert = shape[axis]
+    expert = torch.div(line_ids, lines_per_expert, rounding_mode="floor")
+    line = line_ids - expert * lines_per_expert
+    if axis == 1:
+        start = (expert * rows_a + line) * cols_b
+        return (start[:, None] + torch.arange(cols_b, device=start.device)).reshape(-1)
+    start = expert * rows_a * cols_b + line
+    return (start[:, None] + torch.arange(rows_a, device=start.device) * cols_b).reshape(-1)

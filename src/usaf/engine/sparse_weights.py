@@ -1,0 +1,247 @@
+"""Trained entries in native weights beyond the experts: linear layers, embedding rows, norm vectors.
+
+The same rules as the experts engine (`usaf.engine.experts`): the frozen weight stays the module's own parameter, the
+trained values are fp32 at flat indices and are written into it ("replace" semantics), and the weight's gradient
+is computed only at the trained entries:
+- a linear layer y = x W^T: dL/dW[a, b] = sum_t g[t, a] x[t, b], a sampled product of the output gradient and
+  the input (`ElementEntries.add_grad`, the weight seen as one expert [1, A, B]); the input gradient goes through
+  the effective weight;
+- an embedding y[t] = W[id_t] (times the family's scale): dL/dW[v, h] = sum over the tokens with id v of
+  g[t, h], gathered from the output gradient summed per distinct token of the batch (activation-sized);
+- a norm's weight is one vector of the hidden size: its gradient is computed by autograd through the family's
+  own forward and gathered at the entries (a vector as large as one activation row).
+
+A prepared module keeps its class's behaviour; its class is swapped for a subclass whose forward routes the
+weight through these functions, and its state lives in `module.usaf` (a `SparseWeight`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from usaf.engine.sparse import ElementEntries
+from usaf.store.dense import DenseStore
+
+
+class SparseWeight(nn.ModuleDict):
+    """usaf's state on one native weight: its trained entries (under the tensor name "weight") and its store.
+
+    It offers what consumers of `SparseExperts` read (`stores`, `probes`, `items()`, `write_resident`), so
+    selection, checkpoints, export and delta loading treat both alike.
+    """
+
+    def __init__(self, module: nn.Module, target: str, kind: str):
+        super().__init__()
+        self.stores = {"weight": DenseStore(module, "weight", one_matrix=True)}
+        self.probes: dict = {}  # "weight" -> LineProbe over candidate rows: gradients for choosing entries
+        # first-order importance per row while `observing` (reselection's ranking of candidate rows): for a
+        # linear layer sum_t g[t, a]^2 |x_t|^2 (the squared norm of row a's gradient for one token), for
+        # embedding rows the squared norm of each row's gradient; [rows], never weight-sized
+        self.observing = False
+        self.row_score: torch.Tensor | None = None
+        self.target, self.kind = target, kind
+        self.register_state_dict_pre_hook(lambda state, prefix, keep_vars: state.write_resident())
+        self.register_load_state_dict_post_hook(lambda state, incompatible: state.after_load())
+
+    @property
+    def entries(self) -> ElementEntries | None:
+        return self["weight"] if "weight" in self else None  # noqa: SIM401 (ModuleDict has no .get)
+
+    @torch.no_grad()
+    def write_resident(self) -> None:
+        entries = self.entries
+        if entries is not None:
+            entries.write_into(self.stores["weight"].full(), None)
+
+    def after_load(self) -> None:
+        if self.entries is not None:
+            self.entries._grouping = None
+        self.write_resident()
+
+    def observe_rows(self, rows: torch.Tensor | None, score: torch.Tensor) -> None:
+        """Add `score` to the importance of `rows` (None: every row, in order)."""
+        if self.row_score is None:
+            self.row_score = torch.zeros(self.stores["weight"].shape[1], device=score.device)
+        if rows is None:
+            self.row_score += score
+        else:
+            self.row_score.index_add_(0, rows, score)
+
+    def effective_weight(self) -> torch.Tensor:
+        """The module's weight with the trained values written in (in place, as the experts' resident stores)."""
+        self.write_resident()
+        return self.stores["weight"].tensor
+
+
+def _values(state: SparseWeight):
+    """The trained values, or (nothing trained, a probe installed or rows observed) an empty tensor that lets the
+    backward run."""
+    entries = state.entries
+    if entries is not None:
+        return entries.values
+    if (state.probes or state.observing) and torch.is_grad_enabled():
+        return torch.zeros(0, requires_grad=True, device=state.stores["weight"].device)
+    return None
+
+
+def _common(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dtype), b.to(dtype)
+
+
+class _SparseLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, values, state: SparseWeight, module: nn.Linear):
+        weight = state.effective_weight()
+        ctx.state, ctx.observing = state, state.observing  # the forward's flag: recomputation runs unobserved
+        ctx.save_for_backward(x)
+        return F.linear(x, weight.to(x.dtype) if x.dtype != weight.dtype else weight, module.bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        state = ctx.state
+        need_x, need_values = ctx.needs_input_grad[:2]
+        weight = state.stores["weight"].tensor
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = None
+        if need_x:
+            grad_x = (g.to(weight.dtype) @ weight).to(x.dtype).view_as(x)
+        probe = state.probes.get("weight")
+        if need_values or probe is not None:
+            U, V = _common(g, x.reshape(-1, x.shape[-1]))
+            offsets = [0, U.shape[0]]
+        grad_values = None
+        if need_values and state.entries is None:
+            grad_values = grad_out.new_zeros(0)
+        elif need_values:
+            grad_values = torch.zeros_like(state.entries.values)
+            state.entries.add_grad(grad_values, U, V, [0], offsets)
+        if probe is not None:
+            probe.accumulate(U, V, [0], offsets)
+        if ctx.observing:
+            flat_x = x.reshape(-1, x.shape[-1]).float()
+            state.observe_rows(None, (g.float().pow(2) * flat_x.pow(2).sum(1, keepdim=True)).sum(0))
+        return grad_x, grad_values, None, None
+
+
+def embedding_scale(module: nn.Module):
+    """The factor some families multiply looked-up rows by (Gemma's scaled word embeddings), else None."""
+    return getattr(module, "embed_scale", None)
+
+
+class _SparseRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, values, state: SparseWeight, module: nn.Embedding):
+        state.effective_weight()
+        ctx.state, ctx.module, ctx.observing = state, module, state.observing
+        ctx.save_for_backward(ids)
+        return module._usaf_original_forward(ids)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        state = ctx.state
+        scale = embedding_scale(ctx.module)
+        g = grad_out.reshape(-1, grad_out.shape[-1]).float()
+        if scale is not None:
+            g = g * (scale.float() if torch.is_tensor(scale) else float(scale))
+        # the weight's gradient at the rows this batch looked up: [distinct ids, H], never [vocab, H]
+        rows, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        per_row = g.new_zeros(rows.numel(), g.shape[1]).index_add_(0, inverse, g)
+        padding = getattr(ctx.module, "padding_idx", None)
+        if padding is not None:
+            per_row[rows == padding] = 0
+        grad_values = None
+        if ctx.needs_input_grad[1] and state.entries is None:
+            grad_values = g.new_zeros(0)
+        elif ctx.needs_input_grad[1]:
+            entries = state.entries
+            _, width = entries.shape[1:]
+            flat = entries.flat_indices  # derived per call: once
+            row, col = flat // width, flat % width
+            where = torch.searchsorted(rows, row).clamp_max(rows.numel() - 1)
+            hit = rows[where] == row
+            grad_values = torch.where(hit, per_row[where, col], torch.zeros((), device=g.device))
+        probe = state.probes.get("weight")
+        if probe is not None:  # candidate rows (line ids are row ids, sorted)
+            where = torch.searchsorted(probe.line_ids, rows).clamp_max(probe.line_ids.numel() - 1)
+            hit = probe.line_ids[where] == rows
+            probe.score.index_add_(0, where[hit], per_row[hit].abs())
+        if ctx.observing:
+            state.observe_rows(rows, per_row.pow(2).sum(1))
+        return None, grad_values, None, None
+
+
+def _state(module: nn.Module) -> SparseWeight:
+    # an output layer tied to the embedding reads the embedding's state, kept out of the module tree (one owner)
+    return module.__dict__.get("usaf_tied") or module.usaf
+
+
+def _linear_forward(self, x):
+    state = _state(self)
+    return _SparseLinear.apply(x, _values(state), state, self)
+
+
+def _rows_forward(self, ids):
+    return _SparseRows.apply(ids, _values(self.usaf), self.usaf, self)
+
+
+def _vector_forward(self, *args, **kwargs):
+    """The family's own forward with the weight replaced by base-with-entries, differentiable in the values."""
+    state: SparseWeight = self.usaf
+    entries, probe = state.entries, state.probes.get("weight")
+    if (entries is None and probe is None) or not torch.is_grad_enabled():
+        state.write_resident()
+        return self._usaf_original_forward(*args, **kwargs)
+    weight = self._parameters["weight"]
+    if entries is not None:
+        flat = entries.flat_indices
+        effective = weight.detach().reshape(-1).index_put((flat,), entries.values.to(weight.dtype))
+    else:
+        effective = weight.detach().reshape(-1).clone().requires_grad_(True)
+    if probe is not None:  # candidates are the one line of the vector
+
+        def accumulate(grad):
+            probe.score.add_(grad.abs().view_as(probe.score).float())
+
+        effective.register_hook(accumulate)
+    del self._parameters["weight"]
+    try:
+        self.weight = effective.view(weight.shape)  # a plain attribute while the forward runs
+        return self._usaf_original_forward(*args, **kwargs)
+    finally:
+        del self.weight
+        self._parameters["weight"] = weight
+
+
+FORWARDS = {"linear": _linear_forward, "rows": _rows_forward, "vector": _vector_forward}
+_SUBCLASSES: dict[tuple[type, str], type] = {}
+
+
+def _swap_class(module: nn.Module, kind: str) -> None:
+    cls = type(module)
+    key = (cls, kind)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(
+            cls.__name__,
+            (cls,),
+            {"forward": FORWARDS[kind], "_usaf_original_forward": cls.forward, "__module__": cls.__module__},
+        )
+    module.__class__ = _SUBCLASSES[key]
+
+
+def install(module: nn.Module, target: str, kind: str) -> SparseWeight:
+    """Give `module` usaf's state and the forward of its kind (its class swapped for a same-named subclass)."""
+    state = SparseWeight(module, target, kind)
+    _swap_class(module, kind)
+    module.usaf = state
+    return state
+
+
+def tie(head: nn.Linear, state: SparseWeight) -> None:
+    """An output layer that shares its weight with the embedding owning `state` uses the same trained values."""
+    _swap_class(head, "linear")
+    head.__dict__["usaf_tied"] = state

@@ -1,0 +1,1 @@
+"""What a run produces: delta files, merged checkpoints, a delta loaded into a live model."""

@@ -1,0 +1,181 @@
+"""A merged checkpoint is the base's shards streamed tensor by tensor (in bounded chunks) with the trained entries
+replaced: same names, dtypes, shard files and index; nothing else is touched, so a base trained in quantized form
+keeps its original precision everywhere else. Outputs appear atomically: written beside the target under a hidden
+temporary name, fsynced, renamed into place."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from usaf.base.checkpoint import BaseCheckpoint
+from usaf.errors import UsafError
+from usaf.export.delta import (
+    Delta,
+    check_base,
+    check_output_dir,
+    checksum_message,
+    read_delta,
+    run_delta_and_base,
+)
+from usaf.files import MERGED_METADATA_FILE
+from usaf.io import shards
+from usaf.io.atomic import (
+    copy_side_files,
+    fsync_dir,
+    install_dir,
+    remove_stale_temporaries,
+    temporary_name,
+    write_json,
+)
+from usaf.version import __version__
+
+_CHUNK_BYTES = 64 << 20
+
+
+def export_merged(
+    run_dir: str | Path, out_dir: str | Path, *, force: bool = False, base_dir: str | Path | None = None
+) -> Path:
+    """`usaf export RUN_DIR --merged OUT_DIR`: the base checkpoint with the run's trained entries written in."""
+    check_output_dir(Path(out_dir), base_dir, force)
+    delta, base = run_delta_and_base(run_dir, base_dir)
+    return write_merged(base, delta, out_dir, force=force)
+
+
+def apply_delta(
+    base_dir: str | Path, delta_path: str | Path, out_dir: str | Path, *, force: bool = False
+) -> Path:
+    """`usaf apply BASE_DIR DELTA OUT_DIR`: a merged checkpoint from a base and a delta file made against it."""
+    check_output_dir(Path(out_dir), base_dir, force)
+    delta = read_delta(delta_path)
+    base = BaseCheckpoint(base_dir)
+    check_base(delta, base)
+    return write_merged(base, delta, out_dir, force=force)
+
+
+# ---- merged checkpoints ------------------------------------------------------------------------------------------
+
+
+def write_merged(
+    base: BaseCheckpoint,
+    delta: Delta,
+    out_dir: str | Path,
+    *,
+    force: bool = False,
+) -> Path:
+    """Stream `base`'s shards into `out_dir` with the entries of `delta` replaced (cast to each tensor's dtype).
+
+    The changed tensors must match the checksums of `delta.base_record` (a delta file's, a run's base.json);
+    checked as they are read, and a mismatch abandons the output.
+    """
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, base.dir, force)
+    edits = _edits_by_checkpoint_key(base, delta)
+    expected = (delta.base_record or {}).get("tensors")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out_dir)
+    tmp = temporary_name(out_dir)
+    tmp.mkdir()
+    try:
+        report: dict[str, dict] = {}
+        for file in base.shard_files():
+            _write_shard(base.dir / file, tmp / file, edits, expected, report, delta.origin)
+        missing = sorted(set(edits) - set(report))
+        if missing:
+            raise UsafError(f"Tensor '{missing[0]}' was not found in the shards of {base.dir}.")
+        copy_side_files(base.dir, tmp, keep_shard_index=True, skip=(MERGED_METADATA_FILE,))
+        metadata = {
+            "format": "usaf-merged",
+            "usaf_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "base": base.identity(),
+            **{k: v for k, v in delta.info.items() if k in ("source", "training")},
+            "changed_parameters": {
+                name: "all" if change.flat_indices is None else change.count
+                for name, change in delta.changes.items()
+            },
+            "changed_tensors": report,
+        }
+        # written last, so that a folder holding it is complete
+        write_json(tmp / MERGED_METADATA_FILE, metadata)
+        fsync_dir(tmp)
+        install_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _edits_by_checkpoint_key(
+    base: BaseCheckpoint, delta: Delta
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{checkpoint key: (sorted positions, values in that tensor's dtype)}."""
+    pieces: dict[str, list] = {}
+    for name, change in delta.changes.items():
+        numel = torch.Size(base.shape(name)).numel()
+        flat = change.flat_indices if change.flat_indices is not None else torch.arange(numel)
+        if change.count != flat.numel():
+            raise UsafError(f"The delta for '{name}' has {change.count} values for {flat.numel()} entries.")
+        for key, positions, picked in base.locate(name, flat):
+            dtype = base.source.entries[key].dtype
+            pieces.setdefault(key, []).append((positions, change.values[picked].to(dtype)))
+    edits = {}
+    for key, parts in pieces.items():
+        positions = torch.cat([p for p, _ in parts])
+        values = torch.cat([v for _, v in parts])
+        order = torch.argsort(positions)
+        edits[key] = (positions[order], values[order])
+    return edits
+
+
+def _write_shard(
+    source: Path, target: Path, edits: dict, expected: dict | None, report: dict, origin: str
+) -> None:
+    """Copy one safetensors file tensor by tensor, in bounded chunks, replacing the edited entries."""
+    entries, metadata = shards.read_header(source)
+    planned = [shards.PlannedTensor(name, e.dtype, e.shape) for name, e in entries.items()]
+    writer = shards.StreamingWriter(target, planned, metadata)
+    try:
+        for name, entry in entries.items():
+            edit = edits.get(name)
+            before = hashlib.sha256() if edit is not None else None
+            after = hashlib.sha256() if edit is not None else None
+            itemsize = entry.dtype.itemsize
+            step = max(1, _CHUNK_BYTES // itemsize) * itemsize
+            for begin in range(entry.begin, entry.end, step):
+                end = min(begin + step, entry.end)
+                raw = shards.read_bytes(entry, begin, end, before)
+                if edit is not None:
+                    _apply_edit(raw, entry.dtype, (begin - entry.begin) // itemsize, edit)
+                    after.update(raw.numpy())
+                writer.write(name, raw, begin - entry.begin)
+            if edit is None:
+                continue
+            digest = before.hexdigest()
+            want = (expected or {}).get(name, {}).get("sha256")
+            if want is not None and digest != want:
+                raise UsafError(checksum_message(name, source, origin))
+            report[name] = {
+                "file": source.name,
+                "dtype": shards.DTYPE_NAMES[entry.dtype],
+                "shape": list(entry.shape),
+                "changed_entries": int(edit[0].numel()),
+                "base_sha256": digest,
+                "merged_sha256": after.hexdigest(),
+            }
+    except BaseException:
+        writer.file.close()
+        raise
+    writer.close()
+
+
+def _apply_edit(raw: torch.Tensor, dtype: torch.dtype, first: int, edit) -> None:
+    positions, values = edit
+    count = raw.numel() // dtype.itemsize
+    lo, hi = torch.searchsorted(positions, torch.tensor([first, first + count])).tolist()
+    if hi > lo:
+        raw.view(dtype)[positions[lo:hi] - first] = values[lo:hi]

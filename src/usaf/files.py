@@ -1,0 +1,11 @@
+"""The names of the files usaf writes and reads, in one place."""
+
+STORE_FILE = "usaf_store.json"  # a prepared store's metadata (formats, source checksums, version)
+RUN_BASE_FILE = "base.json"  # a run's record of the base it trains on, written when the run starts
+CONFIG_FILE = "config.yaml"  # a run's configuration
+MERGED_METADATA_FILE = "usaf_delta.json"  # beside a merged checkpoint: what was written into it
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's index
+METRICS_FILE = "metrics.jsonl"  # a run's rows, one JSON object per logged step
+ROUTER_LOAD_FILE = "router_load.json"  # a run's expert loads per layer, for the heatmaps
+RUN_MARKER = ".usaf-run"  # written first by every new run: the folder (and its config.yaml) is usaf's
+LOCK_FILE = ".usaf-lock"  # held by the one process writing a run

@@ -1,0 +1,1 @@
+"""Bytes on disk: atomic writes, safetensors shards, a checkpoint read through transformers' renamings, the base record."""

@@ -1,0 +1,351 @@
+"""The source checkpoint: its safetensors shards, and how their tensors become the model's parameters.
+
+Checkpoints do not always store a model's parameters under their names: most MoE families keep one tensor per
+expert and projection (`experts.3.gate_proj.weight`) that transformers fuses on load into `experts.gate_up_proj`.
+Rather than a table per family, this follows transformers' own conversion mapping (the one `from_pretrained`
+uses), applied either to whole tensors or to the tensors of a single expert, so that a fused stack is built one
+expert at a time and never held whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from copy import deepcopy
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from usaf.errors import UsafError, first_line
+from usaf.files import INDEX_FILE
+from usaf.io import shards
+from usaf.model.hf import (
+    WeightConverter,
+    WeightRenaming,
+    conversion_mapping,
+    dot_natural_key,
+    rename_source_key,
+)
+
+
+@dataclass
+class Group:
+    """Checkpoint tensors that one transform turns into one or more parameters (`name` is the first of them)."""
+
+    name: str
+    transform: WeightRenaming | WeightConverter
+    sources: dict[str, list[str]] = field(default_factory=dict)  # source pattern -> checkpoint keys, in order
+
+    def keys(self) -> list[str]:
+        return [key for keys in self.sources.values() for key in keys]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A model parameter (or persistent buffer) as the checkpoint provides it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # the checkpoint's dtype
+    group: str
+    per_expert: bool = False  # buildable one expert at a time
+
+
+def list_shards(model_dir: Path) -> dict[str, shards.TensorEntry]:
+    """Every tensor of the checkpoint in `model_dir`, with its validated location."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise UsafError(f"{index_path} is not a valid safetensors index ({err!r}).") from err
+        files = sorted(set(weight_map.values()))
+    else:
+        weight_map = None
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        hint = " (usaf reads safetensors only, never pickles)" if any(model_dir.glob("*.bin")) else ""
+        raise UsafError(f"No safetensors weights in {model_dir}{hint}.")
+    entries: dict[str, shards.TensorEntry] = {}
+    for name in files:
+        path = model_dir / name
+        if not path.exists():
+            raise UsafError(f"{path} is listed in {INDEX_FILE} but missing; re-download the checkpoint.")
+        found, _ = shards.read_header(path)
+        for key, entry in found.items():
+            if key in entries:
+                raise UsafError(f"Tensor '{key}' is stored twice: in {entries[key].file} and in {path}.")
+            entries[key] = entry
+    if weight_map is not None:
+        for key, name in weight_map.items():
+            if entries.get(key) is None or entries[key].file.name != name:
+                raise UsafError(
+                    f"Tensor '{key}' is missing from {model_dir / name} (listed there by {INDEX_FILE}); "
+                    "the shard is incomplete: re-download the checkpoint."
+                )
+    return entries
+
+
+class SourceCheckpoint:
+    """A checkpoint directory read against a model skeleton (a model built on the meta device)."""
+
+    def __init__(self, model_dir: str | Path, model: nn.Module, expert_names: set[str]):
+        self.dir = Path(model_dir)
+        self.model = model
+        self.entries = list_shards(self.dir)
+        self.groups, self.ignored = self._group(model)
+        self.targets = self._plan(model, expert_names)
+        self._hashers: dict[str, tuple[object, int]] = {}  # key -> (sha256 so far, next expert) for stacks
+        self.checksums: dict[str, str] = {}
+        self.expected_checksums: dict[str, str] = {}  # from a store's metadata: what reads must match
+        self._whole_stack: tuple[str, torch.Tensor] | None = None
+
+    # ---- mapping -------------------------------------------------------------------------------------------
+
+    def _group(self, model: nn.Module) -> tuple[dict[str, Group], list[str]]:
+        """Checkpoint keys grouped per produced parameter, exactly as transformers' loader groups them."""
+        mapping = conversion_mapping(model)
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        by_pattern = {pattern: conv for conv in converters for pattern in conv.source_patterns}
+        expected = model.state_dict()
+        prefix = model.base_model_prefix
+        groups: dict[str, Group] = {}
+        ignored = []
+        for key in sorted(self.entries, key=dot_natural_key):
+            name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+            if name not in expected and key in expected:
+                name, pattern = rename_source_key(key, [], [], prefix, expected)
+            if name not in expected:
+                ignored.append(key)  # e.g. multi-token-prediction layers transformers does not build
+                continue
+            if pattern is None:
+                group = groups.setdefault(name, Group(name, WeightRenaming(key, name)))
+                pattern = key
+            else:
+                group = groups.setdefault(name, Group(name, deepcopy(by_pattern[pattern])))
+            group.sources.setdefault(pattern, []).append(key)
+        return groups, ignored
+
+    def _plan(self, model: nn.Module, expert_names: set[str]) -> dict[str, Target]:
+        """Names, shapes and dtypes of everything the checkpoint provides, from a conversion on meta tensors."""
+        expected = model.state_dict()
+        targets: dict[str, Target] = {}
+        for group in self.groups.values():
+            if group.name in expert_names and isinstance(group.transform, WeightConverter):
+                for pattern, keys in group.sources.items():  # one tensor per expert, or say which is missing
+                    self._expert_keys(group, pattern, keys, expected[group.name].shape[0])
+            try:
+                produced = self._convert(group, group.sources, self._meta)
+            except Exception as err:
+                raise UsafError(
+                    f"Cannot map checkpoint tensors {group.keys()[:3]}... onto '{group.name}': {err}"
+                ) from err
+            for name, tensor in produced.items():
+                if name not in expected:
+                    continue
+                want = tuple(expected[name].shape)
+                if tuple(tensor.shape) != want:
+                    raise UsafError(
+                        f"Checkpoint tensor(s) {group.keys()[:2]} in {self.dir} give '{name}' the shape "
+                        f"{list(tensor.shape)}, but the model's config expects {list(want)}: the config and the "
+                        "weights disagree."
+                    )
+                per_expert = name in expert_names and self._per_expert(group, name, want)
+                targets[name] = Target(name, want, tensor.dtype, group.name, per_expert)
+        tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+        ignore_missing = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
+        buffers = {name for name, _ in model.named_buffers()}
+        for name in expected:
+            if name in targets or name in tied or any(re.search(p, name) for p in ignore_missing):
+                continue
+            if name in buffers:
+                continue  # a persistent buffer the model computes itself when the checkpoint lacks it
+            raise UsafError(
+                f"The checkpoint in {self.dir} has no tensor for the model's parameter '{name}': the checkpoint is "
+                "incomplete or does not belong to this config; re-download it."
+            )
+        return targets
+
+    def _per_expert(self, group: Group, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether expert e of `name` can be built from the checkpoint tensors of expert e alone."""
+        num_experts = shape[0]
+        if isinstance(group.transform, WeightRenaming):
+            return True  # stored stacked under another name: read row e
+        for pattern, keys in group.sources.items():
+            self._expert_keys(group, pattern, keys, num_experts)
+        try:
+            produced = self._convert(group, self._expert_sources(group, 0), self._meta)
+        except Exception:
+            return False
+        return len(produced) == 1 and tuple(next(iter(produced.values())).shape) == (1, *shape[1:])
+
+    def _expert_keys(self, group: Group, pattern: str, keys: list[str], num_experts: int) -> list[str]:
+        """The keys of one pattern in expert order, checked to be exactly one per expert."""
+        if len(keys) == num_experts:
+            return keys
+        parts = [key.split(".") for key in keys]
+        varying = [i for i in range(len(parts[0])) if len({p[i] for p in parts if len(p) > i}) > 1]
+        if len(varying) == 1 and all(p[varying[0]].isdigit() for p in parts):
+            present = {int(p[varying[0]]) for p in parts}
+            missing = sorted(set(range(num_experts)) - present)
+            if missing:
+                example = list(parts[0])
+                example[varying[0]] = str(missing[0])
+                raise UsafError(
+                    f"The checkpoint in {self.dir} lacks tensor '{'.'.join(example)}' (expert {missing[0]} of "
+                    f"'{group.name}', {len(missing)} missing in all); the checkpoint is incomplete: re-download it."
+                )
+        raise UsafError(
+            f"The checkpoint in {self.dir} has {len(keys)} tensors matching '{pattern}' for '{group.name}', "
+            f"which has {num_experts} experts; the checkpoint is incomplete or from another config."
+        )
+
+    def _expert_sources(self, group: Group, expert: int) -> dict[str, list[str]]:
+        return {pattern: [keys[expert]] for pattern, keys in group.sources.items()}
+
+    def _convert(self, group: Group, sources: dict[str, list[str]], load) -> dict[str, torch.Tensor]:
+        """Run the group's transform on the given checkpoint keys, each loaded by `load(key)`."""
+        transform = deepcopy(group.transform)
+        for pattern, keys in sources.items():
+            for key in keys:
+                transform.add_tensor(group.name, key, pattern, partial(load, key))
+        produced = transform.convert(group.name, model=self.model, config=self.model.config)
+        return {name: value[0] if isinstance(value, list) else value for name, value in produced.items()}
+
+    def _meta(self, key: str) -> torch.Tensor:
+        entry = self.entries[key]
+        return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+
+    # ---- reading -------------------------------------------------------------------------------------------
+
+    def _read(self, key: str) -> torch.Tensor:
+        hasher = hashlib.sha256() if key not in self.checksums else None
+        tensor = shards.read_tensor(self.entries[key], hasher)
+        if hasher is not None:
+            self._record(key, hasher.hexdigest())
+        return tensor
+
+    def _read_row(self, key: str, expert: int) -> torch.Tensor:
+        """Row `expert` of a stacked checkpoint tensor; rows read in order also checksum the whole tensor."""
+        entry = self.entries[key]
+        hasher, following = self._hashers.get(key, (hashlib.sha256(), 0))
+        in_order = key not in self.checksums and expert == following
+        row = shards.read_expert(entry, expert, hasher if in_order else None)
+        if in_order:
+            if expert + 1 == entry.shape[0]:
+                self._hashers.pop(key, None)
+                self._record(key, hasher.hexdigest())
+            else:
+                self._hashers[key] = (hasher, expert + 1)
+        return row
+
+    def _record(self, key: str, digest: str) -> None:
+        expected = self.expected_checksums.get(key)
+        if expected is not None and digest != expected:
+            raise UsafError(
+                f"Tensor '{key}' in {self.entries[key].file} differs from the one the store was prepared from "
+                f"(sha256 {digest[:12]}... != {expected[:12]}...): the checkpoint changed since `usaf prepare`. "
+                "Pass the checkpoint the store was prepared from, or prepare the store again."
+            )
+        self.checksums[key] = digest
+
+    def verify(self, key: str) -> None:
+        """Hash `key` now and check it against `expected_checksums`."""
+        if key not in self.checksums:
+            self._record(key, shards.sha256_of(self.entries[key]))
+
+    def verify_partial_reads(self) -> None:
+        """Check the stacked tensors of which only some rows were read (their hash is not complete yet)."""
+        for key in list(self._hashers):
+            self._hashers.pop(key)
+            self.verify(key)
+
+    def build(self, group_name: str) -> dict[str, torch.Tensor]:
+        """Every parameter a group produces, in the checkpoint's dtype."""
+        group = self.groups[group_name]
+        return self._convert(group, group.sources, self._read)
+
+    def build_expert(self, name: str, expert: int) -> torch.Tensor:
+        """Expert `expert` ([A, B]) of the fused expert tensor `name`, in the checkpoint's dtype."""
+        target = self.targets[name]
+        group = self.groups[target.group]
+        if target.per_expert and isinstance(group.transform, WeightRenaming):
+            return self._read_row(group.keys()[0], expert)
+        if target.per_expert:
+            return self._convert(group, self._expert_sources(group, expert), self._read)[name][0]
+        # a conversion that mixes experts: build the whole stack once (bounded by one stack) and slice it
+        if self._whole_stack is None or self._whole_stack[0] != name:
+            self._whole_stack = None
+            self._whole_stack = (name, self.build(group.name)[name])
+        return self._whole_stack[1][expert]
+
+    def read_entries(self, name: str, flat_indices: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's values of parameter `name` at flat indices, reading one expert at a time."""
+        target = self.targets[name]
+        per_expert = 1
+        for size in target.shape[1:]:
+            per_expert *= size
+        flat = flat_indices.reshape(-1).cpu()
+        expert = torch.div(flat, per_expert, rounding_mode="floor")
+        out = torch.empty(flat.shape, dtype=target.dtype)
+        for e in torch.unique(expert).tolist():
+            where = (expert == e).nonzero(as_tuple=True)[0]
+            out[where] = self.build_expert(name, e).reshape(-1)[flat[where] - e * per_expert]
+        self.release()
+        return out.reshape(flat_indices.shape)
+
+    def release(self) -> None:
+        """Drop the whole stack `build_expert` may have built for an expert-mixing conversion (memory bound)."""
+        self._whole_stack = None
+
+    def expert_source_keys(self, name: str, expert: int) -> list[str]:
+        """The checkpoint tensors expert `expert` of `name` is built from."""
+        target = self.targets[name]
+        group = self.groups[target.group]
+        if target.per_expert and isinstance(group.transform, WeightConverter):
+            return [key for keys in self._expert_sources(group, expert).values() for key in keys]
+        return group.keys()
+
+    def source_keys(self, name: str) -> list[str]:
+        return self.groups[self.targets[name].group].keys()
+
+    def finish_checksums(self, keys) -> dict[str, str]:
+        """Checksums of `keys`, hashing any tensor that was not read whole and in order."""
+        for key in keys:
+            self.verify(key)
+        return {key: self.checksums[key] for key in keys}
+
+
+def check_model_files(path: str) -> None:
+    """A local model folder's config.json and weight files, checked before transformers reads them: an unknown
+    model_type or a truncated shard is one line naming the file, not a traceback from deep inside the loader."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return  # a hub id: transformers downloads and checks it
+    from transformers import AutoConfig
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise UsafError(f"{folder} has no config.json; give the folder of a Hugging Face model.")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise UsafError(f"{config_file} is not a readable JSON object ({first_line(err)}).") from None
+    try:
+        AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        if "does not recognize this architecture" in str(err) or isinstance(err, KeyError):
+            import transformers
+
+            raise UsafError(
+                f"{config_file}: model_type {model_type!r} is not known to transformers {transformers.__version__}; "
+                "upgrade transformers (pip install -U transformers) or correct model_type."
+            ) from None
+        raise UsafError(f"{config_file} cannot be read: {first_line(err)}") from None
+    for shard in sorted(folder.glob("*.safetensors")):
+        shards.read_header(shard)  # checked against the file's size: a truncated copy is named here

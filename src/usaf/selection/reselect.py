@@ -1,0 +1,320 @@
+"""Dynamic reselection (SpIEL/RigL-style): every K steps, drop the trained entries whose values moved least
+from the base and grow as many where the task's gradient is largest, with a drop share that decays to zero.
+Every target is reselected: the experts' entries (or neurons), and the entries of the other targeted weights.
+
+Decisions (tested in tests/test_reselect.py):
+- A dropped entry is reverted to its base value, in the weights the forward uses as well as in every later
+  checkpoint and export, so what is evaluated in-run is exactly what resume and export produce. The entries
+  dropped are the ones that moved least, so reverting them costs the least.
+- Kept entries keep their values and their Adam moments; grown entries start at their original value with zero
+  moments; the optimizer's step count (and so its bias correction) is untouched. The `values` parameters keep
+  their identity, so the optimizer needs no rebuilding.
+- Where to grow: neurons are ranked by first-order importance (h * dL/dh)^2 summed since the last reselection
+  (cheap, [E, I] per layer); for element granularity the entries of the best candidate neurons are then scored
+  exactly by gradient probes over the last `reselect_probe_steps` steps. The other targets' rows are ranked by
+  `SparseWeight.row_score` (a linear layer's sum_t g^2 |x|^2 per output row, an embedding row's squared gradient
+  norm) and their best rows probed the same way. Nothing dense is ever scored.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from usaf.engine.installed import sparse_experts, sparse_modules
+from usaf.engine.sparse import LineProbe, line_flat_indices
+from usaf.engine.sparse_weights import SparseWeight
+from usaf.errors import UsafError
+from usaf.model.layout import find_moe_layers
+from usaf.selection.choose import intermediate_size, neuron_axes, neuron_line_ids
+
+
+class _NeuronImportance:
+    """Observer accumulating (h * dL/dh)^2 per expert neuron while `active` (forward only, not recompute)."""
+
+    def __init__(self):
+        self.active = False
+        self.score: torch.Tensor | None = None
+
+    def __call__(self, state, plan, top_k_weights, h):
+        if not (self.active and h.requires_grad):
+            return None
+        experts = plan.expert_of_row
+
+        # called in backward with the activation autograd saved (recomputed with its layer under recomputation):
+        # nothing here holds `h` from the forward to the backward
+        def accumulate(values, grad_h):
+            if self.score is None:
+                self.score = torch.zeros(state.num_experts, values.shape[1], device=values.device)
+            self.score.index_add_(0, experts, (values.detach() * grad_h).float().pow(2))
+
+        return accumulate
+
+
+class Reselector:
+    def __init__(self, model: torch.nn.Module, config, total_steps: int, optimizer_eight_bit: bool = False):
+        if optimizer_eight_bit:
+            raise UsafError("select.reselect_every needs 32-bit optimizer state: set optim.eight_bit=false.")
+        self.model, self.config, self.total_steps = model, config, total_steps
+        self.states = dict(sparse_experts(model))
+        # the other targets' weights: entries (never neurons) reselected the same way, rows ranked by
+        # SparseWeight.row_score; an output layer tied to the embedding is the embedding's state
+        self.weights = {p: s for p, s in sparse_modules(model) if isinstance(s, SparseWeight)}
+        self.layers = {layer.experts_name: layer for layer in _layers(model)}
+        self.importance = {path: _NeuronImportance() for path in self.states}
+        for path, state in self.states.items():
+            state.observers.append(self.importance[path])
+        self.reselections = 0
+
+    # -------------------------------------------------------------------------------------------- schedule
+    def fraction(self, step: int) -> float:
+        """Share of each tensor's entries replaced at `step`: cosine decay to 0 at `reselect_until`."""
+        end = self.config.reselect_until * self.total_steps
+        if step >= end:
+            return 0.0
+        return self.config.reselect_fraction * 0.5 * (1 + math.cos(math.pi * step / end))
+
+    def is_reselection_step(self, step: int) -> bool:
+        every = self.config.reselect_every
+        return every > 0 and step % every == 0 and self.fraction(step) > 0
+
+    def set_observing(self, active: bool) -> None:
+        for importance in self.importance.values():
+            importance.active = active
+        for state in self.weights.values():
+            state.observing = active
+
+    def before_step(self, step: int) -> None:
+        """`step` is the optimizer step about to run (1-based): open the probe window before a reselection."""
+        every = self.config.reselect_every
+        if every <= 0:
+            return
+        upcoming = math.ceil(step / every) * every
+        window_open = upcoming - step < self.config.reselect_probe_steps
+        probing = any(s.probes for s in [*self.states.values(), *self.weights.values()])
+        if (
+            self.config.granularity == "element"
+            and self.is_reselection_step(upcoming)
+            and window_open
+            and not probing
+        ):
+            self._install_probes(upcoming)
+
+    def after_step(self, step: int, optimizer: torch.optim.Optimizer) -> dict | None:
+        if not self.is_reselection_step(step):
+            return None
+        fraction = self.fraction(step)
+        moved = 0
+        for path, state in self.states.items():
+            if self.config.granularity == "element":
+                for name, entries in list(state.items()):
+                    if name in state.probes:
+                        moved += self._reselect_elements(state, name, entries, fraction, optimizer)
+            else:
+                moved += self._reselect_neurons(path, state, fraction, optimizer)
+            state.probes.clear()
+            self.importance[path].score = None
+        for state in self.weights.values():
+            if "weight" in state.probes and state.entries is not None:
+                moved += self._reselect_elements(state, "weight", state.entries, fraction, optimizer)
+            state.probes.clear()
+            state.row_score = None
+        self.reselections += 1
+        return {"reselected_entries": moved, "reselect_fraction": fraction}
+
+    # ------------------------------------------------------------------------------------------- element
+    def _install_probes(self, step: int) -> None:
+        fraction = self.fraction(step)
+        for path, state in self.states.items():
+            layer = self.layers[path]
+            score = self.importance[path].score
+            if score is None:
+                continue
+            for name, axis in neuron_axes(layer.experts).items():
+                entries = state[name] if name in state else None  # noqa: SIM401 (ModuleDict has no .get)
+                if entries is None or entries.numel() == 0:
+                    continue
+                grow = max(1, round(fraction * entries.numel()))
+                line_len = state.stores[name].shape[3 - axis] * (2 if name == "gate_up_proj" else 1)
+                wanted = min(score.numel(), math.ceil(self.config.oversample * grow / line_len) + 1)
+                neurons = torch.topk(score.reshape(-1).cpu(), wanted, sorted=False).indices
+                lines = neuron_line_ids(layer.experts, name, neurons, state.stores[name].shape[axis])
+                state.probes[name] = LineProbe(
+                    state.stores[name].shape, axis, lines.to(state.stores[name].device)
+                )
+        for state in self.weights.values():
+            entries, store = state.entries, state.stores["weight"]
+            if entries is None or entries.numel() == 0:
+                continue
+            rows, width = store.shape[1:]
+            if state.kind == "vector":  # a norm: its one line
+                lines = torch.zeros(1, dtype=torch.int64)
+            elif state.row_score is None:
+                continue
+            else:
+                grow = max(1, round(fraction * entries.numel()))
+                wanted = min(rows, math.ceil(self.config.oversample * grow / width) + 1)
+                lines = torch.topk(state.row_score.cpu(), wanted, sorted=False).indices.sort().values
+            state.probes["weight"] = LineProbe(store.shape, 1, lines.to(store.device))
+
+    def _reselect_elements(self, state, name, entries, fraction, optimizer) -> int:
+        probe = state.probes[name]
+        n = entries.numel()
+        count = min(round(fraction * n), n)
+        flat = entries.flat_indices  # int64, derived: one tensor's transient
+        candidates = probe.flat_indices()
+        scores = probe.score.reshape(-1)
+        fresh = ~torch.isin(candidates, flat)
+        candidates, scores = candidates[fresh], scores[fresh]
+        count = min(count, candidates.numel())
+        if count == 0:
+            return 0
+        store = state.stores[name]
+        # what dropping an entry changes in the weight the forward reads: back to the kept base on a resident
+        # store, to the dequantized base on a quantized one (which keeps no base: it reads it back)
+        base = entries.base_values if entries.keeps_base else store.read(flat)
+        moved = (entries.values.detach() - base.float()).abs()
+        drop = torch.topk(moved, count, largest=False, sorted=False).indices
+        grow = candidates[torch.topk(scores, count, sorted=False).indices]
+        keep = torch.ones(n, dtype=torch.bool, device=moved.device)
+        keep[drop] = False
+        if store.resident:  # revert the dropped entries in the weights the forward reads
+            store.full().view(-1).index_copy_(0, flat[drop], base[drop].to(store.dtype))
+        grow_base = self._original(state, name, store, grow)
+        merged = torch.cat([flat[keep], grow])
+        order = torch.argsort(merged)
+        old_position = torch.cat([keep.nonzero().squeeze(1), torch.full((count,), -1, device=merged.device)])[
+            order
+        ]
+        values = torch.cat([entries.values.detach()[keep], grow_base.float()])[order]
+        kept_base = None
+        if entries.keeps_base:
+            kept_base = torch.cat([base[keep], grow_base.to(base.dtype)])[order]
+        del base, moved, flat
+        _remap_optimizer_state(optimizer, entries.values, old_position)
+        entries.set_selection(merged[order], kept_base, values)
+        return count
+
+    def _original(self, state, name, store, flat) -> torch.Tensor:
+        original = getattr(self.model, "usaf_original_values", None)
+        path = next(p for p, s in self._all().items() if s is state)
+        return original(f"{path}.{name}", flat) if original is not None else store.read(flat)
+
+    # -------------------------------------------------------------------------------------------- neuron
+    def _reselect_neurons(self, path, state, fraction, optimizer) -> int:
+        layer = self.layers[path]
+        axes = neuron_axes(layer.experts)
+        size = intermediate_size(layer.experts)
+        score = self.importance[path].score
+        if score is None or any(name not in state for name in axes):
+            return 0
+        # a neuron's movement: summed |value - base| over its lines in every tensor
+        first = next(iter(axes))
+        lines_first = state.stores[first].shape[axes[first]]
+        neurons = torch.unique(_line_owners(layer.experts, first, state[first].line_ids, lines_first, size))
+        movement = torch.zeros(neurons.numel(), device=score.device)
+        for name in axes:
+            e = state[name]
+            per_line = (e.values.detach() - e.base_values.float()).abs().sum(1)
+            owner = _line_owners(layer.experts, name, e.line_ids, state.stores[name].shape[axes[name]], size)
+            movement.index_add_(0, torch.searchsorted(neurons, owner), per_line.to(movement.device))
+        count = min(round(fraction * neurons.numel()), neurons.numel())
+        flat_score = score.reshape(-1).clone()
+        flat_score[neurons] = float("-inf")
+        count = min(count, int((flat_score > float("-inf")).sum()))
+        if count == 0:
+            return 0
+        drop = neurons[torch.topk(movement, count, largest=False, sorted=False).indices]
+        grow = torch.topk(flat_score, count, sorted=False).indices
+        new_neurons = torch.cat([neurons[~torch.isin(neurons, drop)], grow]).sort().values
+        for name, axis in axes.items():
+            e, store = state[name], state.stores[name]
+            lines = neuron_line_ids(layer.experts, name, new_neurons, store.shape[axis])
+            old = e.line_ids
+            kept = torch.isin(lines, old)
+            old_position = torch.full_like(lines, -1)
+            old_position[kept] = torch.searchsorted(old, lines[kept])
+            dropped = ~torch.isin(old, lines)
+            if store.resident and dropped.any():
+                flat = line_flat_indices(store.shape, axis, old[dropped])
+                store.full().view(-1).index_copy_(0, flat, e.base_values[dropped].reshape(-1))
+            new_lines = lines[~kept]
+            grow_base = self._original(state, name, store, line_flat_indices(store.shape, axis, new_lines))
+            grow_base = grow_base.view(new_lines.numel(), -1)
+            values = torch.empty(lines.numel(), e.values.shape[1], device=e.values.device)
+            base = torch.empty(
+                lines.numel(), e.values.shape[1], dtype=e.base_values.dtype, device=e.values.device
+            )
+            values[kept], base[kept] = (
+                e.values.detach()[old_position[kept]],
+                e.base_values[old_position[kept]],
+            )
+            values[~kept], base[~kept] = grow_base.float(), grow_base.to(base.dtype)
+            _remap_optimizer_state(optimizer, e.values, old_position)
+            e.set_selection(lines, base, values)
+        return count * sum(
+            state.stores[n].shape[3 - a] * (2 if n == "gate_up_proj" else 1) for n, a in axes.items()
+        )
+
+    # -------------------------------------------------------------------------------------------- resume
+    def _all(self) -> dict:
+        return {**self.states, **self.weights}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for path, importance in self.importance.items():
+            if importance.score is not None:
+                tensors[f"importance/{path}"] = importance.score.cpu()
+        for path, state in self.weights.items():
+            if state.row_score is not None:
+                tensors[f"rows/{path}"] = state.row_score.cpu()
+        for path, state in self._all().items():
+            for name, probe in state.probes.items():
+                tensors[f"probe/{path}/{name}/lines"] = probe.line_ids.cpu()
+                tensors[f"probe/{path}/{name}/score"] = probe.score.cpu()
+                tensors[f"probe/{path}/{name}/axis"] = torch.tensor(probe.axis)
+        return tensors
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        for key, value in tensors.items():
+            kind, rest = key.split("/", 1)
+            if kind == "importance":
+                self.importance[rest].score = value.to(next(iter(self.states[rest].stores.values())).device)
+            elif kind == "rows":
+                self.weights[rest].row_score = value.to(self.weights[rest].stores["weight"].device)
+            elif kind == "probe" and key.endswith("/lines"):
+                path, name, _ = rest.rsplit("/", 2)
+                store = self._all()[path].stores[name]
+                axis = int(tensors[f"probe/{path}/{name}/axis"])
+                probe = LineProbe(store.shape, axis, value.to(store.device))
+                probe.score.copy_(tensors[f"probe/{path}/{name}/score"])
+                self._all()[path].probes[name] = probe
+
+
+def _layers(model):
+
+    return find_moe_layers(model)
+
+
+def _line_owners(experts, name, line_ids, lines_per_expert, size) -> torch.Tensor:
+    """The neuron (expert * I + j) owning each line (lines of gate_up come in pairs)."""
+    expert, line = line_ids // lines_per_expert, line_ids % lines_per_expert
+    if name == "gate_up_proj":
+        line = line % size if experts.is_concatenated else line // 2
+    return expert * size + line
+
+
+def _remap_optimizer_state(optimizer, param: torch.nn.Parameter, old_position: torch.Tensor) -> None:
+    """Carry per-entry optimizer state to the new selection: kept entries keep theirs, new ones start at zero."""
+    state = optimizer.state.get(param)
+    if not state:
+        return
+    kept = old_position >= 0
+    for key, value in list(state.items()):
+        if isinstance(value, torch.Tensor) and value.shape == param.shape:
+            fresh = torch.zeros(
+                (old_position.numel(), *value.shape[1:]), dtype=value.dtype, device=value.device
+            )
+            fresh[kept] = value[old_position[kept]]
+            state[key] = fresh

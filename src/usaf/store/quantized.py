@@ -1,0 +1,54 @@
+"""`QuantizedStore`: a fused expert tensor kept quantized, dequantized only for the experts a forward routed to.
+
+It implements the engine's storage interface (see `usaf.store.dense.DenseStore`): `materialize(expert_ids)` returns
+those experts in the compute dtype, `read(flat_indices)` values at entries. Where the quantized data lives (device,
+pinned host memory, a memory map) is the business of the `parts` object it is given (see `usaf.store.offload`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from usaf.quant import get_format
+
+
+class QuantizedStore:
+    """A frozen [E, A, B] expert tensor in a quantized format.
+
+    parts: an object with `fetch(expert_ids) -> {part: tensor [k, ...] on the compute device}` and `device`.
+    """
+
+    resident = False  # the engine materializes routed experts in workspace-bounded chunks
+
+    def __init__(self, format_name: str, parts, shape: tuple[int, int, int], dtype: torch.dtype):
+        self.format_name = format_name
+        self.format = get_format(format_name)
+        self.parts = parts
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.device
+
+    def materialize(self, expert_ids: list[int]) -> torch.Tensor:
+        """A fresh [k, A, B] tensor of the given experts, dequantized; no other expert is touched."""
+        _, rows, cols = self.shape
+        return self.format.dequantize(self.parts.fetch(list(expert_ids)), rows, cols, self.dtype)
+
+    @torch.no_grad()
+    def read(self, flat_indices: torch.Tensor) -> torch.Tensor:
+        """Dequantized values at flat indices of the [E, A, B] tensor, one expert at a time."""
+        _, rows, cols = self.shape
+        per_expert = rows * cols
+        flat = flat_indices.to(self.device)
+        expert = torch.div(flat, per_expert, rounding_mode="floor")
+        out = torch.empty(flat.shape, dtype=self.dtype, device=self.device)
+        for e in torch.unique(expert).tolist():
+            where = (expert == e).nonzero(as_tuple=True)[0]
+            weight = self.materialize([e]).reshape(-1)
+            out[where] = weight[flat[where] - e * per_expert]
+        return out
+
+    def __repr__(self) -> str:
+        return f"QuantizedStore({self.format_name}, shape={list(self.shape)}, dtype={self.dtype}, parts={self.parts})"

@@ -1,0 +1,1 @@
+"""Tiny models built from configs, for tests, benchmarks and the demo."""

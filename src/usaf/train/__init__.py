@@ -1,0 +1,1 @@
+"""The training job: run folder, data, the loop, checkpoints, evaluation, runtime."""

@@ -1,0 +1,266 @@
+"""Atomic checkpoints of a run: trained entries, routers, optimizer, scheduler, RNG, data position, config.
+
+Layout: RUN_DIR/checkpoints/step-00000010/{trainable,optimizer,rng}.safetensors + state.json. A checkpoint is
+written into a temporary folder, every file fsynced, and renamed into place: a folder named step-* is always
+complete. Only safetensors and JSON: nothing is unpickled on resume. state.json, written last, records the sha256
+of every other file ("files"); loading verifies them, so a damaged or truncated file is named as such.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from usaf.engine.installed import sparse_modules
+from usaf.errors import UsafError
+from usaf.io.atomic import fsync_dir, fsync_file, make_shareable
+from usaf.version import __version__
+
+PREFIX = "step-"
+_STEP_NAME = re.compile(r"step-(\d+)")
+TENSOR_FILES = ("trainable.safetensors", "optimizer.safetensors", "rng.safetensors", "extra.safetensors")
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    folder = checkpoints_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = [  # step-NNN folders only: anything else there (step-foo, a user's copy) is not a checkpoint
+        p
+        for p in folder.iterdir()
+        if _STEP_NAME.fullmatch(p.name) and p.is_dir() and (p / "state.json").exists()
+    ]
+    return sorted(found, key=step_of)
+
+
+def step_of(path: Path) -> int:
+    """The step of a checkpoint folder: step-00000020 -> 20."""
+    return int(Path(path).name[len(PREFIX) :])
+
+
+def latest(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable parameter plus the sparse selection (indices and base values) it belongs to."""
+    tensors = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    for path, state in sparse_modules(model):
+        for tensor_name, entries in state.items():
+            for buffer_name, buffer in entries.saved_tensors().items():
+                tensors[f"{path}.usaf.{tensor_name}.{buffer_name}"] = buffer
+    return tensors
+
+
+def selection_layout(model: torch.nn.Module) -> dict[str, dict]:
+    """How to read each selection in `trainable_tensors`: element flat indices, or whole lines along an axis
+    of the [E, A, B] tensor (the tensor's name in the model is the key without `.usaf`)."""
+    layout = {}
+    for path, state in sparse_modules(model):
+        for tensor_name, entries in state.items():
+            layout[f"{path}.{tensor_name}"] = {
+                "kind": "lines" if hasattr(entries, "axis") else "elements",
+                "axis": getattr(entries, "axis", None),
+                "shape": list(entries.shape),
+                "prefix": f"{path}.usaf.{tensor_name}.",
+            }
+    return layout
+
+
+def _written(path: Path, write) -> None:
+    write(path)
+    make_shareable(path)
+    fsync_file(path)
+
+
+def save(
+    run_dir: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    state: dict,
+    keep_last: int,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write checkpoint `step` atomically and keep the newest `keep_last`."""
+    folder = checkpoints_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"{PREFIX}{step:08d}"
+    remove_stale_temporaries(folder)
+    tmp = folder / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _write(tmp, model, optimizer, scheduler, state, step, extra_tensors)
+    except BaseException:  # a full disk, a second Ctrl-C: nothing half-written stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(folder)
+    for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """.tmp-step-N-PID folders of checkpoints whose writer is gone (killed mid-save)."""
+    for path in folder.glob(".tmp-*"):
+        try:
+            os.kill(int(path.name.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            continue
+
+
+def _write(tmp: Path, model, optimizer, scheduler, state: dict, step: int, extra_tensors) -> None:
+    tensors = {k: v.contiguous().cpu() for k, v in trainable_tensors(model).items()}
+    _written(tmp / "trainable.safetensors", lambda p: save_file(tensors, str(p)))
+    opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+    _written(tmp / "optimizer.safetensors", lambda p: save_file(opt_tensors, str(p)))
+    rng = state.pop("rng")
+    rng_tensors = {"torch": rng.pop("torch")}
+    for i, t in enumerate(rng.pop("cuda", [])):
+        rng_tensors[f"cuda.{i}"] = t
+    _written(tmp / "rng.safetensors", lambda p: save_file(rng_tensors, str(p)))
+    extra = {k: v.contiguous().cpu() for k, v in (extra_tensors or {}).items()}
+    _written(tmp / "extra.safetensors", lambda p: save_file(extra, str(p)))
+    meta = {
+        "usaf_version": __version__,
+        "step": step,
+        "files": {name: file_sha256(tmp / name) for name in TENSOR_FILES},
+        "optimizer": opt_meta,
+        "scheduler": scheduler.state_dict(),
+        "rng": rng,
+        "selection": selection_layout(model),
+        **state,
+    }
+    _written(tmp / "state.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
+
+
+def _flatten_optimizer(optimizer) -> tuple[dict, dict]:
+    state_dict = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, per_param in state_dict["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{key}"] = value.contiguous().cpu()
+            else:
+                scalars[f"{index}.{key}"] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def file_sha256(path: Path) -> str:
+    hasher = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def verify(path: Path, meta: dict) -> None:
+    """Every file of checkpoint `path` against the sha256 its state.json recorded (checkpoints written before
+    usaf recorded them are not checked)."""
+    for name, digest in (meta.get("files") or {}).items():
+        file = path / name
+        if not file.is_file():
+            raise UsafError(
+                f"Checkpoint {path} is incomplete: {name} is missing; delete {path} to fall back to an earlier "
+                "checkpoint of the run."
+            )
+        if file_sha256(file) != digest:
+            raise UsafError(
+                f"Checkpoint file {file} is damaged: its sha256 differs from the one recorded when it was written "
+                f"({file.stat().st_size:,} bytes now); delete {path} to fall back to an earlier checkpoint of the run."
+            )
+
+
+def load(path: Path) -> dict:
+    """Everything in a checkpoint folder (tensors on CPU), its files verified against their recorded sha256."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "state.json").read_text())
+        if not isinstance(meta, dict):
+            raise ValueError("state.json is not a mapping")
+        verify(path, meta)
+        meta["trainable"] = load_file(str(path / "trainable.safetensors"))
+        meta["optimizer_tensors"] = load_file(str(path / "optimizer.safetensors"))
+        rng = load_file(str(path / "rng.safetensors"))
+        meta["extra"] = load_file(str(path / "extra.safetensors"))
+    except UsafError:
+        raise
+    except (OSError, ValueError) as err:
+        raise UsafError(
+            f"Checkpoint {path} is unreadable ({err}); delete it to resume from an earlier one."
+        ) from None
+    meta["rng"]["torch"] = rng["torch"]
+    cuda = sorted(k for k in rng if k.startswith("cuda."))
+    if cuda:
+        meta["rng"]["cuda"] = [rng[k] for k in cuda]
+    return meta
+
+
+def restore_optimizer(optimizer, checkpoint: dict) -> None:
+    meta = checkpoint["optimizer"]
+    state: dict = {}
+    for key, value in checkpoint["optimizer_tensors"].items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    for key, value in meta["scalars"].items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor], where: Path) -> None:
+    """Load trained values, routers and the selection from a checkpoint; refuse a different base model."""
+    for path, state in sparse_modules(model):
+        for name, entries in state.items():
+            prefix = f"{path}.usaf.{name}."
+            selection = saved.get(prefix + entries.selection_name)
+            if selection is None:
+                raise UsafError(
+                    f"checkpoint {where} has no selection for {path}.{name}: different model or config."
+                )
+            current = getattr(entries, entries.selection_name)
+            saved_base = saved.get(prefix + "base_values")
+            if entries.keeps_base != (saved_base is not None):
+                raise UsafError(
+                    f"checkpoint {where} keeps the base values of {path}.{name} differently from this run (a "
+                    "quantized base against an unquantized one): resume with the run's own configuration."
+                )
+            if entries.keeps_base:  # a different base shows in the original weights at the shared entries
+                same = torch.isin(selection, current.cpu())
+                base_now = entries.base_values.cpu()[torch.isin(current.cpu(), selection)]
+                if not torch.equal(base_now, saved_base[same].to(base_now.dtype)):
+                    raise UsafError(
+                        f"checkpoint {where} was trained on a different base model: the original weights of "
+                        f"{path}.{name} differ. Resume with the model the run started from."
+                    )
+            if not torch.equal(selection, current.cpu()):
+                entries.set_selection(selection, saved_base, saved[prefix + "values"])
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if param.requires_grad:
+                if name not in saved:
+                    raise UsafError(
+                        f"checkpoint {where} lacks '{name}': it was made with another configuration."
+                    )
+                param.copy_(saved[name])

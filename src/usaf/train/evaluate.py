@@ -1,0 +1,100 @@
+"""Held-out loss and perplexity: the same tokens and masking before and after training."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from usaf.config import RunConfig
+from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
+from usaf.errors import UsafError
+from usaf.files import CONFIG_FILE
+from usaf.train import checkpoint, runtime
+from usaf.train.checkpoint import restore_trainable
+from usaf.train.data import Batches, TokenizedDataset, load_dataset
+from usaf.train.session import open_session
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    dataset: TokenizedDataset,
+    batch_size: int,
+    device: torch.device,
+    autocast_ctx=None,
+    max_batches: int = 0,
+    chunk_tokens: int = 1024,
+) -> dict:
+    """Mean next-token loss over every supervised token of `dataset` (or its first `max_batches` batches)."""
+    was_training = model.training
+    model.eval()
+    total, tokens = 0.0, 0
+    batches = Batches(dataset, batch_size, shuffle=False, epochs=1)
+    for index, batch in enumerate(batches):
+        if max_batches and index >= max_batches:
+            break
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast_ctx or torch.autocast(device.type, enabled=False):
+            loss_sum = causal_lm_loss(
+                model,
+                batch["input_ids"],
+                batch["labels"],
+                position_ids=batch["position_ids"],
+                chunk_tokens=chunk_tokens,
+                reduction="sum",
+            )
+        total += float(loss_sum)
+        tokens += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    model.train(was_training)
+    loss = total / max(tokens, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+
+
+def evaluate_target(target: str, data_files: list[str], overrides: list[str]) -> dict:
+    """`usaf eval`: a model directory as it is, or a run directory with its latest checkpoint applied."""
+    from pathlib import Path
+
+    run_dir = Path(target)
+    is_run = (run_dir / CONFIG_FILE).exists()
+    if is_run:
+        config = RunConfig.load(str(run_dir / CONFIG_FILE), overrides)
+        saved = checkpoint.latest(run_dir)
+        if saved is None:
+            raise UsafError(f"{run_dir} has no finished checkpoint to evaluate.")
+    else:
+        config = RunConfig.load(None, [f"model.path={target}", *overrides])
+    session = open_session(  # no backward here: nothing to recompute; the run's own selection, or none
+        config,
+        lambda config, tokenizer, pack: load_dataset(
+            data_files, tokenizer, config.data.max_seq_len, pack=pack, eval_fraction=0.0
+        ),
+        calibrate=False,
+        selection_file=run_dir / "selection.safetensors" if is_run else None,
+        recompute=False,
+    )
+    model, config, device, data, stats = (
+        session.model,
+        session.config,
+        session.device,
+        session.train_data,
+        session.data_stats,
+    )
+    if is_run:
+        restore_trainable(model, checkpoint.load(saved)["trainable"], saved)
+    result = evaluate(
+        model,
+        data,
+        config.data.batch_size,
+        device,
+        runtime.autocast(config.train.precision, device, session.dtype),
+        0,
+        config.train.logits_chunk_tokens,
+    )
+    return {
+        "target": str(target),
+        "checkpoint": str(saved) if is_run else None,
+        **result,
+        "data": stats.summary(),
+        **({"notes": session.notes} if session.notes else {}),
+    }

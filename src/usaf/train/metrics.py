@@ -1,0 +1,67 @@
+"""What a run shows and keeps: a live progress bar, metrics.jsonl, TensorBoard events when installed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from usaf.files import METRICS_FILE
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: bool, tensorboard: bool):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (lives as long as the run); appended: a resumed run continues the same log
+        self.bar = (
+            tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+            if progress
+            else None
+        )
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                self.writer = None
+
+    def log(self, step: int, record: dict, show: dict | None = None) -> None:
+        self.file.write(json.dumps({"step": step, **record}) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, step)
+        if self.bar is not None and show is not None:
+            self.bar.set_postfix(show, refresh=False)
+
+    def advance(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def message(self, text: str) -> None:
+        """A line on stdout, flushed while the bar (on stderr) is cleared: the two never share a line, in a
+        terminal or in one log file for both streams."""
+        if self.bar is None:
+            print(text, flush=True)
+            return
+        with tqdm.external_write_mode(file=sys.stdout):
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        self.file.close()

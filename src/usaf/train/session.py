@@ -1,0 +1,236 @@
+"""What every command that runs a model starts from (`usaf train`, `eval`, `select`, the demo): the device and dtype,
+the tokenizer, the data, the model loaded and prepared (from a folder, a prepared store or the hub), and the checks
+between them: positions the model never saw, packed documents that would attend to each other."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from usaf.base.load import load_for_training
+from usaf.config import RunConfig
+from usaf.errors import UsafError, first_line
+from usaf.io.source import check_model_files
+from usaf.model.hf import decoder_body
+from usaf.prepare import current_selection, enable_recomputation, prepare_model
+from usaf.selection.choose import resolved_selection
+from usaf.train import runtime
+from usaf.train.data import Batches, TokenizedDataset
+from usaf.train.recompute import choose_recompute
+from usaf.train.tokenizer import has_tokenizer_files, model_vocabulary
+
+
+def absolute_paths(config: RunConfig) -> RunConfig:
+    """A copy of `config` with its local paths absolute (model.path unless a hub id, data files, select.file)."""
+    config = copy.deepcopy(config)
+    if config.model.path and is_local_path(config.model.path):
+        config.model.path = os.path.abspath(os.path.expanduser(config.model.path))
+    config.data.train = [os.path.abspath(os.path.expanduser(str(f))) for f in config.data.train]
+    config.data.eval = [os.path.abspath(os.path.expanduser(str(f))) for f in config.data.eval]
+    if config.select.file:
+        config.select.file = os.path.abspath(os.path.expanduser(config.select.file))
+    return config
+
+
+def is_local_path(path: str) -> bool:
+    """Anything but a hub id: an existing path, or a name not of the hub's `org/name` form."""
+    return Path(path).expanduser().exists() or not (
+        path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    )
+
+
+def load_tokenizer(path: str):
+    """The model's tokenizer; for a model folder without tokenizer files, a NoTokenizer (pre-tokenized data
+    only, ids checked against config.vocab_size) instead of transformers' empty one."""
+    check_model_path(path)
+    if (Path(path).expanduser() / "config.json").is_file():
+        check_model_files(path)  # an unreadable config.json is named as such, not as a tokenizer that failed
+    if Path(path).expanduser().is_dir() and not has_tokenizer_files(Path(path).expanduser()):
+        return model_vocabulary(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise UsafError(f"cannot load the tokenizer of {path!r}: {err}") from None
+
+
+def check_model_path(path: str) -> None:
+    """A path that is not a directory is taken for a hub id only when it looks like one (`org/name`); anything
+    else (`./run`, `models/x/y`, a typo) is a missing directory, said plainly instead of as a failed download."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return
+    if is_local_path(path):
+        raise UsafError(
+            f"{path}: no such model directory (expected a folder with config.json and weights, or a "
+            "hub id like Qwen/Qwen3-30B-A3B)."
+        )
+    _check_hub_reachable(path)
+
+
+def _check_hub_reachable(repo_id: str, timeout_s: float = 3.0) -> None:
+    """A hub id that is not in the local cache needs the hub: say so at once when it cannot be reached, instead
+    of after the minute of retries transformers spends (a cached model loads offline as usual)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise UsafError(
+            f"{repo_id}: not in the local hub cache and HF_HUB_OFFLINE is set; download it first "
+            f"(huggingface-cli download {repo_id}) or pass a local folder."
+        )
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return  # through a proxy a direct connection says nothing: transformers finds out
+    host = urlparse(os.environ.get("HF_ENDPOINT", constants.ENDPOINT)).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+    except OSError as err:
+        raise UsafError(
+            f"{repo_id}: not in the local hub cache and {host} cannot be reached ({err.strerror or err}); "
+            "connect to the network, download it elsewhere and copy the folder, or pass a local folder."
+        ) from None
+
+
+def load_model(
+    config: RunConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    calibration_batches=None,
+    selection_file=None,
+    recompute: bool | None = None,
+):
+    """The base model (from a directory or the hub), prepared for sparse training (with the selection in
+    `selection_file` instead of choosing one, when given). `recompute`: per-layer recomputation, switched on
+    before calibration so that calibration recomputes as training does (None: `train.recompute`, auto resolved by
+    the planner)."""
+    path = config.model.path
+    if recompute is None:
+        recompute = choose_recompute(config, device, dtype).recompute
+    if selection_file is not None:
+        config = copy.deepcopy(config)
+        config.select.strategy, config.select.file = "file", str(selection_file)
+    if config.model.quant != "none":
+        model = load_for_training(
+            config, device, dtype, calibration_batches=calibration_batches, recompute=recompute
+        )
+    else:
+        check_model_files(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise UsafError(f"cannot load the model at {path!r}: {first_line(err)}") from None
+        model.to(device)
+        if recompute:
+            enable_recomputation(model)
+        prepare_model(model, config.select, calibration_batches=calibration_batches)
+    return model
+
+
+@torch.no_grad()
+def packed_documents_are_isolated(model, device) -> bool:
+    """Whether the model keeps packed documents apart: the second of two packed documents must give the same
+    logits as alone. Six tokens through the model, once per run."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.arange(1, 7, device=device).remainder(vocab).unsqueeze(0)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]], device=device)
+    body = decoder_body(model)
+    packed = body(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[:, 3:]
+    alone = body(input_ids=ids[:, 3:], position_ids=positions[:, 3:], use_cache=False).last_hidden_state
+    return bool(torch.allclose(packed.float(), alone.float(), atol=1e-3, rtol=1e-3))
+
+
+def selection_summary(model, config: RunConfig) -> dict:
+
+    calibration = getattr(model, "usaf_calibration", None)
+    return {
+        "strategy": config.select.strategy,
+        "selection": resolved_selection(config.select, has_data=True),
+        "granularity": config.select.granularity,
+        "entries": {key: int(c.indices.numel()) for key, c in current_selection(model).items()},
+        "calibration": calibration.summary() if calibration is not None else None,
+    }
+
+
+def check_positions(model_config, config: RunConfig, *datasets) -> None:
+    """Refuse documents longer than the model's max_position_embeddings (positions it never saw in training);
+    a larger data.max_seq_len alone is harmless, since packed documents restart their positions at 0."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0 or config.data.max_seq_len <= limit:
+        return
+    longest = max(int(d.position_ids.max()) + 1 for d in datasets if d is not None and len(d))
+    if longest > limit:
+        raise UsafError(
+            f"data.max_seq_len={config.data.max_seq_len} is above the model's max_position_embeddings={limit} "
+            f"(config.json), and documents reach {longest} tokens, positions the model has never seen; set "
+            f"data.max_seq_len={limit} or less (longer records are truncated and counted)."
+        )
+
+
+PACKING_OFF = "this model lets packed documents attend to each other: packing is off for this run"
+
+
+@dataclass
+class Session:
+    """A model ready to run on its data. `config` is the one in force: packing may have been turned off."""
+
+    config: RunConfig
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: object
+    model: torch.nn.Module
+    train_data: TokenizedDataset | None
+    eval_data: TokenizedDataset | None
+    data_stats: object
+    notes: list[str] = field(default_factory=list)
+
+
+def open_session(
+    config: RunConfig,
+    load_data: Callable[[RunConfig, object, bool], tuple],
+    *,
+    calibrate: bool = True,
+    selection_file: Path | None = None,
+    recompute: bool | None = None,
+) -> Session:
+    """Device, tokenizer, data (`load_data(config, tokenizer, pack)` -> train, eval, stats), then the model, then
+    the packing check: a family whose attention ignores restarting position_ids (gpt-oss in transformers 5.24)
+    would let packed documents attend to each other, so each document then gets its own row. `calibrate`: the
+    selection calibrates on the training data (in its own order); `recompute`: None lets train.recompute decide."""
+    device = runtime.resolve_device(config.model.device)
+    dtype = runtime.resolve_dtype(config.model.dtype, device)
+    tokenizer = load_tokenizer(config.model.path)
+    train_data, eval_data, stats = load_data(config, tokenizer, config.data.pack)
+    if (folder := Path(config.model.path).expanduser()).is_dir() and (folder / "config.json").is_file():
+        # before the model is loaded and calibrated (its files were checked by load_tokenizer); again below on the
+        # loaded model's config for other sources
+        check_positions(AutoConfig.from_pretrained(folder), config, train_data, eval_data)
+    calibration = None
+    if calibrate and train_data is not None:
+        calibration = Batches(train_data, config.data.batch_size, seed=config.train.seed + 1)
+    model = load_model(
+        config,
+        device,
+        dtype,
+        calibration_batches=calibration,
+        selection_file=selection_file,
+        recompute=recompute,
+    )
+    check_positions(model.config, config, train_data, eval_data)
+    notes = []
+    if config.data.pack and not packed_documents_are_isolated(model, device):
+        notes.append(PACKING_OFF)
+        config = copy.deepcopy(config)
+        config.data.pack = False
+        train_data, eval_data, stats = load_data(config, tokenizer, False)
+    return Session(config, device, dtype, tokenizer, model, train_data, eval_data, stats, notes)
