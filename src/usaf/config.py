@@ -369,6 +369,12 @@ class TrainSection:
     prefix_cache: str = option(
         "off", "cache hidden states entering the lowest trained layer", ("off", "ram", "disk")
     )
+    distributed_backend: str = option(
+        "auto",
+        "torch.distributed backend under torchrun (WORLD_SIZE > 1): auto is nccl on CUDA/ROCm, gloo on CPU; "
+        "$USAF_DISTRIBUTED_BACKEND overrides it",
+        ("auto", "nccl", "gloo"),
+    )
 
 
 SECTIONS = {

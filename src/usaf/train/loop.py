@@ -38,7 +38,7 @@ from usaf.prepare import current_selection, trainable_summary
 from usaf.report import write_router_load
 from usaf.selection.choose import save_selection
 from usaf.selection.reselect import Reselector
-from usaf.train import checkpoint, runtime
+from usaf.train import checkpoint, distributed, runtime
 from usaf.train.checkpoint import restore_trainable
 from usaf.train.data import Batches, collate, load_dataset
 from usaf.train.evaluate import evaluate
@@ -69,6 +69,7 @@ RESUME_MAY_CHANGE = (
     "model.path",
     "data.train",
     "data.eval",
+    "train.distributed_backend",
 )
 
 
@@ -78,6 +79,9 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
     run_dir = Path(run_dir)
     config.check()  # a config built or changed in Python gets the same range checks as a file
     config = absolute_paths(config)  # the run's config.yaml must not depend on the working directory
+    # [usaf.distributed] join torchrun's job; a rank > 0 neither checks, locks nor cleans the folder (rank 0 does)
+    if distributed.init(config) and not distributed.is_main():
+        return _train(config, run_dir, resume)
     if resume:
         _check_resume_folder(run_dir)
         _check_run_paths(config, run_dir)
@@ -114,14 +118,17 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
     saved_selection = run_dir / "selection.safetensors" if resume else None
     # decided before loading: calibration recomputes as training does
-    device = runtime.resolve_device(config.model.device)
+    device = distributed.local_device(runtime.resolve_device(config.model.device))  # [usaf.distributed]
     recompute = choose_recompute(config, device, runtime.resolve_dtype(config.model.dtype, device))
     session = open_session(config, _load_data, selection_file=saved_selection, recompute=recompute.recompute)
     config, model, device, dtype = session.config, session.model, session.device, session.dtype
     train_data, eval_data, data_stats = session.train_data, session.eval_data, session.data_stats
     notes += session.notes
     batches = Batches(train_data, config.data.batch_size, seed=config.train.seed)
-    if not resume:
+    # [usaf.distributed] rank 0's selection and trainable values on every rank; what DDP does not support
+    distributed.broadcast_trainable(model)
+    distributed.check_supported(config)
+    if not resume and distributed.is_main():  # [usaf.distributed] only rank 0 writes
         save_selection(
             run_dir / "selection.safetensors", current_selection(model), selection_summary(model, config)
         )
@@ -148,6 +155,7 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     saved = checkpoint.latest(run_dir) if resume else None
     if saved is not None:
         restored = checkpoint.load(saved)
+        distributed.check_world_size(restored.get("world_size"), saved)  # [usaf.distributed]
         restore_trainable(model, restored["trainable"], saved)
         routers.load_state_dict(restored["router"])
         routers.load_tensor_state(restored["extra"])
@@ -160,7 +168,8 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
         batches.load_state_dict(restored["data"])
         runtime.set_rng_state(restored["rng"])
         state.update({k: restored[k] for k in state if k in restored})
-    if resume and changes:  # recorded once the checkpoint is restored, so a later resume or export reads them
+    # recorded once the checkpoint is restored, so a later resume or export reads them ([usaf.distributed]: rank 0)
+    if resume and changes and distributed.is_main():
         atomic_file(run_dir / CONFIG_FILE, lambda tmp: tmp.write_text(resumed_yaml))
         notes.append("resumed with " + ", ".join(changes))
 
@@ -169,7 +178,7 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     if scaler.is_enabled() and state["loss_scale"]:
         scaler.load_state_dict(state["loss_scale"])
     summary_entries = trainable_summary(model)
-    if resume:
+    if resume and distributed.is_main():  # [usaf.distributed]
         _truncate_metrics(run_dir / METRICS_FILE, state["step"])
     # the run's first lines are out (flushed) before the progress bar starts drawing on stderr, so that a terminal
     # (or one log file for both streams) shows them whole, not broken into by the bar
@@ -182,7 +191,7 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     print(recompute.line, flush=True)
     for note in notes:
         print(f"note: {note}", flush=True)
-    log = MetricsLog(
+    log = (MetricsLog if distributed.is_main() else distributed.NullLog)(  # [usaf.distributed]
         run_dir, config.schedule.max_steps, state["step"], config.log.progress, config.log.tensorboard
     )
     if eval_data is not None and state["eval_before"] is None:
@@ -197,10 +206,12 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     stop = _StopRequest()
     model.train()
     try:
-        while state["step"] < config.schedule.max_steps and not stop.requested:
+        # [usaf.distributed] agree_stop: a stop request on any rank stops all after the same step
+        while state["step"] < config.schedule.max_steps and not distributed.agree_stop(stop):
             started = time.perf_counter()
             if reselector is not None:
                 reselector.before_step(state["step"] + 1)
+            distributed.before_step(reselector)  # [usaf.distributed] rank > 0: reselection statistics from 0
             loss, tokens = _accumulate_gradients(
                 model,
                 batches,
@@ -213,6 +224,7 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
                 routers,
                 state["step"],
             )
+            distributed.after_backward(model, reselector)  # [usaf.distributed] sum grads + reselection stats
             scaler.unscale_(optimizer)
             grad_norm = _clip(model, config.optim.clip_grad_norm)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -243,9 +255,11 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
             optimizer.zero_grad(set_to_none=True)
             state["step"] += 1
             reselected = reselector.after_step(state["step"], optimizer) if reselector is not None else None
+            # [usaf.distributed] routed counts and aux-loss parts summed over ranks; over all micro-batches
+            distributed.reduce_router_stats(routers)
             try:
                 router_record, router_show, router_message = routers.after_step(
-                    state["step"], config.schedule.grad_accum
+                    state["step"], distributed.global_count(config.schedule.grad_accum)
                 )
             except RouterCollapse as err:
                 path = _save(
@@ -309,9 +323,10 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
 
     eval_after = _evaluate(model, eval_data, config, device, autocast) if eval_data is not None else None
     _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)
-    write_router_load(run_dir, *routers.load_before_after())
     summary = _summary(state, eval_after, summary_entries, data_stats, prefix_cache)
-    atomic_json(run_dir / "summary.json", summary)
+    if distributed.is_main():  # [usaf.distributed]
+        write_router_load(run_dir, *routers.load_before_after())
+        atomic_json(run_dir / "summary.json", summary)
     return summary
 
 
@@ -331,6 +346,8 @@ def _prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[Ru
             )
         original = absolute_paths(RunConfig.load(str(saved_config)))
         return config, _check_resumable(original, config)
+    if not distributed.is_main():  # [usaf.distributed] rank 0 marks and writes the folder
+        return config, []
     # the marker first: from here on the folder is usaf's, whatever else fails
     atomic_json(run_dir / RUN_MARKER, {"usaf_version": __version__})
     atomic_file(saved_config, lambda tmp: tmp.write_text(config.to_yaml()))
@@ -661,10 +678,10 @@ def _accumulate_gradients(
     model, batches, config, device, autocast, scaler, prefix_cache, reselector, routers, step
 ) -> tuple[float, int]:
     """Forward and backward over grad_accum micro-batches; the loss is the mean over all supervised tokens."""
-    micro = []
-    for _ in range(config.schedule.grad_accum):
-        micro.append((next(batches), list(batches.last_indices)))
+    # [usaf.distributed] rank r of N takes micro-batches r, r+N, ... of the step's N x grad_accum
+    micro = distributed.take_micro_batches(batches, config.schedule.grad_accum)
     supervised = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b, _ in micro)
+    supervised = distributed.sum_scalars(supervised)  # [usaf.distributed] the step's, over all ranks
     total, tokens = 0.0, 0
     for batch, rows in micro:
         batch = {k: v.to(device) for k, v in batch.items()}
@@ -688,12 +705,14 @@ def _accumulate_gradients(
             aux = routers.aux_loss(step)  # balancing + z-loss from the raw router logits of this forward
         if reselector is not None:
             reselector.set_observing(False)  # recomputation in backward re-runs forwards: count them once
-        scaler.scale(loss_sum / max(supervised, 1) + aux / len(micro)).backward()
+        steps_micro = distributed.global_count(len(micro))  # [usaf.distributed] micro-batches of all ranks
+        scaler.scale(loss_sum / max(supervised, 1) + aux / steps_micro).backward()
         routers.after_micro_batch()
         if prefix_cache is not None:
             prefix_cache.end_batch()
         total += float(loss_sum.detach())
         tokens += batch["input_ids"].numel()
+    total, tokens = distributed.sum_scalars(total, tokens)  # [usaf.distributed] global loss sum and tokens
     return total / max(supervised, 1), tokens
 
 
@@ -721,6 +740,8 @@ def _evaluate(model, dataset, config: RunConfig, device, autocast) -> dict:
 def _save(
     run_dir, model, optimizer, scheduler, batches, state, config, reselector=None, routers=None
 ) -> Path:
+    if not distributed.is_main():  # [usaf.distributed] only rank 0 writes checkpoints
+        return None
     # the forward writes trained values into resident weights; the checkpoint needs only the values
     return checkpoint.save(
         run_dir,
@@ -734,6 +755,7 @@ def _save(
             "rng": runtime.rng_state(),
             "config": config.to_dict(),
             "router": routers.state_dict() if routers is not None else None,
+            "world_size": distributed.world_size(),  # [usaf.distributed] a resume must match it
         },
         keep_last=config.checkpoint.keep_last,
         extra_tensors={

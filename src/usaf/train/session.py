@@ -20,7 +20,7 @@ from usaf.io.source import check_model_files
 from usaf.model.hf import decoder_body
 from usaf.prepare import current_selection, enable_recomputation, prepare_model
 from usaf.selection.choose import resolved_selection
-from usaf.train import runtime
+from usaf.train import distributed, runtime
 from usaf.train.data import Batches, TokenizedDataset
 from usaf.train.recompute import choose_recompute
 from usaf.train.tokenizer import has_tokenizer_files, model_vocabulary
@@ -207,7 +207,9 @@ def open_session(
     the packing check: a family whose attention ignores restarting position_ids (gpt-oss in transformers 5.24)
     would let packed documents attend to each other, so each document then gets its own row. `calibrate`: the
     selection calibrates on the training data (in its own order); `recompute`: None lets train.recompute decide."""
-    device = runtime.resolve_device(config.model.device)
+    device = distributed.local_device(
+        runtime.resolve_device(config.model.device)
+    )  # cuda:LOCAL_RANK under torchrun
     dtype = runtime.resolve_dtype(config.model.dtype, device)
     tokenizer = load_tokenizer(config.model.path)
     train_data, eval_data, stats = load_data(config, tokenizer, config.data.pack)

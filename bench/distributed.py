@@ -1,0 +1,210 @@
+"""Data-parallel traffic and step time on CPU (gloo): usaf's summed gradients against PEFT LoRA and full
+fine-tuning under torch DDP, on one random Qwen3-MoE-shaped model, with 1 and 2 processes (issue 13).
+
+usaf's bytes are what `usaf.train.distributed.all_reduce_gradients` moves (the loop's hook); LoRA's and full
+fine-tuning's are what DDP's communication hook is handed (its gradient buckets), counted, not computed.
+Expected for usaf: 4 B x (trained entries + router weights) in fp32.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/distributed.py [--smoke] [--worlds 1,2] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from common import machine, write_results
+
+SHAPE = dict(  # ~8 M parameters, 6 M of them in experts: the CPU's size, the real models' proportions
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    vocab_size=2048,
+    max_position_embeddings=256,
+    num_experts=16,
+    num_experts_per_tok=4,
+)
+SMOKE_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_experts=6, vocab_size=97, head_dim=8)
+METHODS = ("usaf", "lora", "full")
+DENSITY = 0.01
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model(method: str, shape: dict):
+    from compare import stock_baseline
+
+    import usaf
+    from usaf.testing.tiny import tiny_model
+
+    model = tiny_model("qwen3_moe", seed=0, **shape).train()
+    if method == "usaf":
+        usaf.prepare_model(
+            model,
+            usaf.UsafConfig(density=DENSITY, targets=["experts", "routers"], selection="magnitude"),
+        )
+        return model, model
+    model = stock_baseline(model, method)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
+    return model, ddp
+
+
+def _worker(rank: int, world: int, port: int, job: dict, queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    from usaf.train import distributed
+
+    shape, steps, batch, seq = job["shape"], job["steps"], job["batch"], job["seq"]
+    results = {}
+    for method in METHODS:
+        model, runner = _model(method, shape)
+        params = [p for p in model.parameters() if p.requires_grad]
+        counted = {"bytes": 0}
+        if runner is not model:
+
+            def hook(state, bucket, counted=counted):
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+                counted["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+                return allreduce_hook(state, bucket)
+
+            runner.register_comm_hook(None, hook)
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        generator = torch.Generator().manual_seed(1000 + rank)
+        times, moved = [], []
+        for step in range(steps + 1):  # the first step warms up
+            ids = torch.randint(0, shape["vocab_size"], (batch, seq), generator=generator)
+            start = time.perf_counter()
+            counted["bytes"] = 0
+            loss = runner(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            # usaf: the training loop's hook; the others: what DDP's hook was handed
+            step_bytes = distributed.all_reduce_gradients(model) if method == "usaf" else counted["bytes"]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step:
+                times.append(time.perf_counter() - start)
+                moved.append(step_bytes)
+        trainable = sum(p.numel() for p in params)
+        results[method] = {
+            "trainable": trainable,
+            "bytes_per_step": statistics.median(moved),
+            "step_s": statistics.median(times),
+        }
+        if method == "usaf":
+            from usaf import trainable_summary
+
+            summary = trainable_summary(model)
+            results[method].update(entries=summary["expert_entries"], routers=summary["routers"])
+        del model, runner, optimizer
+    if rank == 0:
+        queue.put(results)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run(world: int, job: dict) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_worker, args=(world, _free_port(), job, queue), nprocs=world, join=True)
+    return queue.get()
+
+
+def markdown(payload: dict) -> str:
+    lines = [
+        "# Data-parallel traffic and step time (CPU, gloo)",
+        "",
+        f"Command: `{payload['command']}`  ",
+        f"Model: random Qwen3-MoE {payload['shape']}; {payload['params']:,} parameters; batch "
+        f"{payload['batch']} x {payload['seq']} tokens per process; median of {payload['steps']} steps; usaf at "
+        f"density {DENSITY} (experts + routers, magnitude selection).",
+        "",
+        "| method | processes | trained values | bytes all-reduced / step | 4 B x trained | step (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for world, rows in payload["worlds"].items():
+        for method, row in rows.items():
+            lines.append(
+                f"| {method} | {world} | {row['trainable']:,} | {row['bytes_per_step']:,.0f} | "
+                f"{4 * row['trainable']:,} | {row['step_s'] * 1e3:.1f} |"
+            )
+    two = payload["worlds"].get("2")
+    if two:
+        u = two["usaf"]["bytes_per_step"]
+        lines += [
+            "",
+            f"usaf trains {two['usaf']['entries']:,} expert entries + {two['usaf']['routers']:,} router weights: "
+            f"4 B x {two['usaf']['entries'] + two['usaf']['routers']:,} = "
+            f"{4 * (two['usaf']['entries'] + two['usaf']['routers']):,} B expected.",
+            f"With 2 processes usaf moves {u / 2**20:.3f} MiB a step: "
+            f"{two['lora']['bytes_per_step'] / max(u, 1):.1f}x less than LoRA and "
+            f"{two['full']['bytes_per_step'] / max(u, 1):.0f}x less than full fine-tuning. 1 process moves nothing. "
+            "Step times on a 2-core machine shared with other work are indicative only.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 2 steps (a test of the script)")
+    parser.add_argument("--worlds", default="1,2")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
+    args = parser.parse_args()
+    shape = {**SHAPE, **(SMOKE_SHAPE if args.smoke else {})}
+    job = {
+        "shape": shape,
+        "steps": 2 if args.smoke else args.steps,
+        "batch": 2,
+        "seq": 16 if args.smoke else 128,
+    }
+    from usaf.testing.tiny import tiny_model
+
+    params = sum(p.numel() for p in tiny_model("qwen3_moe", **shape).parameters())
+    worlds = {}
+    for world in (int(w) for w in args.worlds.split(",")):
+        worlds[str(world)] = run(world, job)
+        print(world, worlds[str(world)], flush=True)
+    payload = {
+        "command": "OMP_NUM_THREADS=1 PYTHONPATH=src python bench/distributed.py " + " ".join(sys.argv[1:]),
+        "machine": machine(),
+        "shape": shape,
+        "params": params,
+        **{k: job[k] for k in ("batch", "seq", "steps")},
+        "worlds": worlds,
+    }
+    text = markdown(payload)
+    print(text)
+    if args.out is not None or not args.smoke:
+        kwargs = {"out_dir": args.out} if args.out is not None else {}
+        json_path, md_path = write_results(
+            "distributed" + ("-smoke" if args.smoke else ""), payload, text, **kwargs
+        )
+        print(json_path, md_path)
+
+
+if __name__ == "__main__":
+    main()
