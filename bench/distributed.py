@@ -114,7 +114,7 @@ def _worker(rank: int, world: int, port: int, job: dict, queue) -> None:
             "step_s": statistics.median(times),
         }
         if method == "usaf":
-            from usaf import trainable_summary
+            from usaf.prepare import trainable_summary
 
             summary = trainable_summary(model)
             results[method].update(entries=summary["expert_entries"], routers=summary["routers"])

@@ -337,7 +337,7 @@ def _build(method: dict, model_dir: str, calibration: list):
     _own_weights(model)
     kind, lr = method["kind"], method["lr"]
     if kind == "usaf":
-        from usaf.train.loop import _router_params
+        from usaf.train.optim import router_params as _router_params
 
         config = usaf.UsafConfig(**method["select"])
         usaf.prepare_model(model, config, calibration_batches=calibration)

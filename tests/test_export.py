@@ -322,7 +322,7 @@ def test_nf4_trained_run_merges_into_the_original_precision(tmp_path):
 
 KILLER = """
 import os, signal, sys
-import usaf.export.delta as export
+import usaf.export.merged as export
 from usaf.cli import main
 
 write_shard = export._write_shard

@@ -563,18 +563,18 @@ def test_list_options_into_a_closed_pipe_has_no_traceback():
 
 def test_the_demo_returns_non_zero_when_training_stops(monkeypatch, tmp_path, capsys):
     import usaf.demo.task
-    import usaf.train.loop
+    import usaf.demo.run
     from usaf.cli import main as cli
 
     monkeypatch.setattr(usaf.demo.task, "task_accuracy", lambda *args, **kwargs: 0.0)
     stopped = {"stopped": True, "step": 7, "reason": "router collapse"}
-    monkeypatch.setattr(usaf.train.loop, "train", lambda *args, **kwargs: stopped)
+    monkeypatch.setattr(usaf.demo.run, "train", lambda *args, **kwargs: stopped)
     assert cli(["demo", f"--out={tmp_path / 'demo'}", "--set=schedule.max_steps=2"]) == 1
     out = capsys.readouterr().out
     assert "training stopped at step 7 (router collapse); nothing exported" in out
     assert not (tmp_path / "demo" / "model").exists()
     monkeypatch.setattr(
-        usaf.train.loop, "train", lambda *args, **kwargs: {"stopped": True, "step": 3, "signal": 15}
+        usaf.demo.run, "train", lambda *args, **kwargs: {"stopped": True, "step": 3, "signal": 15}
     )
     assert cli(["demo", f"--out={tmp_path / 'demo'}"]) == 128 + 15
 

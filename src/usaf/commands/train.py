@@ -61,7 +61,8 @@ def effective_config(args) -> RunConfig:
 
 
 def run_train(args) -> int:
-    from usaf.train.loop import format_summary, stopped_exit_code, train
+    from usaf.train.loop import train
+    from usaf.train.state import format_summary, stopped_exit_code
 
     if args.list_options:
         print(describe())

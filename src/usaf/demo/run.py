@@ -17,7 +17,8 @@ from usaf.config import RunConfig
 from usaf.demo.task import NEW_SKILL, read_jsonl, task_accuracy
 from usaf.errors import UsafError
 from usaf.export.merged import export_merged
-from usaf.train.loop import format_summary, stopped_exit_code, train
+from usaf.train.loop import train
+from usaf.train.state import format_summary, stopped_exit_code
 
 MARKER = "usaf_demo.json"
 # Chosen on this project's 2-core CPU: the shift skill goes from ~0 % to most words right in a few minutes.

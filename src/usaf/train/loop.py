@@ -7,8 +7,6 @@ evaluate -> loop { micro-batches, backward, skip bad steps, clip, step, log, che
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import math
 import os
 import shutil
@@ -16,21 +14,13 @@ import signal
 import time
 from pathlib import Path
 
-import torch
-
-from usaf.base.record import base_difference, base_record, read_run_base_record
 from usaf.config import RunConfig
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.router import RouterCollapse, RouterTraining
-from usaf.errors import UsafError, first_line
+from usaf.errors import UsafError
 from usaf.files import (
     CONFIG_FILE,
-    LOCK_FILE,
     METRICS_FILE,
-    ROUTER_LOAD_FILE,
-    RUN_BASE_FILE,
-    RUN_MARKER,
-    STORE_FILE,
 )
 from usaf.io.atomic import atomic_file, atomic_json
 from usaf.model.layout import find_moe_layers
@@ -43,34 +33,35 @@ from usaf.train.checkpoint import restore_trainable
 from usaf.train.data import Batches, collate, load_dataset
 from usaf.train.evaluate import evaluate
 from usaf.train.metrics import MetricsLog
-from usaf.train.optim import CompactAdamW
+from usaf.train.optim import (
+    apply_resumed_schedule,
+    build_optimizer,
+    build_scheduler,
+    clip_gradients,
+    router_params,
+)
 from usaf.train.prefix_cache import FrozenPrefixCache
 from usaf.train.recompute import choose_recompute
+from usaf.train.run_dir import (
+    RunLock,
+    check_moved_base,
+    check_new_run,
+    check_resume_folder,
+    check_run_paths,
+    finished_run,
+    prepare_run_dir,
+    record_base,
+    remove_run_files,
+    trained_parameters,
+    truncate_metrics,
+)
 from usaf.train.session import (
     absolute_paths,
-    is_local_path,
     open_session,
     selection_summary,
 )
+from usaf.train.state import TrainState, target_entries
 from usaf.version import __version__
-
-# What a resume may change (applied from the resumed step on, and recorded in the run's config.yaml): settings
-# only the loop reads, and the peak learning rate (the schedule's base rates are rescaled). Everything else is
-# fixed by the checkpoint (selection, data order, optimizer state, seeds) and refused.
-RESUME_MAY_CHANGE = (
-    "schedule.max_steps",
-    "optim.lr",
-    "optim.clip_grad_norm",
-    "train.max_bad_steps",
-    "log",
-    "checkpoint",
-    # where the base and the data are (a moved folder): the base is checked against base.json and the checkpoint's
-    # base values, the training data against the data position's fingerprint
-    "model.path",
-    "data.train",
-    "data.eval",
-    "train.distributed_backend",
-)
 
 
 def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: bool = False) -> dict:
@@ -83,14 +74,14 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
     if distributed.init(config) and not distributed.is_main():
         return _train(config, run_dir, resume)
     if resume:
-        _check_resume_folder(run_dir)
-        _check_run_paths(config, run_dir)
+        check_resume_folder(run_dir)
+        check_run_paths(config, run_dir)
     else:
-        _check_new_run(config, run_dir, force)  # before anything is written, lock file included
+        check_new_run(config, run_dir, force)  # before anything is written, lock file included
     with RunLock(run_dir) as lock:
         # again under the lock (another start may have got here first); a dead start is cleared
-        if not resume and _check_new_run(config, run_dir, force) == "dead start":
-            _remove_run_files(run_dir, keep=set())
+        if not resume and check_new_run(config, run_dir, force) == "dead start":
+            remove_run_files(run_dir, keep=set())
         present = set(os.listdir(run_dir))
         try:
             return _train(config, run_dir, resume)
@@ -101,451 +92,353 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
                     if lock.made_folder:
                         shutil.rmtree(run_dir)
                     else:
-                        _remove_run_files(run_dir, keep=present)
+                        remove_run_files(run_dir, keep=present)
             raise
 
 
 def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
-    config, changes = _prepare_run_dir(config, run_dir, resume)
-    notes: list[str] = []
+    config, changes = prepare_run_dir(config, run_dir, resume)
     if resume:
-        if (finished := _finished_run(run_dir, config)) is not None:
+        if (finished := finished_run(run_dir, config)) is not None:
             return finished  # nothing to do, and nothing written: the run's files stay as they are
         if any(c.startswith("model.path ") for c in changes):
-            _check_moved_base(run_dir, config.model.path)
-        resumed_yaml = config.to_yaml()  # as given (a note may turn packing off for this process only)
-    runtime.seed_everything(config.train.seed)
-    # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
-    saved_selection = run_dir / "selection.safetensors" if resume else None
-    # decided before loading: calibration recomputes as training does
-    device = distributed.local_device(runtime.resolve_device(config.model.device))  # [usaf.distributed]
-    recompute = choose_recompute(config, device, runtime.resolve_dtype(config.model.dtype, device))
-    session = open_session(config, _load_data, selection_file=saved_selection, recompute=recompute.recompute)
-    config, model, device, dtype = session.config, session.model, session.device, session.dtype
-    train_data, eval_data, data_stats = session.train_data, session.eval_data, session.data_stats
-    notes += session.notes
-    batches = Batches(train_data, config.data.batch_size, seed=config.train.seed)
-    # [usaf.distributed] rank 0's selection and trainable values on every rank; what DDP does not support
-    distributed.broadcast_trainable(model)
-    distributed.check_supported(config)
-    if not resume and distributed.is_main():  # [usaf.distributed] only rank 0 writes
-        save_selection(
-            run_dir / "selection.safetensors", current_selection(model), selection_summary(model, config)
-        )
-        if (unrecorded := _record_base(config, run_dir, trained_parameters(model))) is not None:
-            notes.append(unrecorded)
-    prefix_cache = _prefix_cache(model, config, run_dir)
+            check_moved_base(run_dir, config.model.path)
+    return Trainer(config, run_dir, resume, changes).train()
 
-    state = {
-        "step": 0,
-        "bad_steps": 0,
-        "overflow_steps": 0,  # fp16 steps whose gradients overflowed: the loss scale is lowered, the step skipped
-        "loss_scale": {},
-        "tokens": 0,
-        "train_seconds": 0.0,
-        "eval_before": None,
-        "first_loss": None,
-        "last_loss": None,  # restored too: a resume that only writes the summary still knows it
-    }
-    probe_rows = eval_data if eval_data is not None else train_data
-    probe_batch = collate([probe_rows[i] for i in range(min(4, len(probe_rows)))], probe_rows.pad_id)
-    routers = RouterTraining(
-        model, config.router, _router_params(model), {k: v.to(device) for k, v in probe_batch.items()}
-    )
-    saved = checkpoint.latest(run_dir) if resume else None
-    if saved is not None:
+
+class Trainer:
+    """One run, built from its folder (new, or resumed from its latest checkpoint) and trained step by step:
+    `train` reads top to bottom; each step is `forward_backward`, `optimizer_step` (with its skip policy) and
+    `after_step` (reselection, router health, logging, evaluation, checkpoint)."""
+
+    def __init__(self, config: RunConfig, run_dir: Path, resume: bool, changes: list[str]):
+        self.run_dir, self.notes = run_dir, []
+        resumed_yaml = config.to_yaml()  # as given (a note may turn packing off for this process only)
+        runtime.seed_everything(config.train.seed)
+        # decided before loading: calibration recomputes as training does
+        device = distributed.local_device(runtime.resolve_device(config.model.device))  # [usaf.distributed]
+        self.recompute = choose_recompute(config, device, runtime.resolve_dtype(config.model.dtype, device))
+        session = open_session(
+            config,
+            _load_data,
+            # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
+            selection_file=run_dir / "selection.safetensors" if resume else None,
+            recompute=self.recompute.recompute,
+        )
+        self.config, self.model, self.device, self.dtype = (
+            session.config,
+            session.model,
+            session.device,
+            session.dtype,
+        )
+        config = self.config
+        self.eval_data, self.data_stats = session.eval_data, session.data_stats
+        self.notes += session.notes
+        self.batches = Batches(session.train_data, config.data.batch_size, seed=config.train.seed)
+        # [usaf.distributed] rank 0's selection and trainable values on every rank; what DDP does not support
+        distributed.broadcast_trainable(self.model)
+        distributed.check_supported(config)
+        if not resume and distributed.is_main():  # [usaf.distributed] only rank 0 writes
+            save_selection(
+                run_dir / "selection.safetensors",
+                current_selection(self.model),
+                selection_summary(self.model, config),
+            )
+            if (unrecorded := record_base(config, run_dir, trained_parameters(self.model))) is not None:
+                self.notes.append(unrecorded)
+        self.prefix_cache = _prefix_cache(self.model, config, run_dir)
+
+        probe_rows = self.eval_data if self.eval_data is not None else session.train_data
+        probe = collate([probe_rows[i] for i in range(min(4, len(probe_rows)))], probe_rows.pad_id)
+        self.routers = RouterTraining(
+            self.model, config.router, router_params(self.model), {k: v.to(device) for k, v in probe.items()}
+        )
+        # a resume restores the trained values and routers first: the optimizer is built on what they now are
+        restored = self.restore_values(checkpoint.latest(run_dir)) if resume else None
+        self.optimizer = build_optimizer(self.model, config)
+        self.scheduler = build_scheduler(self.optimizer, config)
+        self.autocast = runtime.autocast(config.train.precision, device, self.dtype)
+        self.scaler = runtime.loss_scaler(config.train.precision, device, self.dtype)
+        self.reselector = None
+        if config.select.reselect_every:
+            self.reselector = Reselector(
+                self.model, config.select, config.schedule.max_steps, config.optim.eight_bit
+            )
+        self.state = TrainState()
+        if restored is not None:
+            self.restore_loop(restored)
+            # recorded once the checkpoint is restored, so a later resume or export reads them (rank 0 writes)
+            if changes and distributed.is_main():
+                atomic_file(run_dir / CONFIG_FILE, lambda tmp: tmp.write_text(resumed_yaml))
+                self.notes.append("resumed with " + ", ".join(changes))
+            if distributed.is_main():  # [usaf.distributed]
+                truncate_metrics(run_dir / METRICS_FILE, self.state.step)
+        self.entries = trainable_summary(self.model)
+
+    # ---- the run ----------------------------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        self.announce()
+        config, state = self.config, self.state
+        self.log = (MetricsLog if distributed.is_main() else distributed.NullLog)(  # [usaf.distributed]
+            self.run_dir, config.schedule.max_steps, state.step, config.log.progress, config.log.tensorboard
+        )
+        stop = _StopRequest()
+        try:
+            self.evaluate_before()
+            self.model.train()
+            # [usaf.distributed] agree_stop: a stop request on any rank stops all after the same step
+            while state.step < config.schedule.max_steps and not distributed.agree_stop(stop):
+                started = time.perf_counter()
+                loss, tokens = self.forward_backward()
+                grad_norm = self.optimizer_step(loss)
+                if grad_norm is None:
+                    continue  # skipped: no step taken
+                if (stopped := self.after_step(loss, tokens, grad_norm, started)) is not None:
+                    return stopped
+            if stop.requested:
+                path = self.save()
+                self.log.message(
+                    f"stopped at step {state.step} ({stop.signal_name}); checkpoint {path}. "
+                    f"Resume with: usaf train --resume {self.run_dir}"
+                )
+                return {"stopped": True, "step": state.step, "signal": stop.signal_number}
+        finally:
+            stop.restore()
+            self.log.close()
+        return self.finish()
+
+    def announce(self) -> None:
+        """The run's first lines, flushed before the progress bar starts drawing on stderr, so that a terminal (or
+        one log file for both streams) shows them whole."""
+        entries = self.entries
+        print(
+            f"usaf {__version__}: training {entries['expert_entries']:,} expert entries"
+            + "".join(f" + {n:,} {t.replace('_', ' ')}" for t, n in target_entries(entries).items())
+            + f" + {entries['routers']:,} router weights on {self.device} ({self.dtype}); "
+            + self.data_stats.summary(),
+            flush=True,
+        )
+        print(self.recompute.line, flush=True)
+        for note in self.notes:
+            print(f"note: {note}", flush=True)
+
+    def evaluate_before(self) -> None:
+        if self.eval_data is not None and self.state.eval_before is None:
+            self.state.eval_before = self.evaluate()
+            self.log.log(self.state.step, {f"eval/{k}": v for k, v in self.state.eval_before.items()})
+
+    def forward_backward(self) -> tuple[float, int]:
+        """Forward and backward over the step's micro-batches; the loss is the mean over all supervised tokens."""
+        config, routers, reselector, prefix_cache = (
+            self.config,
+            self.routers,
+            self.reselector,
+            self.prefix_cache,
+        )
+        if reselector is not None:
+            reselector.before_step(self.state.step + 1)
+        distributed.before_step(reselector)  # [usaf.distributed] rank > 0: reselection statistics from 0
+        # [usaf.distributed] rank r of N takes micro-batches r, r+N, ... of the step's N x grad_accum
+        micro = distributed.take_micro_batches(self.batches, config.schedule.grad_accum)
+        supervised = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b, _ in micro)
+        supervised = distributed.sum_scalars(supervised)  # [usaf.distributed] the step's, over all ranks
+        steps_micro = distributed.global_count(len(micro))  # [usaf.distributed] micro-batches of all ranks
+        total, tokens = 0.0, 0
+        for batch, rows in micro:
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            if prefix_cache is not None:
+                lengths = [
+                    int((r != IGNORE_INDEX).nonzero().max()) + 1 if (r != IGNORE_INDEX).any() else r.numel()
+                    for r in batch["labels"]
+                ]
+                prefix_cache.begin_batch(rows, lengths, batch["input_ids"])
+            if reselector is not None:
+                reselector.set_observing(True)
+            with self.autocast, routers.capture():
+                loss_sum = causal_lm_loss(
+                    self.model,
+                    batch["input_ids"],
+                    batch["labels"],
+                    position_ids=batch["position_ids"],
+                    chunk_tokens=config.train.logits_chunk_tokens,
+                    reduction="sum",
+                )
+                aux = routers.aux_loss(self.state.step)  # balancing + z-loss from this forward's raw logits
+            if reselector is not None:
+                reselector.set_observing(False)  # recomputation in backward re-runs forwards: count them once
+            self.scaler.scale(loss_sum / max(supervised, 1) + aux / steps_micro).backward()
+            routers.after_micro_batch()
+            if prefix_cache is not None:
+                prefix_cache.end_batch()
+            total += float(loss_sum.detach())
+            tokens += batch["input_ids"].numel()
+        distributed.after_backward(self.model, reselector)  # [usaf.distributed] sum grads + reselection stats
+        total, tokens = distributed.sum_scalars(
+            total, tokens
+        )  # [usaf.distributed] global loss sum and tokens
+        return total / max(supervised, 1), tokens
+
+    def optimizer_step(self, loss: float) -> float | None:
+        """Unscale, clip and step; the gradient norm, or None for a skipped step: a NaN/Inf loss or gradient is
+        counted and skipped (an fp16 overflow only lowers the loss scale and retries), and too many of them stop
+        the run with a checkpoint."""
+        config, state, scaler, optimizer = self.config, self.state, self.scaler, self.optimizer
+        scaler.unscale_(optimizer)
+        grad_norm = clip_gradients(self.model, config.optim.clip_grad_norm)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            # a skipped step still closes the scaler's step (it lowers the fp16 loss scale on inf gradients)
+            scaler.update()
+            state.loss_scale = scaler.state_dict()
+            optimizer.zero_grad(set_to_none=True)
+            if scaler.is_enabled() and math.isfinite(loss):  # fp16 overflow: retry at the lower scale
+                state.overflow_steps += 1
+                return None
+            state.bad_steps += 1
+            self.log.message(f"step {state.step + 1}: loss {loss} / grad norm {grad_norm}: skipped")
+            if state.bad_steps > config.train.max_bad_steps:
+                self.save()
+                raise UsafError(
+                    f"{state.bad_steps} steps had NaN/Inf loss or gradients (limit train.max_bad_steps="
+                    f"{config.train.max_bad_steps}); stopped with a checkpoint. Lower optim.lr, check the data, "
+                    "or use train.precision=bf16 instead of fp16."
+                )
+            return None
+        if not self.routers.training_routers(state.step):
+            for param in self.routers.router_params:
+                param.grad = None  # AdamW skips parameters without gradients
+        scaler.step(optimizer)
+        scaler.update()
+        state.loss_scale = scaler.state_dict()
+        self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        return grad_norm
+
+    def after_step(self, loss: float, tokens: int, grad_norm: float, started: float) -> dict | None:
+        """Reselection, router health, the metrics row, evaluation and checkpoint of the step just taken; a
+        summary when the router guard stops the run, else None."""
+        config, state = self.config, self.state
+        reselector, routers = self.reselector, self.routers
+        reselected = reselector.after_step(state.step, self.optimizer) if reselector is not None else None
+        # [usaf.distributed] routed counts and aux-loss parts summed over ranks; over all micro-batches
+        distributed.reduce_router_stats(routers)
+        try:
+            router_record, router_show, router_message = routers.after_step(
+                state.step, distributed.global_count(config.schedule.grad_accum)
+            )
+        except RouterCollapse as err:
+            self.log.message(f"{err}\ncheckpoint: {self.save()}")
+            return {"stopped": True, "step": state.step, "reason": "router collapse"}
+        if router_message:
+            self.log.message(router_message)
+        elapsed = time.perf_counter() - started
+        state.record_step(loss, tokens, elapsed)
+        record = {
+            "loss": loss,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "tokens": state.tokens,
+            "tokens_per_s": tokens / elapsed,
+            "peak_memory_mb": runtime.peak_memory_bytes(self.device) / 2**20,
+            "skipped_steps": state.bad_steps,
+            **({"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}),
+            **(reselected or {}),
+            **router_record,
+        }
+        every_eval = config.log.eval_every_steps
+        if self.eval_data is not None and every_eval and state.step % every_eval == 0:
+            record.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+        every_log = config.log.every_steps  # 0: no step rows; evaluations are still written
+        if (every_log and state.step % every_log == 0) or any(k.startswith("eval/") for k in record):
+            shown = {
+                "loss": f"{loss:.4f}",
+                "lr": f"{record['lr']:.2e}",
+                "tok/s": f"{record['tokens_per_s']:.0f}",
+                "mem": f"{record['peak_memory_mb']:.0f}MB",
+                **router_show,
+            }
+            self.log.log(state.step, record, shown)
+        self.log.advance()
+        every_save = config.checkpoint.every_steps  # 0: only the final (and a signal's) checkpoint
+        if every_save and state.step % every_save == 0:
+            self.save()
+        return None
+
+    def finish(self) -> dict:
+        eval_after = self.evaluate() if self.eval_data is not None else None
+        self.save()
+        summary = self.state.summary(eval_after, self.entries, self.data_stats)
+        if distributed.is_main():  # [usaf.distributed]
+            write_router_load(self.run_dir, *self.routers.load_before_after())
+            atomic_json(self.run_dir / "summary.json", summary)
+        return summary
+
+    # ---- its parts ------------------------------------------------------------------------------------------
+
+    def evaluate(self) -> dict:
+        config = self.config
+        return evaluate(
+            self.model,
+            self.eval_data,
+            config.data.batch_size,
+            self.device,
+            self.autocast,
+            config.data.eval_batches,
+            config.train.logits_chunk_tokens,
+        )
+
+    def save(self) -> Path | None:
+        """A checkpoint of everything a resume needs: the trained values, optimizer, schedule, data position,
+        RNG, the TrainState, router and reselection state. Only rank 0 writes ([usaf.distributed])."""
+        if not distributed.is_main():
+            return None
+        if self.prefix_cache is not None:
+            self.state.prefix_cache_hits = self.prefix_cache.hits
+        return checkpoint.save(
+            self.run_dir,
+            self.state.step,
+            model=self.model,  # the trained values (the forward writes them into resident weights)
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            state={
+                **self.state.to_dict(),
+                "data": self.batches.state_dict(),
+                "rng": runtime.rng_state(),
+                "config": self.config.to_dict(),
+                "router": self.routers.state_dict(),
+                "world_size": distributed.world_size(),  # [usaf.distributed] a resume must match it
+            },
+            keep_last=self.config.checkpoint.keep_last,
+            extra_tensors={
+                **(self.reselector.state_dict() if self.reselector is not None else {}),
+                **self.routers.tensor_state(),
+            },
+        )
+
+    def restore_values(self, saved: Path) -> dict:
+        """The checkpoint `saved`, with its trained values and router state put back in the model."""
         restored = checkpoint.load(saved)
         distributed.check_world_size(restored.get("world_size"), saved)  # [usaf.distributed]
-        restore_trainable(model, restored["trainable"], saved)
-        routers.load_state_dict(restored["router"])
-        routers.load_tensor_state(restored["extra"])
-    optimizer = build_optimizer(model, config)
-    scheduler = build_scheduler(optimizer, config)
-    if saved is not None:
-        checkpoint.restore_optimizer(optimizer, restored)
-        scheduler.load_state_dict(restored["scheduler"])
-        _apply_resumed_schedule(optimizer, scheduler, config, restored["config"])
-        batches.load_state_dict(restored["data"])
+        restore_trainable(self.model, restored["trainable"], saved)
+        self.routers.load_state_dict(restored["router"])
+        self.routers.load_tensor_state(restored["extra"])
+        return restored
+
+    def restore_loop(self, restored: dict) -> None:
+        """The rest of what `save` wrote: the run continues as if it had never stopped."""
+        checkpoint.restore_optimizer(self.optimizer, restored)
+        self.scheduler.load_state_dict(restored["scheduler"])
+        apply_resumed_schedule(self.optimizer, self.scheduler, self.config, restored["config"])
+        self.batches.load_state_dict(restored["data"])
         runtime.set_rng_state(restored["rng"])
-        state.update({k: restored[k] for k in state if k in restored})
-    # recorded once the checkpoint is restored, so a later resume or export reads them ([usaf.distributed]: rank 0)
-    if resume and changes and distributed.is_main():
-        atomic_file(run_dir / CONFIG_FILE, lambda tmp: tmp.write_text(resumed_yaml))
-        notes.append("resumed with " + ", ".join(changes))
-
-    autocast = runtime.autocast(config.train.precision, device, dtype)
-    scaler = runtime.loss_scaler(config.train.precision, device, dtype)
-    if scaler.is_enabled() and state["loss_scale"]:
-        scaler.load_state_dict(state["loss_scale"])
-    summary_entries = trainable_summary(model)
-    if resume and distributed.is_main():  # [usaf.distributed]
-        _truncate_metrics(run_dir / METRICS_FILE, state["step"])
-    # the run's first lines are out (flushed) before the progress bar starts drawing on stderr, so that a terminal
-    # (or one log file for both streams) shows them whole, not broken into by the bar
-    print(
-        f"usaf {__version__}: training {summary_entries['expert_entries']:,} expert entries"
-        + "".join(f" + {n:,} {t.replace('_', ' ')}" for t, n in _target_entries(summary_entries).items())
-        + f" + {summary_entries['routers']:,} router weights on {device} ({dtype}); {data_stats.summary()}",
-        flush=True,
-    )
-    print(recompute.line, flush=True)
-    for note in notes:
-        print(f"note: {note}", flush=True)
-    log = (MetricsLog if distributed.is_main() else distributed.NullLog)(  # [usaf.distributed]
-        run_dir, config.schedule.max_steps, state["step"], config.log.progress, config.log.tensorboard
-    )
-    if eval_data is not None and state["eval_before"] is None:
-        state["eval_before"] = _evaluate(model, eval_data, config, device, autocast)
-        log.log(state["step"], {f"eval/{k}": v for k, v in state["eval_before"].items()})
-
-    reselector = None
-    if config.select.reselect_every:
-        reselector = Reselector(model, config.select, config.schedule.max_steps, config.optim.eight_bit)
-        if saved is not None:
-            reselector.load_state_dict(restored["extra"])
-    stop = _StopRequest()
-    model.train()
-    try:
-        # [usaf.distributed] agree_stop: a stop request on any rank stops all after the same step
-        while state["step"] < config.schedule.max_steps and not distributed.agree_stop(stop):
-            started = time.perf_counter()
-            if reselector is not None:
-                reselector.before_step(state["step"] + 1)
-            distributed.before_step(reselector)  # [usaf.distributed] rank > 0: reselection statistics from 0
-            loss, tokens = _accumulate_gradients(
-                model,
-                batches,
-                config,
-                device,
-                autocast,
-                scaler,
-                prefix_cache,
-                reselector,
-                routers,
-                state["step"],
-            )
-            distributed.after_backward(model, reselector)  # [usaf.distributed] sum grads + reselection stats
-            scaler.unscale_(optimizer)
-            grad_norm = _clip(model, config.optim.clip_grad_norm)
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                # a skipped step still closes the scaler's step (it lowers the fp16 loss scale on inf gradients)
-                scaler.update()
-                state["loss_scale"] = scaler.state_dict()
-                optimizer.zero_grad(set_to_none=True)
-                if scaler.is_enabled() and math.isfinite(loss):  # fp16 overflow: retry at the lower scale
-                    state["overflow_steps"] += 1
-                    continue
-                state["bad_steps"] += 1
-                log.message(f"step {state['step'] + 1}: loss {loss} / grad norm {grad_norm}: skipped")
-                if state["bad_steps"] > config.train.max_bad_steps:
-                    _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)
-                    raise UsafError(
-                        f"{state['bad_steps']} steps had NaN/Inf loss or gradients (limit train.max_bad_steps="
-                        f"{config.train.max_bad_steps}); stopped with a checkpoint. Lower optim.lr, check the "
-                        "data, or use train.precision=bf16 instead of fp16."
-                    )
-                continue
-            if not routers.training_routers(state["step"]):
-                for param in routers.router_params:
-                    param.grad = None  # AdamW skips parameters without gradients
-            scaler.step(optimizer)
-            scaler.update()
-            state["loss_scale"] = scaler.state_dict()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state["step"] += 1
-            reselected = reselector.after_step(state["step"], optimizer) if reselector is not None else None
-            # [usaf.distributed] routed counts and aux-loss parts summed over ranks; over all micro-batches
-            distributed.reduce_router_stats(routers)
-            try:
-                router_record, router_show, router_message = routers.after_step(
-                    state["step"], distributed.global_count(config.schedule.grad_accum)
-                )
-            except RouterCollapse as err:
-                path = _save(
-                    run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers
-                )
-                log.message(f"{err}\ncheckpoint: {path}")
-                return {"stopped": True, "step": state["step"], "reason": "router collapse"}
-            if router_message:
-                log.message(router_message)
-            state["tokens"] += tokens
-            elapsed = time.perf_counter() - started
-            state["train_seconds"] += elapsed
-            if state["first_loss"] is None:
-                state["first_loss"] = loss
-            state["last_loss"] = loss
-
-            record = {
-                "loss": loss,
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm,
-                "tokens": state["tokens"],
-                "tokens_per_s": tokens / elapsed,
-                "peak_memory_mb": runtime.peak_memory_bytes(device) / 2**20,
-                "skipped_steps": state["bad_steps"],
-                **({"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
-                **(reselected or {}),
-                **router_record,
-            }
-            every_eval = config.log.eval_every_steps
-            if eval_data is not None and every_eval and state["step"] % every_eval == 0:
-                record.update(
-                    {f"eval/{k}": v for k, v in _evaluate(model, eval_data, config, device, autocast).items()}
-                )
-            every_log = config.log.every_steps  # 0: no step rows; evaluations are still written
-            if (every_log and state["step"] % every_log == 0) or any(k.startswith("eval/") for k in record):
-                log.log(
-                    state["step"],
-                    record,
-                    {
-                        "loss": f"{loss:.4f}",
-                        "lr": f"{record['lr']:.2e}",
-                        "tok/s": f"{record['tokens_per_s']:.0f}",
-                        "mem": f"{record['peak_memory_mb']:.0f}MB",
-                        **router_show,
-                    },
-                )
-            log.advance()
-            every_save = config.checkpoint.every_steps  # 0: only the final (and a signal's) checkpoint
-            if every_save and state["step"] % every_save == 0:
-                _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)
-        if stop.requested:
-            path = _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)
-            log.message(
-                f"stopped at step {state['step']} ({stop.signal_name}); checkpoint {path}. "
-                f"Resume with: usaf train --resume {run_dir}"
-            )
-            return {"stopped": True, "step": state["step"], "signal": stop.signal_number}
-    finally:
-        stop.restore()
-        log.close()
-
-    eval_after = _evaluate(model, eval_data, config, device, autocast) if eval_data is not None else None
-    _save(run_dir, model, optimizer, scheduler, batches, state, config, reselector, routers)
-    summary = _summary(state, eval_after, summary_entries, data_stats, prefix_cache)
-    if distributed.is_main():  # [usaf.distributed]
-        write_router_load(run_dir, *routers.load_before_after())
-        atomic_json(run_dir / "summary.json", summary)
-    return summary
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the steps above, in order
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[RunConfig, list[str]]:
-    """The run's config, and (resuming) the changes it makes to the saved one; a new run's folder is marked."""
-    saved_config = run_dir / CONFIG_FILE
-    if resume:
-        if checkpoint.latest(run_dir) is None:
-            raise UsafError(
-                f"--resume {run_dir}: the run has no finished checkpoint to resume from; start it again with "
-                f"--out {run_dir}."
-            )
-        original = absolute_paths(RunConfig.load(str(saved_config)))
-        return config, _check_resumable(original, config)
-    if not distributed.is_main():  # [usaf.distributed] rank 0 marks and writes the folder
-        return config, []
-    # the marker first: from here on the folder is usaf's, whatever else fails
-    atomic_json(run_dir / RUN_MARKER, {"usaf_version": __version__})
-    atomic_file(saved_config, lambda tmp: tmp.write_text(config.to_yaml()))
-    return config, []
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the run folder: whose it is, and who writes it
-# ----------------------------------------------------------------------------------------------------------
-
-# what a run writes at the top of its folder: removed when a start fails before its first checkpoint
-RUN_FILES = (
-    RUN_MARKER,
-    CONFIG_FILE,
-    "selection.safetensors",
-    "selection.json",
-    RUN_BASE_FILE,
-    METRICS_FILE,
-    "tensorboard",
-    "prefix_cache",
-    "checkpoints",
-    "summary.json",
-    ROUTER_LOAD_FILE,
-    "report.png",
-    "router_load.png",
-)
-
-
-def _check_run_paths(config: RunConfig, run_dir: Path) -> None:
-    """A resume whose base or data is no longer where the run's config.yaml says: which path, and how to go on."""
-    missing = []
-    if is_local_path(config.model.path) and not Path(config.model.path).is_dir():
-        missing.append(("model.path", config.model.path, "--model NEW_DIR"))
-    for key, files, flag in (
-        ("data.train", config.data.train, "--data"),
-        ("data.eval", config.data.eval, None),
-    ):
-        for file in files:
-            if not Path(file).exists():
-                missing.append((key, file, f"{flag} NEW_FILES" if flag else f"--set {key}=[NEW_FILES]"))
-                break
-    if missing:
-        key, path, fix = missing[0]
-        raise UsafError(
-            f"--resume {run_dir}: {key} {path} does not exist (has it moved?); give its new place with {fix}."
-        )
-
-
-def _check_moved_base(run_dir: Path, model_dir: str) -> None:
-    """A resume from a base at a new place: it must be the base the run recorded (what base.json holds: the sha256
-    of the tensors that can hold trained entries, cheap facts of the rest)."""
-
-    recorded = read_run_base_record(run_dir)
-    if recorded is None:
-        return  # nothing recorded: the checkpoint's base values are still compared on restore
-    differs = base_difference(recorded, model_dir)
-    if differs is not None:
-        raise UsafError(
-            f"--resume {run_dir}: the model at {model_dir} is not the base the run started from ({differs}, "
-            f"against {run_dir / RUN_BASE_FILE}); give the folder the run was trained on."
-        )
-
-
-def _check_resume_folder(run_dir: Path) -> None:
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise UsafError(f"--resume {run_dir}: no {CONFIG_FILE} there; is it a usaf run directory?")
-
-
-def _check_new_run(config: RunConfig, run_dir: Path, force: bool) -> str:
-    """What `run_dir` is for a new run: "new", "empty", "dead start" (usaf's, without a checkpoint: a start
-    that was killed; only under the lock is it known to be dead), or "forced"; refuses anything else."""
-    if not config.data.train:
-        raise UsafError("no training data: give --data FILE (or data.train in the config file).")
-    if not config.model.path:
-        raise UsafError("no model: give --model DIR (or model.path in the config file).")
-    if not run_dir.exists():
-        return "new"
-    if not run_dir.is_dir():
-        raise UsafError(f"--out {run_dir} is a file, not a folder; choose another --out.")
-    if checkpoint.latest(run_dir) is not None:
-        raise UsafError(f"{run_dir} already holds a run; resume it with --resume or choose another --out.")
-    # usaf's own temporaries of its run files (a start in its first instant, or one killed then) are not the
-    # user's files: such a folder is a start's, and the lock then says whether it is alive
-    temporaries = tuple(f".{name}.usaf-tmp-" for name in RUN_FILES)
-    entries = sorted(e for e in set(os.listdir(run_dir)) - {LOCK_FILE} if not e.startswith(temporaries))
-    if not entries:
-        return "empty"
-    if RUN_MARKER in entries:
-        return "dead start"
-    if force:
-        return "forced"
-    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-    raise UsafError(
-        f"--out {run_dir} is not empty and not a usaf run (it holds {shown}); choose a new or empty folder, or "
-        f"give --force to write the run into it (files named like usaf's, e.g. {CONFIG_FILE}, are replaced)."
-    )
-
-
-def _remove_run_files(run_dir: Path, keep: set[str]) -> None:
-    for name in RUN_FILES:
-        path = run_dir / name
-        if name in keep or not (path.exists() or path.is_symlink()):
-            continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-
-
-class RunLock:
-    """An advisory lock on a run folder (flock on RUN_DIR/.usaf-lock): one writer at a time. The kernel drops
-    it when the process ends, however it ends, so a killed run never leaves the folder locked."""
-
-    def __init__(self, run_dir: Path):
-        self.run_dir, self.fd, self.made_folder = Path(run_dir), None, False
-
-    def __enter__(self) -> RunLock:
-        self.made_folder = not self.run_dir.exists()
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            raise UsafError(
-                f"cannot write into {self.run_dir}: {err.strerror}; choose another --out."
-            ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise UsafError(
-                f"{self.run_dir} is in use by another usaf train (process {holder}); wait for it to end, or "
-                "choose another --out."
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self.fd = fd
-        return self
-
-    def __exit__(self, *exc) -> None:
-        os.close(self.fd)  # closing releases the lock; the file stays (removing it would race a new locker)
-
-
-def _finished_run(run_dir: Path, config: RunConfig) -> dict | None:
-    """The saved summary (marked `already_finished`) when the run being resumed has reached max_steps and
-    written its summary; None when there is training (or the summary) left to do."""
-    step = checkpoint.step_of(checkpoint.latest(run_dir))
-    max_steps = config.schedule.max_steps
-    summary_path = run_dir / "summary.json"
-    if step >= max_steps and summary_path.exists():
-        try:
-            summary = json.loads(summary_path.read_text())
-        except (OSError, ValueError) as err:
-            raise UsafError(
-                f"--resume {run_dir}: the run is finished but {summary_path} is unreadable ({err}); delete it "
-                "and resume again to rewrite it."
-            ) from None
-        return {**summary, "already_finished": True, "step": step}
-    if step > max_steps:
-        raise UsafError(
-            f"--resume {run_dir}: the run is at step {step}, beyond schedule.max_steps={max_steps}; give "
-            f"--set schedule.max_steps={step} or more."
-        )
-    return None
-
-
-def _check_resumable(original: RunConfig, now: RunConfig) -> list[str]:
-    """The changes a resume makes ("optim.lr 0.01 -> 0.02"); refuses any outside RESUME_MAY_CHANGE."""
-    old, new = original.to_dict(), now.to_dict()
-    changes = []
-    for section, values in old.items():
-        for name, a in values.items():
-            b, key = new[section][name], f"{section}.{name}"
-            if a == b:
-                continue
-            if section not in RESUME_MAY_CHANGE and key not in RESUME_MAY_CHANGE:
-                allowed = ", ".join(k if "." in k else f"{k}.*" for k in RESUME_MAY_CHANGE)
-                raise UsafError(
-                    f"cannot resume: '{key}' differs from the original run ({a!r} there, {b!r} now). Resume with "
-                    f"the original value; a resume may change only {allowed}."
-                )
-            changes.append(f"{key} {a!r} -> {b!r}")
-    return changes
-
-
-def _apply_resumed_schedule(optimizer, scheduler, config: RunConfig, saved: dict) -> None:
-    """A resume with a new peak lr or length: the schedule's base rates take the new peak and the current rates
-    follow the new curve at once (the checkpoint's param groups hold the old ones)."""
-    ratio = config.optim.lr / saved["optim"]["lr"]
-    if ratio == 1 and config.schedule.max_steps == saved["schedule"]["max_steps"]:
-        return  # unchanged: the restored rates stand, bit for bit
-    scheduler.base_lrs = [base * ratio for base in scheduler.base_lrs]
-    for group, base, factor in zip(
-        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
-    ):
-        group["initial_lr"] = base
-        group["lr"] = base * factor(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        self.state = TrainState.from_checkpoint(restored)
+        if self.scaler.is_enabled() and self.state.loss_scale:
+            self.scaler.load_state_dict(self.state.loss_scale)
+        if self.reselector is not None:
+            self.reselector.load_state_dict(restored["extra"])
+        if self.prefix_cache is not None:
+            self.prefix_cache.hits = self.state.prefix_cache_hits
 
 
 def _load_data(config: RunConfig, tokenizer, pack: bool):
@@ -561,51 +454,6 @@ def _load_data(config: RunConfig, tokenizer, pack: bool):
     )
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """A resume continues the log from its checkpoint: rows a killed process wrote after it (steps the resume
-    trains again) are dropped, and so is a torn last line."""
-    if not path.exists():
-        return
-    kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-            keep = int(row["step"]) <= step
-        except (ValueError, KeyError, TypeError):
-            keep = False
-        if keep:
-            kept.append(line)
-        else:
-            dropped += 1
-    if dropped:
-        atomic_file(path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8"))
-
-
-def trained_parameters(model: torch.nn.Module) -> list[str]:
-    """The model parameters that can hold trained entries in this run (whatever a reselection moves): the
-    tensors with a selection, and the parameters trained whole (routers)."""
-    return [
-        *checkpoint.selection_layout(model),
-        *(name for name, p in model.named_parameters() if p.requires_grad and ".usaf." not in name),
-    ]
-
-
-def _record_base(config: RunConfig, run_dir: Path, trained: list[str]) -> str | None:
-    """RUN/base.json: the identity of the base, which `usaf export` checks a base against (as `usaf apply` checks
-    a delta's): the sha256 of the checkpoint tensors behind `trained` (the rest of the base is not read whole),
-    cheap facts of the others. A note when the base is not a local folder, None when recorded."""
-
-    model_dir = Path(config.model.path).expanduser()
-    if not ((model_dir / "config.json").is_file() or (model_dir / STORE_FILE).is_file()):
-        return f"the base {config.model.path} is not a local folder: usaf export cannot check a --base against it"
-    try:
-        record = base_record(model_dir, trained)
-    except (UsafError, OSError, KeyError, ValueError) as err:  # e.g. a store whose source has moved
-        return f"the base's identity was not recorded ({first_line(err)}): usaf export cannot check a --base"
-    atomic_json(run_dir / RUN_BASE_FILE, record)
-    return None
-
-
 def _prefix_cache(model, config: RunConfig, run_dir: Path) -> FrozenPrefixCache | None:
     if config.train.prefix_cache == "off":
         return None
@@ -619,215 +467,6 @@ def _prefix_cache(model, config: RunConfig, run_dir: Path) -> FrozenPrefixCache 
         if layer.layer_index < lowest and any(p.requires_grad for p in layer.router.parameters()):
             raise UsafError("train.prefix_cache: a router below the lowest trained layer is trainable.")
     return FrozenPrefixCache(model, lowest, config.train.prefix_cache, run_dir / "prefix_cache")
-
-
-def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Optimizer:
-    routers = {id(p) for p in _router_params(model)}
-    values = [p for p in model.parameters() if p.requires_grad and id(p) not in routers]
-    compact = config.optim.moments == "bf16"
-    groups = [
-        {
-            "params": values,
-            "lr": config.optim.lr,
-            "weight_decay": config.optim.weight_decay,
-            "compact": compact,
-        }
-    ]
-    router_list = [p for p in model.parameters() if p.requires_grad and id(p) in routers]
-    if router_list:
-        groups.append(
-            {"params": router_list, "lr": config.optim.lr * config.router.lr_multiplier, "weight_decay": 0.0}
-        )
-    kwargs = {"betas": (config.optim.beta1, config.optim.beta2), "eps": config.optim.eps}
-    if config.optim.eight_bit:
-        try:
-            import bitsandbytes as bnb
-
-            return bnb.optim.AdamW8bit(groups, **kwargs)
-        except (ImportError, RuntimeError) as err:
-            raise UsafError(
-                f"optim.eight_bit needs bitsandbytes with kernels for this device: {err}"
-            ) from None
-    return CompactAdamW(groups, seed=config.train.seed, **kwargs)
-
-
-def build_scheduler(optimizer, config: RunConfig):
-    warmup, total = config.schedule.warmup_steps, max(1, config.schedule.max_steps)
-    floor = config.schedule.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def _router_params(model) -> list[torch.nn.Parameter]:
-    return [
-        p
-        for layer in find_moe_layers(model)
-        if layer.router is not None
-        for p in layer.router.parameters()
-        if p.requires_grad
-    ]
-
-
-def _accumulate_gradients(
-    model, batches, config, device, autocast, scaler, prefix_cache, reselector, routers, step
-) -> tuple[float, int]:
-    """Forward and backward over grad_accum micro-batches; the loss is the mean over all supervised tokens."""
-    # [usaf.distributed] rank r of N takes micro-batches r, r+N, ... of the step's N x grad_accum
-    micro = distributed.take_micro_batches(batches, config.schedule.grad_accum)
-    supervised = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b, _ in micro)
-    supervised = distributed.sum_scalars(supervised)  # [usaf.distributed] the step's, over all ranks
-    total, tokens = 0.0, 0
-    for batch, rows in micro:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        if prefix_cache is not None:
-            lengths = [
-                int((r != IGNORE_INDEX).nonzero().max()) + 1 if (r != IGNORE_INDEX).any() else r.numel()
-                for r in batch["labels"]
-            ]
-            prefix_cache.begin_batch(rows, lengths, batch["input_ids"])
-        if reselector is not None:
-            reselector.set_observing(True)
-        with autocast, routers.capture():
-            loss_sum = causal_lm_loss(
-                model,
-                batch["input_ids"],
-                batch["labels"],
-                position_ids=batch["position_ids"],
-                chunk_tokens=config.train.logits_chunk_tokens,
-                reduction="sum",
-            )
-            aux = routers.aux_loss(step)  # balancing + z-loss from the raw router logits of this forward
-        if reselector is not None:
-            reselector.set_observing(False)  # recomputation in backward re-runs forwards: count them once
-        steps_micro = distributed.global_count(len(micro))  # [usaf.distributed] micro-batches of all ranks
-        scaler.scale(loss_sum / max(supervised, 1) + aux / steps_micro).backward()
-        routers.after_micro_batch()
-        if prefix_cache is not None:
-            prefix_cache.end_batch()
-        total += float(loss_sum.detach())
-        tokens += batch["input_ids"].numel()
-    total, tokens = distributed.sum_scalars(total, tokens)  # [usaf.distributed] global loss sum and tokens
-    return total / max(supervised, 1), tokens
-
-
-def _clip(model, max_norm: float) -> float:
-    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
-    if not params:
-        return 0.0
-    if max_norm and max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False))
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
-
-
-def _evaluate(model, dataset, config: RunConfig, device, autocast) -> dict:
-    return evaluate(
-        model,
-        dataset,
-        config.data.batch_size,
-        device,
-        autocast,
-        config.data.eval_batches,
-        config.train.logits_chunk_tokens,
-    )
-
-
-def _save(
-    run_dir, model, optimizer, scheduler, batches, state, config, reselector=None, routers=None
-) -> Path:
-    if not distributed.is_main():  # [usaf.distributed] only rank 0 writes checkpoints
-        return None
-    # the forward writes trained values into resident weights; the checkpoint needs only the values
-    return checkpoint.save(
-        run_dir,
-        state["step"],
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        state={
-            **state,
-            "data": batches.state_dict(),
-            "rng": runtime.rng_state(),
-            "config": config.to_dict(),
-            "router": routers.state_dict() if routers is not None else None,
-            "world_size": distributed.world_size(),  # [usaf.distributed] a resume must match it
-        },
-        keep_last=config.checkpoint.keep_last,
-        extra_tensors={
-            **(reselector.state_dict() if reselector is not None else {}),
-            **(routers.tensor_state() if routers is not None else {}),
-        },
-    )
-
-
-def _summary(state, eval_after, entries, data_stats, prefix_cache) -> dict:
-    before = state.get("eval_before") or {}
-    return {
-        "steps": state["step"],
-        "tokens": state["tokens"],
-        "train_seconds": round(state["train_seconds"], 2),
-        "first_loss": state.get("first_loss"),
-        "last_loss": state.get("last_loss"),
-        "eval_loss_before": before.get("loss"),
-        "eval_loss_after": (eval_after or {}).get("loss"),
-        "eval_perplexity_before": before.get("perplexity"),
-        "eval_perplexity_after": (eval_after or {}).get("perplexity"),
-        "trained_expert_entries": entries["expert_entries"],
-        "trained_router_weights": entries["routers"],
-        "trained_entries_beyond_experts": _target_entries(entries),
-        "skipped_steps": state["bad_steps"],
-        "fp16_overflow_steps": state["overflow_steps"],
-        "prefix_cache_hits": prefix_cache.hits if prefix_cache else 0,
-        "data": data_stats.summary(),
-    }
-
-
-def _target_entries(entries: dict) -> dict[str, int]:
-    """{"attention_entries": n, ...} of `trainable_summary`: the entries of targets beyond the experts."""
-    return {k: v for k, v in entries.items() if k.endswith("_entries") and k != "expert_entries"}
-
-
-def stopped_exit_code(summary: dict) -> int | None:
-    """The exit status of a run that stopped before its end (128 + the signal; 1 for a router-collapse stop), so
-    that `usaf train ... && usaf export ...` does not go on with a half-trained run; None when it finished."""
-    if not summary.get("stopped"):
-        return None
-    return 128 + summary["signal"] if summary.get("signal") else 1
-
-
-def format_summary(summary: dict) -> str:
-    rows = [
-        ("steps", summary["steps"]),
-        ("tokens", f"{summary['tokens']:,}"),
-        ("time", f"{summary['train_seconds']:.1f} s"),
-        ("train loss first → last", _pair(summary["first_loss"], summary["last_loss"])),
-        ("eval loss before → after", _pair(summary["eval_loss_before"], summary["eval_loss_after"])),
-        (
-            "eval perplexity before → after",
-            _pair(summary["eval_perplexity_before"], summary["eval_perplexity_after"]),
-        ),
-        ("trained expert entries", f"{summary['trained_expert_entries']:,}"),
-        *[
-            (f"trained {target.replace('_', ' ')}", f"{n:,}")
-            for target, n in (summary.get("trained_entries_beyond_experts") or {}).items()
-        ],
-        ("trained router weights", f"{summary['trained_router_weights']:,}"),
-        ("skipped steps", summary["skipped_steps"]),
-    ]
-    if summary.get("fp16_overflow_steps"):
-        rows.append(("fp16 overflow steps (loss scale lowered)", summary["fp16_overflow_steps"]))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def _pair(a, b) -> str:
-    fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
-    return f"{fmt(a)} → {fmt(b)}"
 
 
 class _StopRequest:

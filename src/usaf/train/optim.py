@@ -16,6 +16,10 @@ import math
 
 import torch
 
+from usaf.config import RunConfig
+from usaf.errors import UsafError
+from usaf.model.layout import find_moe_layers
+
 COMPACT_DTYPE = torch.bfloat16
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -94,3 +98,80 @@ class CompactAdamW(torch.optim.AdamW):
                     for key in _MOMENTS:
                         if key in state:
                             state[key] = state[key].to(COMPACT_DTYPE)
+
+
+def apply_resumed_schedule(optimizer, scheduler, config: RunConfig, saved: dict) -> None:
+    """A resume with a new peak lr or length: the schedule's base rates take the new peak and the current rates
+    follow the new curve at once (the checkpoint's param groups hold the old ones)."""
+    ratio = config.optim.lr / saved["optim"]["lr"]
+    if ratio == 1 and config.schedule.max_steps == saved["schedule"]["max_steps"]:
+        return  # unchanged: the restored rates stand, bit for bit
+    scheduler.base_lrs = [base * ratio for base in scheduler.base_lrs]
+    for group, base, factor in zip(
+        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    routers = {id(p) for p in router_params(model)}
+    values = [p for p in model.parameters() if p.requires_grad and id(p) not in routers]
+    compact = config.optim.moments == "bf16"
+    groups = [
+        {
+            "params": values,
+            "lr": config.optim.lr,
+            "weight_decay": config.optim.weight_decay,
+            "compact": compact,
+        }
+    ]
+    router_list = [p for p in model.parameters() if p.requires_grad and id(p) in routers]
+    if router_list:
+        groups.append(
+            {"params": router_list, "lr": config.optim.lr * config.router.lr_multiplier, "weight_decay": 0.0}
+        )
+    kwargs = {"betas": (config.optim.beta1, config.optim.beta2), "eps": config.optim.eps}
+    if config.optim.eight_bit:
+        try:
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit(groups, **kwargs)
+        except (ImportError, RuntimeError) as err:
+            raise UsafError(
+                f"optim.eight_bit needs bitsandbytes with kernels for this device: {err}"
+            ) from None
+    return CompactAdamW(groups, seed=config.train.seed, **kwargs)
+
+
+def build_scheduler(optimizer, config: RunConfig):
+    warmup, total = config.schedule.warmup_steps, max(1, config.schedule.max_steps)
+    floor = config.schedule.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def router_params(model) -> list[torch.nn.Parameter]:
+    return [
+        p
+        for layer in find_moe_layers(model)
+        if layer.router is not None
+        for p in layer.router.parameters()
+        if p.requires_grad
+    ]
+
+
+def clip_gradients(model, max_norm: float) -> float:
+    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    if not params:
+        return 0.0
+    if max_norm and max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False))
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))

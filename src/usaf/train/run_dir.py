@@ -1,0 +1,289 @@
+"""The run folder: whose it is (the marker, the lock), what a new run may start in, what a resume may change, and
+the record of the base a run trains on."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from usaf.base.record import base_difference, base_record, read_run_base_record
+from usaf.config import RunConfig
+from usaf.errors import UsafError, first_line
+from usaf.files import (
+    CONFIG_FILE,
+    LOCK_FILE,
+    METRICS_FILE,
+    ROUTER_LOAD_FILE,
+    RUN_BASE_FILE,
+    RUN_MARKER,
+    STORE_FILE,
+)
+from usaf.io.atomic import atomic_file, atomic_json
+from usaf.train import checkpoint, distributed
+from usaf.train.session import (
+    absolute_paths,
+    is_local_path,
+)
+from usaf.version import __version__
+
+# What a resume may change (applied from the resumed step on, and recorded in the run's config.yaml): settings
+# only the loop reads, and the peak learning rate (the schedule's base rates are rescaled). Everything else is
+# fixed by the checkpoint (selection, data order, optimizer state, seeds) and refused.
+RESUME_MAY_CHANGE = (
+    "schedule.max_steps",
+    "optim.lr",
+    "optim.clip_grad_norm",
+    "train.max_bad_steps",
+    "log",
+    "checkpoint",
+    # where the base and the data are (a moved folder): the base is checked against base.json and the checkpoint's
+    # base values, the training data against the data position's fingerprint
+    "model.path",
+    "data.train",
+    "data.eval",
+    "train.distributed_backend",
+)
+
+
+def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[RunConfig, list[str]]:
+    """The run's config, and (resuming) the changes it makes to the saved one; a new run's folder is marked."""
+    saved_config = run_dir / CONFIG_FILE
+    if resume:
+        if checkpoint.latest(run_dir) is None:
+            raise UsafError(
+                f"--resume {run_dir}: the run has no finished checkpoint to resume from; start it again with "
+                f"--out {run_dir}."
+            )
+        original = absolute_paths(RunConfig.load(str(saved_config)))
+        return config, check_resumable(original, config)
+    if not distributed.is_main():  # [usaf.distributed] rank 0 marks and writes the folder
+        return config, []
+    # the marker first: from here on the folder is usaf's, whatever else fails
+    atomic_json(run_dir / RUN_MARKER, {"usaf_version": __version__})
+    atomic_file(saved_config, lambda tmp: tmp.write_text(config.to_yaml()))
+    return config, []
+
+
+# what a run writes at the top of its folder: removed when a start fails before its first checkpoint
+RUN_FILES = (
+    RUN_MARKER,
+    CONFIG_FILE,
+    "selection.safetensors",
+    "selection.json",
+    RUN_BASE_FILE,
+    METRICS_FILE,
+    "tensorboard",
+    "prefix_cache",
+    "checkpoints",
+    "summary.json",
+    ROUTER_LOAD_FILE,
+    "report.png",
+    "router_load.png",
+)
+
+
+def check_run_paths(config: RunConfig, run_dir: Path) -> None:
+    """A resume whose base or data is no longer where the run's config.yaml says: which path, and how to go on."""
+    missing = []
+    if is_local_path(config.model.path) and not Path(config.model.path).is_dir():
+        missing.append(("model.path", config.model.path, "--model NEW_DIR"))
+    for key, files, flag in (
+        ("data.train", config.data.train, "--data"),
+        ("data.eval", config.data.eval, None),
+    ):
+        for file in files:
+            if not Path(file).exists():
+                missing.append((key, file, f"{flag} NEW_FILES" if flag else f"--set {key}=[NEW_FILES]"))
+                break
+    if missing:
+        key, path, fix = missing[0]
+        raise UsafError(
+            f"--resume {run_dir}: {key} {path} does not exist (has it moved?); give its new place with {fix}."
+        )
+
+
+def check_moved_base(run_dir: Path, model_dir: str) -> None:
+    """A resume from a base at a new place: it must be the base the run recorded (what base.json holds: the sha256
+    of the tensors that can hold trained entries, cheap facts of the rest)."""
+
+    recorded = read_run_base_record(run_dir)
+    if recorded is None:
+        return  # nothing recorded: the checkpoint's base values are still compared on restore
+    differs = base_difference(recorded, model_dir)
+    if differs is not None:
+        raise UsafError(
+            f"--resume {run_dir}: the model at {model_dir} is not the base the run started from ({differs}, "
+            f"against {run_dir / RUN_BASE_FILE}); give the folder the run was trained on."
+        )
+
+
+def check_resume_folder(run_dir: Path) -> None:
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise UsafError(f"--resume {run_dir}: no {CONFIG_FILE} there; is it a usaf run directory?")
+
+
+def check_new_run(config: RunConfig, run_dir: Path, force: bool) -> str:
+    """What `run_dir` is for a new run: "new", "empty", "dead start" (usaf's, without a checkpoint: a start
+    that was killed; only under the lock is it known to be dead), or "forced"; refuses anything else."""
+    if not config.data.train:
+        raise UsafError("no training data: give --data FILE (or data.train in the config file).")
+    if not config.model.path:
+        raise UsafError("no model: give --model DIR (or model.path in the config file).")
+    if not run_dir.exists():
+        return "new"
+    if not run_dir.is_dir():
+        raise UsafError(f"--out {run_dir} is a file, not a folder; choose another --out.")
+    if checkpoint.latest(run_dir) is not None:
+        raise UsafError(f"{run_dir} already holds a run; resume it with --resume or choose another --out.")
+    # usaf's own temporaries of its run files (a start in its first instant, or one killed then) are not the
+    # user's files: such a folder is a start's, and the lock then says whether it is alive
+    temporaries = tuple(f".{name}.usaf-tmp-" for name in RUN_FILES)
+    entries = sorted(e for e in set(os.listdir(run_dir)) - {LOCK_FILE} if not e.startswith(temporaries))
+    if not entries:
+        return "empty"
+    if RUN_MARKER in entries:
+        return "dead start"
+    if force:
+        return "forced"
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    raise UsafError(
+        f"--out {run_dir} is not empty and not a usaf run (it holds {shown}); choose a new or empty folder, or "
+        f"give --force to write the run into it (files named like usaf's, e.g. {CONFIG_FILE}, are replaced)."
+    )
+
+
+def remove_run_files(run_dir: Path, keep: set[str]) -> None:
+    for name in RUN_FILES:
+        path = run_dir / name
+        if name in keep or not (path.exists() or path.is_symlink()):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+class RunLock:
+    """An advisory lock on a run folder (flock on RUN_DIR/.usaf-lock): one writer at a time. The kernel drops
+    it when the process ends, however it ends, so a killed run never leaves the folder locked."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.fd, self.made_folder = Path(run_dir), None, False
+
+    def __enter__(self) -> RunLock:
+        self.made_folder = not self.run_dir.exists()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise UsafError(
+                f"cannot write into {self.run_dir}: {err.strerror}; choose another --out."
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UsafError(
+                f"{self.run_dir} is in use by another usaf train (process {holder}); wait for it to end, or "
+                "choose another --out."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)  # closing releases the lock; the file stays (removing it would race a new locker)
+
+
+def finished_run(run_dir: Path, config: RunConfig) -> dict | None:
+    """The saved summary (marked `already_finished`) when the run being resumed has reached max_steps and
+    written its summary; None when there is training (or the summary) left to do."""
+    step = checkpoint.step_of(checkpoint.latest(run_dir))
+    max_steps = config.schedule.max_steps
+    summary_path = run_dir / "summary.json"
+    if step >= max_steps and summary_path.exists():
+        try:
+            summary = json.loads(summary_path.read_text())
+        except (OSError, ValueError) as err:
+            raise UsafError(
+                f"--resume {run_dir}: the run is finished but {summary_path} is unreadable ({err}); delete it "
+                "and resume again to rewrite it."
+            ) from None
+        return {**summary, "already_finished": True, "step": step}
+    if step > max_steps:
+        raise UsafError(
+            f"--resume {run_dir}: the run is at step {step}, beyond schedule.max_steps={max_steps}; give "
+            f"--set schedule.max_steps={step} or more."
+        )
+    return None
+
+
+def check_resumable(original: RunConfig, now: RunConfig) -> list[str]:
+    """The changes a resume makes ("optim.lr 0.01 -> 0.02"); refuses any outside RESUME_MAY_CHANGE."""
+    old, new = original.to_dict(), now.to_dict()
+    changes = []
+    for section, values in old.items():
+        for name, a in values.items():
+            b, key = new[section][name], f"{section}.{name}"
+            if a == b:
+                continue
+            if section not in RESUME_MAY_CHANGE and key not in RESUME_MAY_CHANGE:
+                allowed = ", ".join(k if "." in k else f"{k}.*" for k in RESUME_MAY_CHANGE)
+                raise UsafError(
+                    f"cannot resume: '{key}' differs from the original run ({a!r} there, {b!r} now). Resume with "
+                    f"the original value; a resume may change only {allowed}."
+                )
+            changes.append(f"{key} {a!r} -> {b!r}")
+    return changes
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """A resume continues the log from its checkpoint: rows a killed process wrote after it (steps the resume
+    trains again) are dropped, and so is a torn last line."""
+    if not path.exists():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+            keep = int(row["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        atomic_file(path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8"))
+
+
+def trained_parameters(model: torch.nn.Module) -> list[str]:
+    """The model parameters that can hold trained entries in this run (whatever a reselection moves): the
+    tensors with a selection, and the parameters trained whole (routers)."""
+    return [
+        *checkpoint.selection_layout(model),
+        *(name for name, p in model.named_parameters() if p.requires_grad and ".usaf." not in name),
+    ]
+
+
+def record_base(config: RunConfig, run_dir: Path, trained: list[str]) -> str | None:
+    """RUN/base.json: the identity of the base, which `usaf export` checks a base against (as `usaf apply` checks
+    a delta's): the sha256 of the checkpoint tensors behind `trained` (the rest of the base is not read whole),
+    cheap facts of the others. A note when the base is not a local folder, None when recorded."""
+
+    model_dir = Path(config.model.path).expanduser()
+    if not ((model_dir / "config.json").is_file() or (model_dir / STORE_FILE).is_file()):
+        return f"the base {config.model.path} is not a local folder: usaf export cannot check a --base against it"
+    try:
+        record = base_record(model_dir, trained)
+    except (UsafError, OSError, KeyError, ValueError) as err:  # e.g. a store whose source has moved
+        return f"the base's identity was not recorded ({first_line(err)}): usaf export cannot check a --base"
+    atomic_json(run_dir / RUN_BASE_FILE, record)
+    return None
