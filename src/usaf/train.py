@@ -29,6 +29,7 @@ from .errors import UsafError, first_line
 from .evaluate import evaluate
 from .loss import IGNORE_INDEX, causal_lm_loss
 from .metrics import MetricsLog
+from .offload import streamed_bytes
 from .optim import CompactAdamW
 from .prefix_cache import FrozenPrefixCache
 from .prepare import current_selection, enable_recomputation, prepare_model, sparse_modules, trainable_summary
@@ -209,7 +210,7 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
     model.train()
     try:
         while state["step"] < config.schedule.max_steps and not stop.requested:
-            started = time.perf_counter()
+            started, streamed_before = time.perf_counter(), streamed_bytes(model)
             if reselector is not None:
                 reselector.before_step(state["step"] + 1)
             loss, tokens = _accumulate_gradients(
@@ -280,6 +281,8 @@ def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
                 "tokens": state["tokens"],
                 "tokens_per_s": tokens / elapsed,
                 "peak_memory_mb": runtime.peak_memory_bytes(device) / 2**20,
+                # host -> device bytes of expert data this step (0: resident on the device)
+                "streamed_bytes": streamed_bytes(model) - streamed_before,
                 "skipped_steps": state["bad_steps"],
                 **({"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
                 **(reselected or {}),
