@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.usaf-installed
 # A CPU build of PyTorch when none is installed; users bring their own CUDA/ROCm build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup test demo bench bench-compare bench-quality lint clean
+.PHONY: setup test demo bench bench-compare bench-quality bench-scale lint clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ bench-compare: $(STAMP)
 
 bench-quality: $(STAMP)
 	$(BIN)/python bench/quality.py
+
+# Qwen3-30B-A3B's layer shapes at 1 and 3 layers on the CPU, against the planner (under 10 minutes)
+bench-scale: $(STAMP)
+	$(BIN)/python bench/scale.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

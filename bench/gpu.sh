@@ -3,15 +3,21 @@
 #   1. bench/compare.py on the device: usaf vs PEFT LoRA, full fine-tuning, inference (demo model + random
 #      Qwen3-MoE-shaped model), compare-<date>.{md,json,png};
 #   2. bench/gpu_offload.py: a Qwen3-30B-A3B-shaped model, random weights made on the device, trained with its
-#      experts in pinned host memory under an emulated 12 GB device, offload-<date>.{md,json}.
-# Logs of both go to OUT_DIR/*.log. At most 8 files, so that a device tool returns them all.
+#      experts in pinned host memory under an emulated 12 GB device, offload-<date>.{md,json};
+#   3. bench/scale.py: the scale configuration (Qwen3-30B-A3B's layer shapes at a few layer counts, seq 512, experts
+#      in host memory, default density) under the same emulated 12 GB budget, host peak against the planner, and a
+#      bf16 correctness check against transformers on the device (logits, value gradients),
+#      scale-device-<date>.{md,json}.
+# The three logs go to one OUT_DIR/gpu.log. At most 8 files in all (3 + 2 + 2 + the log): a device tool returns a
+# limited number of files per call, and this keeps every result within it.
 #
 #   bash bench/gpu.sh OUT_DIR            # on the device
 #   bash bench/gpu.sh OUT_DIR --dry-run  # everything but the device: CPU, tiny shapes (tests/test_bench_scripts.py)
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. usaf is imported from this checkout's src/. Wheels in
 # .whl/ (e.g. peft, bitsandbytes, a transformers >= 5.24 for a machine that lacks them) are installed into a
-# scratch folder first. Phase time limits: COMPARE_TIMEOUT (default 330 s), OFFLOAD_TIMEOUT (default 210 s).
+# scratch folder first. Phase time limits: COMPARE_TIMEOUT (default 270 s), OFFLOAD_TIMEOUT (default 150 s),
+# SCALE_TIMEOUT (default 150 s); SCALE_LAYERS (default "2 8") the scale run's layer counts.
 set -uo pipefail
 
 usage() { echo "usage: bash bench/gpu.sh OUT_DIR [--dry-run]" >&2; exit 2; }
@@ -76,16 +82,28 @@ if problems:
 EOF
 
 status=0
+LOG="$OUT/gpu.log"
+: >"$LOG"
 if [[ $DRY_RUN -eq 1 ]]; then
     timeout "${COMPARE_TIMEOUT:-300}" "$PY" bench/compare.py --smoke --device cpu --out "$OUT" \
-        2>&1 | tee "$OUT/compare.log" || status=1
+        2>&1 | tee -a "$LOG" || status=1
     timeout "${OFFLOAD_TIMEOUT:-180}" "$PY" bench/gpu_offload.py --dry-run --out "$OUT" \
-        2>&1 | tee "$OUT/offload.log" || status=1
+        2>&1 | tee -a "$LOG" || status=1
+    timeout "${SCALE_TIMEOUT:-180}" "$PY" bench/scale.py --dry-run --correctness --out "$OUT" \
+        2>&1 | tee -a "$LOG" || status=1
 else
-    timeout "${COMPARE_TIMEOUT:-330}" "$PY" bench/compare.py --device cuda --parallel-start 4 --out "$OUT" \
-        2>&1 | tee "$OUT/compare.log" || status=1
-    timeout "${OFFLOAD_TIMEOUT:-210}" "$PY" bench/gpu_offload.py --out "$OUT" \
-        2>&1 | tee "$OUT/offload.log" || status=1
+    timeout "${COMPARE_TIMEOUT:-270}" "$PY" bench/compare.py --device cuda --parallel-start 4 --out "$OUT" \
+        2>&1 | tee -a "$LOG" || status=1
+    timeout "${OFFLOAD_TIMEOUT:-150}" "$PY" bench/gpu_offload.py --out "$OUT" \
+        2>&1 | tee -a "$LOG" || status=1
+    # shellcheck disable=SC2086  # SCALE_LAYERS is a list of counts
+    timeout "${SCALE_TIMEOUT:-150}" "$PY" bench/scale.py --device cuda --budget-gb 12 --layers ${SCALE_LAYERS:-2 8} \
+        --correctness --out "$OUT" 2>&1 | tee -a "$LOG" || status=1
+fi
+files=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+if [[ $files -gt 8 ]]; then
+    echo "gpu.sh: $files files in $OUT, more than the 8 a device call returns" | tee -a "$LOG"
+    status=1
 fi
 echo "gpu.sh: results in $OUT (exit $status)"
 exit $status

@@ -1,5 +1,6 @@
-"""The GPU benchmark script's dry run (CPU, tiny shapes): it runs bench/compare.py --smoke and
-bench/gpu_offload.py --dry-run, so every code path of both but the device is exercised here."""
+"""The GPU benchmark script's dry run (CPU, tiny shapes): it runs bench/compare.py --smoke,
+bench/gpu_offload.py --dry-run and bench/scale.py --dry-run --correctness, so every code path of the three but the
+device is exercised here."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import compare  # noqa: E402
+import scale  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,32 @@ def test_offload_dry_run_trains_with_streamed_experts(dry_run):
     assert result["trainable"]["expert_entries"] > 0
     assert all(loss == loss for loss in result["losses"])  # no NaN
     assert "tokens/s" in only(dry_run, "offload-dry-run-*.md").read_text()
-    assert (dry_run / "compare.log").exists() and (dry_run / "offload.log").exists()
+    assert (dry_run / "gpu.log").exists()
+
+
+def test_scale_dry_run_reports_peaks_against_the_planner_split_and_correctness(dry_run):
+    result = json.loads(only(dry_run, "scale-dry-run-*.json").read_text())
+    assert result["errors"] == [], result["errors"]
+    for key in (
+        "layers",
+        "measured_peak_host_bytes",
+        "planned_peak_host_bytes",
+        "bytes_per_entry",
+        "step_seconds",
+    ):
+        assert result[key] > 0, key
+    assert [r["layers"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert set(row["split_s"]) == set(scale.CATEGORIES)
+        assert row["split_s"]["matmuls"] > 0 and row["split_s"]["sampled gradients"] > 0
+        assert row["split_s"]["dequantization"] > 0
+        assert 0 <= row["bytes_streamed_per_step"] <= row["whole_layer_bytes_per_step"]
+    assert result["rows"][-1]["bytes_streamed_per_step"] > 0  # two layers: each pass copies the other one
+    assert result["extrapolated"]["step_seconds"]["at_48"] > 0
+    assert result["correctness"]["ok"], result["correctness"]
+    text = only(dry_run, "scale-dry-run-*.md").read_text()
+    assert "planner error" in text and "python bench/scale.py" in text and "Correctness" in text
+    assert len([p for p in dry_run.iterdir() if p.is_file()]) <= 8  # what a device call returns
 
 
 def test_quality_smoke_reports_both_tasks(tmp_path):

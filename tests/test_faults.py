@@ -562,8 +562,8 @@ def test_list_options_into_a_closed_pipe_has_no_traceback():
 
 
 def test_the_demo_returns_non_zero_when_training_stops(monkeypatch, tmp_path, capsys):
-    import usaf.demo.task
     import usaf.demo.run
+    import usaf.demo.task
     from usaf.cli import main as cli
 
     monkeypatch.setattr(usaf.demo.task, "task_accuracy", lambda *args, **kwargs: 0.0)

@@ -228,12 +228,12 @@ def test_resuming_below_the_last_checkpoint_without_a_summary_is_refused(workspa
 def test_an_interrupt_outside_the_loop_exits_130_without_a_traceback(
     workspace, tmp_path, monkeypatch, capsys
 ):
-    import usaf.train.loop
+    import usaf.train.session
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # e.g. Ctrl-C while the model loads, or a second Ctrl-C in the loop
 
-    monkeypatch.setattr(usaf.train.loop, "load_model", interrupted)
+    monkeypatch.setattr(usaf.train.session, "load_model", interrupted)
     assert main(cli_args(workspace, tmp_path / "run")) == 130
     err = capsys.readouterr().err
     assert err.startswith("usaf: interrupted") and err.count("\n") == 1 and "Traceback" not in err

@@ -542,3 +542,60 @@ def test_the_backward_streams_only_the_experts_its_forward_routed_to(tmp_path):
         assert copied == routed[layer], (layer, copied, routed)
     assert any(len(copied) < experts for _, copied in down), down  # some layer routed to fewer than all
     assert not outside
+
+
+def test_the_metrics_row_counts_the_bytes_streamed_and_routed_only_backward_moves_less(tmp_path, monkeypatch):
+    """`usaf train` with host-resident experts: every metrics row carries `streamed_bytes` (host -> device bytes of
+    that step), fewer than the same steps stream when every layer is copied whole (LayerStreamer(routed_only=False));
+    device residency reports 0. Few tokens over many experts, so that a layer's backward routes to fewer than all."""
+    from helpers import write_copy_task
+
+    from usaf.config import RunConfig
+    from usaf.store import offload
+    from usaf.train.loop import train
+    from usaf.train.tokenizer import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_experts=32, num_hidden_layers=3)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    write_copy_task(tmp_path / "train.jsonl", 16)
+
+    def rows(residency, routed_only=True):
+        original = offload.LayerStreamer.__init__
+
+        def init(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self.routed_only = routed_only
+
+        monkeypatch.setattr(offload.LayerStreamer, "__init__", init)
+        run = tmp_path / f"run-{residency}-{routed_only}"
+        config = RunConfig.load(
+            None,
+            [
+                f"model.path={tmp_path / 'model'}",
+                f"data.train={tmp_path / 'train.jsonl'}",
+                "model.quant=nf4",
+                f"model.residency={residency}",
+                "model.device=cpu",
+                "model.dtype=float32",
+                "data.max_seq_len=16",
+                "data.batch_size=1",
+                "select.density=0.1",
+                "schedule.max_steps=2",
+                "schedule.warmup_steps=1",
+                "log.progress=false",
+                "log.tensorboard=false",
+            ],
+        )
+        train(config, run)
+        return [
+            json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line
+        ]
+
+    routed, whole, device = rows("host"), rows("host", routed_only=False), rows("device")
+    assert len(routed) == len(whole) == 2
+    assert all(r["streamed_bytes"] == 0 for r in device)
+    for r, w in zip(routed, whole, strict=True):
+        assert 0 < r["streamed_bytes"] < w["streamed_bytes"], (r["streamed_bytes"], w["streamed_bytes"])
+    assert [r["loss"] for r in routed] == [w["loss"] for w in whole]  # the same step, fewer bytes

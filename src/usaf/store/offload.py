@@ -130,11 +130,13 @@ class LayerStreamer:
     Going up, a layer's routing is not known before it runs, so the whole next layer is prefetched. Going down
     (the backward and its recomputation), each layer's routing is the one its forward used: only the experts that
     forward asked for are copied. An expert asked for that was not copied is fetched at once (a safe fallback,
-    counted like any other copy in `bytes_streamed`).
+    counted like any other copy in `bytes_streamed`). `routed_only=False` copies whole layers in both directions
+    (what streaming cost before; benchmarks and tests compare the two).
     """
 
-    def __init__(self, device: torch.device | str, cache_bytes: int = 0):
+    def __init__(self, device: torch.device | str, cache_bytes: int = 0, routed_only: bool = True):
         self.device = torch.device(device)
+        self.routed_only = routed_only
         self.layers: dict[int, list[StreamedParts]] = {}
         self.copies: dict[int, _LayerCopy] = {}
         self.current: int | None = None
@@ -205,7 +207,7 @@ class LayerStreamer:
     def _fill(self, layer: int, copy: _LayerCopy, non_blocking: bool) -> None:
         # going down, the layer's own forward told which experts it routes to; going up, all may be. The lowest
         # layer is where the next forward turns back up: it is copied whole.
-        partial = self.direction < 0 and layer != min(self.layers)
+        partial = self.routed_only and self.direction < 0 and layer != min(self.layers)
         routed = self.routed.get(layer) if partial else None
         for parts in self.layers[layer]:
             candidates = sorted(routed) if routed is not None else range(parts.num_experts)
@@ -249,6 +251,13 @@ def _streams_for(device: torch.device):
     if module is None or not all(hasattr(module, a) for a in ("Stream", "stream", "current_stream")):
         return None, None
     return module, module.Stream(device)
+
+
+def streamed_bytes(model) -> int:
+    """Host -> device bytes the `LayerStreamer` of `model` (a `usaf.load_prepared` model) has moved so far; 0 where
+    the experts are resident on the device (nothing streams)."""
+    streamer = (getattr(model, "usaf_store", None) or {}).get("streamer")
+    return streamer.bytes_streamed if streamer is not None else 0
 
 
 def host_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

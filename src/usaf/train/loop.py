@@ -28,6 +28,7 @@ from usaf.prepare import current_selection, trainable_summary
 from usaf.report import write_router_load
 from usaf.selection.choose import save_selection
 from usaf.selection.reselect import Reselector
+from usaf.store.offload import streamed_bytes
 from usaf.train import checkpoint, distributed, runtime
 from usaf.train.checkpoint import restore_trainable
 from usaf.train.data import Batches, collate, load_dataset
@@ -189,7 +190,7 @@ class Trainer:
             self.model.train()
             # [usaf.distributed] agree_stop: a stop request on any rank stops all after the same step
             while state.step < config.schedule.max_steps and not distributed.agree_stop(stop):
-                started = time.perf_counter()
+                started, self.streamed_before = time.perf_counter(), streamed_bytes(self.model)
                 loss, tokens = self.forward_backward()
                 grad_norm = self.optimizer_step(loss)
                 if grad_norm is None:
@@ -341,6 +342,8 @@ class Trainer:
             "tokens": state.tokens,
             "tokens_per_s": tokens / elapsed,
             "peak_memory_mb": runtime.peak_memory_bytes(self.device) / 2**20,
+            # host -> device bytes of expert data this step (0: resident on the device)
+            "streamed_bytes": streamed_bytes(self.model) - self.streamed_before,
             "skipped_steps": state.bad_steps,
             **({"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}),
             **(reselected or {}),
