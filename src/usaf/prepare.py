@@ -23,11 +23,17 @@ from usaf.store.dense import DenseStore
 
 
 @dataclass
-class Delta:
-    """The trained entries of one parameter: `values.reshape(-1)[i]` replaces `param.view(-1)[flat_indices[i]]`."""
+class TensorChange:
+    """New values of one model parameter: `values.reshape(-1)[i]` replaces `param.view(-1)[flat_indices[i]]`, or
+    the whole tensor when `flat_indices` is None. What `get_delta` returns per parameter, and what a delta file
+    holds (`usaf.export.delta.Delta`)."""
 
-    flat_indices: torch.Tensor
+    flat_indices: torch.Tensor | None
     values: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.values.numel()
 
 
 def prepare_model(
@@ -189,12 +195,12 @@ def _trained_layers(layers: list[MoELayer], config: UsafConfig) -> set[int]:
     return {by_number[i] for i in config.layers}
 
 
-def get_delta(model: nn.Module) -> dict[str, Delta]:
-    """{parameter name as in model.state_dict(): Delta} for every expert tensor with trained entries."""
+def get_delta(model: nn.Module) -> dict[str, TensorChange]:
+    """{parameter name as in model.state_dict(): TensorChange} for every expert tensor with trained entries."""
     deltas = {}
     for path, state in sparse_modules(model):
         for name, entries in state.items():
-            deltas[f"{path}.{name}"] = Delta(entries.expanded_flat_indices(), entries.values)
+            deltas[f"{path}.{name}"] = TensorChange(entries.expanded_flat_indices(), entries.values)
     if not deltas and not any(True for _ in sparse_modules(model)):
         raise UsafError("This model has not been prepared by usaf.prepare_model.")
     return deltas

@@ -16,6 +16,7 @@ from torch import nn
 
 from usaf.engine.sparse import ElementEntries
 from usaf.model.hf import gated_activation, register_experts_implementation
+from usaf.model.layout import input_projection
 
 IMPLEMENTATION_NAME = "usaf"
 
@@ -284,7 +285,7 @@ def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     state: SparseExperts = self.usaf
     plan = RoutingPlan(top_k_index, state.num_experts)
     x = TokensToRows.apply(hidden_states, plan)
-    h = state.project("gate_up_proj" if self.has_gate else "up_proj", x, plan)
+    h = state.project(input_projection(self), x, plan)
     h = gated_activation(self, h) if self.has_gate else self.act_fn(h)
     if state.observers:
         on_grad = [

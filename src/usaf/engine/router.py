@@ -32,7 +32,7 @@ from torch import nn
 from usaf.config import GUARD_ACTIONS
 from usaf.errors import UsafError
 from usaf.model.hf import decoder_body
-from usaf.model.layout import MoELayer, find_moe_layers
+from usaf.model.layout import MoELayer, find_moe_layers, hidden_size
 
 # ----------------------------------------------------------------------------------------------------------
 # capturing raw logits and routed ids
@@ -53,7 +53,7 @@ def score_projection(layer: MoELayer) -> ScoreProjection:
     (gemma4's `router.proj`) whose own parameter has shape [E, hidden]."""
     if layer.router is None:
         raise UsafError(f"MoE layer at '{layer.experts_name}' has no router module.")
-    hidden = _hidden_size(layer.experts)
+    hidden = hidden_size(layer.experts)
     for module in layer.router.modules():
         for param in module.parameters(recurse=False):
             if tuple(param.shape) == (layer.num_experts, hidden):
@@ -64,11 +64,6 @@ def score_projection(layer: MoELayer) -> ScoreProjection:
         f"No [{layer.num_experts}, {hidden}] scoring weight inside the router '{layer.router_name}' "
         f"({type(layer.router).__name__})."
     )
-
-
-def _hidden_size(experts: nn.Module) -> int:
-    down = experts.down_proj
-    return down.shape[2] if experts.is_transposed else down.shape[1]
 
 
 class RouterProbe:

@@ -19,6 +19,7 @@ from usaf.io import shards
 from usaf.io.atomic import (
     atomic_file,
 )
+from usaf.prepare import TensorChange
 from usaf.train import checkpoint
 from usaf.version import __version__
 
@@ -28,18 +29,6 @@ _CHUNK_BYTES = 64 << 20
 
 
 _INT32_LIMIT = 2**31 - 1
-
-
-@dataclass
-class TensorChange:
-    """New values of one model parameter: at sorted `flat_indices`, or the whole tensor when that is None."""
-
-    flat_indices: torch.Tensor | None
-    values: torch.Tensor  # flat, aligned with flat_indices
-
-    @property
-    def count(self) -> int:
-        return self.values.numel()
 
 
 @dataclass

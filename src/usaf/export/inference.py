@@ -11,7 +11,8 @@ from usaf.base.checkpoint import BaseCheckpoint
 from usaf.engine.installed import sparse_modules
 from usaf.engine.sparse import ElementEntries
 from usaf.errors import UsafError
-from usaf.export.delta import TensorChange, check_base, read_delta, verify_checksums
+from usaf.export.delta import check_base, read_delta, verify_checksums
+from usaf.prepare import TensorChange
 
 # ---- applying a delta to a loaded model ----------------------------------------------------------------------------
 

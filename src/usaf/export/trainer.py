@@ -10,11 +10,12 @@ import torch
 from usaf.base.checkpoint import BaseCheckpoint
 from usaf.engine.sparse import line_flat_indices
 from usaf.errors import UsafError
-from usaf.export.delta import Delta, TensorChange, sorted_change, write_delta
+from usaf.export.delta import Delta, sorted_change, write_delta
 from usaf.io import shards
 from usaf.io.source import list_shards
 from usaf.model.hf import apply_renamings
-from usaf.prepare import model_renamings
+from usaf.model.layout import input_projection, neuron_axes
+from usaf.prepare import TensorChange, model_renamings
 
 # ---- Hugging Face Trainer checkpoints ----------------------------------------------------------------------------
 
@@ -111,5 +112,5 @@ def _line_axis(layer, tensor: str, shape3, line_length: int, where: Path) -> int
                 f"{where}: lines of {line_length} values do not fit {layer.experts_name}.{tensor}."
             )
         return 1 if line_length == cols_b else 2
-    is_input = tensor != "down_proj"
-    return (2 if is_input else 1) if layer.experts.is_transposed else (1 if is_input else 2)
+    axes = neuron_axes(layer.experts)
+    return axes["down_proj"] if tensor == "down_proj" else axes[input_projection(layer.experts)]

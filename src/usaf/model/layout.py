@@ -41,6 +41,37 @@ class MoELayer:
     tensors: tuple[ExpertTensor, ...]
 
 
+# ---- an experts module's layout: every fact derived from its flags, in one place ------------------------------
+
+
+def input_projection(experts: nn.Module) -> str:
+    """The hidden -> intermediate tensor: a fused `gate_up_proj` where the experts are gated, else `up_proj`."""
+    return "gate_up_proj" if experts.has_gate else "up_proj"
+
+
+def hidden_size(experts: nn.Module) -> int:
+    down = experts.down_proj
+    return down.shape[2] if experts.is_transposed else down.shape[1]
+
+
+def intermediate_size(experts: nn.Module) -> int:
+    down = experts.down_proj
+    return down.shape[1] if experts.is_transposed else down.shape[2]
+
+
+def neuron_axes(experts: nn.Module) -> dict[str, int]:
+    """The axis of each expert weight along which a neuron is one line (row j of gate/up, column j of down)."""
+    return {
+        input_projection(experts): 2 if experts.is_transposed else 1,
+        "down_proj": 1 if experts.is_transposed else 2,
+    }
+
+
+def entries_per_neuron(stores: dict, axes: dict) -> int:
+    """Entries of one neuron over the expert's weights (gate and up both, in a fused gate_up_proj)."""
+    return sum(stores[n].shape[3 - axis] * (2 if n == "gate_up_proj" else 1) for n, axis in axes.items())
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     """True for modules decorated by transformers' `use_experts_implementation`."""
     return all(hasattr(module, flag) for flag in ("has_gate", "is_transposed", "_is_expert_parallel"))
@@ -48,7 +79,7 @@ def is_fused_experts(module: nn.Module) -> bool:
 
 def expert_tensors(experts: nn.Module, where: str) -> tuple[ExpertTensor, ...]:
     """The fused tensors of an experts module, checked against its layout flags."""
-    first = "gate_up_proj" if experts.has_gate else "up_proj"
+    first = input_projection(experts)
     names = [(first, False, True), ("down_proj", False, False)]
     if experts.has_bias:
         names += [(first + "_bias", True, True), ("down_proj_bias", True, False)]
@@ -121,9 +152,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
             raise UsafError(
                 f"'{path}' is sharded for expert parallelism; usaf trains unsharded experts only."
             )
-        down = module.down_proj
-        num_experts = down.shape[0]
-        hidden = down.shape[2] if module.is_transposed else down.shape[1]
+        num_experts, hidden = module.down_proj.shape[0], hidden_size(module)
         parent_path = path.rsplit(".", 1)[0] if "." in path else ""
         parent = modules[parent_path]
         router = _find_router(parent, module, num_experts, hidden)

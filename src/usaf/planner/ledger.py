@@ -44,7 +44,7 @@ from usaf.config import (
     UsafConfig,
 )
 from usaf.errors import UsafError
-from usaf.model.layout import find_moe_layers
+from usaf.model.layout import find_moe_layers, intermediate_size
 from usaf.model.targets import DENSE_TARGETS, find_target_weights
 from usaf.quant import get_format
 
@@ -438,7 +438,6 @@ def _shape_from_skeleton(config: dict, name: str) -> ModelShape:
         elif id(param) not in expert_ids:
             dense += param.numel()
     first = layers[0]
-    down = first.experts.down_proj
     qk_norm = any(n.endswith(("q_norm", "k_norm")) for n, _ in model.named_modules())
     head = model.get_output_embeddings()
     roles = [
@@ -462,7 +461,7 @@ def _shape_from_skeleton(config: dict, name: str) -> ModelShape:
         num_moe_layers=len(layers),
         num_experts=first.num_experts,
         experts_per_token=_experts_per_token(text),
-        moe_intermediate=int(down.shape[1] if first.experts.is_transposed else down.shape[2]),
+        moe_intermediate=intermediate_size(first.experts),
         expert_matrices=tuple((n, r, c) for (r, c), n in sorted(matrices.items())),
         expert_biases=expert_biases,
         router_params=router,

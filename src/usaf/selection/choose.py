@@ -19,6 +19,7 @@ import torch
 
 from usaf.errors import UsafError
 from usaf.io.atomic import atomic_file, atomic_json
+from usaf.model.layout import entries_per_neuron, intermediate_size, neuron_axes
 from usaf.selection import calibrate
 
 
@@ -124,17 +125,6 @@ def hot_experts(share: torch.Tensor, coverage: float, needed: int = 0, capacity:
     return sorted(chosen)
 
 
-def neuron_axes(experts) -> dict[str, int]:
-    """The axis of each expert weight along which a neuron is one line (row j of gate/up, column j of down)."""
-    first = "gate_up_proj" if experts.has_gate else "up_proj"
-    return {first: 2 if experts.is_transposed else 1, "down_proj": 1 if experts.is_transposed else 2}
-
-
-def intermediate_size(experts) -> int:
-    down = experts.down_proj
-    return down.shape[1] if experts.is_transposed else down.shape[2]
-
-
 def neuron_line_ids(experts, name: str, neurons: torch.Tensor, lines_per_expert: int) -> torch.Tensor:
     """Sorted line ids (expert * lines_per_expert + line) of neurons (expert * I + j) in tensor `name`."""
     size = intermediate_size(experts)
@@ -143,10 +133,6 @@ def neuron_line_ids(experts, name: str, neurons: torch.Tensor, lines_per_expert:
     lines = neuron_lines(j, size, gate, experts.is_concatenated)
     owners = torch.cat([expert, expert]) if gate else expert
     return (owners * lines_per_expert + lines).sort().values
-
-
-def entries_per_neuron(stores: dict, axes: dict) -> int:
-    return sum(stores[n].shape[3 - axis] * (2 if n == "gate_up_proj" else 1) for n, axis in axes.items())
 
 
 def magnitude_neuron_scores(experts, stores, axes) -> torch.Tensor:

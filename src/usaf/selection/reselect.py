@@ -26,8 +26,8 @@ from usaf.engine.installed import sparse_experts, sparse_modules
 from usaf.engine.sparse import LineProbe, line_flat_indices
 from usaf.engine.sparse_weights import SparseWeight
 from usaf.errors import UsafError
-from usaf.model.layout import find_moe_layers
-from usaf.selection.choose import intermediate_size, neuron_axes, neuron_line_ids
+from usaf.model.layout import find_moe_layers, intermediate_size, neuron_axes
+from usaf.selection.choose import neuron_line_ids
 
 
 class _NeuronImportance:
