@@ -385,3 +385,27 @@ def test_reselection_probes_are_counted_and_go_with_no_reselect():
     assert with_probes["reselection probes"].device == int(4 * 4 * 0.3 * entries)
     without = ledger(planner.plan(shape, settings.replace(reselect=False), gpu, ram=32 * GiB))
     assert "reselection probes" not in without
+
+
+def test_plan_config_plans_the_runs_own_configuration(capsys, tmp_path):
+    """`usaf plan --config run.yaml` reads the same keys `usaf train` does (and the same defaults for the rest);
+    a flag beside it overrides it."""
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        "model:\n  path: qwen3-30b-a3b\n  quant: nf4\n  residency: host\n"
+        "data:\n  max_seq_len: 1024\n  batch_size: 2\nselect:\n  density: 0.02\n  reselect_every: 0\n"
+        "optim:\n  moments: fp32\n"
+    )
+    memory = ["--vram", "12GB", "--ram", "64GB"]
+    code, from_config, _ = run_cli(capsys, "--config", str(run), *memory)
+    flags = ["--seq", "1024", "--batch", "2", "--density", "0.02", "--residency", "host", "--no-reselect"]
+    code_flags, from_flags, _ = run_cli(
+        capsys, "--model", "qwen3-30b-a3b", *flags, "--optimizer", "adamw-fp32", *memory
+    )
+    assert (code, from_config) == (code_flags, from_flags)
+    assert "seq 1024 x batch 2, density 0.02" in from_config and "adamw-fp32" in from_config
+    _, overridden, _ = run_cli(capsys, "--config", str(run), "--seq", "4096", *memory)
+    assert "seq 4096 x batch 2, density 0.02" in overridden
+    run.write_text("data:\n  max_seq_len: 1024\n")
+    code, _, err = run_cli(capsys, "--config", str(run), *memory)
+    assert code == 2 and "needs --model (or --config with a model.path)" in err

@@ -25,6 +25,7 @@ DEFAULT_RESELECT_EVERY = 10
 # 512 tokens x a 151 k vocabulary is 0.9 GB of logits (fp32 with their gradient): what keeps Qwen3-30B-A3B at 1 % with
 # reselection's probe windows within 12 GB; the loss is the same for any chunk, and 512 rows still fill a GPU's matmul
 DEFAULT_LOGITS_CHUNK = 512
+DEFAULT_WORKSPACE_MB = 256  # select.workspace_mb: one projection's dequantized routed-expert workspace
 
 
 def option(default, doc: str, choices: tuple | None = None, bounds: str | None = None):
@@ -148,7 +149,9 @@ class UsafConfig:
         None, "decoder layer numbers to train (None: all, with the embedding and output layer)"
     )
     workspace_mb: int = option(
-        256, "bound (MB) on one projection's dequantized routed-expert workspace", bounds="[1, inf)"
+        DEFAULT_WORKSPACE_MB,
+        "bound (MB) on one projection's dequantized routed-expert workspace",
+        bounds="[1, inf)",
     )
 
     def __post_init__(self) -> None:

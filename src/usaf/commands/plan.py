@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import re
 
-from usaf.config import DEFAULT_DENSITY, DEFAULT_LOGITS_CHUNK, DEFAULT_TARGETS
+from usaf.config import (
+    DEFAULT_DENSITY,
+    DEFAULT_LOGITS_CHUNK,
+    DEFAULT_TARGETS,
+    DEFAULT_WORKSPACE_MB,
+    RunConfig,
+)
 from usaf.errors import UsafError
 
 
@@ -19,8 +25,15 @@ def add_command(subparsers) -> None:
     )
     p.add_argument(
         "--model",
-        required=True,
-        help=f"model directory, config.json, or a preset: {', '.join(planner.list_presets())}",
+        default=None,
+        help=f"model directory, config.json, or a preset: {', '.join(planner.list_presets())} "
+        "(default with --config: its model.path)",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="plan a run's own configuration (YAML, as `usaf train --config`): its sequence, batch, selection, "
+        "storage and optimizer; flags given beside it override it",
     )
     p.add_argument(
         "--device",
@@ -84,7 +97,12 @@ def add_command(subparsers) -> None:
         choices=list(planner.DTYPE_BYTES),
         help="compute and dense-weight dtype (default bf16 on GPUs, fp32 on the CPU)",
     )
-    p.add_argument("--workspace-mb", type=int, default=256, help="dequantized routed-expert workspace bound")
+    p.add_argument(
+        "--workspace-mb",
+        type=int,
+        default=DEFAULT_WORKSPACE_MB,
+        help=f"dequantized routed-expert workspace bound (default {DEFAULT_WORKSPACE_MB}, as select.workspace_mb)",
+    )
     p.set_defaults(func=run)
 
 
@@ -134,7 +152,6 @@ def run(args: argparse.Namespace) -> int:
     from usaf.planner import ledger as planner
 
     _check_numbers(args)
-    name, config = planner.load_model_config(args.model)
     device, vram = _device(args)
     ram = memory_size(args.ram, "--ram") if args.ram is not None else None
     settings = planner.PlanSettings(
@@ -152,7 +169,49 @@ def run(args: argparse.Namespace) -> int:
         workspace_mb=args.workspace_mb,
         targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()),
     )
+    model, residency = args.model, args.residency
+    if args.config is not None:
+        run_config = RunConfig.load(args.config)
+        model = model or run_config.model.path
+        residency = residency if residency != "auto" else run_config.model.residency
+        settings = _given_flags_over(planner.settings_for_run(run_config, settings.dtype), settings, args)
+    if not model:
+        raise UsafError("usaf plan needs --model (or --config with a model.path).")
+    name, config = planner.load_model_config(model)
     shape = planner.model_shape(config, name)
-    verdict = planner.decide(shape, settings, device, vram, ram, residency=args.residency)
-    print(planner.format_verdict(args.model, verdict))
+    verdict = planner.decide(shape, settings, device, vram, ram, residency=residency)
+    print(planner.format_verdict(model, verdict))
     return 0 if verdict.status != "does not fit" else 1
+
+
+# the flags a run's configuration also sets, and the settings field each one fills
+_FLAG_FIELDS = {
+    "seq": "seq",
+    "batch": "batch",
+    "density": "density",
+    "quant": "quant",
+    "granularity": "granularity",
+    "logits_chunk": "logits_chunk",
+    "optimizer": "optimizer",
+    "workspace_mb": "workspace_mb",
+    "targets": "targets",
+    "no_recompute": "recompute",
+    "no_reselect": "reselect",
+}
+
+
+def _given_flags_over(from_config, from_flags, args):
+    """The run's settings, with every flag the user gave (a value other than the flag's default) on top."""
+    defaults = _parser_defaults()
+    given = {
+        field: getattr(from_flags, field)
+        for flag, field in _FLAG_FIELDS.items()
+        if getattr(args, flag) != defaults[flag]
+    }
+    return from_config.replace(**given)
+
+
+def _parser_defaults() -> dict:
+    parser = argparse.ArgumentParser()
+    add_command(parser.add_subparsers())
+    return vars(parser.parse_args(["plan", "--model", "x"]))

@@ -39,8 +39,10 @@ from usaf.config import (
     DEFAULT_LOGITS_CHUNK,
     DEFAULT_RESELECT_EVERY,
     DEFAULT_TARGETS,
+    DEFAULT_WORKSPACE_MB,
     RESIDENCIES,
     TARGETS,
+    RunConfig,
     UsafConfig,
 )
 from usaf.errors import UsafError
@@ -165,7 +167,7 @@ class PlanSettings:
     logits_chunk: int = DEFAULT_LOGITS_CHUNK  # train.logits_chunk_tokens
     optimizer: str = "adamw"
     dtype: str = "bf16"
-    workspace_mb: int = 256
+    workspace_mb: int = DEFAULT_WORKSPACE_MB  # select.workspace_mb
     targets: tuple = DEFAULT_TARGETS  # select.targets: which weights hold trained entries
 
     def __post_init__(self):
@@ -1174,3 +1176,33 @@ def format_verdict(model: str, v: Verdict) -> str:
             format_plan(sp),
         ]
     return "\n".join(lines)
+
+
+# ---- a run's own configuration ---------------------------------------------------------------------------------
+
+
+def settings_for_run(config: RunConfig, dtype: str) -> PlanSettings:
+    """The plan of a run's configuration (`usaf plan --config run.yaml`, and `train.recompute=auto`): the same
+    sequence, batch, selection, storage, chunking and optimizer state the run will have."""
+    return PlanSettings(
+        seq=config.data.max_seq_len,
+        batch=config.data.batch_size,
+        density=config.select.density,
+        quant=config.model.quant,
+        granularity=config.select.granularity,
+        residency=config.model.residency,
+        recompute=config.train.recompute is not False,
+        logits_chunk=config.train.logits_chunk_tokens,
+        optimizer=run_optimizer(config),
+        reselect=config.select.reselect_every > 0,
+        dtype=dtype,
+        workspace_mb=config.select.workspace_mb,
+        targets=tuple(config.select.targets),
+    )
+
+
+def run_optimizer(config: RunConfig) -> str:
+    """The planner's name for a run's optimizer state (`usaf.train.optim.build_optimizer`)."""
+    if config.optim.eight_bit:
+        return "adamw8bit"
+    return "adamw" if config.optim.moments == "bf16" else "adamw-fp32"

@@ -41,7 +41,7 @@ def choose_recompute(config, device: torch.device, dtype: torch.dtype) -> Recomp
         return RecomputeChoice(True, f"recompute: on (train.recompute=auto: {err})")
     try:
         shape = planner.model_shape(_model_config(config.model.path), Path(config.model.path).name)
-        settings = _settings(config, dtype, planner)
+        settings = planner.settings_for_run(config, _DTYPES.get(dtype, "fp32"))
     except Exception as err:
         return RecomputeChoice(
             True,
@@ -90,30 +90,6 @@ def _model_config(path: str) -> dict:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(path).to_dict()
-
-
-def _settings(config, dtype: torch.dtype, planner):
-    return planner.PlanSettings(
-        seq=config.data.max_seq_len,
-        batch=config.data.batch_size,
-        density=config.select.density,
-        quant=config.model.quant,
-        granularity=config.select.granularity,
-        residency=config.model.residency,
-        logits_chunk=config.train.logits_chunk_tokens,
-        optimizer=_optimizer(config),
-        reselect=config.select.reselect_every > 0,
-        dtype=_DTYPES.get(dtype, "fp32"),
-        workspace_mb=config.select.workspace_mb,
-        targets=tuple(config.select.targets),
-    )
-
-
-def _optimizer(config) -> str:
-    """The planner's name for the run's optimizer state (`build_optimizer`)."""
-    if config.optim.eight_bit:
-        return "adamw8bit"
-    return "adamw" if config.optim.moments == "bf16" else "adamw-fp32"
 
 
 def _activations(p) -> float:
