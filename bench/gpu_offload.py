@@ -33,7 +33,8 @@ from transformers import AutoConfig
 import usaf
 from usaf.model.hf import build_skeleton, compute_missing_buffers
 from usaf.model.layout import find_moe_layers
-from usaf.planner.ledger import format_size, load_model_config
+from usaf.planner.shape import load_model_config
+from usaf.planner.sizes import format_size
 from usaf.quant import get_format, resolve_format
 from usaf.store.dense import StoredExpertTensor
 from usaf.store.offload import LayerStreamer, StreamedParts

@@ -164,7 +164,7 @@ def child(case: dict, store: str | None) -> dict:
 
 
 def predict(case: dict) -> dict:
-    from usaf.planner import ledger as planner
+    from usaf import planner
     from usaf.testing.tiny import tiny_config
 
     config = tiny_config(case["family"], **case["model"]).to_dict()

@@ -149,7 +149,7 @@ def shape_for(layers: int, dry_run: bool) -> dict:
 
 
 def planned(shape: dict, args, fmt_name: str, recompute: bool, gpu: bool) -> dict:
-    from usaf.planner import ledger as planner
+    from usaf import planner
 
     config = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], **shape}
     model_shape = planner.model_shape(config, f"qwen3-30b-a3b-{shape['num_hidden_layers']}l")
@@ -180,7 +180,7 @@ def planned(shape: dict, args, fmt_name: str, recompute: bool, gpu: bool) -> dic
 
 
 def _bytes_per_entry(p) -> float:
-    from usaf.planner import ledger as planner
+    from usaf import planner
 
     entries = planner.trained_entries(p.shape, p.settings.replace(targets=("experts",)))
     line = next(line for line in p.lines if line.name == "sparse state + optimizer")
@@ -192,7 +192,7 @@ def child(args) -> dict:
 
     import usaf
     from usaf.config import DEFAULT_LOGITS_CHUNK
-    from usaf.planner.ledger import format_size
+    from usaf.planner.sizes import format_size
 
     torch.set_num_threads(args.threads)
     gpu = args.device != "cpu"
@@ -307,9 +307,9 @@ def child(args) -> dict:
 
 
 def common_ram() -> int:
-    from usaf.planner.ledger import _machine_ram
+    from usaf.planner.ledger import machine_ram
 
-    return _machine_ram()
+    return machine_ram()
 
 
 # ---- correctness against transformers ---------------------------------------------------------------------------
@@ -414,7 +414,7 @@ def planned_48(args, fmt_name: str, dry_run: bool, gpu: bool) -> dict:
 
 
 def markdown(result: dict) -> str:
-    from usaf.planner.ledger import format_size
+    from usaf.planner.sizes import format_size
 
     rows = result["rows"]
     head = rows[-1]

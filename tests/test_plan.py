@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 
+from usaf import planner
 from usaf.cli import main
 from usaf.errors import UsafError
-from usaf.planner import ledger as planner
 
 GiB = 1 << 30
 
@@ -368,7 +368,8 @@ def test_the_ledger_counts_trained_routers_in_fp32_as_the_engine_trains_them():
 
 def test_suggested_command_lines_give_sizes_with_a_unit():
     """`usaf plan` refuses a bare number as a size, so the command lines it prints never contain one."""
-    from usaf.planner.ledger import _size_arg, parse_size
+    from usaf.planner.format import _size_arg
+    from usaf.planner.sizes import parse_size
 
     for size in (12 << 30, 3 << 20, 5 << 10, 4097):
         text = _size_arg(size)

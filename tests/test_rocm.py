@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from usaf.planner import ledger as planner
+from usaf import planner
 from usaf.train import runtime
 
 ROOT = Path(__file__).resolve().parents[1]

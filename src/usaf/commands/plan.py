@@ -16,7 +16,7 @@ from usaf.errors import UsafError
 
 
 def add_command(subparsers) -> None:
-    from usaf.planner import ledger as planner
+    from usaf import planner
 
     p = subparsers.add_parser(
         "plan",
@@ -108,7 +108,7 @@ def add_command(subparsers) -> None:
 
 def memory_size(text: str, flag: str) -> int:
     """--vram / --ram: a size with its unit, above zero ('12' alone would be 12 bytes: refused)."""
-    from usaf.planner import ledger as planner
+    from usaf import planner
 
     value = str(text).strip()
     if value.startswith("-"):
@@ -135,7 +135,7 @@ def _check_numbers(args) -> None:
 
 
 def _device(args) -> tuple:
-    from usaf.planner import ledger as planner
+    from usaf import planner
 
     vram = memory_size(args.vram, "--vram") if args.vram is not None else None
     if args.device is None:
@@ -149,7 +149,7 @@ def _device(args) -> tuple:
 
 
 def run(args: argparse.Namespace) -> int:
-    from usaf.planner import ledger as planner
+    from usaf import planner
 
     _check_numbers(args)
     device, vram = _device(args)

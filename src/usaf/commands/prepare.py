@@ -41,7 +41,7 @@ def add_command(subparsers) -> None:
 
 def _run(args) -> int:
     from usaf.base.load import prepare_store, read_store_metadata
-    from usaf.planner.ledger import format_size
+    from usaf.planner.sizes import format_size
 
     _check_model_dir(Path(args.model_dir))
     start = time.time()

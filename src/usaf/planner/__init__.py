@@ -1,1 +1,65 @@
-"""The memory planner: a run's ledger, verdict and step-time estimate from a model's config alone."""
+"""The memory planner: a run's ledger, verdict and step-time estimate from a model's config alone.
+
+sizes -> settings (devices, formats, PlanSettings) -> shape (a model's parameters by role) -> ledger (`plan`: where
+every byte goes, in which phase) -> search (the verdict, and settings that fit) -> format (the text)."""
+
+from usaf.config import RESIDENCIES
+from usaf.planner.format import command_line, format_plan, format_verdict
+from usaf.planner.ledger import (
+    LedgerLine,
+    Plan,
+    StepTime,
+    machine_ram,
+    plan,
+    trained_entries,
+    trained_router_params,
+)
+from usaf.planner.search import Verdict, decide, search
+from usaf.planner.settings import (
+    DEVICES,
+    DTYPE_BYTES,
+    OPTIMIZERS,
+    QUANTS,
+    Device,
+    PlanSettings,
+    default_dtype,
+    run_optimizer,
+    settings_for_run,
+)
+from usaf.planner.shape import ModelShape, list_presets, load_model_config, model_shape
+from usaf.planner.sizes import GiB, MiB, format_count, format_size, parse_size
+
+__all__ = [
+    "DEVICES",
+    "DTYPE_BYTES",
+    "OPTIMIZERS",
+    "QUANTS",
+    "RESIDENCIES",
+    "Device",
+    "GiB",
+    "LedgerLine",
+    "MiB",
+    "ModelShape",
+    "Plan",
+    "PlanSettings",
+    "StepTime",
+    "Verdict",
+    "command_line",
+    "decide",
+    "default_dtype",
+    "format_count",
+    "format_plan",
+    "format_size",
+    "format_verdict",
+    "list_presets",
+    "load_model_config",
+    "machine_ram",
+    "model_shape",
+    "parse_size",
+    "plan",
+    "run_optimizer",
+    "search",
+    "settings_for_run",
+    "trained_entries",
+    "trained_router_params",
+]

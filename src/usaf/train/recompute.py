@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
+from usaf import planner
 from usaf.errors import UsafError, first_line
-from usaf.planner import ledger as planner
-from usaf.planner.ledger import format_size, load_model_config
+from usaf.planner.shape import load_model_config
+from usaf.planner.sizes import format_size
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -68,7 +69,7 @@ def _budget(config, device: torch.device, planner) -> tuple[int, str, object]:
     """(bytes, how the budget reads, the planner's Device) for the run's device."""
     limit = planner.parse_size(config.train.memory_limit) if config.train.memory_limit else None
     if device.type == "cpu":
-        ram = limit if limit is not None else planner._machine_ram()
+        ram = limit if limit is not None else planner.machine_ram()
         where = "train.memory_limit" if limit is not None else "the machine's RAM"
         return ram, f"{planner.format_size(ram)} ({where})", planner.DEVICES["cpu"]
     if limit is None:

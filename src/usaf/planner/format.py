@@ -1,0 +1,123 @@
+"""Plans and verdicts as text: the ledger table, the step-time estimate, and the command line that fits."""
+
+from __future__ import annotations
+
+from usaf.planner.ledger import Plan
+from usaf.planner.search import Verdict
+from usaf.planner.settings import PlanSettings, default_dtype
+from usaf.planner.sizes import GiB, MiB, format_count, format_size
+
+
+def _size_arg(num_bytes: int) -> str:
+    for unit, scale in (("GB", GiB), ("MB", MiB), ("KB", 1024)):
+        if num_bytes % scale == 0:
+            return f"{num_bytes // scale}{unit}"
+    return f"{num_bytes}B"  # sizes are always given with a unit (a bare number is refused)
+
+
+def command_line(model: str, p: Plan) -> str:
+    """`usaf plan` arguments that reproduce this plan."""
+    s, defaults = p.settings, PlanSettings()
+    parts = [f"usaf plan --model {model} --device {p.device.name}"]
+    if p.device.is_gpu:
+        parts.append(f"--vram {_size_arg(p.vram)}")
+    parts += [
+        f"--ram {_size_arg(p.ram)}",
+        f"--seq {s.seq}",
+        f"--batch {s.batch}",
+        f"--density {s.density:g}",
+        f"--quant {s.quant}",
+        f"--residency {s.residency}",
+        f"--logits-chunk {s.logits_chunk}",
+    ]
+    flags = [
+        (s.granularity != defaults.granularity, f"--granularity {s.granularity}"),
+        (s.quant_dense, "--quant-dense"),
+        (not s.recompute, "--no-recompute"),
+        (s.optimizer != defaults.optimizer, f"--optimizer {s.optimizer}"),
+        (s.dtype != default_dtype(p.device), f"--dtype {s.dtype}"),
+        (s.workspace_mb != defaults.workspace_mb, f"--workspace-mb {s.workspace_mb}"),
+    ]
+    return " ".join(parts + [flag for wanted, flag in flags if wanted])
+
+
+def format_plan(p: Plan) -> str:
+    """The ledger as a table: device and host columns (one memory column on the CPU), peak marks, totals."""
+    shape, s, gpu = p.shape, p.settings, p.device.is_gpu
+    out = [
+        f"{shape.name} ({shape.model_type}): {format_count(shape.total_params)} parameters, "
+        f"{format_count(shape.active_params)} active per token (shapes from the {shape.shapes_from})",
+        f"settings: seq {s.seq} x batch {s.batch}, density {s.density:g} ({s.granularity}), experts {s.quant}, "
+        f"compute {s.dtype}, residency {s.residency}, recompute {'on' if s.recompute else 'off'}, "
+        f"logits chunk {s.logits_chunk}, {s.optimizer}",
+    ]
+    width = max(len(line.name) for line in p.lines) + 2
+    columns = ("device", "host") if gpu else ("memory",)
+    out.append(" " * width + "".join(f"{c:>10}" for c in columns) + "  at peak           detail")
+    for line in p.lines:
+        values = (line.device, line.host) if gpu else (line.device,)
+        when = (
+            "yes" if line.persistent or p.peak_phase in line.phases else f"({', '.join(sorted(line.phases))})"
+        )
+        out.append(
+            f"{line.name:{width}}"
+            + "".join(f"{format_size(v):>10}" for v in values)
+            + f"  {when:17} {line.detail}"
+        )
+    peaks = (p.device_peak, p.host_peak) if gpu else (p.device_peak,)
+    budgets = (p.vram, p.ram) if gpu else (p.ram,)
+    out.append(
+        f"{'peak':{width}}"
+        + "".join(f"{format_size(v):>10}" for v in peaks)
+        + f"  during the {p.peak_phase or 'whole run'}"
+    )
+    out.append(f"{'available':{width}}" + "".join(f"{format_size(v):>10}" for v in budgets))
+    st = p.step
+    out.append(
+        f"step ~ {st.seconds:.2f} s on {p.device.name}: compute {st.compute_s:.2f} s ({st.flops / 1e12:.1f} "
+        f"TFLOP), memory traffic {st.memory_s:.2f} s, streaming {st.streaming_s:.2f} s -> {st.dominant} "
+        "dominates"
+    )
+    out += [f"note: {note}" for note in p.notes]
+    return "\n".join(out)
+
+
+def format_verdict(model: str, v: Verdict) -> str:
+    """The ledger of the configuration that fits (or of the request, when nothing does), the verdict, and the
+    command line of the settings to use instead."""
+    chosen = v.chosen
+    if v.status == "fits on device":
+        spare = format_size(chosen.device_budget - chosen.device_peak)
+        return f"{format_plan(chosen)}\n\nverdict: fits on device ({spare} to spare)"
+    if v.status == "needs host offload":
+        lines = [
+            format_plan(chosen),
+            "",
+            f"verdict: needs host offload - the experts live in {'host memory' if chosen.settings.residency == 'host' else 'a memory map'} "
+            f"and stream to the device per layer (on the device alone: {format_size(v.requested.device_peak)} "
+            f"of {format_size(v.requested.device_budget)})",
+        ]
+        if v.on_device is not None:
+            lines.append(
+                f"to fit on the device instead ({format_size(v.on_device.device_peak)}, step "
+                f"~ {v.on_device.step.seconds:.2f} s):\n  {command_line(model, v.on_device)}"
+            )
+        return "\n".join(lines)
+    need = f"{format_size(chosen.device_peak)} of {format_size(chosen.device_budget)}"
+    if chosen.device.is_gpu and chosen.host_peak > chosen.ram:
+        need += f" on the device, {format_size(chosen.host_peak)} of {format_size(chosen.ram)} host"
+    lines = [format_plan(chosen), "", f"verdict: does not fit (needs {need})"]
+    if v.suggestion is None:
+        lines.append(
+            "nothing searched fits (residency, quantization, batch, sequence, density, logits chunk): "
+            "a larger device or more host memory is needed"
+        )
+    else:
+        sp = v.suggestion
+        lines += [
+            f"settings that fit ({format_size(sp.device_peak)} on the device, step ~ {sp.step.seconds:.2f} s):",
+            f"  {command_line(model, sp)}",
+            "",
+            format_plan(sp),
+        ]
+    return "\n".join(lines)

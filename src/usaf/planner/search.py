@@ -1,0 +1,107 @@
+"""The verdict on a plan, and the search for settings that fit when it does not (cheapest changes first)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from usaf.config import (
+    RESIDENCIES,
+)
+from usaf.planner.ledger import Plan, plan
+from usaf.planner.settings import QUANT_ORDER, Device, PlanSettings
+from usaf.planner.shape import ModelShape
+
+
+@dataclass
+class Verdict:
+    """The requested settings' plan, the one chosen, and what to change when it does not fit."""
+
+    requested: Plan  # the requested settings, experts on the device (or at the requested residency)
+    chosen: Plan  # the requested settings at the first residency that fits (else `requested`)
+    status: str  # "fits on device" | "needs host offload" | "does not fit"
+    suggestion: Plan | None = None  # the nearest settings that fit, when nothing requested does
+    on_device: Plan | None = None  # when offloading: the nearest settings that fit on the device alone
+
+
+def decide(
+    shape: ModelShape,
+    settings: PlanSettings,
+    device: Device,
+    vram: int | None = None,
+    ram: int | None = None,
+    residency: str = "auto",
+) -> Verdict:
+    """Plan at `residency` ("auto": the device, else host memory, else a memory map) and search when it fails."""
+    order = (RESIDENCIES if device.is_gpu else ("device", "mmap")) if residency == "auto" else (residency,)
+    plans = [plan(shape, settings.replace(residency=r), device, vram, ram) for r in order]
+    fitting = [p for p in plans if p.fits]
+    if fitting:
+        chosen = fitting[0]
+        on_device = chosen.settings.residency == "device"
+        verdict = Verdict(plans[0], chosen, "fits on device" if on_device else "needs host offload")
+        if not on_device:
+            verdict.on_device = search(shape, settings, device, vram, ram, residencies=("device",))
+        return verdict
+    verdict = Verdict(plans[0], plans[0], "does not fit")
+    verdict.suggestion = search(shape, settings, device, vram, ram, residencies=order) or search(
+        shape, settings, device, vram, ram
+    )
+    return verdict
+
+
+def _halvings(value: int, floor: int) -> list[int]:
+    values = [value]
+    while values[-1] // 2 >= floor:
+        values.append(values[-1] // 2)
+    return values
+
+
+# Cost of each change away from the requested settings: streaming the experts, coarser quantization and lower
+# density change speed or quality; a smaller batch is recovered by gradient accumulation; a shorter sequence
+# changes what the model sees; a smaller logits chunk only costs speed.
+COSTS = {"residency": 1.0, "quant": 1.0, "batch": 0.5, "seq": 2.0, "density": 1.5, "logits_chunk": 0.25}
+
+
+def search(
+    shape: ModelShape,
+    settings: PlanSettings,
+    device: Device,
+    vram: int | None = None,
+    ram: int | None = None,
+    residencies=RESIDENCIES,
+) -> Plan | None:
+    """The fitting settings nearest to `settings` (least total cost of changes, then the fastest step), over
+    residency, quantization, batch, sequence length, density and logits chunk."""
+    if not device.is_gpu:
+        residencies = tuple(r for r in residencies if r != "host") or ("device",)
+    quants = QUANT_ORDER[QUANT_ORDER.index(settings.quant) :]
+    best, best_key = None, None
+    for r_cost, residency in enumerate(residencies):
+        for q_cost, quant in enumerate(quants):
+            for b_cost, batch in enumerate(_halvings(settings.batch, 1)):
+                for s_cost, seq in enumerate(_halvings(settings.seq, 128)):
+                    for d_cost, density in enumerate(settings.density / 2**n for n in range(8)):
+                        for c_cost, chunk in enumerate(_halvings(settings.logits_chunk, 64)):
+                            cost = (
+                                COSTS["residency"] * r_cost
+                                + COSTS["quant"] * q_cost
+                                + COSTS["batch"] * b_cost
+                                + COSTS["seq"] * s_cost
+                                + COSTS["density"] * d_cost
+                                + COSTS["logits_chunk"] * c_cost
+                            )
+                            if best_key is not None and cost > best_key[0]:
+                                continue
+                            candidate = settings.replace(
+                                residency=residency,
+                                quant=quant,
+                                batch=batch,
+                                seq=seq,
+                                density=density,
+                                logits_chunk=chunk,
+                            )
+                            p = plan(shape, candidate, device, vram, ram)
+                            key = (cost, p.step.seconds)
+                            if p.fits and (best_key is None or key < best_key):
+                                best, best_key = p, key
+    return best
