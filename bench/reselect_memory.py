@@ -45,8 +45,8 @@ def child(args) -> None:
     from common import TensorPeak, proc_status_bytes, reset_peak_rss
 
     import usaf
-    from usaf.engine.loss import causal_lm_loss
     from usaf.selection.reselect import Reselector
+    from usaf.testing.steps import training_step
     from usaf.testing.tiny import tiny_model
 
     torch.set_num_threads(args.threads)
@@ -80,17 +80,7 @@ def child(args) -> None:
     for step in range(1, args.steps + 1):
         batch = batches[step % len(batches)]
         with TensorPeak() as peak:
-            if reselector is not None:
-                reselector.before_step(step)
-                reselector.set_observing(True)
-            loss = causal_lm_loss(model, batch["input_ids"], batch["labels"])
-            if reselector is not None:
-                reselector.set_observing(False)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            done = reselector.after_step(step, optimizer) if reselector is not None else None
-            del loss
+            done = training_step(model, optimizer, batch["input_ids"], batch["labels"], reselector, step)
         reselections += done is not None
         steps.append({"step": step, "live_peak_bytes": peak.peak, "reselected": done is not None})
     print(

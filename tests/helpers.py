@@ -116,13 +116,6 @@ def losses(run_dir: Path) -> dict[int, float]:
 def reselecting_step(model, optimizer, reselector, step: int, ids, reselect: bool = True):
     """One optimizer step on `ids` as usaf's loop runs it with reselection; returns the reselection's report
     (`reselect=False`: the step up to, not including, the reselection that may follow it)."""
-    from usaf.engine.loss import causal_lm_loss
+    from usaf.testing.steps import training_step
 
-    reselector.before_step(step)
-    reselector.set_observing(True)
-    loss = causal_lm_loss(model, ids, ids)
-    reselector.set_observing(False)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return reselector.after_step(step, optimizer) if reselect else None
+    return training_step(model, optimizer, ids, reselector=reselector, step=step, reselect=reselect)

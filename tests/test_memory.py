@@ -12,9 +12,9 @@ from helpers import FAST_RUN, make_model_dir, write_copy_task
 
 import usaf
 from usaf.config import RunConfig
-from usaf.engine.loss import causal_lm_loss
 from usaf.errors import UsafError
 from usaf.selection.reselect import Reselector
+from usaf.testing.steps import training_step
 from usaf.testing.tiny import tiny_model
 from usaf.train.recompute import choose_recompute, decide
 
@@ -69,17 +69,8 @@ def _run(reselect_every: int, steps: int = 6):
     for step in range(1, steps + 1):
         batch = batches[step % len(batches)]
         with TensorPeak() as peak:
-            if reselector is not None:
-                reselector.before_step(step)
-                reselector.set_observing(True)
-            loss = causal_lm_loss(model, batch["input_ids"], batch["labels"])
-            if reselector is not None:
-                reselector.set_observing(False)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            reselections += bool(reselector is not None and reselector.after_step(step, optimizer))
-            del loss
+            report = training_step(model, optimizer, batch["input_ids"], batch["labels"], reselector, step)
+            reselections += bool(report)
         peaks.append(peak.peak)
     return calibration.peak, peaks, reselections
 

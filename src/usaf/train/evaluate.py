@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -53,8 +54,6 @@ def evaluate(
 
 def evaluate_target(target: str, data_files: list[str], overrides: list[str]) -> dict:
     """`usaf eval`: a model directory as it is, or a run directory with its latest checkpoint applied."""
-    from pathlib import Path
-
     run_dir = Path(target)
     is_run = (run_dir / CONFIG_FILE).exists()
     if is_run:

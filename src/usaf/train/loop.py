@@ -190,12 +190,14 @@ class Trainer:
             self.model.train()
             # [usaf.distributed] agree_stop: a stop request on any rank stops all after the same step
             while state.step < config.schedule.max_steps and not distributed.agree_stop(stop):
-                started, self.streamed_before = time.perf_counter(), streamed_bytes(self.model)
+                started, streamed_before = time.perf_counter(), streamed_bytes(self.model)
                 loss, tokens = self.forward_backward()
                 grad_norm = self.optimizer_step(loss)
                 if grad_norm is None:
                     continue  # skipped: no step taken
-                if (stopped := self.after_step(loss, tokens, grad_norm, started)) is not None:
+                if (
+                    stopped := self.after_step(loss, tokens, grad_norm, started, streamed_before)
+                ) is not None:
                     return stopped
             if stop.requested:
                 path = self.save()
@@ -316,7 +318,9 @@ class Trainer:
         state.step += 1
         return grad_norm
 
-    def after_step(self, loss: float, tokens: int, grad_norm: float, started: float) -> dict | None:
+    def after_step(
+        self, loss: float, tokens: int, grad_norm: float, started: float, streamed_before: int
+    ) -> dict | None:
         """Reselection, router health, the metrics row, evaluation and checkpoint of the step just taken; a
         summary when the router guard stops the run, else None."""
         config, state = self.config, self.state
@@ -343,7 +347,7 @@ class Trainer:
             "tokens_per_s": tokens / elapsed,
             "peak_memory_mb": runtime.peak_memory_bytes(self.device) / 2**20,
             # host -> device bytes of expert data this step (0: resident on the device)
-            "streamed_bytes": streamed_bytes(self.model) - self.streamed_before,
+            "streamed_bytes": streamed_bytes(self.model) - streamed_before,
             "skipped_steps": state.bad_steps,
             **({"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}),
             **(reselected or {}),
