@@ -24,10 +24,21 @@ def exported(tmp_path_factory):
     [("delta.safetensors", "delta.safetensors"), ("merged/model.safetensors", "merged.safetensors")],
 )
 def test_an_old_run_resumes_and_exports_the_same_tensors(exported, made, expected):
+    """Names, dtypes, shapes, flat indices and every untrained weight are bit-identical. Trained values may differ
+    by a few ulps: the optimizer's vectorized arithmetic rounds differently on another CPU (AVX2 against AVX-512),
+    which the losses, equal to the last bit in the summary test below, do not yet see."""
     now, then = load_file(exported / "export" / made), load_file(OUT / "expected" / expected)
+    base = load_file(OUT / "model" / "model.safetensors") if made.startswith("merged") else {}
     assert sorted(now) == sorted(then)
     for name, tensor in then.items():
-        assert torch.equal(now[name], tensor), name
+        assert (now[name].dtype, now[name].shape) == (tensor.dtype, tensor.shape), name
+        if name.endswith(":flat_indices"):
+            assert torch.equal(now[name], tensor), name
+            continue
+        torch.testing.assert_close(now[name], tensor, rtol=1e-6, atol=1e-8, msg=name)
+        if name in base:  # a merged tensor: where it equals the base then, it equals it now
+            untrained = tensor == base[name]
+            assert torch.equal(now[name][untrained], base[name][untrained]), name
 
 
 def test_an_old_run_resumes_to_the_same_summary(exported):
