@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
+from usaf.engine.loss import IGNORE_INDEX
 from usaf.errors import UsafError
-from usaf.train.data import IGNORE_INDEX
 
 LETTERS = string.ascii_lowercase
 MIN_WORD_LEN, MAX_WORD_LEN = 3, 6

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
-from usaf.io.atomic import fsync_dir, fsync_file, make_shareable
+from usaf.io.atomic import fsync_file, install_dir, make_shareable
 from usaf.version import __version__
 
 PREFIX = "step-"
@@ -109,10 +109,7 @@ def save(
     except BaseException:  # a full disk, a second Ctrl-C: nothing half-written stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(folder)
+    install_dir(tmp, final)
     for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final

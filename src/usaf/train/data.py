@@ -63,9 +63,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from usaf.engine.loss import IGNORE_INDEX
 from usaf.errors import UsafError
 
-IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 RECORD_KINDS = {  # kind: (required keys, optional keys)

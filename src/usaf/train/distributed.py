@@ -10,8 +10,9 @@ trains, up to floating-point reassociation.
   micro-batches from it and rank r trains micro-batches r, r+N, r+2N, ... of them (`take_micro_batches`), so the
   data position after a step is the same on every rank and in a 1-process run with accumulation N*k.
 - Loss: each micro-batch's summed loss is divided by the step's supervised tokens over all ranks and the
-  auxiliary router loss by the step's N*k micro-batches; the gradients are then summed across ranks
-  (`after_backward`: one flat all-reduce per dtype, about 64 MiB a bucket), which is the 1-process gradient.
+  auxiliary router loss by the step's N*k micro-batches; the gradients are then summed across ranks, which is
+  the 1-process gradient: `GradientReducer` sends each bucket (one dtype, about 64 MiB) as soon as the step's last
+  backward has completed its gradients, overlapping the all-reduce with the rest of that backward.
   Only trainable tensors (sparse values, routers) have gradients, so that is all that moves.
 - Selection: every rank calibrates on the same (whole) calibration stream, and rank 0's selection and
   trained values are then broadcast (`broadcast_trainable`), so the selection is the 1-process one whatever N.
@@ -209,12 +210,16 @@ def _all_reduce_flat(tensors: list[torch.Tensor]) -> int:
     return moved
 
 
-def all_reduce_gradients(model: torch.nn.Module) -> int:
-    """Sum the gradients of the trainable parameters across ranks (a parameter without a gradient on every rank
-    keeps none, as in one process). The bytes of gradient moved."""
+def all_reduce_gradients(model_or_params) -> int:
+    """Sum the gradients of the trainable parameters across ranks after the backward (a parameter without a
+    gradient on every rank keeps none, as in one process); `GradientReducer` does it overlapped. The bytes of
+    gradient moved."""
     if not active():
         return 0
-    params = [p for p in model.parameters() if p.requires_grad]
+    if isinstance(model_or_params, torch.nn.Module):
+        params = [p for p in model_or_params.parameters() if p.requires_grad]
+    else:
+        params = list(model_or_params)
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=_comm_device())
     _dist().all_reduce(present)
     grads = []
@@ -225,10 +230,101 @@ def all_reduce_gradients(model: torch.nn.Module) -> int:
             param.grad = torch.zeros_like(param)
         grads.append(param.grad)
     moved = _all_reduce_flat(grads)
+    _count_traffic(moved)
+    return moved
+
+
+def _count_traffic(moved: int) -> None:
     traffic["last_step_bytes"] = moved
     traffic["total_bytes"] += moved
     traffic["steps"] += 1
-    return moved
+
+
+class GradientReducer:
+    """Sums the trainable gradients across ranks while the step's last backward is still running, as DDP does.
+
+    The parameters are cut into buckets (one dtype and device, about BUCKET_BYTES, in reverse order of definition:
+    roughly the order backward completes them). Once `arm()` is called before the last backward, a parameter's
+    post-accumulate-grad hook marks it done, and every bucket whose gradients are all done starts its all-reduce
+    (async), buckets always in the same order on every rank, so the collectives match. `finish()` starts the
+    buckets left (parameters no hook reached: unused on this rank), waits, and writes the sums back. Each bucket
+    carries a presence flag per parameter, so a parameter with no gradient on any rank keeps none, as in one
+    process. A gradient changed after its bucket left (nothing in usaf does that) makes every rank redo the whole
+    sum synchronously, so the result never depends on the overlap."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        open_buckets: dict[tuple, list] = {}
+        for param in reversed(self.params):
+            key = (param.dtype, param.device)
+            bucket = open_buckets.setdefault(key, [])
+            if not bucket:
+                self.buckets.append(bucket)
+            bucket.append(param)
+            if sum(p.numel() * p.element_size() for p in bucket) >= BUCKET_BYTES:
+                del open_buckets[key]
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.armed = False
+        self.hooks = [p.register_post_accumulate_grad_hook(self._done) for p in self.params]
+
+    def arm(self) -> None:
+        """Before the step's last backward: from now on a completed gradient may leave."""
+        self.armed = True
+        self.done: list[set[int]] = [set() for _ in self.buckets]
+        self.sent: list[tuple[torch.Tensor, object, list]] = []  # (flat, work, [(grad, version) per param])
+
+    def _done(self, param: torch.nn.Parameter) -> None:
+        if not self.armed:
+            return
+        self.done[self.bucket_of[id(param)]].add(id(param))
+        while len(self.sent) < len(self.buckets) and len(self.done[len(self.sent)]) == len(
+            self.buckets[len(self.sent)]
+        ):
+            self._send(len(self.sent))
+
+    def _send(self, index: int) -> None:
+        bucket = self.buckets[index]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        flags = torch.tensor(
+            [p.grad is not None for p in bucket], dtype=bucket[0].dtype, device=grads[0].device
+        )
+        flat = torch.cat([*(g.reshape(-1) for g in grads), flags]).to(_comm_device())
+        work = _dist().all_reduce(flat, async_op=True)
+        self.sent.append(
+            (flat, work, [(p.grad, p.grad._version if p.grad is not None else -1) for p in bucket])
+        )
+
+    def finish(self) -> int:
+        """Send what is left, wait, write the sums back; the bytes moved."""
+        while len(self.sent) < len(self.buckets):
+            self._send(len(self.sent))
+        self.armed = False
+        for _, work, _ in self.sent:
+            work.wait()
+        stale = any(
+            p.grad is not grad or (grad is not None and grad._version != version)
+            for bucket, (_, _, recorded) in zip(self.buckets, self.sent, strict=True)
+            for p, (grad, version) in zip(bucket, recorded, strict=True)
+        )
+        if sum_scalars(int(stale)):  # some rank's gradient moved after it left: sum again, all ranks together
+            return all_reduce_gradients(self.params)
+        moved = 0
+        for bucket, (flat, _, _) in zip(self.buckets, self.sent, strict=True):
+            moved += flat.numel() * flat.element_size()
+            offset, flags = 0, flat[-len(bucket) :]
+            for param, present in zip(bucket, flags.tolist(), strict=True):
+                summed = flat[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+                if not present:
+                    param.grad = None
+                elif param.grad is None:
+                    param.grad = summed.to(param.device).clone()
+                else:
+                    param.grad.copy_(summed)
+        _count_traffic(moved)
+        self.sent = []
+        return moved
 
 
 # ------------------------------------------------------------------------------------------------------ reselection
@@ -287,9 +383,10 @@ def sync_reselection(reselector) -> None:
     _all_reduce_flat(tensors)
 
 
-def after_backward(model: torch.nn.Module, reselector=None) -> None:
+def after_backward(reducer: GradientReducer | None, reselector=None) -> None:
     """After a step's backward passes: gradients and reselection statistics summed over the ranks."""
-    all_reduce_gradients(model)
+    if reducer is not None:
+        reducer.finish()
     sync_reselection(reselector)
 
 

@@ -139,6 +139,8 @@ class Trainer:
         # [usaf.distributed] rank 0's selection and trainable values on every rank; what DDP does not support
         distributed.broadcast_trainable(self.model)
         distributed.check_supported(config)
+        # [usaf.distributed] gradients summed across ranks, overlapped with the last backward of each step
+        self.reducer = distributed.GradientReducer(self.model) if distributed.active() else None
         if not resume and distributed.is_main():  # [usaf.distributed] only rank 0 writes
             save_selection(
                 run_dir / "selection.safetensors",
@@ -248,7 +250,9 @@ class Trainer:
         supervised = distributed.sum_scalars(supervised)  # [usaf.distributed] the step's, over all ranks
         steps_micro = distributed.global_count(len(micro))  # [usaf.distributed] micro-batches of all ranks
         total, tokens = 0.0, 0
-        for batch, rows in micro:
+        for index, (batch, rows) in enumerate(micro):
+            if self.reducer is not None and index == len(micro) - 1:
+                self.reducer.arm()  # [usaf.distributed] the last backward sends gradients as they complete
             batch = {k: v.to(self.device) for k, v in batch.items()}
             if prefix_cache is not None:
                 lengths = [
@@ -276,7 +280,9 @@ class Trainer:
                 prefix_cache.end_batch()
             total += float(loss_sum.detach())
             tokens += batch["input_ids"].numel()
-        distributed.after_backward(self.model, reselector)  # [usaf.distributed] sum grads + reselection stats
+        distributed.after_backward(
+            self.reducer, reselector
+        )  # [usaf.distributed] sum grads + reselection stats
         total, tokens = distributed.sum_scalars(
             total, tokens
         )  # [usaf.distributed] global loss sum and tokens
