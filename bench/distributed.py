@@ -1,11 +1,13 @@
-"""Data-parallel traffic and step time on CPU (gloo): usaf's summed gradients against PEFT LoRA and full
-fine-tuning under torch DDP, on one random Qwen3-MoE-shaped model, with 1 and 2 processes (issue 13).
+"""Data-parallel traffic and step time: usaf's summed gradients against PEFT LoRA and full fine-tuning under torch
+DDP, on one random Qwen3-MoE-shaped model, with 1 and 2 processes (issue 13); on CPU with gloo, or one process per
+GPU with NCCL (RCCL on ROCm) under `--device cuda` (bench/gpu.sh --multi-gpu).
 
-usaf's bytes are what `usaf.train.distributed.all_reduce_gradients` moves (the loop's hook); LoRA's and full
-fine-tuning's are what DDP's communication hook is handed (its gradient buckets), counted, not computed.
-Expected for usaf: 4 B x (trained entries + router weights) in fp32.
+usaf's bytes are what `usaf.train.distributed.GradientReducer` moves (the training loop's, overlapped with the
+backward); LoRA's and full fine-tuning's are what DDP's communication hook is handed (its gradient buckets),
+counted, not computed. Expected for usaf: 4 B x (trained entries + router weights) in fp32, plus a 4 B presence
+flag per trained tensor.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/distributed.py [--smoke] [--worlds 1,2] [--steps N]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/distributed.py [--smoke] [--worlds 1,2] [--steps N] [--device cuda]
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _model(method: str, shape: dict):
+def _model(method: str, shape: dict, device: torch.device):
     from compare import stock_baseline
 
     import usaf
     from usaf.testing.tiny import tiny_model
 
-    model = tiny_model("qwen3_moe", seed=0, **shape).train()
+    model = tiny_model("qwen3_moe", seed=0, **shape).train().to(device)
     if method == "usaf":
         usaf.prepare_model(
             model,
@@ -65,23 +67,28 @@ def _model(method: str, shape: dict):
         )
         return model, model
     model = stock_baseline(model, method)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids) if dist.is_initialized() else model
     return model, ddp
 
 
 def _worker(rank: int, world: int, port: int, job: dict, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    device = torch.device("cuda", rank) if job["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
     from usaf.train import distributed
 
     shape, steps, batch, seq = job["shape"], job["steps"], job["batch"], job["seq"]
     results = {}
     for method in METHODS:
-        model, runner = _model(method, shape)
+        model, runner = _model(method, shape, device)
         params = [p for p in model.parameters() if p.requires_grad]
         counted = {"bytes": 0}
+        reducer = distributed.GradientReducer(model) if method == "usaf" and world > 1 else None
         if runner is not model:
 
             def hook(state, bucket, counted=counted):
@@ -95,21 +102,28 @@ def _worker(rank: int, world: int, port: int, job: dict, queue) -> None:
         generator = torch.Generator().manual_seed(1000 + rank)
         times, moved = [], []
         for step in range(steps + 1):  # the first step warms up
-            ids = torch.randint(0, shape["vocab_size"], (batch, seq), generator=generator)
+            ids = torch.randint(0, shape["vocab_size"], (batch, seq), generator=generator).to(device)
+            _synchronize(device)
             start = time.perf_counter()
             counted["bytes"] = 0
+            if reducer is not None:
+                reducer.arm()  # as the loop does before a step's last backward
             loss = runner(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
-            # usaf: the training loop's hook; the others: what DDP's hook was handed
-            step_bytes = distributed.all_reduce_gradients(model) if method == "usaf" else counted["bytes"]
+            # usaf: the training loop's reducer; the others: what DDP's hook was handed
+            step_bytes = (
+                (reducer.finish() if reducer is not None else 0) if method == "usaf" else counted["bytes"]
+            )
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            _synchronize(device)
             if step:
                 times.append(time.perf_counter() - start)
                 moved.append(step_bytes)
         trainable = sum(p.numel() for p in params)
         results[method] = {
             "trainable": trainable,
+            "tensors": len(params),
             "bytes_per_step": statistics.median(moved),
             "step_s": statistics.median(times),
         }
@@ -126,6 +140,11 @@ def _worker(rank: int, world: int, port: int, job: dict, queue) -> None:
         dist.destroy_process_group()
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run(world: int, job: dict) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -135,7 +154,7 @@ def run(world: int, job: dict) -> dict:
 
 def markdown(payload: dict) -> str:
     lines = [
-        "# Data-parallel traffic and step time (CPU, gloo)",
+        f"# Data-parallel traffic and step time ({payload['backend']})",
         "",
         f"Command: `{payload['command']}`  ",
         f"Model: random Qwen3-MoE {payload['shape']}; {payload['params']:,} parameters; batch "
@@ -158,7 +177,9 @@ def markdown(payload: dict) -> str:
             "",
             f"usaf trains {two['usaf']['entries']:,} expert entries + {two['usaf']['routers']:,} router weights: "
             f"4 B x {two['usaf']['entries'] + two['usaf']['routers']:,} = "
-            f"{4 * (two['usaf']['entries'] + two['usaf']['routers']):,} B expected.",
+            f"{4 * (two['usaf']['entries'] + two['usaf']['routers']):,} B expected, plus a 4 B presence flag for each "
+            f"of its {two['usaf'].get('tensors', 0)} trained tensors "
+            f"({4 * (two['usaf']['entries'] + two['usaf']['routers'] + two['usaf'].get('tensors', 0)):,} B).",
             f"With 2 processes usaf moves {u / 2**20:.3f} MiB a step: "
             f"{two['lora']['bytes_per_step'] / max(u, 1):.1f}x less than LoRA and "
             f"{two['full']['bytes_per_step'] / max(u, 1):.0f}x less than full fine-tuning. 1 process moves nothing. "
@@ -173,9 +194,13 @@ def main() -> None:
     parser.add_argument("--worlds", default="1,2")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one process per GPU, NCCL"
+    )
     args = parser.parse_args()
     shape = {**SHAPE, **(SMOKE_SHAPE if args.smoke else {})}
     job = {
+        "device": args.device,
         "shape": shape,
         "steps": 2 if args.smoke else args.steps,
         "batch": 2,
@@ -191,6 +216,7 @@ def main() -> None:
     payload = {
         "command": "OMP_NUM_THREADS=1 PYTHONPATH=src python bench/distributed.py " + " ".join(sys.argv[1:]),
         "machine": machine(),
+        "backend": "GPU, NCCL" if args.device == "cuda" else "CPU, gloo",
         "shape": shape,
         "params": params,
         **{k: job[k] for k in ("batch", "seq", "steps")},

@@ -14,18 +14,31 @@
 #   bash bench/gpu.sh OUT_DIR            # on the device
 #   bash bench/gpu.sh OUT_DIR --dry-run  # everything but the device: CPU, tiny shapes (tests/test_bench_scripts.py)
 #
+# A lent machine with more than one GPU: a call of its own (its files count against the same 8),
+#   bash bench/gpu.sh OUT_DIR --multi-gpu [--dry-run]
+# runs bench/distributed.py with one process per GPU on NCCL (RCCL on ROCm), 1 and all devices: bytes all-reduced
+# per step and step time, usaf against PEFT LoRA and full fine-tuning under DDP, distributed-<date>.{md,json}
+# (--dry-run: 2 gloo processes on the CPU, tiny shapes).
+#
 # Python: $PYTHON, else .venv/bin/python, else python3. usaf is imported from this checkout's src/. Wheels in
 # .whl/ (e.g. peft, bitsandbytes, a transformers >= 5.24 for a machine that lacks them) are installed into a
 # scratch folder first. Phase time limits: COMPARE_TIMEOUT (default 270 s), OFFLOAD_TIMEOUT (default 150 s),
 # SCALE_TIMEOUT (default 150 s); SCALE_LAYERS (default "2 8") the scale run's layer counts.
 set -uo pipefail
 
-usage() { echo "usage: bash bench/gpu.sh OUT_DIR [--dry-run]" >&2; exit 2; }
+usage() { echo "usage: bash bench/gpu.sh OUT_DIR [--multi-gpu] [--dry-run]" >&2; exit 2; }
 [[ $# -ge 1 && "$1" != --* ]] || usage
 OUT=$1
+shift
 DRY_RUN=0
-[[ "${2:-}" == "--dry-run" ]] && DRY_RUN=1
-[[ $# -le 2 && ( $# -eq 1 || $DRY_RUN -eq 1 ) ]] || usage
+MULTI_GPU=0
+for flag in "$@"; do
+    case $flag in
+        --dry-run) DRY_RUN=1 ;;
+        --multi-gpu) MULTI_GPU=1 ;;
+        *) usage ;;
+    esac
+done
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$OUT"
@@ -84,7 +97,20 @@ EOF
 status=0
 LOG="$OUT/gpu.log"
 : >"$LOG"
-if [[ $DRY_RUN -eq 1 ]]; then
+if [[ $MULTI_GPU -eq 1 ]]; then
+    if [[ $DRY_RUN -eq 1 ]]; then
+        OMP_NUM_THREADS=1 timeout "${DISTRIBUTED_TIMEOUT:-300}" "$PY" bench/distributed.py --smoke --worlds 1,2 \
+            --out "$OUT" 2>&1 | tee -a "$LOG" || status=1
+    else
+        GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+        if [[ $GPUS -lt 2 ]]; then
+            echo "gpu.sh: --multi-gpu needs at least 2 GPUs; torch sees $GPUS" | tee -a "$LOG"
+            exit 1
+        fi
+        timeout "${DISTRIBUTED_TIMEOUT:-540}" "$PY" bench/distributed.py --device cuda --worlds "1,$GPUS" \
+            --out "$OUT" 2>&1 | tee -a "$LOG" || status=1
+    fi
+elif [[ $DRY_RUN -eq 1 ]]; then
     timeout "${COMPARE_TIMEOUT:-300}" "$PY" bench/compare.py --smoke --device cpu --out "$OUT" \
         2>&1 | tee -a "$LOG" || status=1
     timeout "${OFFLOAD_TIMEOUT:-180}" "$PY" bench/gpu_offload.py --dry-run --out "$OUT" \

@@ -136,3 +136,26 @@ def test_quality_smoke_reports_both_tasks(tmp_path):
         else:
             assert all(0 <= r["after"]["new"] <= 1 and 0 <= r["after"]["old"] <= 1 for r in rows.values())
     assert "At equal wall-clock" in markdown and "At equal peak memory" in markdown
+
+
+def test_multi_gpu_dry_run_counts_usafs_all_reduce_against_ddp(tmp_path):
+    """bench/gpu.sh --multi-gpu --dry-run: bench/distributed.py on 2 gloo processes. usaf's step moves exactly
+    4 B a trained value plus a presence flag a trained tensor; LoRA and full fine-tuning move what DDP hands its hook,
+    all of their gradients."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu.sh"), str(tmp_path), "--multi-gpu", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    payload = json.loads(only(tmp_path, "distributed-*.json").read_text())
+    two = payload["worlds"]["2"]
+    assert two["usaf"]["bytes_per_step"] == 4 * (two["usaf"]["trainable"] + two["usaf"]["tensors"])
+    for method in ("lora", "full"):
+        assert two[method]["bytes_per_step"] == 4 * two[method]["trainable"], method
+    assert all(row["bytes_per_step"] == 0 for row in payload["worlds"]["1"].values())
+    assert (tmp_path / "gpu.log").stat().st_size > 0
