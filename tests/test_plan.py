@@ -410,3 +410,94 @@ def test_plan_config_plans_the_runs_own_configuration(capsys, tmp_path):
     run.write_text("data:\n  max_seq_len: 1024\n")
     code, _, err = run_cli(capsys, "--config", str(run), *memory)
     assert code == 2 and "needs --model (or --config with a model.path)" in err
+
+
+# ---- several GPUs --------------------------------------------------------------------------------------------
+
+
+def _lines(p) -> dict:
+    return {line.name: line.device + line.host for line in p.lines}
+
+
+@pytest.mark.parametrize("gpus", [2, 8])
+def test_expert_parallel_divides_the_experts_and_their_entries_by_the_gpus(gpus):
+    shape = shape_of("qwen3-30b-a3b")
+    device = planner.DEVICES["h100"]
+    one = _lines(planner.plan(shape, planner.PlanSettings(), device, ram=256 << 30))
+    per_rank = _lines(
+        planner.plan(shape, planner.PlanSettings(gpus=gpus, expert_parallel=True), device, ram=256 << 30)
+    )
+    for name in ("frozen experts", "quantization constants", "sparse state + optimizer"):
+        assert per_rank[name] == pytest.approx(one[name] / gpus, rel=1e-9), name
+    for name in ("dense weights", "sparse state beyond the experts", "activations: one layer"):
+        assert per_rank[name] == one[name], name
+
+
+def test_data_parallel_adds_the_gradient_buckets_and_nothing_else():
+    shape = shape_of("qwen3-30b-a3b")
+    device = planner.DEVICES["rtx-4090"]
+    settings = planner.PlanSettings(targets=("experts", "routers", "attention"))
+    one = _lines(planner.plan(shape, settings, device, ram=64 << 30))
+    two = planner.plan(shape, settings.replace(gpus=2), device, ram=64 << 30)
+    reduced = planner.trained_entries(shape, settings) + planner.trained_router_params(shape, settings)
+    buckets = _lines(two).pop("all-reduce buckets")
+    assert buckets == 4 * reduced
+    rest = {k: v for k, v in _lines(two).items() if k not in ("all-reduce buckets", "framework overhead")}
+    assert rest == {k: v for k, v in one.items() if k != "framework overhead"}
+    assert two.traffic.all_reduce_buffer == 4 * reduced and two.traffic.all_to_all_sent == 0
+    assert two.traffic.all_reduce_sent == 4 * reduced  # a ring of 2 sends 2 (N-1)/N = once the buffer
+
+
+def test_all_to_all_bytes_are_two_exchanges_per_moe_layer_in_each_pass():
+    """Independent arithmetic for Qwen3-235B-A22B on 8 GPUs: T tokens x top-8 pairs x hidden 4096 x 2 B (bf16), out
+    and home, in forward, recomputation and backward, 94 MoE layers, the 7/8 whose expert is elsewhere."""
+    shape = shape_of("qwen3-235b-a22b")
+    settings = planner.PlanSettings(seq=4096, gpus=8, expert_parallel=True)
+    traffic = planner.plan(shape, settings, planner.DEVICES["h100"], ram=512 << 30).traffic
+    assert traffic.all_to_all_sent == 2 * 3 * 94 * (4096 * 8) * 4096 * 2 * 7 / 8
+    no_recompute = planner.plan(
+        shape, settings.replace(recompute=False), planner.DEVICES["h100"], ram=512 << 30
+    ).traffic
+    assert no_recompute.all_to_all_sent == traffic.all_to_all_sent * 2 / 3
+    assert traffic.all_to_all_s == pytest.approx(traffic.all_to_all_sent / 450e9)
+
+
+def test_the_planned_all_reduce_is_the_engines_trained_values():
+    """The bytes the planner says a data-parallel step sums are the trained values' fp32 gradients of a model the
+    engine prepared with the same density and targets (within the per-tensor rounding of the budget)."""
+    import usaf
+    from usaf.testing.tiny import tiny_config, tiny_model
+
+    targets = ("experts", "routers", "attention", "embeddings", "lm_head")
+    model = usaf.prepare_model(
+        tiny_model("qwen3_moe"), usaf.UsafConfig(density=0.1, targets=list(targets), selection="random")
+    )
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shape = planner.model_shape(tiny_config("qwen3_moe").to_dict(), "tiny")
+    settings = planner.PlanSettings(density=0.1, dtype="fp32", quant="none", targets=targets, gpus=2)
+    planned = planner.plan(shape, settings, planner.DEVICES["cpu"]).traffic.all_reduce_buffer
+    assert planned == pytest.approx(4 * trained, rel=0.01)
+
+
+def test_parallel_mistakes_are_one_line_errors(capsys):
+    with pytest.raises(UsafError, match=r"--expert-parallel over 3 GPUs .* 128 experts per layer"):
+        planner.plan(
+            shape_of("qwen3-30b-a3b"), planner.PlanSettings(gpus=3, expert_parallel=True), planner.DEVICES["h100"]
+        )
+    with pytest.raises(UsafError, match="give --gpus 2 or more"):
+        planner.PlanSettings(expert_parallel=True)
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "0"]) == 2
+    assert "--gpus must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_plan_prints_the_per_rank_ledger_and_the_traffic(capsys):
+    code = main(
+        ["plan", "--model", "qwen3-235b-a22b", "--gpus", "8", "--expert-parallel", "--device", "h100"]
+        + ["--ram", "256GB"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "verdict: fits on device" in out
+    assert "8 GPUs, expert parallel: each holds 1/8 of every layer's experts" in out
+    assert "94 layers x 16 of 128 experts" in out
+    assert re.search(r"all-to-all per step: [\d.]+ GB leaving each rank", out)
+    assert re.search(r"all-reduce per step: [\d.]+ MB of fp32 gradients", out)

@@ -103,6 +103,19 @@ def add_command(subparsers) -> None:
         default=DEFAULT_WORKSPACE_MB,
         help=f"dequantized routed-expert workspace bound (default {DEFAULT_WORKSPACE_MB}, as select.workspace_mb)",
     )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="GPUs of a torchrun job, one process each (data parallel: every GPU holds the whole model); "
+        "the ledger is then one rank's, with the bytes exchanged per step",
+    )
+    p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="with --gpus N: each GPU holds E/N experts of every layer and their trained entries; tokens travel "
+        "all-to-all (a prototype in usaf.engine.expert_parallel; docs/distributed.md)",
+    )
     p.set_defaults(func=run)
 
 
@@ -127,6 +140,7 @@ def _check_numbers(args) -> None:
         ("--batch", args.batch, 1),
         ("--logits-chunk", args.logits_chunk, 1),
         ("--workspace-mb", args.workspace_mb, 1),
+        ("--gpus", args.gpus, 1),
     ):
         if value < low:
             raise UsafError(f"{flag} must be at least {low}, got {value}.")
@@ -168,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype or planner.default_dtype(device),
         workspace_mb=args.workspace_mb,
         targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()),
+        gpus=args.gpus,
+        expert_parallel=args.expert_parallel,
     )
     model, residency = args.model, args.residency
     if args.config is not None:

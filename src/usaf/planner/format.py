@@ -37,6 +37,8 @@ def command_line(model: str, p: Plan) -> str:
         (s.optimizer != defaults.optimizer, f"--optimizer {s.optimizer}"),
         (s.dtype != default_dtype(p.device), f"--dtype {s.dtype}"),
         (s.workspace_mb != defaults.workspace_mb, f"--workspace-mb {s.workspace_mb}"),
+        (s.gpus > 1, f"--gpus {s.gpus}"),
+        (s.expert_parallel, "--expert-parallel"),
     ]
     return " ".join(parts + [flag for wanted, flag in flags if wanted])
 
@@ -51,6 +53,15 @@ def format_plan(p: Plan) -> str:
         f"compute {s.dtype}, residency {s.residency}, recompute {'on' if s.recompute else 'off'}, "
         f"logits chunk {s.logits_chunk}, {s.optimizer}",
     ]
+    if s.gpus > 1:
+        how = (
+            f"expert parallel: each holds 1/{s.gpus} of every layer's experts"
+            if s.expert_parallel
+            else "data parallel"
+        )
+        out.append(
+            f"{s.gpus} GPUs, {how}; the ledger is one rank's, each rank training its own seq x batch tokens"
+        )
     width = max(len(line.name) for line in p.lines) + 2
     columns = ("device", "host") if gpu else ("memory",)
     out.append(" " * width + "".join(f"{c:>10}" for c in columns) + "  at peak           detail")
@@ -78,8 +89,28 @@ def format_plan(p: Plan) -> str:
         f"TFLOP), memory traffic {st.memory_s:.2f} s, streaming {st.streaming_s:.2f} s -> {st.dominant} "
         "dominates"
     )
+    out += _traffic_lines(p)
     out += [f"note: {note}" for note in p.notes]
     return "\n".join(out)
+
+
+def _traffic_lines(p: Plan) -> list[str]:
+    t, s = p.traffic, p.settings
+    if s.gpus == 1:
+        return []
+    rate = f"{t.peer_gbps:g} GB/s per direction between GPUs"
+    lines = [
+        f"all-reduce per step: {format_size(t.all_reduce_buffer)} of fp32 gradients, {format_size(t.all_reduce_sent)} "
+        f"sent per rank in a ring, ~ {t.all_reduce_s:.3f} s at {rate}; overlapped with the last backward"
+    ]
+    if s.expert_parallel:
+        passes = "forward, recomputation and backward" if s.recompute else "forward and backward"
+        lines.append(
+            f"all-to-all per step: {format_size(t.all_to_all_sent)} leaving each rank (2 exchanges per MoE layer in "
+            f"each of {passes}, the {s.gpus - 1}/{s.gpus} of pairs whose expert lives elsewhere), "
+            f"~ {t.all_to_all_s:.2f} s at {rate}, on top of the step"
+        )
+    return lines
 
 
 def format_verdict(model: str, v: Verdict) -> str:

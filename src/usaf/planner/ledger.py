@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from usaf.config import (
     UsafConfig,
 )
+from usaf.errors import UsafError
 from usaf.planner.settings import (
     COMPUTE_EFFICIENCY,
     CPU_IMPORTS,
@@ -92,6 +93,24 @@ class StepTime:
 
 
 @dataclass
+class Traffic:
+    """Bytes one rank exchanges per optimizer step with several GPUs (zero with one)."""
+
+    all_reduce_buffer: float = 0.0  # the trained gradients summed across ranks
+    all_reduce_sent: float = 0.0  # what a ring all-reduce sends (and receives) of it per rank
+    all_to_all_sent: float = 0.0  # expert parallel: token states and expert outputs leaving the rank
+    peer_gbps: float = 0.0  # the GPU-to-GPU rate the times below assume
+
+    @property
+    def all_reduce_s(self) -> float:
+        return self.all_reduce_sent / (self.peer_gbps * 1e9) if self.peer_gbps else 0.0
+
+    @property
+    def all_to_all_s(self) -> float:
+        return self.all_to_all_sent / (self.peer_gbps * 1e9) if self.peer_gbps else 0.0
+
+
+@dataclass
 class Plan:
     shape: ModelShape
     settings: PlanSettings
@@ -102,6 +121,7 @@ class Plan:
     step: StepTime
     imports: float = 0.0  # the part of the device peak that is the imported libraries (CPU)
     notes: list[str] = field(default_factory=list)
+    traffic: Traffic = field(default_factory=Traffic)
 
     @property
     def device_peak(self) -> float:
@@ -167,59 +187,114 @@ def trained_router_params(shape: ModelShape, settings: PlanSettings) -> int:
     return shape.router_params if "routers" in settings.targets else 0
 
 
+class _Ledger:
+    """The lines and notes of one plan as its sections add them."""
+
+    def __init__(self, gpu: bool):
+        self.gpu = gpu
+        self.lines: list[LedgerLine] = []
+        self.notes: list[str] = []
+
+    def add(self, name, size, detail, where="device", phases=PERSISTENT) -> None:
+        on_host = self.gpu and where == "host"  # on the CPU, host memory is the device's own
+        self.lines.append(
+            LedgerLine(name, 0.0 if on_host else size, size if on_host else 0.0, detail, phases)
+        )
+
+
 def plan(
     shape: ModelShape, settings: PlanSettings, device: Device, vram: int | None = None, ram: int | None = None
 ) -> Plan:
-    """The ledger, peak and step time of one configuration."""
+    """The ledger (per rank, with several GPUs), peak, step time and traffic of one configuration."""
     s, gpu = settings, device.is_gpu
     vram = (device.memory if vram is None else vram) if gpu else 0
     ram = machine_ram() if ram is None else ram
-    d = DTYPE_BYTES[s.dtype]
-    tokens = s.seq * s.batch
-    residency = (
-        s.residency if gpu or s.residency != "host" else "device"
-    )  # host memory is the CPU's own memory
-    lines: list[LedgerLine] = []
-    notes: list[str] = []
+    if s.expert_parallel and shape.num_experts % s.gpus:
+        raise UsafError(
+            f"--expert-parallel over {s.gpus} GPUs needs a number of experts divisible by {s.gpus}; "
+            f"{shape.name} has {shape.num_experts} experts per layer: give a --gpus that divides it."
+        )
+    residency = s.residency if gpu or s.residency != "host" else "device"  # host memory is the CPU's own
+    ledger = _Ledger(gpu)
+    stored = _frozen_weights(ledger, shape, s, residency)
+    trained = _sparse_state(ledger, shape, s)
+    _activations(ledger, shape, s)
+    _workspace(ledger, shape, s, residency, stored)
+    traffic = _parallel(ledger, shape, s, trained, device)
+    _framework(ledger, shape, s, residency, trained)
+    result = Plan(
+        shape,
+        s.replace(residency=residency),
+        device,
+        vram,
+        ram,
+        ledger.lines,
+        _step_time(shape, s, device, residency, ram),
+        notes=ledger.notes,
+        traffic=traffic,
+    )
+    result.imports = 0.0 if gpu else CPU_IMPORTS
+    return result
 
-    def add(name, size, detail, where="device", phases=PERSISTENT):
-        on_host = gpu and where == "host"
-        lines.append(LedgerLine(name, 0.0 if on_host else size, size if on_host else 0.0, detail, phases))
 
-    # frozen experts and their constants, where the residency keeps them
+def _expert_share(s: PlanSettings) -> float:
+    """The share of every expert a rank holds: 1/N under expert parallelism, else all of them."""
+    return 1 / s.gpus if s.expert_parallel else 1.0
+
+
+def _frozen_weights(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: str) -> float:
+    """Frozen experts (where the residency keeps them) and dense weights; the experts' stored bytes on this rank."""
+    d, share = DTYPE_BYTES[s.dtype], _expert_share(s)
     payload, constants = stored_bytes(shape.expert_matrices, s.quant, d)
     payload += shape.expert_biases * d  # biases stay in the dtype
     bits = 8 * (payload + constants) / max(1, shape.expert_weights)
+    payload, constants = payload * share, constants * share
+    held = (
+        f"{shape.num_experts // s.gpus} of {shape.num_experts} experts (expert parallel over {s.gpus} GPUs)"
+        if s.expert_parallel
+        else f"{shape.num_experts} experts"
+    )
     experts_detail = (
-        f"{shape.num_moe_layers} layers x {shape.num_experts} experts, {format_count(shape.expert_weights)} "
+        f"{shape.num_moe_layers} layers x {held}, {format_count(shape.expert_weights * share)} "
         f"weights, {QUANTS[s.quant]} ({bits:.2f} bits/weight)"
     )
     if residency == "mmap":
-        add(
+        ledger.add(
             "frozen experts",
             0,
             experts_detail + f"; memory-mapped ({format_size(payload + constants)} on disk)",
         )
     else:
         where = "host" if residency == "host" else "device"
-        add(
-            "frozen experts",
-            payload,
-            experts_detail + (", pinned host memory" if where == "host" else ""),
-            where,
-        )
+        pinned = ", pinned host memory" if where == "host" else ""
+        ledger.add("frozen experts", payload, experts_detail + pinned, where)
         if constants:
-            add("quantization constants", constants, QUANTS[s.quant].split(", ", 1)[1], where)
+            ledger.add("quantization constants", constants, QUANTS[s.quant].split(", ", 1)[1], where)
 
     dense_detail = (
         f"{format_count(shape.dense_params + shape.router_params)} attention/embedding/norm/shared parameters "
         f"and routers, {s.dtype}"
     )
+    if s.expert_parallel:
+        dense_detail += ", whole on every rank (FSDP2 sharding of them is not modeled)"
     if s.quant_dense:
         dense_detail += " (--quant-dense stores linear layers as int8 on disk; loading dequantizes them)"
-    add("dense weights", (shape.dense_params + shape.router_params) * d, dense_detail)
+    ledger.add("dense weights", (shape.dense_params + shape.router_params) * d, dense_detail)
+    return payload + constants
 
-    # sparse trainable state
+
+@dataclass
+class _Trained:
+    """What this rank trains: expert entries, entries of other weights, router weights."""
+
+    experts: float
+    beyond: int
+    routers: int
+
+
+def _sparse_state(ledger: _Ledger, shape: ModelShape, s: PlanSettings) -> _Trained:
+    """The trained values with their indices, gradients and moments; reselection's probes; the routers."""
+    d = DTYPE_BYTES[s.dtype]
     entries = trained_entries(shape, s)
     moments = VALUE_MOMENT_BYTES[s.optimizer]
     beyond = trained_entries(
@@ -228,13 +303,13 @@ def plan(
     if beyond:  # entries of attention, embeddings, ...: elements of resident weights, which keep their base
         element_bytes = 4 + 4 + 4 + moments + d
         targets = ", ".join(t for t in s.targets if t not in ("experts", "routers"))
-        add(
+        ledger.add(
             "sparse state beyond the experts",
             beyond * element_bytes,
             f"{format_count(beyond)} entries of {targets} x {element_bytes} B (value 4, index 4, grad 4, "
             f"moments {moments}, base {d}: resident weights are written into)",
         )
-        entries -= beyond
+    entries = (entries - beyond) * _expert_share(s)  # expert entries live with their experts
     base = (
         d if s.quant == "none" else 0
     )  # a quantized store gives the base back; a resident one is overwritten
@@ -248,10 +323,10 @@ def plan(
             f"{format_count(entries)} entries x {per_entry} B (value 4, base {d}, grad 4, moments {moments}); "
             "whole neurons need no per-entry index"
         )
-    add("sparse state + optimizer", entries * per_entry, detail)
+    ledger.add("sparse state + optimizer", entries * per_entry, detail)
     if s.granularity == "element" and entries:
         old_bytes = 4 + d + 8 + 8 + 4 + (2 if s.optimizer == "adamw8bit" else 8)
-        notes.append(
+        ledger.notes.append(
             f"{per_entry} B per trained expert entry where usaf 0.1.0 kept {old_bytes} (an int64 flat index, "
             f"cached int32 rows and columns, a base copy, fp32 moments): {format_size(entries * (old_bytes - per_entry))}"
             " freed at this density"
@@ -261,7 +336,7 @@ def plan(
         # lines: oversample x the share regrown x the entries, fp32, largest at the first reselection
         select = UsafConfig.__dataclass_fields__
         share = select["oversample"].default * select["reselect_fraction"].default
-        add(
+        ledger.add(
             "reselection probes",
             int(4 * share * (entries + beyond)),
             f"candidates' gradient sums during a probe window: {share:g} x the trained entries x 4 B "
@@ -269,24 +344,28 @@ def plan(
         )
     router_moments = 2 if s.optimizer == "adamw8bit" else 8
     routers = trained_router_params(shape, s)
-    add(
+    ledger.add(
         "routers (trainable)",
         routers * (4 - d + 4 + router_moments),
         f"{format_count(routers)} parameters in fp32: master weight +{4 - d} B over the dense weights' {d} B, grad 4 B, "
         f"moments {router_moments} B",
     )
+    return _Trained(entries, beyond, routers)
 
-    # activations
+
+def _activations(ledger: _Ledger, shape: ModelShape, s: PlanSettings) -> None:
+    """Saved activations (with or without per-layer recomputation) and the loss's logits chunk."""
+    d, tokens = DTYPE_BYTES[s.dtype], s.seq * s.batch
     inputs = (shape.num_layers + 1) * tokens * shape.hidden_size * d
     working = tokens * _layer_working_set(shape, d)
     if s.recompute:
-        add(
+        ledger.add(
             "activations: layer inputs",
             inputs,
             f"{shape.num_layers + 1} x {tokens} tokens x {shape.hidden_size} x {d} B, kept for recomputation",
             phases=frozenset({LAYER, LOSS}),
         )
-        add(
+        ledger.add(
             "activations: one layer",
             working,
             f"what a recomputed layer saves for backward: attention q/k/v/output, {shape.experts_per_token} routed "
@@ -294,7 +373,7 @@ def plan(
             phases=frozenset({LAYER}),
         )
     else:
-        add(
+        ledger.add(
             "activations: all layers",
             inputs + shape.num_layers * working,
             f"{shape.num_layers} layers' saved tensors (no recomputation)",
@@ -303,20 +382,22 @@ def plan(
     chunk = min(s.logits_chunk, s.batch * (s.seq - 1))
     # the recomputed chunk's fp32 log-softmax, its incoming gradient and its input gradient (12 B per logit), and
     # the final hidden states sliced, masked and their gradient
-    add(
+    ledger.add(
         "logits chunk",
         chunk * shape.vocab_size * 12 + 3 * tokens * shape.hidden_size * d,
         f"{chunk} tokens x {shape.vocab_size} vocab x 12 B, recomputed in backward",
         phases=frozenset({LOSS}),
     )
 
-    # dequantization workspace and streaming buffers
-    quantized_store = s.quant != "none" or residency != "device"
-    if quantized_store:
+
+def _workspace(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: str, stored: float) -> None:
+    """The dequantized routed-expert workspace and the streaming buffers."""
+    d, tokens = DTYPE_BYTES[s.dtype], s.seq * s.batch
+    if s.quant != "none" or residency != "device":
         routed = _routed_experts(shape, tokens)
         chunk_bytes = min(s.workspace_mb * MiB, routed * shape.largest_expert_matrix * d)
         elements = chunk_bytes / d
-        add(
+        ledger.add(
             "dequant workspace",
             elements * (2 * d + DEQUANT_TEMPORARIES[s.quant]),
             f"routed experts of one projection in chunks of <= {s.workspace_mb} MB: the chunk being built with its "
@@ -324,65 +405,90 @@ def plan(
             phases=frozenset({LAYER}),
         )
     if residency in ("host", "mmap"):
-        per_layer = (payload + constants) / max(1, shape.num_moe_layers)
-        add(
+        ledger.add(
             "offload buffers",
-            2 * per_layer,
+            2 * stored / max(1, shape.num_moe_layers),
             "two layers of quantized experts: the current and the prefetched",
         )
 
-    if gpu:
-        if s.optimizer == "adamw":  # one tensor at a time: fp32 moments, denominator, rounding noise
-            step_bytes = 16 * (entries + beyond) // max(1, shape.num_moe_layers) + 4 * routers
-            step_detail = (
-                "bf16 moments widened to fp32 one tensor at a time; the routers' foreach square roots"
-            )
-        else:
-            step_bytes = 4 * (entries + beyond + routers)
-            step_detail = "AdamW's foreach kernels copy the moments' square roots of a whole group"
-        add("optimizer step temporaries", step_bytes, step_detail, phases=frozenset({STEP}))
-        transient = _peak([line for line in lines if not line.persistent], "device")[0]
-        add(
-            "framework overhead",
-            CUDA_CONTEXT + GPU_ALLOCATOR_SLACK * transient,
-            f"CUDA/HIP context and kernels {format_size(CUDA_CONTEXT)} + caching-allocator slack "
-            f"{GPU_ALLOCATOR_SLACK:.0%} of the transients",
+
+def _parallel(
+    ledger: _Ledger, shape: ModelShape, s: PlanSettings, trained: _Trained, device: Device
+) -> Traffic:
+    """With several GPUs: the buffers each rank adds and the bytes it exchanges per optimizer step."""
+    if s.gpus == 1:
+        return Traffic()
+    d, tokens = DTYPE_BYTES[s.dtype], s.seq * s.batch
+    # the gradients summed across ranks, fp32 (usaf.train.distributed.GradientReducer): routers and the entries of
+    # other weights always; expert entries only when every rank trains every expert (data parallel)
+    reduced = trained.beyond + trained.routers + (0 if s.expert_parallel else trained.experts)
+    ledger.add(
+        "all-reduce buckets",
+        4 * reduced,
+        f"{format_count(reduced)} trained gradients in fp32 flat buckets, sent as the last backward completes them",
+        phases=frozenset({LAYER, LOSS}),
+    )
+    all_to_all = 0.0
+    if s.expert_parallel:
+        # each (token, expert) pair's hidden state out and its expert output home, activations in the compute dtype
+        pairs = tokens * shape.experts_per_token
+        ledger.add(
+            "all-to-all buffers",
+            2 * pairs * shape.hidden_size * d,
+            f"{pairs} (token, expert) pairs x {shape.hidden_size} x {d} B, sent and received in one MoE layer",
+            phases=frozenset({LAYER}),
         )
-        add("framework (host)", GPU_HOST_FRAMEWORK, "Python, torch, transformers, GPU runtime", "host")
-        if residency == "mmap":
-            notes.append(
-                "mmap: the experts page in from the prepared store; host memory beyond this ledger speeds "
-                "streaming as page cache"
-            )
-        _, rows, cols = max(shape.expert_matrices, key=lambda m: m[1] * m[2])
-        largest_part = sum(stored_bytes(((shape.num_experts, rows, cols),), s.quant, d))
-        add(
-            "load staging",
-            2 * largest_part,
-            "loading: one stored tensor read and its device or pinned copy",
-            "host",
-            phases=frozenset({"load"}),
+        passes = 3 if s.recompute else 2  # forward, backward, and the recomputed forward
+        all_to_all = 2 * passes * shape.num_moe_layers * pairs * shape.hidden_size * d * (s.gpus - 1) / s.gpus
+    ring = 2 * (s.gpus - 1) / s.gpus  # a ring all-reduce sends and receives this share of the buffer per rank
+    return Traffic(4 * reduced, ring * 4 * reduced, all_to_all, device.peer_gbps)
+
+
+def _framework(
+    ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: str, trained: _Trained
+) -> None:
+    """Optimizer-step temporaries, the runtime's own memory, load staging."""
+    d = DTYPE_BYTES[s.dtype]
+    if not ledger.gpu:
+        ledger.add("framework: imports", CPU_IMPORTS, "Python, torch and transformers after import")
+        ledger.add(
+            "framework: warm-up", CPU_WARMUP, "first step: model code, thread pools, oneDNN/MKL buffers"
         )
-    else:
-        add("framework: imports", CPU_IMPORTS, "Python, torch and transformers after import")
-        add("framework: warm-up", CPU_WARMUP, "first step: model code, thread pools, oneDNN/MKL buffers")
-        notes.append(
+        ledger.notes.append(
             "CPU: glibc's malloc keeps freed memory mapped when its mmap threshold grows; set "
             "MALLOC_MMAP_THRESHOLD_=131072 for the peak above (the default can hold up to twice as much)"
         )
-
-    result = Plan(
-        shape,
-        s.replace(residency=residency),
-        device,
-        vram,
-        ram,
-        lines,
-        _step_time(shape, s, device, residency, ram),
-        notes=notes,
+        return
+    values = trained.experts + trained.beyond
+    if s.optimizer == "adamw":  # one tensor at a time: fp32 moments, denominator, rounding noise
+        step_bytes = 16 * values // max(1, shape.num_moe_layers) + 4 * trained.routers
+        step_detail = "bf16 moments widened to fp32 one tensor at a time; the routers' foreach square roots"
+    else:
+        step_bytes = 4 * (values + trained.routers)
+        step_detail = "AdamW's foreach kernels copy the moments' square roots of a whole group"
+    ledger.add("optimizer step temporaries", step_bytes, step_detail, phases=frozenset({STEP}))
+    transient = _peak([line for line in ledger.lines if not line.persistent], "device")[0]
+    ledger.add(
+        "framework overhead",
+        CUDA_CONTEXT + GPU_ALLOCATOR_SLACK * transient,
+        f"CUDA/HIP context and kernels {format_size(CUDA_CONTEXT)} + caching-allocator slack "
+        f"{GPU_ALLOCATOR_SLACK:.0%} of the transients",
     )
-    result.imports = 0.0 if gpu else CPU_IMPORTS
-    return result
+    ledger.add("framework (host)", GPU_HOST_FRAMEWORK, "Python, torch, transformers, GPU runtime", "host")
+    if residency == "mmap":
+        ledger.notes.append(
+            "mmap: the experts page in from the prepared store; host memory beyond this ledger speeds "
+            "streaming as page cache"
+        )
+    _, rows, cols = max(shape.expert_matrices, key=lambda m: m[1] * m[2])
+    largest_part = sum(stored_bytes(((shape.num_experts, rows, cols),), s.quant, d)) * _expert_share(s)
+    ledger.add(
+        "load staging",
+        2 * largest_part,
+        "loading: one stored tensor read and its device or pinned copy",
+        "host",
+        phases=frozenset({"load"}),
+    )
 
 
 def _routed_experts(shape: ModelShape, tokens: int) -> float:

@@ -31,6 +31,13 @@ class Device:
     link_gbps: float  # host -> device copy rate from pinned memory
     is_gpu: bool = True
     fast_bf16: bool = True  # bf16 matrix units; without them `usaf train` computes in fp16 with loss scaling
+    peer_gbps: float = (
+        0.0  # GPU-to-GPU rate per direction (NVLink, Infinity Fabric); 0: through PCIe (link_gbps)
+    )
+
+    def __post_init__(self):
+        if not self.peer_gbps:
+            object.__setattr__(self, "peer_gbps", self.link_gbps)
 
 
 # Shares of the datasheet peaks MoE training reaches: grouped matmuls over a few hundred tokens per expert and
@@ -108,6 +115,8 @@ class PlanSettings:
     dtype: str = "bf16"
     workspace_mb: int = DEFAULT_WORKSPACE_MB  # select.workspace_mb
     targets: tuple = DEFAULT_TARGETS  # select.targets: which weights hold trained entries
+    gpus: int = 1  # processes of a data-parallel (or expert-parallel) job, one GPU each
+    expert_parallel: bool = False  # each GPU holds E/gpus experts of every layer; tokens travel all-to-all
 
     def __post_init__(self):
 
@@ -138,6 +147,11 @@ class PlanSettings:
                 f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}",
             ),
             (self.workspace_mb >= 1, f"--workspace-mb must be at least 1, got {self.workspace_mb}"),
+            (self.gpus >= 1, f"--gpus must be at least 1, got {self.gpus}"),
+            (
+                self.gpus > 1 or not self.expert_parallel,
+                "--expert-parallel divides the experts among GPUs: give --gpus 2 or more",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -186,13 +200,15 @@ DEVICES: dict[str, Device] = {
     "rtx-3060-12gb": Device("rtx-3060-12gb", 12 * GiB, 51.0, 360.0, 25.0),
     "rtx-3090": Device("rtx-3090", 24 * GiB, 71.0, 936.0, 25.0),
     "rtx-4090": Device("rtx-4090", 24 * GiB, 165.0, 1008.0, 25.0),
-    "h100": Device("h100", 80 * GiB, 989.0, 3350.0, 50.0),
+    # H100 SXM: NVLink 4, 900 GB/s both directions together
+    "h100": Device("h100", 80 * GiB, 989.0, 3350.0, 50.0, peer_gbps=450.0),
     # AMD (ROCm), from amd.com product specifications. RX 6750 XT (RDNA2, gfx1031): 12 GB GDDR6 at 432 GB/s,
     # 13.3 TFLOPS fp32 and 26.6 fp16 (packed, twice fp32), no bf16 matrix units; PCIe 4.0 x16
     "rx-6750-xt": Device("rx-6750-xt", 12 * GiB, 26.6, 432.0, 25.0, fast_bf16=False),
     # RX 7900 XTX (RDNA3, gfx1100): 24 GB at 960 GB/s, 122.8 TFLOPS fp16/bf16 (WMMA, dual issue); PCIe 4.0 x16
     "rx-7900-xtx": Device("rx-7900-xtx", 24 * GiB, 122.8, 960.0, 25.0),
     # Instinct MI300X (CDNA3, gfx942): 192 GB HBM3 at 5.3 TB/s, 1307.4 TFLOPS dense bf16; PCIe 5.0 x16 host link
-    "mi300x": Device("mi300x", 192 * GiB, 1307.4, 5300.0, 50.0),
+    # and 7 Infinity Fabric links of 64 GB/s each way to its peers on an 8-GPU platform
+    "mi300x": Device("mi300x", 192 * GiB, 1307.4, 5300.0, 50.0, peer_gbps=448.0),
     "cpu": Device("cpu", 0, 0.2, 20.0, 0.0, is_gpu=False),
 }

@@ -18,6 +18,7 @@ from usaf import planner
 from usaf.errors import UsafError, first_line
 from usaf.planner.shape import load_model_config
 from usaf.planner.sizes import format_size
+from usaf.train import distributed
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -42,7 +43,10 @@ def choose_recompute(config, device: torch.device, dtype: torch.dtype) -> Recomp
         return RecomputeChoice(True, f"recompute: on (train.recompute=auto: {err})")
     try:
         shape = planner.model_shape(_model_config(config.model.path), Path(config.model.path).name)
-        settings = planner.settings_for_run(config, _DTYPES.get(dtype, "fp32"))
+        # under torchrun each rank also holds the gradient buckets it sums with the others
+        settings = planner.settings_for_run(config, _DTYPES.get(dtype, "fp32")).replace(
+            gpus=distributed.world_size()
+        )
     except Exception as err:
         return RecomputeChoice(
             True,
