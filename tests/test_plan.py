@@ -482,7 +482,9 @@ def test_the_planned_all_reduce_is_the_engines_trained_values():
 def test_parallel_mistakes_are_one_line_errors(capsys):
     with pytest.raises(UsafError, match=r"--expert-parallel over 3 GPUs .* 128 experts per layer"):
         planner.plan(
-            shape_of("qwen3-30b-a3b"), planner.PlanSettings(gpus=3, expert_parallel=True), planner.DEVICES["h100"]
+            shape_of("qwen3-30b-a3b"),
+            planner.PlanSettings(gpus=3, expert_parallel=True),
+            planner.DEVICES["h100"],
         )
     with pytest.raises(UsafError, match="give --gpus 2 or more"):
         planner.PlanSettings(expert_parallel=True)
@@ -491,10 +493,8 @@ def test_parallel_mistakes_are_one_line_errors(capsys):
 
 
 def test_plan_prints_the_per_rank_ledger_and_the_traffic(capsys):
-    code = main(
-        ["plan", "--model", "qwen3-235b-a22b", "--gpus", "8", "--expert-parallel", "--device", "h100"]
-        + ["--ram", "256GB"]
-    )
+    args = "plan --model qwen3-235b-a22b --gpus 8 --expert-parallel --device h100 --ram 256GB"
+    code = main(args.split())
     out = capsys.readouterr().out
     assert code == 0 and "verdict: fits on device" in out
     assert "8 GPUs, expert parallel: each holds 1/8 of every layer's experts" in out
