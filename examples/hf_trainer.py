@@ -1,8 +1,11 @@
 """Train an MoE model's own experts under transformers.Trainer, then turn its checkpoint into a usaf delta.
 
     python examples/hf_trainer.py MODEL_DIR [OUT_DIR]
+    accelerate launch --multi_gpu --num_processes 2 examples/hf_trainer.py MODEL_DIR [OUT_DIR]   # DDP, 2 GPUs
 
 Then `usaf apply MODEL_DIR OUT_DIR/delta.safetensors MERGED_DIR` writes a full checkpoint any tool can load.
+Under DDP every process prepares the same selection (it is seeded), the trained values' and routers' gradients are
+averaged as any parameter's, and only the main process writes the delta.
 """
 
 import sys
@@ -24,5 +27,7 @@ model = usaf.prepare_model(AutoModelForCausalLM.from_pretrained(model_dir), usaf
 train_data = [tokenizer(f"copy {word} -> {word}") for word in ("apple", "grape", "melon", "lemon") * 8]
 args = TrainingArguments(out, max_steps=10, per_device_train_batch_size=8, learning_rate=1e-3, report_to=[])
 collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-Trainer(model=model, args=args, train_dataset=train_data, data_collator=collator).train()
-usaf.delta_from_trainer_checkpoint(f"{out}/checkpoint-10", model_dir, f"{out}/delta.safetensors")
+trainer = Trainer(model=model, args=args, train_dataset=train_data, data_collator=collator)
+trainer.train()
+if trainer.is_world_process_zero():
+    usaf.delta_from_trainer_checkpoint(f"{out}/checkpoint-10", model_dir, f"{out}/delta.safetensors")
