@@ -380,12 +380,12 @@ def _activations(ledger: _Ledger, shape: ModelShape, s: PlanSettings) -> None:
             phases=frozenset({LAYER, LOSS}),
         )
     chunk = min(s.logits_chunk, s.batch * (s.seq - 1))
-    # the recomputed chunk's fp32 log-softmax, its incoming gradient and its input gradient (12 B per logit), and
+    # the chunk's fp32 log-softmax, its incoming gradient and its input gradient (12 B per logit), and
     # the final hidden states sliced, masked and their gradient
     ledger.add(
         "logits chunk",
         chunk * shape.vocab_size * 12 + 3 * tokens * shape.hidden_size * d,
-        f"{chunk} tokens x {shape.vocab_size} vocab x 12 B, recomputed in backward",
+        f"{chunk} tokens x {shape.vocab_size} vocab x 12 B, its backward run at once (usaf.engine.loss)",
         phases=frozenset({LOSS}),
     )
 
