@@ -25,11 +25,13 @@ def test_chunked_loss_equals_plain_loss(chunk):
     plain = F.cross_entropy(
         head(hidden)[:, :-1].reshape(-1, 300), labels[:, 1:].reshape(-1), ignore_index=-100
     )
-    (g_plain,) = torch.autograd.grad(plain, hidden)
+    # an upstream gradient other than 1 (a loss scale): each chunk's gradients, computed in its forward, are scaled
+    g_plain, w_plain = torch.autograd.grad(3.7 * plain, [hidden, head.weight])
     chunked = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=chunk)
-    (g_chunked,) = torch.autograd.grad(chunked, hidden)
+    g_chunked, w_chunked = torch.autograd.grad(3.7 * chunked, [hidden, head.weight])
     assert abs(chunked.item() - plain.item()) <= 1e-6 * abs(plain.item())
     assert torch.allclose(g_chunked, g_plain, rtol=1e-6, atol=1e-12)
+    assert torch.allclose(w_chunked, w_plain, rtol=1e-6, atol=1e-12)
 
 
 def test_chunked_loss_never_builds_full_logits():
@@ -45,6 +47,8 @@ def test_chunked_loss_never_builds_full_logits():
     hidden = torch.randn(2, 11, 32, requires_grad=True)
     chunked_causal_lm_loss(hidden, IDS, spy, chunk_tokens=4).backward()
     assert shapes and max(s[0] for s in shapes) <= 4
+    # and never recomputes them: the output layer runs once per chunk, forward and backward together
+    assert len(shapes) == -(-2 * 10 // 4)
 
 
 def test_model_loss_matches_transformers_loss():
