@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from usaf.testing.tiny import tiny_model
 from usaf.train.tokenizer import char_tokenizer
 
@@ -119,3 +121,14 @@ def reselecting_step(model, optimizer, reselector, step: int, ids, reselect: boo
     from usaf.testing.steps import training_step
 
     return training_step(model, optimizer, ids, reselector=reselector, step=step, reselect=reselect)
+
+
+def copy_sequences(count: int, seed: int = 0) -> list[dict]:
+    """Sequences that repeat a random word, all of one length: learnable in a few steps (transformers.Trainer)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        word = torch.randint(8, 20, (5,), generator=g)
+        ids = torch.cat([torch.tensor([1]), word, word, word])
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows

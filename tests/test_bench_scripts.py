@@ -16,12 +16,11 @@ import compare  # noqa: E402
 import scale  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu-dry-run")
+def gpu_sh(out: Path, *flags: str) -> Path:
+    """`bash bench/gpu.sh OUT FLAGS...`, which must succeed; OUT."""
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
-        ["bash", str(REPO / "bench" / "gpu.sh"), str(out), "--dry-run"],
+        ["bash", str(REPO / "bench" / "gpu.sh"), str(out), *flags],
         capture_output=True,
         text=True,
         timeout=300,
@@ -30,6 +29,11 @@ def dry_run(tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    return gpu_sh(tmp_path_factory.mktemp("gpu-dry-run"), "--dry-run")
 
 
 def only(folder: Path, pattern: str) -> Path:
@@ -142,16 +146,7 @@ def test_multi_gpu_dry_run_counts_usafs_all_reduce_against_ddp(tmp_path):
     """bench/gpu.sh --multi-gpu --dry-run: bench/distributed.py on 2 gloo processes. usaf's step moves exactly
     4 B a trained value plus a presence flag a trained tensor; LoRA and full fine-tuning move what DDP hands its hook,
     all of their gradients."""
-    env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(
-        ["bash", str(REPO / "bench" / "gpu.sh"), str(tmp_path), "--multi-gpu", "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    gpu_sh(tmp_path, "--multi-gpu", "--dry-run")
     payload = json.loads(only(tmp_path, "distributed-*.json").read_text())
     two = payload["worlds"]["2"]
     assert two["usaf"]["bytes_per_step"] == 4 * (two["usaf"]["trainable"] + two["usaf"]["tensors"])

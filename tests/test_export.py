@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import EXPERTS_AND_ROUTERS, make_model_dir, write_copy_task
+from helpers import EXPERTS_AND_ROUTERS, copy_sequences, make_model_dir, write_copy_task
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -449,17 +449,6 @@ def test_existing_outputs_need_force(trained, tmp_path, capsys):
 
 
 # ---- transformers.Trainer ----------------------------------------------------------------------------------------
-
-
-def copy_sequences(count: int, seed: int = 0) -> list[dict]:
-    """Sequences that repeat a random word: learnable in a few steps."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(count):
-        word = torch.randint(8, 20, (5,), generator=g)
-        ids = torch.cat([torch.tensor([1]), word, word, word])
-        rows.append({"input_ids": ids, "labels": ids.clone()})
-    return rows
 
 
 def test_hf_trainer_trains_only_the_selection_and_its_checkpoint_becomes_a_delta(tmp_path):

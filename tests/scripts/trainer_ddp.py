@@ -9,6 +9,7 @@ the main process also writes the losses and turns the last Trainer checkpoint in
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -16,18 +17,10 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import usaf
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/helpers.py
+from helpers import copy_sequences
+
 STEPS = 4
-
-
-def copy_sequences(count: int) -> list[dict]:
-    """Sequences that repeat a random word, all of one length (so that any loss normalisation agrees)."""
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(count):
-        word = torch.randint(8, 20, (5,), generator=g)
-        ids = torch.cat([torch.tensor([1]), word, word, word])
-        rows.append({"input_ids": ids, "labels": ids.clone()})
-    return rows
 
 
 def main(base: str, out: str, batch: int, accumulation: int) -> None:
