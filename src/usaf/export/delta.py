@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from usaf.base.checkpoint import BaseCheckpoint
 from usaf.base.record import read_run_base_record, run_base_dir, structural_difference, tensor_facts
@@ -163,8 +164,6 @@ def write_delta(
         "payload_sha256": _payload_digest(tensors),
     }
     metadata = {"format": DELTA_FORMAT, "format_version": str(DELTA_FORMAT_VERSION), "usaf": json.dumps(info)}
-    from safetensors.torch import save_file
-
     atomic_file(out_path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     return out_path
 

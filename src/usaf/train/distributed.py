@@ -33,6 +33,7 @@ import signal
 import sys
 
 import torch
+import torch.distributed as dist
 
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
@@ -45,23 +46,16 @@ BUCKET_BYTES = 64 * 2**20
 traffic = {"last_step_bytes": 0, "total_bytes": 0, "steps": 0}
 
 
-def _dist():
-    import torch.distributed as dist
-
-    return dist
-
-
 def active() -> bool:
-    dist = _dist()
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def world_size() -> int:
-    return _dist().get_world_size() if active() else 1
+    return dist.get_world_size() if active() else 1
 
 
 def rank() -> int:
-    return _dist().get_rank() if active() else 0
+    return dist.get_rank() if active() else 0
 
 
 def local_rank() -> int:
@@ -94,7 +88,6 @@ def _wanted_device_type(name: str) -> str:
 
 def init(config) -> bool:
     """Join the torchrun job when WORLD_SIZE > 1 (once; a no-op otherwise). True when data-parallel."""
-    dist = _dist()
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1 or not dist.is_available():
         return False
@@ -124,7 +117,7 @@ def local_device(device: torch.device) -> torch.device:
 
 
 def _comm_device() -> torch.device:
-    if active() and _dist().get_backend() == "nccl":
+    if active() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -176,7 +169,7 @@ def sum_scalars(*values):
     if not active():
         return values if len(values) > 1 else values[0]
     summed = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_comm_device())
-    _dist().all_reduce(summed)
+    dist.all_reduce(summed)
     out = tuple(
         round(s) if isinstance(v, int) else float(s) for v, s in zip(values, summed.tolist(), strict=True)
     )
@@ -188,7 +181,7 @@ def sum_scalars(*values):
 
 def _all_reduce_flat(tensors: list[torch.Tensor]) -> int:
     """Sum `tensors` in place across ranks, bucketed by dtype and device; the bytes moved."""
-    dist, moved = _dist(), 0
+    moved = 0
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
@@ -221,7 +214,7 @@ def all_reduce_gradients(model_or_params) -> int:
     else:
         params = list(model_or_params)
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=_comm_device())
-    _dist().all_reduce(present)
+    dist.all_reduce(present)
     grads = []
     for param, anywhere in zip(params, present.tolist(), strict=True):
         if not anywhere:
@@ -290,7 +283,7 @@ class GradientReducer:
             [p.grad is not None for p in bucket], dtype=bucket[0].dtype, device=grads[0].device
         )
         flat = torch.cat([*(g.reshape(-1) for g in grads), flags]).to(_comm_device())
-        work = _dist().all_reduce(flat, async_op=True)
+        work = dist.all_reduce(flat, async_op=True)
         self.sent.append(
             (flat, work, [(p.grad, p.grad._version if p.grad is not None else -1) for p in bucket])
         )
@@ -358,7 +351,7 @@ def sync_reselection(reselector) -> None:
     ones. A statistic no rank has stays None; one some ranks lack starts from zeros there."""
     if not active() or reselector is None:
         return
-    dist, device = _dist(), _comm_device()
+    device = _comm_device()
     slots = _reselection_slots(reselector)
     if not slots:
         return
@@ -397,7 +390,6 @@ def reduce_router_stats(routers) -> None:
     """Sum this step's routed counts and auxiliary-loss parts across ranks before the step's metrics."""
     if not active():
         return
-    dist = _dist()
     health = routers.health
     pending = health.pending.to(_comm_device())
     dist.all_reduce(pending)
@@ -420,7 +412,6 @@ def broadcast_trainable(model: torch.nn.Module) -> None:
     if not active():
         return
 
-    dist = _dist()
     comm = _comm_device()
     for _, state in sparse_modules(model):
         for _, entries in state.items():
@@ -468,7 +459,7 @@ def agree_stop(stop) -> bool:
     if not active():
         return stop.requested
     flag = torch.tensor([int(stop.requested)], device=_comm_device())
-    _dist().all_reduce(flag, op=_dist().ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() and not stop.requested:
         stop.requested, stop.signal_name, stop.signal_number = True, "SIGTERM (another rank)", signal.SIGTERM
     return bool(flag.item())

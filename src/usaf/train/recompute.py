@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from usaf import planner
 from usaf.errors import UsafError, first_line
@@ -92,8 +93,6 @@ def _model_config(path: str) -> dict:
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
         return load_model_config(str(folder))[1]
-    from transformers import AutoConfig
-
     return AutoConfig.from_pretrained(path).to_dict()
 
 

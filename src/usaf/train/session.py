@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
+import huggingface_hub
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -76,14 +79,9 @@ def check_model_path(path: str) -> None:
 def _check_hub_reachable(repo_id: str, timeout_s: float = 3.0) -> None:
     """A hub id that is not in the local cache needs the hub: say so at once when it cannot be reached, instead
     of after the minute of retries transformers spends (a cached model loads offline as usual)."""
-    import os
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+    if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, "config.json"), str):
         return
+    constants = huggingface_hub.constants
     if constants.HF_HUB_OFFLINE:
         raise UsafError(
             f"{repo_id}: not in the local hub cache and HF_HUB_OFFLINE is set; download it first "

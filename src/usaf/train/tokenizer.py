@@ -18,8 +18,10 @@ It is a `PreTrainedTokenizerFast` and round-trips through `save_pretrained` / `A
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tokenizers import Tokenizer, decoders, models, processors
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoConfig, PreTrainedTokenizerFast
 
 from usaf.errors import UsafError, first_line
 
@@ -84,8 +86,6 @@ TOKENIZER_FILES = (
 
 
 def has_tokenizer_files(folder) -> bool:
-    from pathlib import Path
-
     return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
 
 
@@ -122,8 +122,6 @@ class NoTokenizer:
 
 def model_vocabulary(folder: str) -> NoTokenizer:
     """The NoTokenizer of a model folder, from its config.json."""
-    from transformers import AutoConfig
-
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as err:
