@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -416,8 +417,10 @@ def test_a_hub_id_while_offline_fails_at_once_naming_the_id(monkeypatch, tmp_pat
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the test suite's own setting
     assert main(args) == 2 and "HF_HUB_OFFLINE is set" in capsys.readouterr().err
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    began = time.monotonic()
     code = main(args)
     err = capsys.readouterr().err
+    assert time.monotonic() - began < 10, "the hub's retries (1 + 2 + 4 + 8 + 8 s) ran before the check"
     assert code == 2 and "someorg/some-moe" in err and "cannot be reached" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: "/cache/config.json")

@@ -93,7 +93,8 @@ def _model_config(path: str) -> dict:
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
         return load_model_config(str(folder))[1]
-    return AutoConfig.from_pretrained(path).to_dict()
+    # the cache only: a hub id that is not there is the session's to report, at once, not after the hub's retries
+    return AutoConfig.from_pretrained(path, local_files_only=True).to_dict()
 
 
 def _activations(p) -> float:
