@@ -18,7 +18,7 @@ from usaf.errors import UsafError
 from usaf.model.hf import apply_renamings, checkpoint_renamings, use_experts_implementation
 from usaf.model.layout import MoELayer, find_moe_layers
 from usaf.model.targets import find_target_weights, tied_output_layer
-from usaf.selection import choose
+from usaf.selection import choose, ranks
 from usaf.store.dense import DenseStore
 
 
@@ -57,6 +57,7 @@ def prepare_model(
     """
     config = config or UsafConfig()
     stores = stores or {}
+    ranks.check_joined()
     if any(isinstance(m, (SparseExperts, SparseWeight)) for m in model.modules()):
         raise UsafError(
             "This model was already prepared by usaf.prepare_model; prepare a fresh model instead."
@@ -107,6 +108,10 @@ def prepare_model(
     model.usaf_config = config
     model.usaf_calibration = calibration  # what the selection was calibrated on (None: no calibration)
     model.usaf_original_values = original_values
+    # data parallel (usaf's loop, or DDP under transformers.Trainer): every rank trains rank 0's selection, and
+    # DDP (which reads this attribute when it wraps the model) leaves the selection's buffers alone
+    ranks.broadcast_trainable(model)
+    model._ddp_params_and_buffers_to_ignore = ranks.selection_buffers(model)
     return model
 
 

@@ -15,7 +15,8 @@ trains, up to floating-point reassociation.
   backward has completed its gradients, overlapping the all-reduce with the rest of that backward.
   Only trainable tensors (sparse values, routers) have gradients, so that is all that moves.
 - Selection: every rank calibrates on the same (whole) calibration stream, and rank 0's selection and
-  trained values are then broadcast (`broadcast_trainable`), so the selection is the 1-process one whatever N.
+  trained values are then broadcast (`usaf.selection.ranks.broadcast_trainable`, at the end of `prepare_model`),
+  so the selection is the 1-process one whatever N; the same module holds the rank basics used here.
 - Reselection: its statistics (neuron importance, row scores, probe scores) are sums over micro-batches; rank 0
   keeps the running sum and the other ranks only their share since the last step (`before_step` clears it),
   and `after_backward` sums them, so every rank holds the global statistics and takes the same decisions.
@@ -35,8 +36,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
+from usaf.selection.ranks import active, comm_device, is_main, rank, world_size
 
 BACKEND_ENV = "USAF_DISTRIBUTED_BACKEND"
 BACKENDS = ("auto", "nccl", "gloo")
@@ -46,24 +47,8 @@ BUCKET_BYTES = 64 * 2**20
 traffic = {"last_step_bytes": 0, "total_bytes": 0, "steps": 0}
 
 
-def active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def world_size() -> int:
-    return dist.get_world_size() if active() else 1
-
-
-def rank() -> int:
-    return dist.get_rank() if active() else 0
-
-
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0")) if active() else 0
-
-
-def is_main() -> bool:
-    return rank() == 0
 
 
 def choose_backend(requested: str | None, device_type: str) -> str:
@@ -116,12 +101,6 @@ def local_device(device: torch.device) -> torch.device:
     return device
 
 
-def _comm_device() -> torch.device:
-    if active() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 # ------------------------------------------------------------------------------------------------------ checks
 
 
@@ -168,7 +147,7 @@ def sum_scalars(*values):
     """Each value summed over the ranks (ints stay ints)."""
     if not active():
         return values if len(values) > 1 else values[0]
-    summed = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_comm_device())
+    summed = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device())
     dist.all_reduce(summed)
     out = tuple(
         round(s) if isinstance(v, int) else float(s) for v, s in zip(values, summed.tolist(), strict=True)
@@ -213,7 +192,7 @@ def all_reduce_gradients(model_or_params) -> int:
         params = [p for p in model_or_params.parameters() if p.requires_grad]
     else:
         params = list(model_or_params)
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=_comm_device())
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=comm_device())
     dist.all_reduce(present)
     grads = []
     for param, anywhere in zip(params, present.tolist(), strict=True):
@@ -282,7 +261,7 @@ class GradientReducer:
         flags = torch.tensor(
             [p.grad is not None for p in bucket], dtype=bucket[0].dtype, device=grads[0].device
         )
-        flat = torch.cat([*(g.reshape(-1) for g in grads), flags]).to(_comm_device())
+        flat = torch.cat([*(g.reshape(-1) for g in grads), flags]).to(comm_device())
         work = dist.all_reduce(flat, async_op=True)
         self.sent.append(
             (flat, work, [(p.grad, p.grad._version if p.grad is not None else -1) for p in bucket])
@@ -351,7 +330,7 @@ def sync_reselection(reselector) -> None:
     ones. A statistic no rank has stays None; one some ranks lack starts from zeros there."""
     if not active() or reselector is None:
         return
-    device = _comm_device()
+    device = comm_device()
     slots = _reselection_slots(reselector)
     if not slots:
         return
@@ -370,7 +349,7 @@ def sync_reselection(reselector) -> None:
             continue
         if getattr(holder, attr) is None:
             if where is None:
-                where = _comm_device() if device.type == "cuda" else torch.device("cpu")
+                where = comm_device() if device.type == "cuda" else torch.device("cpu")
             setattr(holder, attr, torch.zeros(row[1 : row[0]], device=where))
         tensors.append(getattr(holder, attr))
     _all_reduce_flat(tensors)
@@ -391,14 +370,14 @@ def reduce_router_stats(routers) -> None:
     if not active():
         return
     health = routers.health
-    pending = health.pending.to(_comm_device())
+    pending = health.pending.to(comm_device())
     dist.all_reduce(pending)
     health.pending = pending.to(health.pending.device)
     keys = sorted(routers.parts)
     if keys:
         parts = torch.stack([torch.as_tensor(routers.parts[k]).float().reshape(()) for k in keys])
         device = parts.device
-        parts = parts.to(_comm_device())
+        parts = parts.to(comm_device())
         dist.all_reduce(parts)
         routers.parts = dict(zip(keys, parts.to(device).unbind(0), strict=True))
 
@@ -406,59 +385,11 @@ def reduce_router_stats(routers) -> None:
 # ------------------------------------------------------------------------------------------------------ selection
 
 
-@torch.no_grad()
-def broadcast_trainable(model: torch.nn.Module) -> None:
-    """Rank 0's selection, base values and trained values on every rank, then its trainable parameters."""
-    if not active():
-        return
-
-    comm = _comm_device()
-    for _, state in sparse_modules(model):
-        for _, entries in state.items():
-            selection = getattr(entries, entries.selection_name)
-            sizes = torch.tensor(list(selection.shape) + [0] * (3 - selection.dim()), device=comm)
-            dist.broadcast(sizes, 0)
-            shape = [s for s in sizes.tolist() if s]
-            if is_main():
-                chosen = selection.to(comm)
-            else:
-                chosen = torch.empty(shape, dtype=selection.dtype, device=comm)
-            dist.broadcast(chosen, 0)
-            differs = torch.tensor(
-                [int(not is_main() and not torch.equal(chosen.cpu(), selection.cpu()))], device=comm
-            )
-            dist.all_reduce(differs, op=dist.ReduceOp.MAX)
-            if not differs.item():
-                continue
-            # some rank calibrated to another selection (a nondeterministic kernel): rank 0's is taken, with its
-            # base and trained values
-            values = (
-                entries.values.detach()
-                if is_main()
-                else torch.empty((chosen.shape[0], *entries.values.shape[1:]), dtype=entries.values.dtype)
-            ).to(comm)
-            dist.broadcast(values, 0)
-            base = None
-            if entries.keeps_base:
-                base = (
-                    entries.base_values
-                    if is_main()
-                    else torch.empty(values.shape, dtype=entries.base_values.dtype)
-                ).to(comm)
-                dist.broadcast(base, 0)
-            if not is_main():
-                entries.set_selection(chosen, base, values)
-    for param in [p for p in model.parameters() if p.requires_grad]:
-        buffer = param.data.to(comm)
-        dist.broadcast(buffer, 0)
-        param.data.copy_(buffer)
-
-
 def agree_stop(stop) -> bool:
     """Whether any rank was asked to stop (SIGINT/SIGTERM); every rank then stops after the same step."""
     if not active():
         return stop.requested
-    flag = torch.tensor([int(stop.requested)], device=_comm_device())
+    flag = torch.tensor([int(stop.requested)], device=comm_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() and not stop.requested:
         stop.requested, stop.signal_name, stop.signal_number = True, "SIGTERM (another rank)", signal.SIGTERM

@@ -136,8 +136,7 @@ class Trainer:
         self.eval_data, self.data_stats = session.eval_data, session.data_stats
         self.notes += session.notes
         self.batches = Batches(session.train_data, config.data.batch_size, seed=config.train.seed)
-        # [usaf.distributed] rank 0's selection and trainable values on every rank; what DDP does not support
-        distributed.broadcast_trainable(self.model)
+        # [usaf.distributed] (prepare_model made rank 0's selection every rank's) what DDP does not support
         distributed.check_supported(config)
         # [usaf.distributed] gradients summed across ranks, overlapped with the last backward of each step
         self.reducer = distributed.GradientReducer(self.model) if distributed.active() else None

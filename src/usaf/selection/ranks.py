@@ -1,0 +1,109 @@
+"""The selection across data-parallel ranks: every rank trains rank 0's selection and values.
+
+`prepare_model` ends with `broadcast_trainable`, whoever runs the ranks: usaf's own loop
+(`usaf.train.distributed`, which builds on the rank basics here) or torch's DDP under transformers.Trainer and
+Accelerate, which `selection_buffers` keeps from broadcasting the selection again before every forward. Under a
+launcher the process group must exist before the model is prepared (`check_joined`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from usaf.engine.installed import sparse_modules
+from usaf.errors import UsafError
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def comm_device() -> torch.device:
+    """Where collectives run: the current CUDA device under NCCL, else the CPU (gloo)."""
+    if active() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_joined() -> None:
+    """Under a multi-process launch (torchrun or `accelerate launch` set WORLD_SIZE > 1) the process group must
+    be up before a model is prepared: `prepare_model` then makes rank 0's selection every rank's. Without it,
+    ranks that calibrate differently (nondeterministic GPU kernels) would train different entries under one
+    all-reduce."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and dist.is_available() and not dist.is_initialized():
+        raise UsafError(
+            f"prepare_model runs in a job of {world} processes whose process group is not started yet: create "
+            "TrainingArguments (or accelerate.PartialState()) before prepare_model, so every rank trains rank 0's "
+            "selection."
+        )
+
+
+def selection_buffers(model: torch.nn.Module) -> list[str]:
+    """Names of the buffers that hold the selection (indices, base values): identical on every rank once
+    `broadcast_trainable` ran, so torch's DDP must not broadcast them again before every forward."""
+    own = {id(b) for _, state in sparse_modules(model) for e in state.values() for b in e.buffers()}
+    return [name for name, b in model.named_buffers() if id(b) in own]
+
+
+@torch.no_grad()
+def broadcast_trainable(model: torch.nn.Module) -> None:
+    """Rank 0's selection, base values and trained values on every rank, then its trainable parameters."""
+    if not active():
+        return
+
+    comm = comm_device()
+    for _, state in sparse_modules(model):
+        for _, entries in state.items():
+            selection = getattr(entries, entries.selection_name)
+            sizes = torch.tensor(list(selection.shape) + [0] * (3 - selection.dim()), device=comm)
+            dist.broadcast(sizes, 0)
+            shape = [s for s in sizes.tolist() if s]
+            if is_main():
+                chosen = selection.to(comm)
+            else:
+                chosen = torch.empty(shape, dtype=selection.dtype, device=comm)
+            dist.broadcast(chosen, 0)
+            differs = torch.tensor(
+                [int(not is_main() and not torch.equal(chosen.cpu(), selection.cpu()))], device=comm
+            )
+            dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+            if not differs.item():
+                continue
+            # some rank calibrated to another selection (a nondeterministic kernel): rank 0's is taken, with its
+            # base and trained values
+            values = (
+                entries.values.detach()
+                if is_main()
+                else torch.empty((chosen.shape[0], *entries.values.shape[1:]), dtype=entries.values.dtype)
+            ).to(comm)
+            dist.broadcast(values, 0)
+            base = None
+            if entries.keeps_base:
+                base = (
+                    entries.base_values
+                    if is_main()
+                    else torch.empty(values.shape, dtype=entries.base_values.dtype)
+                ).to(comm)
+                dist.broadcast(base, 0)
+            if not is_main():
+                entries.set_selection(chosen, base, values)
+    for param in [p for p in model.parameters() if p.requires_grad]:
+        buffer = param.data.to(comm)
+        dist.broadcast(buffer, 0)
+        param.data.copy_(buffer)
