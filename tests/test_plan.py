@@ -501,3 +501,17 @@ def test_plan_prints_the_per_rank_ledger_and_the_traffic(capsys):
     assert "94 layers x 16 of 128 experts" in out
     assert re.search(r"all-to-all per step: [\d.]+ GB leaving each rank", out)
     assert re.search(r"all-reduce per step: [\d.]+ MB of fp32 gradients", out)
+
+
+def test_ranks_on_one_host_share_its_ram():
+    """Two data-parallel ranks on a 32 GB host each keep Qwen3-30B-A3B's 15 GB of NF4 experts in pinned memory only
+    if 2 x their host ledger fits: per rank the budget is half the host."""
+    shape, device = shape_of("qwen3-30b-a3b"), planner.DEVICES["rtx-3060-12gb"]
+    settings = planner.PlanSettings(density=0.005, residency="host")
+    one = planner.plan(shape, settings, device, ram=32 << 30)
+    two = planner.plan(shape, settings.replace(gpus=2), device, ram=32 << 30)
+    apart = planner.plan(shape, settings.replace(gpus=2, gpus_per_host=1), device, ram=32 << 30)
+    assert one.fits and one.ram == 32 << 30
+    assert two.ram == 16 << 30 and two.host_ram == 32 << 30 and not two.fits
+    assert apart.ram == 32 << 30 and apart.fits
+    assert "--ram 32GB" in planner.command_line("qwen3-30b-a3b", two)

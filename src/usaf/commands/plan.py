@@ -116,6 +116,12 @@ def add_command(subparsers) -> None:
         help="with --gpus N: each GPU holds E/N experts of every layer and their trained entries; tokens travel "
         "all-to-all (a prototype in usaf.engine.expert_parallel; docs/distributed.md)",
     )
+    p.add_argument(
+        "--gpus-per-host",
+        type=int,
+        default=0,
+        help="with --gpus: ranks on one host, sharing its --ram (default: up to 8)",
+    )
     p.set_defaults(func=run)
 
 
@@ -184,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()),
         gpus=args.gpus,
         expert_parallel=args.expert_parallel,
+        gpus_per_host=args.gpus_per_host,
     )
     model, residency = args.model, args.residency
     if args.config is not None:

@@ -22,7 +22,7 @@ def command_line(model: str, p: Plan) -> str:
     if p.device.is_gpu:
         parts.append(f"--vram {_size_arg(p.vram)}")
     parts += [
-        f"--ram {_size_arg(p.ram)}",
+        f"--ram {_size_arg(p.host_ram or p.ram)}",
         f"--seq {s.seq}",
         f"--batch {s.batch}",
         f"--density {s.density:g}",
@@ -39,6 +39,7 @@ def command_line(model: str, p: Plan) -> str:
         (s.workspace_mb != defaults.workspace_mb, f"--workspace-mb {s.workspace_mb}"),
         (s.gpus > 1, f"--gpus {s.gpus}"),
         (s.expert_parallel, "--expert-parallel"),
+        (s.gpus_per_host > 0, f"--gpus-per-host {s.gpus_per_host}"),
     ]
     return " ".join(parts + [flag for wanted, flag in flags if wanted])
 

@@ -122,6 +122,7 @@ class Plan:
     imports: float = 0.0  # the part of the device peak that is the imported libraries (CPU)
     notes: list[str] = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)
+    host_ram: int = 0  # the whole host's RAM, which `ram` (this rank's share) was cut from; 0: the same
 
     @property
     def device_peak(self) -> float:
@@ -215,7 +216,14 @@ def plan(
             f"{shape.name} has {shape.num_experts} experts per layer: give a --gpus that divides it."
         )
     residency = s.residency if gpu or s.residency != "host" else "device"  # host memory is the CPU's own
-    ledger = _Ledger(gpu)
+    ledger, host_ram = _Ledger(gpu), ram
+    if s.gpus > 1 and gpu:  # the ranks of one host share its RAM: each plans against its share
+        sharing = s.ranks_per_host
+        ledger.notes.append(
+            f"host RAM {format_size(ram)} is shared by the {sharing} ranks of a host: {format_size(ram // sharing)} "
+            "a rank (--gpus-per-host)"
+        )
+        ram //= sharing
     stored = _frozen_weights(ledger, shape, s, residency)
     trained = _sparse_state(ledger, shape, s)
     _activations(ledger, shape, s)
@@ -232,6 +240,7 @@ def plan(
         _step_time(shape, s, device, residency, ram),
         notes=ledger.notes,
         traffic=traffic,
+        host_ram=host_ram,
     )
     result.imports = 0.0 if gpu else CPU_IMPORTS
     return result

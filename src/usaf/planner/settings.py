@@ -117,6 +117,7 @@ class PlanSettings:
     targets: tuple = DEFAULT_TARGETS  # select.targets: which weights hold trained entries
     gpus: int = 1  # processes of a data-parallel (or expert-parallel) job, one GPU each
     expert_parallel: bool = False  # each GPU holds E/gpus experts of every layer; tokens travel all-to-all
+    gpus_per_host: int = 0  # ranks sharing one host's RAM (0: min(gpus, 8), one 8-GPU box after another)
 
     def __post_init__(self):
 
@@ -148,6 +149,7 @@ class PlanSettings:
             ),
             (self.workspace_mb >= 1, f"--workspace-mb must be at least 1, got {self.workspace_mb}"),
             (self.gpus >= 1, f"--gpus must be at least 1, got {self.gpus}"),
+            (self.gpus_per_host >= 0, f"--gpus-per-host must be at least 1, got {self.gpus_per_host}"),
             (
                 self.gpus > 1 or not self.expert_parallel,
                 "--expert-parallel divides the experts among GPUs: give --gpus 2 or more",
@@ -156,6 +158,10 @@ class PlanSettings:
         for ok, message in checks:
             if not ok:
                 raise UsafError(message + ".")
+
+    @property
+    def ranks_per_host(self) -> int:
+        return min(self.gpus, self.gpus_per_host or 8)
 
     def replace(self, **changes) -> PlanSettings:
         return dataclasses.replace(self, **changes)
