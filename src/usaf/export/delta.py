@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import safetensors.torch
 import torch
-from safetensors.torch import save_file
 
 from usaf.base.checkpoint import BaseCheckpoint
 from usaf.base.record import read_run_base_record, run_base_dir, structural_difference, tensor_facts
@@ -164,7 +164,7 @@ def write_delta(
         "payload_sha256": _payload_digest(tensors),
     }
     metadata = {"format": DELTA_FORMAT, "format_version": str(DELTA_FORMAT_VERSION), "usaf": json.dumps(info)}
-    atomic_file(out_path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    atomic_file(out_path, lambda tmp: safetensors.torch.save_file(tensors, str(tmp), metadata=metadata))
     return out_path
 
 
