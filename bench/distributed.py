@@ -111,9 +111,7 @@ def _worker(rank: int, world: int, port: int, job: dict, queue) -> None:
             loss = runner(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
             # usaf: the training loop's reducer; the others: what DDP's hook was handed
-            step_bytes = (
-                (reducer.finish() if reducer is not None else 0) if method == "usaf" else counted["bytes"]
-            )
+            step_bytes = reducer.finish() if reducer is not None else counted["bytes"]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             _synchronize(device)

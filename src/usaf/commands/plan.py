@@ -220,6 +220,9 @@ _FLAG_FIELDS = {
     "targets": "targets",
     "no_recompute": "recompute",
     "no_reselect": "reselect",
+    "gpus": "gpus",
+    "expert_parallel": "expert_parallel",
+    "gpus_per_host": "gpus_per_host",
 }
 
 

@@ -149,7 +149,10 @@ class PlanSettings:
             ),
             (self.workspace_mb >= 1, f"--workspace-mb must be at least 1, got {self.workspace_mb}"),
             (self.gpus >= 1, f"--gpus must be at least 1, got {self.gpus}"),
-            (self.gpus_per_host >= 0, f"--gpus-per-host must be at least 1, got {self.gpus_per_host}"),
+            (
+                self.gpus_per_host >= 0,
+                f"--gpus-per-host must be at least 1 (or 0: up to 8), got {self.gpus_per_host}",
+            ),
             (
                 self.gpus > 1 or not self.expert_parallel,
                 "--expert-parallel divides the experts among GPUs: give --gpus 2 or more",

@@ -158,27 +158,35 @@ def sum_scalars(*values):
 # ------------------------------------------------------------------------------------------------------ gradients
 
 
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` cut into buckets of one dtype and device, each closed once it holds BUCKET_BYTES; buckets in the
+    order they were opened (the same on every rank for the same list)."""
+    buckets: list[list[torch.Tensor]] = []
+    open_buckets: dict[tuple, tuple[list, list[int]]] = {}  # (dtype, device) -> (bucket, [bytes in it])
+    for t in tensors:
+        key = (t.dtype, t.device)
+        if key not in open_buckets:
+            open_buckets[key] = ([], [0])
+            buckets.append(open_buckets[key][0])
+        bucket, size = open_buckets[key]
+        bucket.append(t)
+        size[0] += t.numel() * t.element_size()
+        if size[0] >= BUCKET_BYTES:
+            del open_buckets[key]
+    return buckets
+
+
 def _all_reduce_flat(tensors: list[torch.Tensor]) -> int:
     """Sum `tensors` in place across ranks, bucketed by dtype and device; the bytes moved."""
     moved = 0
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    for group in groups.values():
-        bucket, size = [], 0
-        for t in [*group, None]:
-            if t is not None:
-                bucket.append(t)
-                size += t.numel() * t.element_size()
-            if bucket and (t is None or size >= BUCKET_BYTES):
-                flat = torch.cat([b.reshape(-1) for b in bucket])
-                dist.all_reduce(flat)
-                moved += flat.numel() * flat.element_size()
-                offset = 0
-                for b in bucket:
-                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
-                    offset += b.numel()
-                bucket, size = [], 0
+    for bucket in _buckets(tensors):
+        flat = torch.cat([b.reshape(-1) for b in bucket])
+        dist.all_reduce(flat)
+        moved += flat.numel() * flat.element_size()
+        offset = 0
+        for b in bucket:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
     return moved
 
 
@@ -226,16 +234,7 @@ class GradientReducer:
 
     def __init__(self, model: torch.nn.Module):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets: list[list[torch.nn.Parameter]] = []
-        open_buckets: dict[tuple, list] = {}
-        for param in reversed(self.params):
-            key = (param.dtype, param.device)
-            bucket = open_buckets.setdefault(key, [])
-            if not bucket:
-                self.buckets.append(bucket)
-            bucket.append(param)
-            if sum(p.numel() * p.element_size() for p in bucket) >= BUCKET_BYTES:
-                del open_buckets[key]
+        self.buckets = _buckets(self.params[::-1])
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.armed = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._done) for p in self.params]
