@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
+from usaf.data import IGNORE_INDEX, Batches, collate, load_dataset
 from usaf.errors import UsafError
 from usaf.testing.tiny import tiny_model
-from usaf.train.data import IGNORE_INDEX, Batches, collate, load_dataset
 from usaf.train.tokenizer import char_tokenizer
 
 CHAT = [

@@ -24,6 +24,7 @@ STAGES = [
     ["usaf.base"],
     ["usaf.planner"],
     ["usaf.report"],
+    ["usaf.data"],
     ["usaf.train"],
     ["usaf.export"],
     ["usaf.testing"],

@@ -26,9 +26,9 @@ def add_command(sub) -> None:
 
 
 def run_select(args) -> int:
+    from usaf.data import load_dataset
     from usaf.prepare import current_selection
     from usaf.selection.choose import save_selection
-    from usaf.train.data import load_dataset
     from usaf.train.session import open_session, selection_summary
 
     config = effective_config(args)

@@ -1,6 +1,6 @@
 """The bundled demo's task: word transformations on random lowercase letter strings.
 
-Each record is `{"prompt": "<kind>: <word> -> ", "completion": <transformed word>}`; fed through usaf.train.data as a
+Each record is `{"prompt": "<kind>: <word> -> ", "completion": <transformed word>}`; fed through usaf.data as a
 prompt/completion record it becomes `<bos> prompt completion <eos>`, with loss on the completion only.
 
 Kinds
@@ -142,7 +142,7 @@ def demo_model_config(tokenizer):
 
 
 def encode_records(tokenizer, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`<bos> prompt completion <eos>`, right-padded; labels only on the completion and <eos> (as usaf.train.data)."""
+    """`<bos> prompt completion <eos>`, right-padded; labels only on the completion and <eos> (as usaf.data)."""
     rows, labels = [], []
     for r in records:
         prompt = tokenizer(r["prompt"], add_special_tokens=True)["input_ids"]

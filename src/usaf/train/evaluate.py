@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 
 from usaf.config import RunConfig
+from usaf.data import Batches, TokenizedDataset, load_dataset
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE
 from usaf.train import checkpoint, runtime
 from usaf.train.checkpoint import restore_trainable
-from usaf.train.data import Batches, TokenizedDataset, load_dataset
 from usaf.train.session import open_session
 
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from usaf.config import RunConfig
+from usaf.data import Batches, collate, load_dataset
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.router import RouterCollapse, RouterTraining
 from usaf.errors import UsafError
@@ -31,7 +32,6 @@ from usaf.selection.reselect import Reselector
 from usaf.store.offload import streamed_bytes
 from usaf.train import checkpoint, distributed, runtime
 from usaf.train.checkpoint import restore_trainable
-from usaf.train.data import Batches, collate, load_dataset
 from usaf.train.evaluate import evaluate
 from usaf.train.metrics import MetricsLog
 from usaf.train.optim import (

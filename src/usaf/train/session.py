@@ -18,13 +18,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from usaf.base.load import load_for_training
 from usaf.config import RunConfig
+from usaf.data import Batches, TokenizedDataset
 from usaf.errors import UsafError, first_line
 from usaf.io.source import check_model_files
 from usaf.model.hf import decoder_body
 from usaf.prepare import current_selection, enable_recomputation, prepare_model
 from usaf.selection.choose import resolved_selection
 from usaf.train import distributed, runtime
-from usaf.train.data import Batches, TokenizedDataset
 from usaf.train.recompute import choose_recompute
 from usaf.train.tokenizer import has_tokenizer_files, model_vocabulary
 

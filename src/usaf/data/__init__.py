@@ -1,0 +1,60 @@
+"""Training data, by stage: sources (files -> records) -> records / templates (record kinds, chat) -> tokenize
+(documents with loss masks, truncated) -> pack (rows) -> batches; load_dataset runs them all.
+
+Public API
+  load_dataset(paths, tokenizer, max_seq_len, pack=True, skip_bad_records=False, eval_paths=None,
+               eval_fraction=0.05, seed=0) -> (train, eval | None, DataStats)
+      The one entry point. `eval` is None only when no eval file is given and eval_fraction == 0.
+  TokenizedDataset   the rows to train on; dataset[i] -> {"input_ids", "labels", "position_ids"} (1-D int64)
+  Batches(dataset, batch_size, seed=0, shuffle=True, epochs=None)
+      Seeded batch iterator with state_dict() / load_state_dict() for exact resume.
+  collate(rows, pad_id) -> batch dict of [batch, seq] tensors
+  DataStats          what was read, skipped, truncated and packed; .summary() is one line
+  IGNORE_INDEX       -100, the label of positions without loss
+
+Files, by extension
+  .jsonl/.ndjson  one JSON record per line (blank lines ignored); errors name `file:LINE`.
+  .json           a list of records, or {"data": [records]}; errors name `file[INDEX]` (0-based).
+  .parquet/.pq    one record per row (needs pyarrow: pip install usaf[parquet]); errors name `file[INDEX]`;
+                  null columns count as absent, so files mixing record kinds work.
+  .txt/.md        one {"text"} document per blank-line-separated block (a whole file with no blank lines is
+                  one document); errors name `file:LINE` of the block's first line.
+
+Records (the keys decide the kind; any other key is an error)
+  {"text"}                    loss on every token but the first.
+  {"messages", ["tools"]}     chat rendered with the tokenizer's chat template; loss on assistant turns only
+                              (their content and the template's end-of-turn text). Roles: system, user,
+                              assistant, tool. Messages may also carry name, tool_calls, tool_call_id,
+                              reasoning_content.
+  {"prompt", "completion"}    plain concatenation (no chat template); loss on the completion only.
+  {"input_ids", ["labels"]}   used as given (no BOS/EOS added); labels default to input_ids, must be aligned
+                              with input_ids (equal to it where supervised, -100 elsewhere): never shifted.
+
+Tokenization: text and prompts are encoded with the tokenizer's own special tokens (e.g. BOS); EOS is appended
+to texts and completions so the model learns to stop. Labels are aligned with input_ids, as transformers
+expects: the model (or usaf.engine.loss) shifts them, so the target of position t is token t+1. The first label of
+every document is -100: nothing inside the document predicts it, and in a packed row it would otherwise be
+the target of the previous document's last token.
+
+Truncation keeps the first max_seq_len tokens and is counted in DataStats, never silent. A record left with
+no supervised token is an error (or skipped, with skip_bad_records).
+
+Packing (pack=True): best-fit decreasing, deterministic, documents never split. position_ids restart at 0 for
+every document. transformers 5.x turns such position_ids into a block-diagonal causal mask (documents do not
+attend to each other) only when attention_mask is None AND no cache is built, so batches carry no
+attention_mask and the model must be called with use_cache=False (config.use_cache is usually True, and a
+cache object disables the packed-sequence detection). Padding is on the right, with labels -100 and
+position_ids restarting at 0 (a segment of its own); causal attention never lets real tokens see it, so no
+attention_mask is needed for padding either. Models whose decoder does not pass position_ids to the mask
+functions (gpt_oss in transformers 5.24) need pack=False or an explicit mask.
+
+Held-out split (no eval_paths, eval_fraction > 0): whole documents, seeded, before packing, at least one.
+"""
+
+from usaf.data.batches import Batches, collate
+from usaf.data.load import load_dataset
+from usaf.data.pack import TokenizedDataset
+from usaf.data.tokenize import DataStats
+from usaf.engine.loss import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX", "Batches", "DataStats", "TokenizedDataset", "collate", "load_dataset"]

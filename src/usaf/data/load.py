@@ -1,0 +1,79 @@
+"""The entry point: read, tokenize, split off eval, pack (see usaf.data's docstring)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from usaf.data.pack import TokenizedDataset
+from usaf.data.tokenize import DataStats, Documents, read_documents
+from usaf.errors import UsafError
+
+
+def split_documents(documents: Documents, eval_fraction: float, seed: int) -> tuple[Documents, Documents]:
+    count = len(documents.ids)
+    eval_count = max(1, round(eval_fraction * count))
+    if count - eval_count < 1:
+        raise UsafError(
+            f"the data set is too small to hold out {eval_fraction:.0%} for evaluation ({count} documents); "
+            "add data, give an eval file, or set eval_fraction to 0."
+        )
+    chosen = set(np.random.default_rng([seed, count]).permutation(count)[:eval_count].tolist())
+    train, held_out = Documents(), Documents()
+    for index in range(count):  # file order is kept in both parts
+        part = held_out if index in chosen else train
+        part.ids.append(documents.ids[index])
+        part.labels.append(documents.labels[index])
+    return train, held_out
+
+
+def load_dataset(
+    paths: list[str],
+    tokenizer,
+    max_seq_len: int,
+    pack: bool = True,
+    skip_bad_records: bool = False,
+    eval_paths: list[str] | None = None,
+    eval_fraction: float = 0.05,
+    seed: int = 0,
+) -> tuple[TokenizedDataset, TokenizedDataset | None, DataStats]:
+    """Read, tokenize, truncate, split and pack `paths` (and `eval_paths`); see the module docstring."""
+    if isinstance(paths, str) or isinstance(eval_paths, str):
+        raise UsafError("load_dataset: paths and eval_paths must be lists of file names.")
+    if not paths:
+        raise UsafError("no training data files were given.")
+    if not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise UsafError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}.")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise UsafError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}.")
+    pad_id = next(
+        (i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0
+    )  # the value is irrelevant to the loss: padded labels are -100
+    stats = DataStats(max_seq_len=max_seq_len, packed=pack)
+
+    train_docs = read_documents(list(paths), tokenizer, max_seq_len, skip_bad_records, stats)
+    if not train_docs.ids:
+        raise UsafError(
+            f"the data set is empty: no usable records in {', '.join(map(str, paths))}"
+            + (f" ({stats.skipped_records} bad records skipped)" if stats.skipped_records else "")
+            + "."
+        )
+    if eval_paths:
+        eval_docs = read_documents(list(eval_paths), tokenizer, max_seq_len, skip_bad_records, stats)
+        if not eval_docs.ids:
+            raise UsafError(
+                f"the eval data set is empty: no usable records in {', '.join(map(str, eval_paths))}."
+            )
+    elif eval_fraction > 0:
+        train_docs, eval_docs = split_documents(train_docs, eval_fraction, seed)
+    else:
+        eval_docs = None
+
+    train = TokenizedDataset(train_docs, max_seq_len, pack, pad_id)
+    stats.train_documents, stats.train_sequences = train.num_documents, len(train)
+    stats.train_supervised_tokens = train.supervised_tokens
+    held_out = None
+    if eval_docs is not None:
+        held_out = TokenizedDataset(eval_docs, max_seq_len, pack, pad_id)
+        stats.eval_documents, stats.eval_sequences = held_out.num_documents, len(held_out)
+        stats.eval_supervised_tokens = held_out.supervised_tokens
+    return train, held_out, stats

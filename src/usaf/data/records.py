@@ -1,0 +1,102 @@
+"""Records: what kind a record is (its keys decide), and the encoders of the plain kinds.
+
+Every encoder maps (record, tokenizer) -> (input_ids, labels), labels aligned with input_ids (-100 where not
+supervised). Chat records are encoded in usaf.data.templates.
+"""
+
+from __future__ import annotations
+
+from usaf.engine.loss import IGNORE_INDEX
+
+RECORD_KINDS = {  # kind: (required keys, optional keys)
+    "text": ({"text"}, set()),
+    "messages": ({"messages"}, {"tools"}),
+    "prompt/completion": ({"prompt", "completion"}, set()),
+    "input_ids": ({"input_ids"}, {"labels"}),
+}
+
+
+class BadRecord(Exception):
+    """A problem with one record: an error naming its location, or a skip under skip_bad_records."""
+
+
+def record_kind(record: object) -> str:
+    if not isinstance(record, dict):
+        raise BadRecord(f"a record must be a JSON object, got {type(record).__name__}")
+    keys = set(record)
+    for kind, (required, optional) in RECORD_KINDS.items():
+        if keys & required:
+            missing = required - keys
+            unknown = keys - required - optional
+            if missing:
+                raise BadRecord(f"{kind} record is missing key(s) {sorted(missing)}")
+            if unknown:
+                raise BadRecord(
+                    f"{kind} record has unknown key(s) {sorted(unknown)}; "
+                    f"allowed: {sorted(required | optional)}"
+                )
+            return kind
+    raise BadRecord(
+        f"unknown record keys {sorted(keys)}; expected one of {{'text'}}, {{'messages'}}, "
+        "{'prompt', 'completion'}, {'input_ids', 'labels'}"
+    )
+
+
+def expect_str(record: dict, key: str) -> str:
+    value = record[key]
+    if not isinstance(value, str):
+        raise BadRecord(f"'{key}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def token_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def with_eos(tokenizer, ids: list[int]) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return [*ids, eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+
+def encode_text(record: dict, tokenizer) -> tuple[list[int], list[int]]:
+    text = expect_str(record, "text")
+    if not text.strip():
+        raise BadRecord("'text' is empty")
+    ids = with_eos(tokenizer, token_ids(tokenizer, text, add_special_tokens=True))
+    return ids, list(ids)
+
+
+def encode_prompt_completion(record: dict, tokenizer) -> tuple[list[int], list[int]]:
+    prompt, completion = expect_str(record, "prompt"), expect_str(record, "completion")
+    if not completion.strip():
+        raise BadRecord("'completion' is empty: nothing to learn")
+    prompt_ids = token_ids(tokenizer, prompt, add_special_tokens=True)
+    completion_ids = with_eos(tokenizer, token_ids(tokenizer, completion, add_special_tokens=False))
+    return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
+
+
+def encode_pretokenized(record: dict, tokenizer) -> tuple[list[int], list[int]]:
+    ids, labels = record["input_ids"], record.get("labels", record["input_ids"])
+    vocab = len(tokenizer)
+    for key, values in (("input_ids", ids), ("labels", labels)):
+        if not isinstance(values, list) or not all(type(v) is int for v in values):
+            raise BadRecord(f"'{key}' must be a list of integers")
+    if len(ids) < 2:
+        raise BadRecord("'input_ids' needs at least 2 tokens")
+    if len(labels) != len(ids):
+        raise BadRecord(f"'labels' has {len(labels)} entries but 'input_ids' has {len(ids)}")
+    bad = next((i for i, v in enumerate(ids) if not 0 <= v < vocab), None)
+    if bad is not None:
+        what = getattr(tokenizer, "vocabulary", f"the tokenizer's vocabulary of {vocab}")
+        raise BadRecord(f"input_ids[{bad}]={ids[bad]} is outside {what}")
+    # Aligned labels equal input_ids wherever they are not ignored; anything else is a shifted or foreign
+    # label (pre-shifting here would train every position on token t+2).
+    bad = next(
+        (i for i, (v, t) in enumerate(zip(labels, ids, strict=True)) if v not in (IGNORE_INDEX, t)), None
+    )
+    if bad is not None:
+        raise BadRecord(
+            f"labels[{bad}]={labels[bad]} but input_ids[{bad}]={ids[bad]}: labels must be aligned with "
+            "input_ids (equal where supervised, -100 elsewhere), not shifted; the model shifts them"
+        )
+    return list(ids), list(labels)
