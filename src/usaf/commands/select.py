@@ -26,7 +26,7 @@ def add_command(sub) -> None:
 
 
 def run_select(args) -> int:
-    from usaf.data import load_dataset
+    from usaf.data import load_run_data
     from usaf.prepare import current_selection
     from usaf.selection.choose import save_selection
     from usaf.train.session import open_session, selection_summary
@@ -41,9 +41,7 @@ def run_select(args) -> int:
         )
     session = open_session(
         config,
-        lambda config, tokenizer, pack: load_dataset(
-            config.data.train, tokenizer, config.data.max_seq_len, pack=pack, eval_fraction=0.0
-        ),
+        lambda config, tokenizer, pack: load_run_data(config, tokenizer, pack, held_out=False),
         recompute=False,  # nothing is trained here
     )
     model, config, stats = session.model, session.config, session.data_stats

@@ -52,9 +52,17 @@ Held-out split (no eval_paths, eval_fraction > 0): whole documents, seeded, befo
 """
 
 from usaf.data.batches import Batches, collate
-from usaf.data.load import load_dataset
+from usaf.data.load import load_dataset, load_run_data
 from usaf.data.pack import TokenizedDataset
 from usaf.data.tokenize import DataStats
 from usaf.engine.loss import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "Batches", "DataStats", "TokenizedDataset", "collate", "load_dataset"]
+__all__ = [
+    "IGNORE_INDEX",
+    "Batches",
+    "DataStats",
+    "TokenizedDataset",
+    "collate",
+    "load_dataset",
+    "load_run_data",
+]

@@ -77,3 +77,19 @@ def load_dataset(
         stats.eval_documents, stats.eval_sequences = held_out.num_documents, len(held_out)
         stats.eval_supervised_tokens = held_out.supervised_tokens
     return train, held_out, stats
+
+
+def load_run_data(config, tokenizer, pack: bool, files: list[str] | None = None, held_out: bool = True):
+    """load_dataset with a run's data settings (`config` is a RunConfig): what `usaf train`, `usaf eval` and
+    `usaf select` read. files: other files than data.train (eval); held_out=False: no eval split."""
+    data = config.data
+    return load_dataset(
+        list(files if files is not None else data.train),
+        tokenizer,
+        data.max_seq_len,
+        pack=pack,
+        skip_bad_records=data.skip_bad_records,
+        eval_paths=(data.eval or None) if held_out else None,
+        eval_fraction=data.eval_fraction if held_out else 0.0,
+        seed=config.train.seed,
+    )

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from usaf.config import RunConfig
-from usaf.data import Batches, TokenizedDataset, load_dataset
+from usaf.data import Batches, TokenizedDataset, load_run_data
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE
@@ -65,9 +65,7 @@ def evaluate_target(target: str, data_files: list[str], overrides: list[str]) ->
         config = RunConfig.load(None, [f"model.path={target}", *overrides])
     session = open_session(  # no backward here: nothing to recompute; the run's own selection, or none
         config,
-        lambda config, tokenizer, pack: load_dataset(
-            data_files, tokenizer, config.data.max_seq_len, pack=pack, eval_fraction=0.0
-        ),
+        lambda config, tokenizer, pack: load_run_data(config, tokenizer, pack, data_files, held_out=False),
         calibrate=False,
         selection_file=run_dir / "selection.safetensors" if is_run else None,
         recompute=False,

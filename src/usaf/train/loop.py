@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from usaf.config import RunConfig
-from usaf.data import Batches, collate, load_dataset
+from usaf.data import Batches, collate, load_run_data
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.router import RouterCollapse, RouterTraining
 from usaf.errors import UsafError
@@ -121,7 +121,7 @@ class Trainer:
         self.recompute = choose_recompute(config, device, runtime.resolve_dtype(config.model.dtype, device))
         session = open_session(
             config,
-            _load_data,
+            load_run_data,
             # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
             selection_file=run_dir / "selection.safetensors" if resume else None,
             recompute=self.recompute.recompute,
@@ -451,19 +451,6 @@ class Trainer:
             self.reselector.load_state_dict(restored["extra"])
         if self.prefix_cache is not None:
             self.prefix_cache.hits = self.state.prefix_cache_hits
-
-
-def _load_data(config: RunConfig, tokenizer, pack: bool):
-    return load_dataset(
-        config.data.train,
-        tokenizer,
-        config.data.max_seq_len,
-        pack=pack,
-        skip_bad_records=config.data.skip_bad_records,
-        eval_paths=config.data.eval or None,
-        eval_fraction=config.data.eval_fraction,
-        seed=config.train.seed,
-    )
 
 
 def _prefix_cache(model, config: RunConfig, run_dir: Path) -> FrozenPrefixCache | None:
