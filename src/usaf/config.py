@@ -322,6 +322,11 @@ class DataSection:
     )
     eval_batches: int = option(0, "batches per evaluation (0: all)", bounds="[0, inf)")
     skip_bad_records: bool = option(False, "skip malformed records (and report how many) instead of failing")
+    chat_template: str = option(
+        "",
+        "chat template of 'messages' records: a .jinja file or a name of TRL's templates (qwen3, llama3, chatml, "
+        "...); empty: the tokenizer's own (TRL's training variant of it when it has no generation markers)",
+    )
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from usaf.data.pack import TokenizedDataset
+from usaf.data.templates import use_chat_template
 from usaf.data.tokenize import DataStats, Documents, read_documents
 from usaf.errors import UsafError
 
@@ -83,6 +84,7 @@ def load_run_data(config, tokenizer, pack: bool, files: list[str] | None = None,
     """load_dataset with a run's data settings (`config` is a RunConfig): what `usaf train`, `usaf eval` and
     `usaf select` read. files: other files than data.train (eval); held_out=False: no eval split."""
     data = config.data
+    use_chat_template(tokenizer, data.chat_template)
     return load_dataset(
         list(files if files is not None else data.train),
         tokenizer,

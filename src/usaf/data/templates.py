@@ -1,45 +1,253 @@
-"""Chat records: messages checked, rendered with the tokenizer's chat template, assistant turns supervised."""
+"""Chat records: messages checked and normalized, rendered with the chat template, assistant turns supervised.
+
+What is supervised: the text of each assistant turn that the model itself generates at inference, its end-of-turn
+token included, and nothing else. A turn's span comes from the template's `{% generation %}` markers when it has
+them, else from rendering the conversation's prefixes (`_assistant_char_spans`). Either way, the text that the
+inference prompt (`add_generation_prompt=True`) already supplies (the role header, DeepSeek's
+`<｜tool▁outputs▁end｜>`) is taken off the span's start: the model is given it, never asked to predict it.
+
+`use_chat_template` picks the template: data.chat_template, else the tokenizer's own; one without generation
+markers that TRL knows is replaced by TRL's training variant of it (markers, prefix-preserving rendering).
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import sys
+from pathlib import Path
 
 from usaf.data.records import BadRecord
 from usaf.engine.loss import IGNORE_INDEX
-from usaf.errors import UsafError
+from usaf.errors import UsafError, first_line
 
-ROLES = ("system", "user", "assistant", "tool")
-MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "thinking")
+# one reasoning text under the names templates read: Qwen3, GLM and DeepSeek read reasoning_content, gpt-oss thinking
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_TEMPLATE_ALIASES = {"chatml": "qwen2_5"}  # TRL names ChatML after Qwen2.5, whose template it is
+_MAX_TEMPLATE_BYTES = 1 << 20  # a chat template is a few KB; anything larger is not one
 
 
-def _check_messages(record: dict) -> tuple[list[dict], object]:
+# ---- messages ---------------------------------------------------------------------------------------------------
+
+
+def _text_content(content, where: str) -> str:
+    """A message's content as one string: a string, or a list of text parts (OpenAI's content parts), joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRecord(
+            f"{where}.content must be a string or a list of text parts, got {type(content).__name__}"
+        )
+    pieces = []
+    for index, part in enumerate(content):
+        if isinstance(part, str):
+            pieces.append(part)
+        elif (
+            isinstance(part, dict)
+            and part.get("type", "text") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            pieces.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise BadRecord(
+                f"{where}.content[{index}] is a {kind!r} part; only text parts "
+                '({"type": "text", "text": ...}) can be trained on'
+            )
+    return "".join(pieces)
+
+
+def _tool_call(call, where: str) -> dict:
+    """OpenAI's {"type": "function", "function": {"name", "arguments"}} (or the flat {"name", "arguments"}), with
+    the arguments as a dict: what transformers documents and the templates' `| tojson` / `.items()` expect."""
+    if not isinstance(call, dict):
+        raise BadRecord(f"{where} must be an object with 'function': {{'name', 'arguments'}}")
+    function = call.get("function", call)
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise BadRecord(f"{where} needs a function name ('function': {{'name': ..., 'arguments': ...}})")
+    arguments = function.get("arguments")
+    if arguments is None or arguments == "":
+        arguments = {}
+    elif isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            raise BadRecord(
+                f"{where}.arguments is not valid JSON: {error.msg} (column {error.colno})"
+            ) from None
+    if not isinstance(arguments, dict):
+        raise BadRecord(f"{where}.arguments must be a JSON object, got {type(arguments).__name__}")
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def _check_message(message, where: str) -> dict:
+    if not isinstance(message, dict):
+        raise BadRecord(f"{where} must be an object with 'role' and 'content'")
+    # unknown keys are dropped, not refused: exports carry ids, timestamps, weights no template reads
+    given = {key: value for key, value in message.items() if value is not None}
+    role = given.get("role")
+    if role not in ROLES:
+        raise BadRecord(f"{where} has role {role!r}; allowed: {', '.join(ROLES)}")
+    out = {"role": role}
+    if "content" in given:
+        out["content"] = _text_content(given["content"], where)
+    reasoning = [given[key] for key in REASONING_KEYS if key in given]
+    if reasoning:
+        if role != "assistant":
+            raise BadRecord(f"{where} is a {role} turn with reasoning; only assistant turns have it")
+        if not all(isinstance(text, str) for text in reasoning) or len(set(reasoning)) > 1:
+            raise BadRecord(
+                f"{where}: reasoning must be one string (give reasoning_content or thinking, not both)"
+            )
+        out["reasoning_content"] = out["thinking"] = reasoning[0]
+    if "tool_calls" in given:
+        calls = given["tool_calls"]
+        if role != "assistant" or not isinstance(calls, list):
+            raise BadRecord(f"{where}.tool_calls must be a list, on an assistant turn")
+        if calls:
+            out["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(calls)]
+    for key in ("name", "tool_call_id"):
+        if key in given:
+            if not isinstance(given[key], str):
+                raise BadRecord(f"{where}.{key} must be a string")
+            out[key] = given[key]
+    if "content" not in out:
+        if "tool_calls" not in out and "reasoning_content" not in out:
+            raise BadRecord(f"{where} is missing 'content'")
+        out["content"] = ""  # templates concatenate it (DeepSeek, gpt-oss): '' renders as nothing
+    return out
+
+
+def check_messages(record: dict) -> tuple[list[dict], list | None]:
+    """A chat record's messages normalized for the templates (see _check_message), and its tools."""
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise BadRecord("'messages' must be a non-empty list")
-    cleaned = []
-    for index, message in enumerate(messages):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise BadRecord(f"{where} must be an object with 'role' and 'content'")
-        message = {key: value for key, value in message.items() if value is not None}
-        unknown = set(message) - MESSAGE_KEYS
-        if unknown:
-            raise BadRecord(f"{where} has unknown key(s) {sorted(unknown)}; allowed: {sorted(MESSAGE_KEYS)}")
-        role = message.get("role")
-        if role not in ROLES:
-            raise BadRecord(f"{where} has role {role!r}; allowed: {', '.join(ROLES)}")
-        if "content" not in message and "tool_calls" not in message:
-            raise BadRecord(f"{where} is missing 'content'")
-        if "content" in message and not isinstance(message["content"], str):
-            raise BadRecord(f"{where}.content must be a string, got {type(message['content']).__name__}")
-        cleaned.append(message)
+    cleaned = [_check_message(message, f"messages[{index}]") for index, message in enumerate(messages)]
     if not any(message["role"] == "assistant" for message in cleaned):
         raise BadRecord("'messages' has no assistant turn: nothing to learn")
     tools = record.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise BadRecord("'tools' must be a list")
-    return cleaned, tools
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
+        raise BadRecord("'tools' must be a list of JSON schemas (objects)")
+    return cleaned, tools or None
+
+
+def _fit_roles(messages: list[dict], template: str) -> list[dict]:
+    """The developer role where the template has no branch for it (most but gpt-oss's) becomes system: such
+    templates would drop the turn silently or fail; OpenAI's developer role is what system was."""
+    if "developer" in template or not any(message["role"] == "developer" for message in messages):
+        return messages
+    return [
+        {**message, "role": "system"} if message["role"] == "developer" else message for message in messages
+    ]
+
+
+# ---- the template -------------------------------------------------------------------------------------------------
+
+
+def _trl_templates() -> dict[str, Path]:
+    """TRL's shipped templates by name (qwen3, qwen3_training, llama3, gptoss, ...)."""
+    try:
+        import trl
+    except ImportError:  # a dependency, but a broken environment should not stop non-chat data
+        return {}
+    folder = Path(trl.__file__).parent / "chat_templates"
+    return {path.stem: path for path in sorted(folder.glob("*.jinja"))}
+
+
+def template_names() -> list[str]:
+    """The names data.chat_template accepts besides a file: TRL's stock templates and the aliases."""
+    names = [name for name in _trl_templates() if not name.endswith("_training")]
+    return sorted([*names, *_TEMPLATE_ALIASES])
+
+
+def _read_setting(setting: str) -> str:
+    templates = _trl_templates()
+    name = _TEMPLATE_ALIASES.get(setting, setting)
+    if name in templates:
+        return templates[name].read_text(encoding="utf-8")
+    path = Path(os.path.expanduser(setting))
+    if not path.is_file():
+        looks_like_file = path.suffix or os.sep in setting or "/" in setting
+        what = "no such file" if looks_like_file else "not a template name"
+        raise UsafError(
+            f"data.chat_template={setting}: {what}; give a .jinja file or one of TRL's templates: "
+            f"{', '.join(template_names())}."
+        )
+    if path.stat().st_size > _MAX_TEMPLATE_BYTES:
+        raise UsafError(f"data.chat_template={setting}: over 1 MB, not a chat template.")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsafError(f"data.chat_template={setting}: cannot read it: {first_line(error)}.") from None
+
+
+def _training_variant(tokenizer) -> str | None:
+    """TRL's training variant of the tokenizer's template (TRL matches it against its stock templates), or None
+    when TRL has none. TRL compares exactly, so a copy that differs only in surrounding whitespace (a trailing
+    newline from a .jinja file) is matched here too; and TRL's own checks render the template, which a template
+    of a family it does not know may refuse: that only means TRL has no variant."""
+    try:
+        from trl.chat_template_utils import get_training_chat_template
+
+        variant = get_training_chat_template(tokenizer)
+    except Exception:  # ValueError (unknown template), template errors of its probes
+        variant = None
+    if variant is None:
+        template = tokenizer.chat_template
+        template = template.get("default", "") if isinstance(template, dict) else template
+        templates = _trl_templates()
+        for name, path in templates.items():
+            if (
+                f"{name}_training" in templates
+                and path.read_text(encoding="utf-8").strip() == template.strip()
+            ):
+                return templates[f"{name}_training"].read_text(encoding="utf-8")
+    return variant
+
+
+def use_chat_template(tokenizer, setting: str = "") -> None:
+    """Set on `tokenizer` the chat template that training renders 'messages' records with: `setting` (a .jinja
+    file or a TRL template name; data.chat_template) or the tokenizer's own, replaced by TRL's training variant
+    when it has no generation markers and TRL knows it. A template with markers is kept as it is."""
+    if getattr(tokenizer, "missing", False) or not hasattr(tokenizer, "apply_chat_template"):
+        return  # no tokenizer files: only pre-tokenized data, which needs no template
+    if setting:
+        text = _read_setting(setting)
+        _check_compiles(tokenizer, text, setting)
+        tokenizer.chat_template = text
+    template = tokenizer.chat_template
+    if not template or _GENERATION_MARKER.search(
+        template["default"] if isinstance(template, dict) else template
+    ):
+        return
+    if (variant := _training_variant(tokenizer)) is not None:
+        tokenizer.chat_template = variant
+
+
+def _check_compiles(tokenizer, text: str, setting: str) -> None:
+    from jinja2 import TemplateSyntaxError
+
+    try:  # transformers' own sandboxed environment, with its {% generation %} extension
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}], chat_template=text, tokenize=False, add_generation_prompt=True
+        )
+    except TemplateSyntaxError as error:
+        raise UsafError(
+            f"data.chat_template={setting}: not a valid Jinja template: line {error.lineno}: {error.message}."
+        ) from None
+    except Exception:  # a template may refuse this probe (raise_exception); records will tell
+        pass
+
+
+# ---- rendering and spans ------------------------------------------------------------------------------------------
 
 
 def _render(tokenizer, messages: list[dict], tools, add_generation_prompt: bool = False) -> str:
@@ -48,15 +256,49 @@ def _render(tokenizer, messages: list[dict], tools, add_generation_prompt: bool 
             messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except Exception as error:  # jinja errors, raise_exception() in templates, ...
-        raise BadRecord(f"the chat template failed: {error}") from None
+        raise BadRecord(f"the chat template failed: {first_line(error)}") from None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    size = min(len(a), len(b))
+    if a[:size] == b[:size]:
+        return size
+    low, high = 0, size  # a[:low] == b[:low] and a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _prompt_end(tokenizer, messages: list[dict], tools, index: int, full: str) -> int:
+    """Where, in `full`, the text that the inference prompt for turn `index` supplies ends: the common prefix of
+    `full` and the conversation before the turn rendered with add_generation_prompt=True. A common prefix that
+    ends inside a piece of plain text (the prompt's `<think>\\n` against content that begins with '<') is cut
+    back to the end of the last special token in it, so no content character is taken by coincidence."""
+    prompt = _render(tokenizer, messages[:index], tools, add_generation_prompt=True)
+    end = _common_prefix(prompt, full)
+    if end == len(prompt):
+        return end
+    specials = [token for token in tokenizer.get_added_vocab() if token]
+    head = full[:end]
+    if any(head.endswith(token) for token in specials):
+        return end
+    return max([head.rfind(token) + len(token) for token in specials if token in head] + [0])
 
 
 def _assistant_char_spans(tokenizer, messages: list[dict], tools, full: str) -> list[tuple[int, int]]:
-    """Character spans of the assistant turns in `full`, found by rendering the conversation's prefixes.
+    """Character spans of the assistant turns in `full`, for a template without generation markers.
 
-    A turn starts where the rendering of the earlier messages plus the generation prompt ends. It ends where
-    the rendering up to and including it ends; templates that render a turn differently once later turns
-    follow (e.g. dropping reasoning) fall back to finding its content plus the template's end-of-turn text.
+    A turn starts where the inference prompt before it ends (_prompt_end). It ends where the rendering of the
+    conversation through it ends, when that rendering is a prefix of `full`. Templates that render a turn
+    differently once later turns follow (Qwen3 drops the empty reasoning block of earlier turns) are matched by
+    the turn's tail: the longest end of its last-turn rendering found in `full` after the start, which must hold
+    all of the turn's own text (content, tool names) and so its end-of-turn text. A template that closes a turn
+    only with the next message's opening (GLM's `<|user|>`) gets that opening token supervised in
+    `_stop_tokens`, as the model stops by emitting it.
     """
     spans = []
     for index, message in enumerate(messages):
@@ -67,59 +309,183 @@ def _assistant_char_spans(tokenizer, messages: list[dict], tools, full: str) -> 
                 "the conversation starts with an assistant turn; this needs a chat template with "
                 "{% generation %} markers, or a user/system turn first"
             )
-        before = _render(tokenizer, messages[:index], tools, add_generation_prompt=True)
+        before = _render(tokenizer, messages[:index], tools)
         if not full.startswith(before):
             raise BadRecord(
-                "cannot locate assistant turn: the chat template renders the conversation's start "
-                "differently once more turns follow (use a template with {% generation %} markers)"
+                f"cannot locate assistant turn messages[{index}]: the chat template renders the conversation "
+                "before it differently once more turns follow; set data.chat_template to a template with "
+                "{% generation %} markers"
             )
-        start = len(before)
+        start = max(len(before), _prompt_end(tokenizer, messages, tools, index, full))
         through = _render(tokenizer, messages[: index + 1], tools)
         if full.startswith(through):
             spans.append((start, len(through)))
             continue
-        content = message.get("content", "")
-        found = full.find(content, start) if content else -1
-        if found < 0 or content not in through:
+        turn = through[_common_prefix(through, before) :]
+        low, high = 0, len(turn)  # the longest end of `turn` found in full[start:] (a shorter end always is)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if full.find(turn[-middle:], start) >= 0:
+                low = middle
+            else:
+                high = middle - 1
+        found = full.find(turn[len(turn) - low :], start) if low else -1
+        own = [message.get("content", "").strip(), message.get("reasoning_content", "").strip()]
+        own += [call["function"]["name"] for call in message.get("tool_calls", [])]
+        if found < 0 or not all(piece in full[found : found + low] for piece in own if piece):
             raise BadRecord(
-                f"cannot locate assistant turn messages[{index}] in the rendered chat (use a template with "
-                "{% generation %} markers)"
+                f"cannot locate assistant turn messages[{index}] in the rendered chat: the template renders it "
+                "differently once more turns follow; set data.chat_template to a template with "
+                "{% generation %} markers"
             )
-        end = found + len(content)
-        closing = through[through.rfind(content) + len(content) :]
-        if closing and full.startswith(closing, end):
-            end += len(closing)
+        end = found + low
         spans.append((start, end))
     return spans
 
 
-def encode_messages(record: dict, tokenizer) -> tuple[list[int], list[int]]:
-    messages, tools = _check_messages(record)
-    template = tokenizer.get_chat_template(tools=tools)
-    if _GENERATION_MARKER.search(template):
-        try:
-            out = tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-        except Exception as error:
-            raise BadRecord(f"the chat template failed: {error}") from None
-        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+def _marked_char_spans(tokenizer, messages: list[dict], tools, full: str) -> list[tuple[int, int]]:
+    """The character spans of a template's {% generation %} blocks, one per assistant turn, their starts moved
+    past what the inference prompt supplies (DeepSeek's and gpt-oss's training templates mark the role header)."""
+    try:
+        out = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            tokenizer_kwargs={"return_offsets_mapping": True},
+        )
+    except Exception as error:  # jinja errors, raise_exception() in templates
+        raise BadRecord(f"the chat template failed: {first_line(error)}") from None
+    runs, current = [], None
+    for (start, end), marked in zip(out["offset_mapping"], out["assistant_masks"], strict=True):
+        if marked and current is not None and start <= current[1]:
+            current[1] = end
+        elif marked:
+            current = [start, end]
+            runs.append(current)
+        else:
+            current = None
+    # a run is one turn's; the prompt of that turn is the last one to end by the run's end
+    prompt_ends = [
+        _prompt_end(tokenizer, messages, tools, index, full)
+        for index, message in enumerate(messages)
+        if message["role"] == "assistant" and index > 0
+    ]
+    spans = []
+    for start, end in runs:
+        floor = max([start, *[prompt_end for prompt_end in prompt_ends if prompt_end <= end][-1:]])
+        spans.append((floor, end))
+    return spans
+
+
+_HARMONY_FINAL = "<|channel|>final<|message|>"
+
+
+def _harmony_earlier_finals(full: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """gpt-oss (harmony): a final-channel answer ends with <|return|>, the token that stops generation; in the
+    history of later turns the template writes <|end|> in its place, as harmony prescribes. So an earlier turn's
+    closing <|end|> after a final answer is not what the model emitted there: supervising it would teach the
+    model to close answers with <|end|>, which is no stop token (gpt-oss stops on <|return|> and <|call|>), so
+    it would run on. It is left unsupervised; the last turn teaches <|return|>. <|end|> after an analysis
+    message is what the model emits (it then opens the next message itself) and stays supervised."""
+    out = []
+    for start, end in spans:
+        text = full[start:end]
+        last_final = text.rfind(_HARMONY_FINAL)
+        if last_final >= 0 and text.endswith("<|end|>") and "<|start|>" not in text[last_final:]:
+            end -= len("<|end|>")
+        out.append((start, end))
+    return out
+
+
+def _stop_tokens(tokenizer, messages, tools, full: str, spans, offsets) -> set[int]:
+    """Tokens to supervise after the turns of a template that writes no end-of-turn text of its own (GLM): the
+    special token that opens the next message (<|user|>, <|observation|>) is what the model emits to stop. A turn
+    ends by itself when its text ends with the eos token; and a next-message token that also opens the assistant
+    header (ChatML's <|im_start|>, Llama 3's <|start_header_id|>) opens any message, so it is no stop signal."""
+    specials = {token for token in tokenizer.get_added_vocab() if token}
+    first = next((index for index, message in enumerate(messages) if message["role"] == "assistant"), 0)
+    before = _render(tokenizer, messages[:first], tools) if first else ""
+    header = (
+        _render(tokenizer, messages[:first], tools, add_generation_prompt=True)[len(before) :]
+        if first
+        else ""
+    )
+    eos = tokenizer.eos_token
+    extra = set()
+    for _, end in spans:
+        if eos and full[:end].rstrip().endswith(eos):
+            continue
+        after = next((t for t, (s, e) in enumerate(offsets) if s >= end and e > s), None)
+        if after is None or full[end : offsets[after][0]].strip():
+            continue
+        token = full[offsets[after][0] : offsets[after][1]]
+        if token in specials and not header.lstrip().startswith(token):
+            extra.add(after)
+    return extra
+
+
+def _string_arguments(messages: list[dict]) -> list[dict]:
+    """Tool-call arguments as JSON strings, for templates that concatenate them (DeepSeek-V3's own)."""
+    out = []
+    for message in messages:
+        if "tool_calls" in message:
+            calls = [
+                {
+                    **call,
+                    "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])},
+                }
+                for call in message["tool_calls"]
+            ]
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    return out
+
+
+def _encode(tokenizer, messages: list[dict], tools, template: str) -> tuple[list[int], list[int]]:
+    full = _render(tokenizer, messages, tools)
+    marked = bool(_GENERATION_MARKER.search(template))
+    if marked:
+        spans = _marked_char_spans(tokenizer, messages, tools, full)
     else:
-        full = _render(tokenizer, messages, tools)
         spans = _assistant_char_spans(tokenizer, messages, tools, full)
-        encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(encoded["input_ids"])
-        # A token is supervised when it overlaps an assistant span (as transformers does with generation
-        # markers).
-        mask = [any(s < end and e > start for start, end in spans) for s, e in encoded["offset_mapping"]]
+    spans = _harmony_earlier_finals(full, spans)
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(encoded["input_ids"]), [tuple(pair) for pair in encoded["offset_mapping"]]
+    # A token is supervised when it overlaps a span (as transformers does with generation markers).
+    mask = [any(s < end and e > start for start, end in spans) for s, e in offsets]
+    if not marked:
+        for token in _stop_tokens(tokenizer, messages, tools, full, spans, offsets):
+            mask[token] = True
     return ids, [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask, strict=True)]
+
+
+def encode_messages(record: dict, tokenizer) -> tuple[list[int], list[int]]:
+    messages, tools = check_messages(record)
+    try:
+        template = tokenizer.get_chat_template(tools=tools)
+    except Exception as error:  # no template, or no variant for tools
+        raise BadRecord(f"the chat template failed: {first_line(error)}") from None
+    messages = _fit_roles(messages, template)
+    try:
+        return _encode(tokenizer, messages, tools, template)
+    except BadRecord:
+        if not any("tool_calls" in message for message in messages):
+            raise
+        failed = sys.exc_info()[1]
+    try:  # dict arguments are what transformers documents, but some templates only concatenate strings
+        return _encode(tokenizer, _string_arguments(messages), tools, template)
+    except BadRecord:
+        raise failed from None
 
 
 def check_chat_support(tokenizer, where: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise UsafError(
             f"{where}: chat records ('messages') need a tokenizer with a chat template, and this one has "
-            "none; set tokenizer.chat_template or use {'prompt', 'completion'} records."
+            "none; set data.chat_template (a .jinja file or a name such as chatml) or use "
+            "{'prompt', 'completion'} records."
         )
     if not getattr(tokenizer, "is_fast", False):
         raise UsafError(f"{where}: chat records need a fast (tokenizers-backed) tokenizer for token offsets.")
