@@ -1,0 +1,85 @@
+"""`usaf data`: the first records as training sees them (after the chat template and truncation, before
+packing), supervised text marked; `--json`: the input_ids and labels the training loop gets."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from usaf.commands import add_set_option
+from usaf.commands.train import effective_config
+from usaf.errors import UsafError
+
+_GREEN, _RESET = "\033[32m", "\033[0m"
+_OPEN, _CLOSE = "[[", "]]"
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser(
+        "data",
+        help="show records as training sees them, supervised text marked",
+        description="Reads the data as `usaf train` does (same tokenizer, chat template, max_seq_len, "
+        "skip_bad_records; no eval split, no packing) and prints the first N records with the supervised text "
+        f"marked ({_OPEN}like this{_CLOSE}; green on a terminal), then the one-line data summary. --json prints "
+        'one {"input_ids": [...], "labels": [...]} per line (labels -100 where not supervised), the summary '
+        "on stderr.",
+    )
+    p.add_argument("--model", help="model directory or hub id (model.path); only its tokenizer is read")
+    p.add_argument("--data", help="data files, comma separated (data.train)")
+    p.add_argument("--config", help="YAML run configuration")
+    p.add_argument(
+        "--show", type=int, default=3, metavar="N", help="records to print (default 3; 0: summary only)"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per record: input_ids and labels")
+    p.add_argument("--skip-bad-records", action="store_true", help="skip malformed records and count them")
+    add_set_option(p)
+    p.set_defaults(func=run_data, eval_data=None, resume=None)
+
+
+def marked_text(tokenizer, ids: list[int], labels: list[int], color: bool) -> str:
+    """The record's text with each run of supervised tokens marked (decoded run by run, special tokens kept)."""
+    opening, closing = (_GREEN, _RESET) if color else (_OPEN, _CLOSE)
+    missing = getattr(tokenizer, "missing", False)  # no tokenizer files: show the ids
+
+    def text(run: list[int]) -> str:
+        return " ".join(map(str, run)) + " " if missing else tokenizer.decode(run)
+
+    pieces, run, supervised = [], [], None
+    for token, label in zip(ids, labels, strict=True):
+        keep = label != -100
+        if run and keep != supervised:
+            pieces.append(f"{opening}{text(run)}{closing}" if supervised else text(run))
+            run = []
+        run.append(token)
+        supervised = keep
+    if run:
+        pieces.append(f"{opening}{text(run)}{closing}" if supervised else text(run))
+    return "".join(pieces)
+
+
+def run_data(args) -> int:
+    from usaf.data import load_run_data
+    from usaf.train.session import load_tokenizer
+
+    if args.show < 0:
+        raise UsafError(f"usaf data: --show {args.show}: give a number of records, 0 or more.")
+    config = effective_config(args)
+    if not config.data.train or not config.model.path:
+        raise UsafError(
+            "usaf data needs --model and --data (or a --config that sets model.path and data.train)."
+        )
+    tokenizer = load_tokenizer(config.model.path)
+    data, _, stats = load_run_data(config, tokenizer, pack=False, held_out=False)
+    color = not args.json and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    for index in range(min(args.show, len(data))):
+        row = data[index]
+        ids, labels = row["input_ids"].tolist(), row["labels"].tolist()
+        if args.json:
+            print(json.dumps({"input_ids": ids, "labels": labels}))
+            continue
+        supervised = sum(label != -100 for label in labels)
+        print(f"--- record {index + 1}: {len(ids)} tokens, {supervised} supervised")
+        print(marked_text(tokenizer, ids, labels, color))
+    print(stats.summary(), file=sys.stderr if args.json else sys.stdout)
+    return 0
