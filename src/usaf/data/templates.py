@@ -286,7 +286,9 @@ def _prompt_end(tokenizer, messages: list[dict], tools, index: int, full: str) -
     head = full[:end]
     if any(head.endswith(token) for token in specials):
         return end
-    return max([head.rfind(token) + len(token) for token in specials if token in head] + [0])
+    window = max(0, end - 512)  # a role header is short: look back no further
+    ends = [head.rfind(token, window) + len(token) for token in specials if token in head[window:]]
+    return max(ends, default=0)
 
 
 def _assistant_char_spans(tokenizer, messages: list[dict], tools, full: str) -> list[tuple[int, int]]:
@@ -343,9 +345,12 @@ def _assistant_char_spans(tokenizer, messages: list[dict], tools, full: str) -> 
     return spans
 
 
-def _marked_char_spans(tokenizer, messages: list[dict], tools, full: str) -> list[tuple[int, int]]:
+def _marked_char_spans(
+    tokenizer, messages: list[dict], tools, full: str
+) -> tuple[list[tuple[int, int]], dict]:
     """The character spans of a template's {% generation %} blocks, one per assistant turn, their starts moved
-    past what the inference prompt supplies (DeepSeek's and gpt-oss's training templates mark the role header)."""
+    past what the inference prompt supplies (DeepSeek's and gpt-oss's training templates mark the role header);
+    and the tokenized chat (input_ids, offset_mapping) they were found in."""
     try:
         out = tokenizer.apply_chat_template(
             messages,
@@ -366,17 +371,21 @@ def _marked_char_spans(tokenizer, messages: list[dict], tools, full: str) -> lis
             runs.append(current)
         else:
             current = None
+    turns = [index for index, message in enumerate(messages) if message["role"] == "assistant" and index > 0]
+    if (
+        turns
+    ):  # most templates (Qwen, Llama, GLM) mark from just after the assistant header: no prompt to take off
+        before = _render(tokenizer, messages[: turns[0]], tools)
+        header = _render(tokenizer, messages[: turns[0]], tools, add_generation_prompt=True)[len(before) :]
+        if header.strip() and all(full[:start].endswith(header) for start, _ in runs):
+            return [(start, end) for start, end in runs], out
     # a run is one turn's; the prompt of that turn is the last one to end by the run's end
-    prompt_ends = [
-        _prompt_end(tokenizer, messages, tools, index, full)
-        for index, message in enumerate(messages)
-        if message["role"] == "assistant" and index > 0
-    ]
+    prompt_ends = [_prompt_end(tokenizer, messages, tools, index, full) for index in turns]
     spans = []
     for start, end in runs:
         floor = max([start, *[prompt_end for prompt_end in prompt_ends if prompt_end <= end][-1:]])
         spans.append((floor, end))
-    return spans
+    return spans, out
 
 
 _HARMONY_FINAL = "<|channel|>final<|message|>"
@@ -443,18 +452,28 @@ def _string_arguments(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _supervised(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """Whether each token overlaps a span (as transformers masks generation blocks); one pass, both in order."""
+    spans = sorted(span for span in spans if span[0] < span[1])
+    mask, index = [], 0
+    for start, end in offsets:
+        while index < len(spans) and spans[index][1] <= start:
+            index += 1
+        mask.append(index < len(spans) and end > spans[index][0])
+    return mask
+
+
 def _encode(tokenizer, messages: list[dict], tools, template: str) -> tuple[list[int], list[int]]:
     full = _render(tokenizer, messages, tools)
     marked = bool(_GENERATION_MARKER.search(template))
     if marked:
-        spans = _marked_char_spans(tokenizer, messages, tools, full)
+        spans, encoded = _marked_char_spans(tokenizer, messages, tools, full)
     else:
         spans = _assistant_char_spans(tokenizer, messages, tools, full)
+        encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     spans = _harmony_earlier_finals(full, spans)
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), [tuple(pair) for pair in encoded["offset_mapping"]]
-    # A token is supervised when it overlaps a span (as transformers does with generation markers).
-    mask = [any(s < end and e > start for start, end in spans) for s, e in offsets]
+    mask = _supervised(offsets, spans)
     if not marked:
         for token in _stop_tokens(tokenizer, messages, tools, full, spans, offsets):
             mask[token] = True

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from usaf.base.load import load_for_training
 from usaf.config import RunConfig
 from usaf.data import Batches, TokenizedDataset
+from usaf.data.templates import template_names
 from usaf.errors import UsafError, first_line
 from usaf.io.source import check_model_files
 from usaf.model.hf import decoder_body
@@ -30,7 +31,8 @@ from usaf.train.tokenizer import has_tokenizer_files, model_vocabulary
 
 
 def absolute_paths(config: RunConfig) -> RunConfig:
-    """A copy of `config` with its local paths absolute (model.path unless a hub id, data files, select.file)."""
+    """A copy of `config` with its local paths absolute (model.path unless a hub id, data files, select.file,
+    a data.chat_template file)."""
     config = copy.deepcopy(config)
     if config.model.path and is_local_path(config.model.path):
         config.model.path = os.path.abspath(os.path.expanduser(config.model.path))
@@ -38,6 +40,9 @@ def absolute_paths(config: RunConfig) -> RunConfig:
     config.data.eval = [os.path.abspath(os.path.expanduser(str(f))) for f in config.data.eval]
     if config.select.file:
         config.select.file = os.path.abspath(os.path.expanduser(config.select.file))
+    template = config.data.chat_template
+    if template and template not in template_names() and Path(template).expanduser().is_file():
+        config.data.chat_template = os.path.abspath(os.path.expanduser(template))
     return config
 
 
