@@ -211,6 +211,28 @@ def test_fallback_on_stock_templates(family, messages, expected):
     assert supervised(tokenizer, ids, labels) == expected
 
 
+def test_fallback_with_reasoning_the_template_drops_from_earlier_turns():
+    tokenizer = family_tokenizer("qwen3")  # Qwen3's own template: earlier turns lose their reasoning
+    chat = [
+        CHAT[1],
+        {**CHAT[2], "reasoning_content": "sum"},
+        CHAT[3],
+        {**CHAT[4], "reasoning_content": "again"},
+    ]
+    ids, labels = encode_messages({"messages": chat}, tokenizer)
+    assert supervised(tokenizer, ids, labels) == [
+        "4<|im_end|>\n",
+        "<think>\nagain\n</think>\n\n6<|im_end|>\n",
+    ]
+
+
+def test_the_fallback_refuses_what_it_cannot_locate():
+    # gpt-oss's own template closes the last answer with <|return|> and earlier ones with <|end|>: without markers
+    # the turn cannot be matched, and the record is refused rather than masked wrongly
+    with pytest.raises(BadRecord, match=r"cannot locate assistant turn messages\[2\].*data\.chat_template"):
+        encode_messages({"messages": CHAT}, family_tokenizer("gptoss"))
+
+
 def test_fallback_on_a_mistral_style_template():
     # Mixtral's template ships with neither TRL nor transformers: a template of its shape goes through the fallback
     tokenizer = char_tokenizer()
@@ -329,6 +351,17 @@ def test_load_run_data_applies_the_setting(tmp_path):
     bare.chat_template = None
     with pytest.raises(UsafError, match="need a tokenizer with a chat template"):
         load_dataset([str(data)], bare, 256, eval_fraction=0)
+
+
+def test_a_chat_template_file_is_made_absolute_with_the_runs_other_paths(tmp_path, monkeypatch):
+    from usaf.train.session import absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.jinja").write_text("{{ messages }}")
+    config = RunConfig.load(None, ["data.chat_template=mine.jinja"])
+    assert absolute_paths(config).data.chat_template == str(tmp_path / "mine.jinja")
+    config = RunConfig.load(None, ["data.chat_template=qwen3"])
+    assert absolute_paths(config).data.chat_template == "qwen3"
 
 
 # ---- usaf data --show ---------------------------------------------------------------------------------------------

@@ -297,8 +297,8 @@ def _assistant_char_spans(tokenizer, messages: list[dict], tools, full: str) -> 
     A turn starts where the inference prompt before it ends (_prompt_end). It ends where the rendering of the
     conversation through it ends, when that rendering is a prefix of `full`. Templates that render a turn
     differently once later turns follow (Qwen3 drops the empty reasoning block of earlier turns) are matched by
-    the turn's tail: the longest end of its last-turn rendering found in `full` after the start, which must hold
-    all of the turn's own text (content, tool names) and so its end-of-turn text. A template that closes a turn
+    the turn's tail: the longest end of its last-turn rendering found in `full` just after the start, which must
+    hold the turn's own text (content, tool names) and so ends with its end-of-turn text. A template that closes a turn
     only with the next message's opening (GLM's `<|user|>`) gets that opening token supervised in
     `_stop_tokens`, as the model stops by emitting it.
     """
@@ -324,15 +324,19 @@ def _assistant_char_spans(tokenizer, messages: list[dict], tools, full: str) -> 
             spans.append((start, len(through)))
             continue
         turn = through[_common_prefix(through, before) :]
-        low, high = 0, len(turn)  # the longest end of `turn` found in full[start:] (a shorter end always is)
+        # the longest end of `turn` found in full right after the start (a shorter end always is); the window
+        # keeps a later turn with the same text from being taken for this one
+        window = start + len(turn) + 256
+        low, high = 0, len(turn)
         while low < high:
             middle = (low + high + 1) // 2
-            if full.find(turn[-middle:], start) >= 0:
+            if full.find(turn[-middle:], start, window) >= 0:
                 low = middle
             else:
                 high = middle - 1
-        found = full.find(turn[len(turn) - low :], start) if low else -1
-        own = [message.get("content", "").strip(), message.get("reasoning_content", "").strip()]
+        found = full.find(turn[len(turn) - low :], start, window) if low else -1
+        # the turn's own text must be in what was found (its reasoning need not: templates drop earlier ones)
+        own = [message.get("content", "").strip()]
         own += [call["function"]["name"] for call in message.get("tool_calls", [])]
         if found < 0 or not all(piece in full[found : found + low] for piece in own if piece):
             raise BadRecord(
