@@ -81,5 +81,8 @@ def run_data(args) -> int:
         supervised = sum(label != -100 for label in labels)
         print(f"--- record {index + 1}: {len(ids)} tokens, {supervised} supervised")
         print(marked_text(tokenizer, ids, labels, color))
-    print(stats.summary(), file=sys.stderr if args.json else sys.stdout)
+    summary = sys.stderr if args.json else sys.stdout
+    print(stats.summary(), file=summary)
+    for problem in stats.first_skipped:  # what --skip-bad-records skipped, the first few
+        print(f"  skipped {problem}", file=summary)
     return 0

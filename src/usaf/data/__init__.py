@@ -22,10 +22,12 @@ Files, by extension
 
 Records (the keys decide the kind; any other key is an error)
   {"text"}                    loss on every token but the first.
-  {"messages", ["tools"]}     chat rendered with the tokenizer's chat template; loss on assistant turns only
-                              (their content and the template's end-of-turn text). Roles: system, user,
-                              assistant, tool. Messages may also carry name, tool_calls, tool_call_id,
-                              reasoning_content.
+  {"messages", ["tools"]}     chat rendered with the chat template (data.chat_template, else the tokenizer's;
+                              see usaf.data.templates); loss on what the model generates in assistant turns,
+                              their end-of-turn token included. Roles: system, developer, user, assistant,
+                              tool. Content: a string or a list of text parts. Messages may also carry name,
+                              tool_calls (OpenAI's shape), tool_call_id, reasoning_content or thinking; other
+                              message keys are dropped.
   {"prompt", "completion"}    plain concatenation (no chat template); loss on the completion only.
   {"input_ids", ["labels"]}   used as given (no BOS/EOS added); labels default to input_ids, must be aligned
                               with input_ids (equal to it where supervised, -100 elsewhere): never shifted.
