@@ -237,15 +237,21 @@ def test_the_fallback_refuses_what_it_cannot_locate():
         encode_messages({"messages": CHAT}, family_tokenizer("gptoss"))
 
 
-def test_fallback_on_a_mistral_style_template():
-    # Mixtral's template ships with neither TRL nor transformers: a template of its shape goes through the fallback
+def test_fallback_on_a_mixtral_style_template():
+    # Mixtral's template ships with neither TRL nor transformers; one of its shape (roles must alternate, the
+    # assistant turn ends with eos) goes through the fallback
     tokenizer = char_tokenizer()
     tokenizer.chat_template = (
-        "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]"
-        "{% elif m.role == 'assistant' %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"
+        "{{ bos_token }}{% for message in messages %}"
+        "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+        "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
     )
     ids, labels = encode_messages({"messages": CHAT[1:]}, tokenizer)
     assert supervised(tokenizer, ids, labels) == ["4<eos>", "6<eos>"]
+    with pytest.raises(BadRecord, match=r"^the chat template failed: Conversation roles must alternate"):
+        encode_messages({"messages": CHAT}, tokenizer)  # its system turn
 
 
 # ---- messages -----------------------------------------------------------------------------------------------------
