@@ -80,8 +80,9 @@ EXPECTED = {
     # TRL's training variant renders the (empty) reasoning block in every turn: the model emits it
     "qwen3": ["<think>\n\n</think>\n\n4<|im_end|>\n", "<think>\n\n</think>\n\n6<|im_end|>\n"],
     "qwen2_5": ["4<|im_end|>\n", "6<|im_end|>\n"],
-    # <|start|>assistant is the prompt's; an earlier answer's <|end|> is history's stand-in for <|return|>
-    "gptoss": ["<|channel|>final<|message|>4", "<|channel|>final<|message|>6<|return|>"],
+    # <|start|>assistant is the prompt's; an earlier answer ends with <|end|> as the template renders it (as in
+    # TRL's training template), the last one with <|return|>
+    "gptoss": ["<|channel|>final<|message|>4<|end|>", "<|channel|>final<|message|>6<|return|>"],
     "deepseekv3": ["4<｜end▁of▁sentence｜>", "6<｜end▁of▁sentence｜>"],
     # GLM ends a turn with the next message's role token, the token its generation config stops on
     "glm4moe": ["\n<think></think>\n4<|user|>", "\n<think></think>\n6<|user|>"],
@@ -170,8 +171,8 @@ def test_gptoss_channels_earlier_and_final_turns():
     ]
     ids, labels = encode(tokenizer, chat)
     assert supervised(tokenizer, ids, labels) == [
-        # earlier turn: its analysis is dropped from history, its <|end|> is not what the model emitted
-        "<|channel|>final<|message|>4",
+        # earlier turn: its analysis is dropped from history; its answer and <|end|> are supervised
+        "<|channel|>final<|message|>4<|end|>",
         # final turn: analysis ends with <|end|> and the model opens the final message itself
         "<|channel|>analysis<|message|>add again<|end|><|start|>assistant<|channel|>final<|message|>6<|return|>",
     ]

@@ -392,26 +392,6 @@ def _marked_char_spans(
     return spans, out
 
 
-_HARMONY_FINAL = "<|channel|>final<|message|>"
-
-
-def _harmony_earlier_finals(full: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """gpt-oss (harmony): a final-channel answer ends with <|return|>, the token that stops generation; in the
-    history of later turns the template writes <|end|> in its place, as harmony prescribes. So an earlier turn's
-    closing <|end|> after a final answer is not what the model emitted there: supervising it would teach the
-    model to close answers with <|end|>, which is no stop token (gpt-oss stops on <|return|> and <|call|>), so
-    it would run on. It is left unsupervised; the last turn teaches <|return|>. <|end|> after an analysis
-    message is what the model emits (it then opens the next message itself) and stays supervised."""
-    out = []
-    for start, end in spans:
-        text = full[start:end]
-        last_final = text.rfind(_HARMONY_FINAL)
-        if last_final >= 0 and text.endswith("<|end|>") and "<|start|>" not in text[last_final:]:
-            end -= len("<|end|>")
-        out.append((start, end))
-    return out
-
-
 def _stop_tokens(tokenizer, messages, tools, full: str, spans, offsets) -> set[int]:
     """Tokens to supervise after the turns of a template that writes no end-of-turn text of its own (GLM): the
     special token that opens the next message (<|user|>, <|observation|>) is what the model emits to stop. A turn
@@ -475,7 +455,6 @@ def _encode(tokenizer, messages: list[dict], tools, template: str) -> tuple[list
     else:
         spans = _assistant_char_spans(tokenizer, messages, tools, full)
         encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    spans = _harmony_earlier_finals(full, spans)
     ids, offsets = list(encoded["input_ids"]), [tuple(pair) for pair in encoded["offset_mapping"]]
     mask = _supervised(offsets, spans)
     if not marked:
