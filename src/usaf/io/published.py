@@ -10,6 +10,8 @@ the published bytes. `expert_parts` gives a store the published bytes themselves
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import torch
@@ -54,6 +56,37 @@ def published_method(config, where: str | Path) -> str | None:
     return method
 
 
+def read_config(path: str | Path) -> dict | None:
+    """A local model folder's config.json as published (None for a hub id or an unreadable config: their own
+    checks speak). Its dtype, not a loaded model's, is the dtype of the dequantized values."""
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def checkpoint_method(path: str | Path) -> str | None:
+    """`published_method` of a local model folder's config.json (None for a hub id or an unreadable config)."""
+    config = read_config(path)
+    return published_method(config, path) if config is not None else None
+
+
+def quant_for(path: str | Path, requested: str) -> str:
+    """The frozen experts' format of a run on the checkpoint at `path`: a published checkpoint's own format
+    (saying so in one line when another one was asked for), else `requested`."""
+    method = checkpoint_method(path)
+    if method is None:
+        return requested
+    asked = f"model.quant={requested}: " if requested not in ("none", method) else ""
+    print(
+        f"{asked}{path} is a published {method.upper()} checkpoint: its experts stay {method} as published "
+        "(dequantized per forward, never re-quantized).",
+        file=sys.stderr,
+    )
+    return method
+
+
 def _fp8_block(qc: dict) -> tuple[int, int] | None:
     block = qc.get("weight_block_size")
     if (
@@ -67,7 +100,8 @@ def _fp8_block(qc: dict) -> tuple[int, int] | None:
 
 def values_dtype(config) -> torch.dtype:
     """The dtype transformers' dequantized load gives the weights: the config's own (bf16 when unset)."""
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    dtype = get("dtype") or get("torch_dtype")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
@@ -78,7 +112,7 @@ def format_constants(config) -> dict:
     qc = quantization_config(config) or {}
     if qc.get("quant_method") != "fp8":
         return {}
-    return {"block": list(_fp8_block(qc)), "values_dtype": shards.DTYPE_NAMES[values_dtype(config)]}
+    return {"block": list(_fp8_block(qc)), "values_dtype": str(values_dtype(config)).removeprefix("torch.")}
 
 
 def derive_entries(entries: dict[str, shards.TensorEntry], config, model_dir: Path) -> dict:

@@ -97,8 +97,9 @@ class SourceCheckpoint:
         self.dir = Path(model_dir)
         self.model = model
         # a published pre-quantized checkpoint: its quantized weights appear dequantized (`usaf.io.published`)
-        self.published = published.published_method(model.config, self.dir)
-        self.entries = published.derive_entries(list_shards(self.dir), model.config, self.dir)
+        config = published.read_config(self.dir) or {}
+        self.published = published.published_method(config, self.dir)
+        self.entries = published.derive_entries(list_shards(self.dir), config, self.dir)
         self.groups, self.ignored = self._group(model)
         self.targets = self._plan(model, expert_names)
         self._hashers: dict[str, tuple[object, int]] = {}  # key -> (sha256 so far, next expert) for stacks

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from usaf.errors import UsafError
-from usaf.io.shards import DTYPES
 from usaf.quant.descriptor import Descriptor
 
 BLOCK = (128, 128)
@@ -46,7 +45,7 @@ def dequantize(
 ) -> torch.Tensor:
     """parts of k matrices ({"data": [k, rows, cols], "scale_inv": [k, rows/b0, cols/b1]}) -> [k, rows, cols].
 
-    values_dtype: the checkpoint's dtype (safetensors name): values are rounded to it first, as transformers'
+    values_dtype: the checkpoint's dtype (its torch name, e.g. "bfloat16"): values are rounded to it first, as transformers'
     dequantized load holds them."""
     b0, b1 = block
     data = parts["data"].reshape(-1, rows, cols)
@@ -54,5 +53,5 @@ def dequantize(
     scale = scale.repeat_interleave(b0, dim=1)[:, :rows].repeat_interleave(b1, dim=2)[:, :, :cols]
     out = data.float().mul_(scale)
     if values_dtype is not None:
-        out = out.to(DTYPES[values_dtype])
+        out = out.to(getattr(torch, values_dtype))
     return out.to(dtype)

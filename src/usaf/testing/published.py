@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from usaf.testing.tiny import tiny_model
+from usaf.train.tokenizer import char_tokenizer
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP8_MAX = 448.0
@@ -68,8 +69,6 @@ def _finish(folder: Path, tensors: dict, quantization_config: dict) -> Path:
 
 
 def _tokenizer():
-    from usaf.train.tokenizer import char_tokenizer
-
     return char_tokenizer()
 
 
