@@ -24,7 +24,7 @@ from usaf.quant import fp8, mxfp4
 from usaf.testing.published import make_fp8_moe, make_mxfp4_gpt_oss
 
 BLOCK = 8  # the tiny FP8 checkpoint's weight_block_size (128 in the published ones)
-METHODS = ["mxfp4", "fp8"]
+CHECKPOINTS = ["mxfp4", "fp8", "fp8-deepseek"]
 CONFIG = dict(density=0.1, selection="random", targets=["experts", "routers"])
 
 
@@ -34,11 +34,13 @@ def checkpoints(tmp_path_factory):
     return {
         "mxfp4": make_mxfp4_gpt_oss(root / "gpt-oss-mxfp4"),
         "fp8": make_fp8_moe(root / "qwen3-moe-fp8", block=BLOCK),
+        "fp8-deepseek": make_fp8_moe(root / "deepseek-v3-fp8", "deepseek_v3", block=BLOCK),
     }
 
 
-def reference(folder, method):
+def reference(folder, kind):
     """transformers' own dequantized load (bf16, the checkpoint's dtype)."""
+    method = kind.split("-")[0]
     qc = (
         Mxfp4Config(dequantize=True)
         if method == "mxfp4"
@@ -77,11 +79,11 @@ def test_dequantizers_equal_transformers_and_dequantize_only_the_routed_experts(
         assert torch.equal(got[0].view(torch.int16), want.view(torch.int16)), key
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", CHECKPOINTS)
 def test_the_store_holds_the_published_bytes_and_trains_like_transformers_dequantized_load(
-    checkpoints, method, tmp_path
+    checkpoints, kind, tmp_path
 ):
-    folder = checkpoints[method]
+    folder, method = checkpoints[kind], kind.split("-")[0]
     store = prepare_store(folder, tmp_path / "store", quant="nf4", device="cpu")  # nf4 asked: published wins
     metadata = read_store_metadata(store)
     assert metadata["quant"] == method
@@ -102,7 +104,7 @@ def test_the_store_holds_the_published_bytes_and_trains_like_transformers_dequan
     assert not any(t["kind"] == "experts" and t["format"] == "none" for t in metadata["tensors"].values())
 
     model = load_prepared(store, folder, usaf.UsafConfig(**CONFIG), device="cpu", dtype=torch.float32)
-    plain = reference(folder, method).float()
+    plain = reference(folder, kind).float()
     dense = dict(plain.named_parameters())
     for key, change in usaf.get_delta(
         model
@@ -121,17 +123,22 @@ def test_the_store_holds_the_published_bytes_and_trains_like_transformers_dequan
         (out * target).sum().backward()
         logits[which] = out.detach()
     assert (logits["usaf"] - logits["reference"]).abs().max() < 1e-4
+    mapped = load_prepared(
+        store, folder, usaf.UsafConfig(**CONFIG), device="cpu", dtype=torch.float32, residency="mmap"
+    )
+    with torch.no_grad():  # the published bytes memory-mapped from the store: the same model
+        torch.testing.assert_close(mapped(input_ids=ids).logits, logits["usaf"], atol=1e-6, rtol=0)
     for key, change in usaf.get_delta(model).items():
         want = dense[key].grad.reshape(-1)[change.flat_indices]
         assert (change.values.grad.reshape(-1) - want).norm() <= 1e-4 * want.norm(), key
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", CHECKPOINTS)
 def test_train_then_export_merged_and_apply_a_delta_against_the_published_checkpoint(
-    checkpoints, method, tmp_path, monkeypatch, capsys
+    checkpoints, kind, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.setenv("USAF_CACHE", str(tmp_path / "cache"))
-    folder = checkpoints[method]
+    folder, method = checkpoints[kind], kind.split("-")[0]
     data = tmp_path / "train.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": f"copy {w} ->", "completion": f" {w}"}) + "\n" for w in "abcdef")
@@ -155,27 +162,25 @@ def test_train_then_export_merged_and_apply_a_delta_against_the_published_checkp
     assert all(t.dtype in (torch.bfloat16, torch.float32) for t in written.values())
     assert not any(k.endswith(("_blocks", "_scales", "_scale_inv")) for k in written)
 
-    want = reference(folder, method).state_dict()
-    got = AutoModelForCausalLM.from_pretrained(
-        merged
-    ).state_dict()  # plain transformers: no quantizer involved
-    again = AutoModelForCausalLM.from_pretrained(applied).state_dict()
+    want = reference(folder, kind).state_dict()
+    # plain transformers, no quantizer involved (a router transformers keeps in fp32 is fp32 in both loads)
+    got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.bfloat16).state_dict()
+    again = AutoModelForCausalLM.from_pretrained(applied, dtype=torch.bfloat16).state_dict()
     changes = read_delta(delta_file).changes
     assert want.keys() == got.keys() == again.keys()
     for name, before in want.items():
         after = got[name]
-        assert after.dtype == before.dtype == torch.bfloat16 and torch.equal(after, again[name]), name
+        assert after.dtype == before.dtype and torch.equal(after, again[name]), name
         keep = torch.ones(before.numel(), dtype=torch.bool)
         change = changes.get(name)
         if change is not None and change.flat_indices is None:
             continue  # a router: trained whole
         if change is not None:
             keep[change.flat_indices] = False
-            assert torch.equal(after.reshape(-1)[change.flat_indices], change.values.to(torch.bfloat16))
+            assert torch.equal(after.reshape(-1)[change.flat_indices], change.values.to(after.dtype))
         # bit for bit outside the trained entries
-        assert torch.equal(
-            before.reshape(-1).view(torch.int16)[keep], after.reshape(-1).view(torch.int16)[keep]
-        )
+        bits = torch.int16 if before.dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(before.reshape(-1).view(bits)[keep], after.reshape(-1).view(bits)[keep]), name
     assert any(name in changes for name in want if "experts" in name)
 
 

@@ -100,7 +100,7 @@ def make_mxfp4_gpt_oss(folder: str | Path, seed: int = 0, tokenizer=True) -> Pat
 def make_fp8_moe(
     folder: str | Path, family: str = "qwen3_moe", block: int = 8, seed: int = 0, tokenizer=True
 ) -> Path:
-    """A tiny MoE whose attention and expert linear layers are block-scaled FP8 (`weight` float8_e4m3fn plus
+    """A tiny MoE whose decoder linear layers (attention, experts, dense MLPs; not the routers) are block-scaled FP8 (`weight` float8_e4m3fn plus
     `weight_scale_inv` float32 per block x block tile), per-expert tensors as Qwen3-*-FP8 and DeepSeek-V3 ship them;
     embeddings, norms, routers and the head stay bf16."""
     folder = Path(folder)
@@ -109,9 +109,9 @@ def make_fp8_moe(
     tensors = _save_plain(folder, model, tok)
     for key in list(tensors):
         value = tensors[key]
-        quantized = (".self_attn." in key or ".experts." in key or ".shared_expert" in key) and key.endswith(
-            ".weight"
-        )
+        # every linear layer of the decoder but the routers, as the published FP8 checkpoints do
+        router = key.endswith(("mlp.gate.weight", "router.weight"))
+        quantized = key.startswith("model.layers.") and key.endswith(".weight") and not router
         if quantized and value.ndim == 2 and value.shape[0] % block == 0 and value.shape[1] % block == 0:
             tensors[key], tensors[key + "_scale_inv"] = quantize_fp8(value, (block, block))
     qc = {
