@@ -89,7 +89,8 @@ def prepare_store(
     """Stream the safetensors checkpoint in `model_dir` into a prepared store at `out_dir`; returns `out_dir`.
 
     quant: expert format, "nf4" | "int8" | "int4" | "none" ("nf4" becomes "int4" where bitsandbytes has no
-        kernels for `device`).
+        kernels for `device`). A published MXFP4/FP8 checkpoint (`usaf.io.published`) keeps its own format
+        whatever `quant` says: its experts' bytes are copied as published, its other quantized weights dequantized.
     quant_dense: also store the dense linear weights (attention, shared experts) as int8.
     device: where quantization runs (default: the accelerator torch sees, else the CPU).
     Peak memory is a small multiple of the largest single checkpoint tensor (one expert for stacked experts).
@@ -102,6 +103,11 @@ def prepare_store(
     config = AutoConfig.from_pretrained(model_dir)
     # a published MXFP4/FP8 checkpoint keeps its experts as published: the store holds their own bytes
     method = published.checkpoint_method(model_dir)
+    if method is None and quant in published.METHODS:
+        raise UsafError(
+            f"{model_dir} is not a published {quant} checkpoint (its config.json has no quantization_config "
+            f"{quant}); usaf reads {quant} as published and never quantizes into it: choose nf4, int8, int4 or none."
+        )
     fmt_name = method or resolve_format(quant, device)
     skeleton = build_skeleton(config)
     experts = expert_weight_names(find_moe_layers(skeleton))
