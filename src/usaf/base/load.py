@@ -186,6 +186,7 @@ def _plan_tensors(
             kind, fmt_name = "experts", fmt
             if source.published:  # the checkpoint's own parts, as its conversion fuses them
                 layout = source.expert_part_shapes(name)
+                _check_published_layout(source, name, layout)
             else:
                 layout = get_format(fmt).layout(shape[1], shape[2], target.dtype)
             stored = {f"{name}:{part}": (dtype, (shape[0], *s)) for part, (dtype, s) in layout.items()}
@@ -208,6 +209,24 @@ def _plan_tensors(
         if kind == "experts":
             tensors[name]["layer"] = experts[name]
     return tensors
+
+
+def _check_published_layout(source: SourceCheckpoint, name: str, layout: dict) -> None:
+    """The fused experts' published parts must be what the format's dequantization reads: FP8 blocks that
+    straddle the boundary of fused gate and up projections cannot be kept as published."""
+    shape = source.targets[name].shape
+    constants = published.format_constants(published.read_config(source.dir))
+    block = constants.get("block")
+    want = get_format(source.published).layout(
+        shape[1], shape[2], torch.bfloat16, *([block] if block else [])
+    )
+    got = {part: tuple(s) for part, (_, s) in layout.items()}
+    if got != {part: tuple(s) for part, (_, s) in want.items()}:
+        raise UsafError(
+            f"The published {source.published} parts of '{name}' in {source.dir} fuse into {got}, not the layout "
+            f"{ {part: tuple(s) for part, (_, s) in want.items()} } that dequantization reads (quantization blocks "
+            "straddle fused projections); usaf cannot keep them as published: use the bf16 checkpoint."
+        )
 
 
 def _assign_files(tensors: dict, max_file_bytes: int) -> dict[str, list[str]]:
@@ -327,7 +346,9 @@ def _metadata(model_dir, source, tensors, checksums, requested, fmt, quant_dense
     files = {}
     for info in tensors.values():
         files.setdefault(info["file"], {"size": (tmp / info["file"]).stat().st_size})
-    source_files = {entry.file.name for key, entry in source.entries.items() if key in checksums}
+    source_files = {
+        file.name for key, entry in source.entries.items() if key in checksums for file in _files_of(entry)
+    }
     return {
         "format": "usaf-store",
         "format_version": STORE_FORMAT_VERSION,
@@ -643,6 +664,11 @@ def _open_source(source_dir: Path, metadata: dict, model: nn.Module, experts: di
         if not (source_dir / name).exists() or _file_stamp(source_dir / name) != stamp
     }
     for key, info in recorded.items():
-        if info["file"] in changed:
+        if {info["file"], *(f.name for f in _files_of(source.entries[key]))} & changed:
             source.verify(key)
     return source
+
+
+def _files_of(entry: shards.TensorEntry) -> list[Path]:
+    """The files a checkpoint tensor is read from (a published weight's parts may lie in several)."""
+    return [part.file for part in entry.parts] if isinstance(entry, shards.DerivedEntry) else [entry.file]

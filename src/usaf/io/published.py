@@ -21,7 +21,7 @@ from usaf.io import shards
 from usaf.quant import fp8, mxfp4
 
 METHODS = ("mxfp4", "fp8")
-_FP8_DTYPES = (torch.float8_e4m3fn,)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def quantization_config(config) -> dict | None:
@@ -59,6 +59,8 @@ def published_method(config, where: str | Path) -> str | None:
 def read_config(path: str | Path) -> dict | None:
     """A local model folder's config.json as published (None for a hub id or an unreadable config: their own
     checks speak). Its dtype, not a loaded model's, is the dtype of the dequantized values."""
+    if not str(path):
+        return None
     try:
         config = json.loads((Path(path).expanduser() / "config.json").read_text())
     except (OSError, ValueError):

@@ -17,6 +17,7 @@ from usaf.config import (
     RunConfig,
 )
 from usaf.errors import UsafError
+from usaf.io.published import checkpoint_method
 from usaf.planner.sizes import GiB, MiB
 from usaf.quant import FORMATS, PUBLISHED
 
@@ -182,7 +183,7 @@ def settings_for_run(config: RunConfig, dtype: str) -> PlanSettings:
         seq=config.data.max_seq_len,
         batch=config.data.batch_size,
         density=config.select.density,
-        quant=config.model.quant,
+        quant=checkpoint_method(config.model.path) or config.model.quant,  # a published one keeps its own
         granularity=config.select.granularity,
         residency=config.model.residency,
         recompute=config.train.recompute is not False,
