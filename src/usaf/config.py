@@ -238,11 +238,7 @@ class UsafConfig:
 class ModelSection:
     path: str = option("", "model directory, prepared store, or hub id (the hub needs the network)")
     dtype: str = option("auto", "weights and compute dtype", ("auto", "float32", "bfloat16", "float16"))
-    quant: str = option(
-        "none",
-        "frozen expert storage (a published MXFP4/FP8 checkpoint keeps its own)",
-        ("none", "nf4", "int8", "int4", "mxfp4", "fp8"),
-    )
+    quant: str = option("none", "frozen expert storage", ("none", "nf4", "int8", "int4"))
     residency: str = option("device", "where frozen experts live", RESIDENCIES)
     cache_mb: int = option(
         0,
