@@ -211,6 +211,15 @@ def test_other_quantizations_and_damaged_layouts_are_refused_in_one_line(checkpo
     ):
         prepare_store(damaged, tmp_path / "store", device="cpu")
     assert not (tmp_path / "store").exists()
+    shutil.rmtree(damaged)
+    shutil.copytree(checkpoints["fp8"], damaged)
+    tensors = tensors_of(damaged)
+    del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    save_file(tensors, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        UsafError, match=r"o_proj.weight' in .* is FP8 without .*'_scale_inv' tensor beside it"
+    ):
+        BaseCheckpoint(damaged)
 
     assert published.quant_for(checkpoints["mxfp4"], "nf4") == "mxfp4"
     assert "model.quant=nf4: " in capsys.readouterr().err
