@@ -49,9 +49,13 @@ def dequantize(
     dequantized load holds them."""
     b0, b1 = block
     data = parts["data"].reshape(-1, rows, cols)
-    scale = parts["scale_inv"].reshape(data.shape[0], -(-rows // b0), -(-cols // b1)).float()
-    scale = scale.repeat_interleave(b0, dim=1)[:, :rows].repeat_interleave(b1, dim=2)[:, :, :cols]
-    out = data.float().mul_(scale)
+    k = data.shape[0]
+    scale = parts["scale_inv"].reshape(k, -(-rows // b0), -(-cols // b1)).float()
+    out = data.float()
+    if rows % b0 == 0 and cols % b1 == 0:  # whole blocks: the scales broadcast, nothing weight-sized is built
+        out.view(k, rows // b0, b0, cols // b1, b1).mul_(scale[:, :, None, :, None])
+    else:  # a partial block at the edge shares its scale
+        out.mul_(scale.repeat_interleave(b0, dim=1)[:, :rows].repeat_interleave(b1, dim=2)[:, :, :cols])
     if values_dtype is not None:
         out = out.to(getattr(torch, values_dtype))
     return out.to(dtype)
