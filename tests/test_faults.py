@@ -98,7 +98,7 @@ def ws(tmp_path_factory):
     w.prequantized = root / "prequantized"  # config.json says the weights are already quantized
     shutil.copytree(w.base, w.prequantized)
     config = json.loads((w.prequantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8"}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}  # published MXFP4/FP8 are read
     (w.prequantized / "config.json").write_text(json.dumps(config))
     w.pickles = root / "pickles"  # weights only as pytorch_model.bin
     shutil.copytree(w.base, w.pickles)
@@ -329,7 +329,7 @@ ROWS = [
         ["No safetensors weights in {ws.pickles} (usaf reads safetensors only, never pickles)"],
         absent=["{tmp}/store"]),
     Row("prepare-pre-quantized", ["prepare", "{ws.prequantized}", "--out={tmp}/store"], 2,
-        ["{ws.prequantized} holds a pre-quantized checkpoint (fp8)", "prepares from the full-precision"],
+        ["{ws.prequantized}/config.json: quantization_config.quant_method is 'gptq'", "use the model's bf16 checkpoint"],
         absent=["{tmp}/store"]),
     Row("prepare-unknown-quant", ["prepare", "{ws.base}", "--quant=nf3", "--out={tmp}/store"], 2,
         ["usaf prepare: argument --quant: invalid choice: 'nf3'", "see `usaf prepare --help`"],

@@ -155,6 +155,36 @@ def test_nf4_experts_take_four_and_a_half_bits_and_int8_adds_a_scale_per_row():
     assert none["frozen experts"].device == 2 * weights and "quantization constants" not in none
 
 
+def test_published_mxfp4_and_fp8_presets_are_planned_as_published_and_against_a_12gb_card(capsys):
+    # gpt-oss-20b's config carries quantization_config mxfp4: its experts are planned at 4.25 bits per value (4-bit
+    # codes and one 8-bit exponent scale per 32 values), never re-quantized by the search
+    shape = shape_of("gpt-oss-20b")
+    gpu = planner.DEVICES["rtx-4090"]
+    mxfp4 = ledger(planner.plan(shape, planner.PlanSettings(quant="mxfp4"), gpu, ram=64 * GiB))
+    weights = shape.expert_weights
+    assert mxfp4["frozen experts"].device == weights / 2 + shape.expert_biases * 2
+    assert mxfp4["quantization constants"].device == weights / 32
+    code, out, _ = run_cli(capsys, "--model", "gpt-oss-20b", "--vram", "16GB", "--ram", "64GB")
+    assert "experts mxfp4" in out and "--quant mxfp4" in out and "--quant nf4" not in out
+    line = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"published MXFP4 experts, kept as published: 9\.\d\d GB \(4\.25 bits/weight\); on a 12 GB card "
+        r"\(rtx-3060-12gb\) this run (fits|fits with the experts in host memory|does not fit)",
+        line,
+    ), line
+    assert code == 0
+
+    # DeepSeek-V3 publishes block-scaled FP8: one byte a value and one fp32 scale per 128x128 block
+    shape = shape_of("deepseek-v3")
+    fp8 = ledger(
+        planner.plan(shape, planner.PlanSettings(quant="fp8"), planner.DEVICES["h100"], ram=2048 * GiB)
+    )
+    assert fp8["frozen experts"].device == shape.expert_weights
+    blocks = sum(n * -(-r // 128) * -(-c // 128) for n, r, c in shape.expert_matrices)
+    assert fp8["quantization constants"].device == 4 * blocks
+    assert planner.published_format({"quantization_config": {"quant_method": "gptq"}}) is None
+
+
 def test_sparse_state_counts_every_byte_per_entry_and_neurons_need_no_index():
     shape = shape_of("olmoe-1b-7b")
     cpu = planner.DEVICES["cpu"]
@@ -227,7 +257,7 @@ def test_step_time_names_the_dominant_term():
 
 def test_user_mistakes_in_settings_are_usaf_errors():
     with pytest.raises(UsafError, match="--quant must be one of none, int8, nf4, int4"):
-        planner.PlanSettings(quant="fp8")
+        planner.PlanSettings(quant="gptq")  # fp8 is a published format now
     with pytest.raises(UsafError, match=r"--density must be in \(0, 1\]"):
         planner.PlanSettings(density=0)
 

@@ -31,7 +31,7 @@ from transformers import AutoConfig
 from usaf.config import RESIDENCIES, UsafConfig
 from usaf.errors import UsafError
 from usaf.files import STORE_FILE
-from usaf.io import shards
+from usaf.io import published, shards
 from usaf.io.atomic import (
     copy_side_files,
     fsync_dir,
@@ -89,7 +89,8 @@ def prepare_store(
     """Stream the safetensors checkpoint in `model_dir` into a prepared store at `out_dir`; returns `out_dir`.
 
     quant: expert format, "nf4" | "int8" | "int4" | "none" ("nf4" becomes "int4" where bitsandbytes has no
-        kernels for `device`).
+        kernels for `device`). A published MXFP4/FP8 checkpoint (`usaf.io.published`) keeps its own format
+        whatever `quant` says: its experts' bytes are copied as published, its other quantized weights dequantized.
     quant_dense: also store the dense linear weights (attention, shared experts) as int8.
     device: where quantization runs (default: the accelerator torch sees, else the CPU).
     Peak memory is a small multiple of the largest single checkpoint tensor (one expert for stacked experts).
@@ -99,24 +100,25 @@ def prepare_store(
     _check_output(model_dir, out_dir, force)
     if not (model_dir / "config.json").exists():
         raise UsafError(f"{model_dir} has no config.json; pass a Hugging Face model directory.")
-    fmt_name = resolve_format(quant, device)
     config = AutoConfig.from_pretrained(model_dir)
-    if getattr(config, "quantization_config", None):
-        method = config.quantization_config
-        method = (
-            method.get("quant_method")
-            if isinstance(method, dict)
-            else getattr(method, "quant_method", method)
-        )
+    # a published MXFP4/FP8 checkpoint keeps its experts as published: the store holds their own bytes
+    method = published.checkpoint_method(model_dir)
+    if method is None and quant in published.METHODS:
         raise UsafError(
-            f"{model_dir} holds a pre-quantized checkpoint ({method}); usaf prepares from the full-precision "
-            "(bf16/fp16/fp32) checkpoint."
+            f"{model_dir} is not a published {quant} checkpoint (its config.json has no quantization_config "
+            f"{quant}); usaf reads {quant} as published and never quantizes into it: choose nf4, int8, int4 or none."
         )
+    fmt_name = method or resolve_format(quant, device)
     skeleton = build_skeleton(config)
     experts = expert_weight_names(find_moe_layers(skeleton))
     source = SourceCheckpoint(model_dir, skeleton, set(experts))
     dense_linear = _dense_linear_weights(skeleton) if quant_dense else set()
     tensors = _plan_tensors(source, experts, fmt_name, dense_linear)
+    if method is not None:
+        constants = published.format_constants(published.read_config(model_dir))
+        for info in tensors.values():
+            if info["kind"] == "experts":
+                info["constants"] = constants
     files = _assign_files(tensors, max_file_bytes)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -182,7 +184,11 @@ def _plan_tensors(
         shape = target.shape
         if name in experts:
             kind, fmt_name = "experts", fmt
-            layout = get_format(fmt).layout(shape[1], shape[2], target.dtype)
+            if source.published:  # the checkpoint's own parts, as its conversion fuses them
+                layout = source.expert_part_shapes(name)
+                _check_published_layout(source, name, layout)
+            else:
+                layout = get_format(fmt).layout(shape[1], shape[2], target.dtype)
             stored = {f"{name}:{part}": (dtype, (shape[0], *s)) for part, (dtype, s) in layout.items()}
         elif name in dense_linear and len(shape) == 2:
             kind, fmt_name = "dense", "int8"
@@ -203,6 +209,24 @@ def _plan_tensors(
         if kind == "experts":
             tensors[name]["layer"] = experts[name]
     return tensors
+
+
+def _check_published_layout(source: SourceCheckpoint, name: str, layout: dict) -> None:
+    """The fused experts' published parts must be what the format's dequantization reads: FP8 blocks that
+    straddle the boundary of fused gate and up projections cannot be kept as published."""
+    shape = source.targets[name].shape
+    constants = published.format_constants(published.read_config(source.dir))
+    block = constants.get("block")
+    want = get_format(source.published).layout(
+        shape[1], shape[2], torch.bfloat16, *([block] if block else [])
+    )
+    got = {part: tuple(s) for part, (_, s) in layout.items()}
+    if got != {part: tuple(s) for part, (_, s) in want.items()}:
+        raise UsafError(
+            f"The published {source.published} parts of '{name}' in {source.dir} fuse into {got}, not the layout "
+            f"{ {part: tuple(s) for part, (_, s) in want.items()} } that dequantization reads (quantization blocks "
+            "straddle fused projections); usaf cannot keep them as published: use the bf16 checkpoint."
+        )
 
 
 def _assign_files(tensors: dict, max_file_bytes: int) -> dict[str, list[str]]:
@@ -251,6 +275,11 @@ def _write_each(source: SourceCheckpoint, tensors: dict, writers: dict, device, 
             num_experts = info["shape"][0]
             expert_bytes = {key: _nbytes(dtype, shape[1:]) for key, (dtype, shape) in info["stored"].items()}
             for e in range(num_experts):
+                if source.published:  # copied as published: no re-quantization
+                    for part, value in source.expert_parts(name, e).items():
+                        key = f"{name}:{part}"
+                        writer.write(key, value, e * expert_bytes[key])
+                    continue
                 weight = source.build_expert(name, e)
                 _check_finite(weight, source, name, source.expert_source_keys(name, e), f"expert {e} of ")
                 offsets = {key: e * size for key, size in expert_bytes.items()}
@@ -317,7 +346,9 @@ def _metadata(model_dir, source, tensors, checksums, requested, fmt, quant_dense
     files = {}
     for info in tensors.values():
         files.setdefault(info["file"], {"size": (tmp / info["file"]).stat().st_size})
-    source_files = {entry.file.name for key, entry in source.entries.items() if key in checksums}
+    source_files = {
+        file.name for key, entry in source.entries.items() if key in checksums for file in _files_of(entry)
+    }
     return {
         "format": "usaf-store",
         "format_version": STORE_FORMAT_VERSION,
@@ -395,7 +426,8 @@ def ensure_prepared(
 def load_for_training(
     config, device: torch.device, dtype: torch.dtype | None, calibration_batches=None, recompute: bool = False
 ):
-    """The model `usaf train` trains when `model.quant` is not "none" (`config` is its RunConfig).
+    """The model `usaf train` trains when `model.quant` is not "none" or the checkpoint is a published MXFP4/FP8 one
+    (`config` is its RunConfig).
 
     `model.path` is either a prepared store (used as it is; the trained values start from the checkpoint it was
     prepared from, when that is still there) or a checkpoint directory (prepared now at `model.quant`, or taken
@@ -405,7 +437,8 @@ def load_for_training(
     if (path / STORE_FILE).exists():
         store = path
         metadata = read_store_metadata(store)
-        if config.model.quant not in (metadata["quant"], metadata["requested_quant"]):
+        published_store = metadata["quant"] in published.METHODS
+        if not published_store and config.model.quant not in (metadata["quant"], metadata["requested_quant"]):
             raise UsafError(
                 f"{store} is a {metadata['quant']} store but model.quant is {config.model.quant!r}; set "
                 f"model.quant={metadata['quant']} or point model.path at the checkpoint to prepare it again."
@@ -419,7 +452,8 @@ def load_for_training(
                 stacklevel=2,
             )
     elif path.is_dir():
-        store, source = ensure_prepared(path, config.model.quant, progress=True), path
+        quant = published.quant_for(path, config.model.quant)
+        store, source = ensure_prepared(path, quant, progress=True), path
     else:
         raise UsafError(
             f"model.path {str(path)!r} is not a local directory; a quantized base is prepared from a local "
@@ -515,7 +549,11 @@ def load_prepared(
         module_path, _, attr = name.rpartition(".")
         experts_module = model.get_submodule(module_path)
         store = QuantizedStore(
-            info["format"], holder, tuple(info["shape"]), getattr(experts_module, attr).dtype
+            info["format"],
+            holder,
+            tuple(info["shape"]),
+            getattr(experts_module, attr).dtype,
+            info.get("constants"),
         )
         del experts_module._parameters[
             attr
@@ -626,6 +664,11 @@ def _open_source(source_dir: Path, metadata: dict, model: nn.Module, experts: di
         if not (source_dir / name).exists() or _file_stamp(source_dir / name) != stamp
     }
     for key, info in recorded.items():
-        if info["file"] in changed:
+        if {info["file"], *(f.name for f in _files_of(source.entries[key]))} & changed:
             source.verify(key)
     return source
+
+
+def _files_of(entry: shards.TensorEntry) -> list[Path]:
+    """The files a checkpoint tensor is read from (a published weight's parts may lie in several)."""
+    return [part.file for part in entry.parts] if isinstance(entry, shards.DerivedEntry) else [entry.file]

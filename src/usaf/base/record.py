@@ -77,7 +77,9 @@ def tensor_facts(entry: shards.TensorEntry) -> dict:
 
 def sample_sha256(entry: shards.TensorEntry) -> str:
     """sha256 of a tensor's first and last SAMPLE_BYTES (all of it when smaller): a cheap fingerprint that any
-    fine-tune or re-initialisation of the tensor changes."""
+    fine-tune or re-initialisation of the tensor changes. A derived tensor (a published weight): its parts'."""
+    if isinstance(entry, shards.DerivedEntry):
+        return hashlib.sha256("".join(sample_sha256(part) for part in entry.parts).encode()).hexdigest()
     spans = [(entry.begin, min(entry.end, entry.begin + SAMPLE_BYTES))]
     if entry.nbytes > SAMPLE_BYTES:
         spans.append((max(spans[0][1], entry.end - SAMPLE_BYTES), entry.end))

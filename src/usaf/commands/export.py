@@ -42,7 +42,7 @@ def add_command(sub) -> None:
 def run_export(args) -> int:
     from usaf.base.checkpoint import BaseCheckpoint
     from usaf.export.delta import check_output_dir, check_output_file, run_delta_and_base, write_delta
-    from usaf.export.merged import write_merged
+    from usaf.export.merged import dequantized_note, write_merged
     from usaf.export.trainer import trainer_checkpoint_delta
 
     if not (args.delta or args.merged):
@@ -71,6 +71,8 @@ def run_export(args) -> int:
     if args.merged:
         path = write_merged(base, delta, args.merged, force=args.force)
         print(f"merged checkpoint: {path}")
+        if (note := dequantized_note(base, path)) is not None:
+            print(note)
     if args.run_dir:
         print(_which_step(Path(args.run_dir), delta))
     return 0
@@ -98,10 +100,14 @@ def _which_step(run_dir: Path, delta) -> str:
 
 
 def run_apply(args) -> int:
-    from usaf.export.merged import apply_delta
+    from usaf.base.checkpoint import BaseCheckpoint
+    from usaf.export.merged import apply_delta, dequantized_note
+    from usaf.io.published import checkpoint_method
 
     path = apply_delta(args.base_dir, args.delta, args.out_dir, force=args.force)
     print(f"merged checkpoint: {path}")
+    if checkpoint_method(args.base_dir) is not None:
+        print(dequantized_note(BaseCheckpoint(args.base_dir), path))
     return 0
 
 

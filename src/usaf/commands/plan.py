@@ -201,9 +201,14 @@ def run(args: argparse.Namespace) -> int:
     if not model:
         raise UsafError("usaf plan needs --model (or --config with a model.path).")
     name, config = planner.load_model_config(model)
+    method = planner.published_format(config)
+    if method is not None:  # its experts are planned as published, as usaf train keeps them
+        settings = settings.replace(quant=method)
     shape = planner.model_shape(config, name)
     verdict = planner.decide(shape, settings, device, vram, ram, residency=residency)
     print(planner.format_verdict(model, verdict))
+    if method is not None:
+        print(planner.published_line(shape, settings, device, ram, residency))
     return 0 if verdict.status != "does not fit" else 1
 
 

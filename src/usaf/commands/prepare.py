@@ -26,7 +26,8 @@ def add_command(subparsers) -> None:
         "--quant",
         default="nf4",
         choices=list(FORMATS),
-        help="experts' format (default nf4; becomes int4 where bitsandbytes has no kernels for the device)",
+        help="experts' format (default nf4; becomes int4 where bitsandbytes has no kernels for the device; a "
+        "published MXFP4/FP8 checkpoint keeps its own experts' bytes)",
     )
     p.add_argument("--quant-dense", action="store_true", help="store dense linear layers as int8 too")
     p.add_argument("--out", required=True, metavar="PREPARED_DIR", help="where to write the prepared store")
@@ -58,7 +59,10 @@ def _run(args) -> int:
     stored = sum(info["size"] for info in metadata["files"].values())
     source = sum(Path(args.model_dir, name).stat().st_size for name in metadata["source"]["files"])
     experts = sum(1 for t in metadata["tensors"].values() if t["kind"] == "experts")
-    note = "" if metadata["quant"] == args.quant else f" (bitsandbytes has no {args.quant} kernels here)"
+    if metadata["quant"] in ("mxfp4", "fp8"):
+        note = " (published: the checkpoint's own bytes, not re-quantized)"
+    else:
+        note = "" if metadata["quant"] == args.quant else f" (bitsandbytes has no {args.quant} kernels here)"
     print(
         f"prepared {out}: {experts} expert tensors as {metadata['quant']}{note}, "
         f"{format_size(stored)} from {format_size(source)} in {time.time() - start:.0f} s"

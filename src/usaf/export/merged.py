@@ -1,11 +1,14 @@
 """A merged checkpoint is the base's shards streamed tensor by tensor (in bounded chunks) with the trained entries
 replaced: same names, dtypes, shard files and index; nothing else is touched, so a base trained in quantized form
-keeps its original precision everywhere else. Outputs appear atomically: written beside the target under a hidden
+keeps its original precision everywhere else. A published MXFP4/FP8 base is written dequantized where it is quantized
+(in its config's dtype, bf16, exactly as transformers' dequantized load holds it), without its quantization_config:
+a plain checkpoint every loader reads. Outputs appear atomically: written beside the target under a hidden
 temporary name, fsynced, renamed into place."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import time
 from pathlib import Path
@@ -22,7 +25,7 @@ from usaf.export.delta import (
     read_delta,
     run_delta_and_base,
 )
-from usaf.files import MERGED_METADATA_FILE
+from usaf.files import INDEX_FILE, MERGED_METADATA_FILE
 from usaf.io import shards
 from usaf.io.atomic import (
     copy_side_files,
@@ -32,6 +35,7 @@ from usaf.io.atomic import (
     temporary_name,
     write_json,
 )
+from usaf.planner.sizes import format_size
 from usaf.version import __version__
 
 _CHUNK_BYTES = 64 << 20
@@ -82,12 +86,18 @@ def write_merged(
     tmp.mkdir()
     try:
         report: dict[str, dict] = {}
+        derived = base.source.published is not None
         for file in base.shard_files():
-            _write_shard(base.dir / file, tmp / file, edits, expected, report, delta.origin)
+            entries = (
+                {k: e for k, e in base.source.entries.items() if e.file.name == file} if derived else None
+            )
+            _write_shard(base.dir / file, tmp / file, edits, expected, report, delta.origin, entries)
         missing = sorted(set(edits) - set(report))
         if missing:
             raise UsafError(f"Tensor '{missing[0]}' was not found in the shards of {base.dir}.")
-        copy_side_files(base.dir, tmp, keep_shard_index=True, skip=(MERGED_METADATA_FILE,))
+        copy_side_files(base.dir, tmp, keep_shard_index=not derived, skip=(MERGED_METADATA_FILE,))
+        if derived:
+            _write_dequantized_config(base, tmp)
         metadata = {
             "format": "usaf-merged",
             "usaf_version": __version__,
@@ -133,10 +143,18 @@ def _edits_by_checkpoint_key(
 
 
 def _write_shard(
-    source: Path, target: Path, edits: dict, expected: dict | None, report: dict, origin: str
+    source: Path,
+    target: Path,
+    edits: dict,
+    expected: dict | None,
+    report: dict,
+    origin: str,
+    entries: dict | None = None,
 ) -> None:
-    """Copy one safetensors file tensor by tensor, in bounded chunks, replacing the edited entries."""
-    entries, metadata = shards.read_header(source)
+    """Copy one safetensors file tensor by tensor, in bounded chunks, replacing the edited entries. `entries`: the
+    file's tensors as the base reads them (a published base's quantized weights dequantized), else its header's."""
+    header, metadata = shards.read_header(source)
+    entries = header if entries is None else entries
     planned = [shards.PlannedTensor(name, e.dtype, e.shape) for name, e in entries.items()]
     writer = shards.StreamingWriter(target, planned, metadata)
     try:
@@ -146,13 +164,11 @@ def _write_shard(
             after = hashlib.sha256() if edit is not None else None
             itemsize = entry.dtype.itemsize
             step = max(1, _CHUNK_BYTES // itemsize) * itemsize
-            for begin in range(entry.begin, entry.end, step):
-                end = min(begin + step, entry.end)
-                raw = shards.read_bytes(entry, begin, end, before)
+            for offset, raw in _chunks(entry, step, before):
                 if edit is not None:
-                    _apply_edit(raw, entry.dtype, (begin - entry.begin) // itemsize, edit)
+                    _apply_edit(raw, entry.dtype, offset // itemsize, edit)
                     after.update(raw.numpy())
-                writer.write(name, raw, begin - entry.begin)
+                writer.write(name, raw, offset)
             if edit is None:
                 continue
             digest = before.hexdigest()
@@ -171,6 +187,44 @@ def _write_shard(
         writer.file.close()
         raise
     writer.close()
+
+
+def _chunks(entry: shards.TensorEntry, step: int, hasher):
+    """(byte offset in the tensor, its bytes as uint8) of a tensor in bounded chunks: a derived (dequantized) one
+    row by row (one expert of a stack), computed from its parts, which feed `hasher`."""
+    if isinstance(entry, shards.DerivedEntry):
+        row_bytes = entry.nbytes // entry.rows
+        for row in range(entry.rows):
+            value = entry.read_row(row, hasher)
+            yield row * row_bytes, value.contiguous().reshape(-1).view(torch.uint8)
+        return
+    for begin in range(entry.begin, entry.end, step):
+        end = min(begin + step, entry.end)
+        yield begin - entry.begin, shards.read_bytes(entry, begin, end, hasher)
+
+
+def _write_dequantized_config(base: BaseCheckpoint, out: Path) -> None:
+    """config.json without its quantization_config, and the shard index of the tensors as written."""
+    config = json.loads((base.dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    write_json(out / "config.json", config)
+    if (base.dir / INDEX_FILE).exists():
+        weight_map = {name: e.file.name for name, e in sorted(base.source.entries.items())}
+        total = sum(e.nbytes for e in base.source.entries.values())
+        write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def dequantized_note(base: BaseCheckpoint, out_dir: Path) -> str | None:
+    """One line saying that a published base's quantized weights were written dequantized, and the size."""
+    if base.source.published is None:
+        return None
+    derived = [e for e in base.source.entries.values() if isinstance(e, shards.DerivedEntry)]
+    dtype = str(derived[0].dtype).removeprefix("torch.") if derived else "full precision"
+    size = sum(p.stat().st_size for p in Path(out_dir).glob("*.safetensors"))
+    return (
+        f"{base.dir} is a published {base.source.published.upper()} checkpoint: the merged checkpoint holds its "
+        f"{len(derived)} quantized weights as {dtype}, without quantization_config ({format_size(size)})"
+    )
 
 
 def _apply_edit(raw: torch.Tensor, dtype: torch.dtype, first: int, edit) -> None:

@@ -60,6 +60,27 @@ class TensorEntry:
         return start, start + per_expert
 
 
+@dataclass(frozen=True)
+class DerivedEntry(TensorEntry):
+    """A tensor a checkpoint stores as other tensors (a published weight as its quantized parts,
+    `usaf.io.published`): reading it computes it, while checksums and samples cover the parts' own bytes.
+
+    `rows` parts are read (and hashed) one after another: the experts of a stacked tensor, each computed alone;
+    `derive(part tensors)` is one row's value ([*shape[1:]] when rows > 1, else the whole tensor)."""
+
+    parts: tuple[TensorEntry, ...] = ()
+    rows: int = 1
+    derive: object = None
+
+    def read_row(self, row: int, hasher=None) -> torch.Tensor:
+        read = (
+            (lambda part: read_expert(part, row, hasher))
+            if self.rows > 1
+            else (lambda p: read_tensor(p, hasher))
+        )
+        return self.derive([read(part) for part in self.parts])
+
+
 def read_header(path: str | Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     """The tensors of a safetensors file and its metadata, checked against the file's size so that a truncated
     or corrupted file fails here, naming the file, rather than later with garbage values."""
@@ -136,18 +157,32 @@ def as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
 
 
 def read_tensor(entry: TensorEntry, hasher=None) -> torch.Tensor:
+    if isinstance(entry, DerivedEntry):
+        rows = [entry.read_row(row, hasher) for row in range(entry.rows)]
+        return (torch.stack(rows) if entry.rows > 1 else rows[0]).reshape(entry.shape)
     return as_tensor(read_bytes(entry, entry.begin, entry.end, hasher), entry.dtype, entry.shape)
 
 
 def read_expert(entry: TensorEntry, expert: int, hasher=None) -> torch.Tensor:
     """Row `expert` of a tensor stacked over experts, reading only its bytes."""
+    if isinstance(entry, DerivedEntry):
+        if entry.rows > 1:
+            return entry.read_row(expert, hasher)
+        return read_tensor(entry, hasher)[expert]
     begin, end = entry.expert_range(expert)
     return as_tensor(read_bytes(entry, begin, end, hasher), entry.dtype, entry.shape[1:])
 
 
 def sha256_of(entry: TensorEntry) -> str:
-    """Checksum of a tensor's bytes as stored, read in bounded chunks."""
+    """Checksum of a tensor's bytes as stored, read in bounded chunks (a derived tensor: its parts' bytes, row by
+    row, as reading it hashes them)."""
     hasher = hashlib.sha256()
+    if isinstance(entry, DerivedEntry):
+        for row in range(entry.rows):
+            for part in entry.parts:
+                begin, end = part.expert_range(row) if entry.rows > 1 else (part.begin, part.end)
+                read_bytes(part, begin, end, hasher)
+        return hasher.hexdigest()
     with open(entry.file, "rb") as f:
         f.seek(entry.begin)
         left = entry.nbytes

@@ -22,7 +22,7 @@ from torch import nn
 
 from usaf.errors import UsafError, first_line
 from usaf.files import INDEX_FILE
-from usaf.io import shards
+from usaf.io import published, shards
 from usaf.model.hf import (
     WeightConverter,
     WeightRenaming,
@@ -96,7 +96,10 @@ class SourceCheckpoint:
     def __init__(self, model_dir: str | Path, model: nn.Module, expert_names: set[str]):
         self.dir = Path(model_dir)
         self.model = model
-        self.entries = list_shards(self.dir)
+        # a published pre-quantized checkpoint: its quantized weights appear dequantized (`usaf.io.published`)
+        config = published.read_config(self.dir) or {}
+        self.published = published.published_method(config, self.dir)
+        self.entries = published.derive_entries(list_shards(self.dir), config, self.dir)
         self.groups, self.ignored = self._group(model)
         self.targets = self._plan(model, expert_names)
         self._hashers: dict[str, tuple[object, int]] = {}  # key -> (sha256 so far, next expert) for stacks
@@ -302,6 +305,39 @@ class SourceCheckpoint:
     def release(self) -> None:
         """Drop the whole stack `build_expert` may have built for an expert-mixing conversion (memory bound)."""
         self._whole_stack = None
+
+    def expert_parts(self, name: str, expert: int, load=None) -> dict[str, torch.Tensor]:
+        """Expert `expert` of the fused expert tensor `name` as the published checkpoint stores it: its quantized
+        parts ({part: tensor}), put together by the same conversion that fuses the weights (it only moves data)."""
+        target = self.targets[name]
+        group = self.groups[target.group]
+        names = published.PART_NAMES[self.published]
+        out = {}
+        row = expert if isinstance(group.transform, WeightRenaming) else None  # a stacked tensor: its row
+        for i, part in enumerate(names):
+
+            def read(key, i=i):
+                entry = self.entries[key].parts[i]
+                if load is not None:
+                    return load(entry, row)
+                return shards.read_expert(entry, row) if row is not None else shards.read_tensor(entry)
+
+            if isinstance(group.transform, WeightRenaming):
+                out[part] = read(group.keys()[0])
+            elif target.per_expert:
+                out[part] = self._convert(group, self._expert_sources(group, expert), read)[name][0]
+            else:
+                out[part] = self._convert(group, group.sources, read)[name][expert]
+        return out
+
+    def expert_part_shapes(self, name: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """{part: (dtype, shape of one expert)} of `expert_parts`, from a conversion on meta tensors."""
+
+        def meta(entry, row):
+            shape = entry.shape[1:] if row is not None else entry.shape
+            return torch.empty(shape, dtype=entry.dtype, device="meta")
+
+        return {part: (t.dtype, tuple(t.shape)) for part, t in self.expert_parts(name, 0, meta).items()}
 
     def expert_source_keys(self, name: str, expert: int) -> list[str]:
         """The checkpoint tensors expert `expert` of `name` is built from."""

@@ -169,7 +169,7 @@ def stored_bytes(matrices, quant: str, dtype_bytes: int) -> tuple[float, float]:
             for size in shape:
                 numel *= size
             nbytes = count * numel * torch.empty((), dtype=dtype).element_size()
-            if part == "data":
+            if part in ("data", "blocks"):  # the values (codes); the rest are their constants
                 payload += nbytes
             else:
                 constants += nbytes

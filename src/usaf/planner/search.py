@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from usaf.config import (
     RESIDENCIES,
 )
-from usaf.planner.ledger import Plan, plan
-from usaf.planner.settings import QUANT_ORDER, Device, PlanSettings
+from usaf.planner.ledger import Plan, plan, stored_bytes
+from usaf.planner.settings import DEVICES, DTYPE_BYTES, QUANT_ORDER, Device, PlanSettings, default_dtype
 from usaf.planner.shape import ModelShape
+from usaf.planner.sizes import format_size
+from usaf.quant import PUBLISHED
 
 
 @dataclass
@@ -74,7 +76,12 @@ def search(
     residency, quantization, batch, sequence length, density and logits chunk."""
     if not device.is_gpu:
         residencies = tuple(r for r in residencies if r != "host") or ("device",)
-    quants = QUANT_ORDER[QUANT_ORDER.index(settings.quant) :]
+    # a published checkpoint's experts are what it publishes: never re-quantized
+    quants = (
+        QUANT_ORDER[QUANT_ORDER.index(settings.quant) :]
+        if settings.quant in QUANT_ORDER
+        else (settings.quant,)
+    )
     best, best_key = None, None
     for r_cost, residency in enumerate(residencies):
         for q_cost, quant in enumerate(quants):
@@ -105,3 +112,28 @@ def search(
                             if p.fits and (best_key is None or key < best_key):
                                 best, best_key = p, key
     return best
+
+
+SMALL_CARD = "rtx-3060-12gb"
+
+
+def published_format(config: dict) -> str | None:
+    """The published format ("mxfp4", "fp8") a model's config.json declares in its quantization_config, else None."""
+    qc = config.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return method if method in PUBLISHED else None
+
+
+def published_line(shape: ModelShape, settings: PlanSettings, device: Device, ram, residency: str) -> str:
+    """One line on a published checkpoint's experts: their real size, and whether the run fits a 12 GB card."""
+    payload, constants = stored_bytes(shape.expert_matrices, settings.quant, DTYPE_BYTES[settings.dtype])
+    bits = 8 * (payload + constants) / max(1, shape.expert_weights)
+    card = DEVICES[SMALL_CARD]
+    small = settings if device.is_gpu else settings.replace(dtype=default_dtype(card))
+    verdict = decide(shape, small, card, card.memory, ram, residency=residency)
+    where = {"fits on device": "fits", "needs host offload": "fits with the experts in host memory"}
+    return (
+        f"published {settings.quant.upper()} experts, kept as published: {format_size(payload + constants)} "
+        f"({bits:.2f} bits/weight); on a 12 GB card ({SMALL_CARD}) this run "
+        f"{where.get(verdict.status, 'does not fit')}"
+    )

@@ -17,7 +17,9 @@ from usaf.config import (
     RunConfig,
 )
 from usaf.errors import UsafError
+from usaf.io.published import checkpoint_method
 from usaf.planner.sizes import GiB, MiB
+from usaf.quant import FORMATS, PUBLISHED
 
 
 @dataclass(frozen=True)
@@ -71,20 +73,16 @@ CPU_WARMUP = 85 * MiB
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-QUANTS = {
-    "none": "unquantized (compute dtype)",
-    "int8": "int8, one fp32 scale per row",
-    "nf4": "NF4, one fp32 absmax per 64 weights",
-    "int4": "int4, fp16 scale and offset per group of 64",
-}
+QUANT_ORDER = ("none", "int8", "nf4", "int4")  # most to least precise; a published format is kept as it is
 
 
-QUANT_ORDER = ("none", "int8", "nf4", "int4")  # most to least precise
+# the frozen experts' formats, as each one's descriptor (`usaf.quant`) says: usaf's own, then the published ones
+_DESCRIPTORS = {name: (FORMATS | PUBLISHED)[name].DESCRIPTOR for name in (*QUANT_ORDER, *PUBLISHED)}
+QUANTS = {name: d.summary for name, d in _DESCRIPTORS.items()}
 
 
-# Bytes per element a dequantization holds besides its output: int8 widens codes and scales to fp32 before the
-# cast; int4 unpacks nibbles (uint8), widens them to fp32 and forms the fp32 result; NF4's kernel writes the dtype.
-DEQUANT_TEMPORARIES = {"none": 0, "nf4": 0, "int8": 8, "int4": 9}
+# Bytes per element a dequantization holds besides its output
+DEQUANT_TEMPORARIES = {name: d.temporaries for name, d in _DESCRIPTORS.items()}
 
 
 OPTIMIZERS = {
@@ -185,7 +183,7 @@ def settings_for_run(config: RunConfig, dtype: str) -> PlanSettings:
         seq=config.data.max_seq_len,
         batch=config.data.batch_size,
         density=config.select.density,
-        quant=config.model.quant,
+        quant=checkpoint_method(config.model.path) or config.model.quant,  # a published one keeps its own
         granularity=config.select.granularity,
         residency=config.model.residency,
         recompute=config.train.recompute is not False,

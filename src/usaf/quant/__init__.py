@@ -7,6 +7,10 @@ Every format is a module of small pure functions with explicit state, in the sty
     dequantize(parts, rows, cols, dtype) -> tensor     parts stacked over k matrices ([k, *shape]) -> [k, rows, cols]
     pieces(weight, max_elements) -> pieces of weight   quantized one by one, their parts concatenate to the whole's
 
+Published formats (`mxfp4`, `fp8`) are read as a checkpoint publishes them: the store holds the checkpoint's own
+bytes as the parts, and their `quantize` refuses. Every format has a `DESCRIPTOR` (`usaf.quant.descriptor`): what
+the planner knows of it.
+
 Parts are plain tensors, so a stack of experts is stored as one tensor per part ([E, *shape]) and any subset of
 experts is dequantized by indexing those tensors: nothing ever needs a whole layer in full precision.
 """
@@ -18,16 +22,24 @@ from types import ModuleType
 import torch
 
 from usaf.errors import UsafError
-from usaf.quant import int4, int8, nf4, none
+from usaf.quant import fp8, int4, int8, mxfp4, nf4, none
 
-FORMATS: dict[str, ModuleType] = {"nf4": nf4, "int8": int8, "int4": int4, "none": none}
+FORMATS: dict[str, ModuleType] = {
+    "nf4": nf4,
+    "int8": int8,
+    "int4": int4,
+    "none": none,
+}  # usaf quantizes into these
+PUBLISHED: dict[str, ModuleType] = {"mxfp4": mxfp4, "fp8": fp8}  # read as checkpoints publish them
 
 
 def get_format(name: str) -> ModuleType:
     try:
-        return FORMATS[name]
+        return FORMATS.get(name) or PUBLISHED[name]
     except KeyError:
-        raise UsafError(f"Unknown quantization format {name!r}; choose one of {sorted(FORMATS)}.") from None
+        raise UsafError(
+            f"Unknown quantization format {name!r}; choose one of {sorted(FORMATS | PUBLISHED)}."
+        ) from None
 
 
 def resolve_format(name: str, device: torch.device | str | None = None) -> str:

@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from usaf.quant.descriptor import Descriptor
+
+DESCRIPTOR = Descriptor(
+    "int4", "int4, fp16 scale and offset per group of 64", 4.5, 9
+)  # nibbles, fp32 codes and result
+
 GROUP_SIZE = 64
 
 

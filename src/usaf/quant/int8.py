@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from usaf.quant.descriptor import Descriptor
+
+DESCRIPTOR = Descriptor("int8", "int8, one fp32 scale per row", 8, 8)  # codes and scales widened to fp32
+
 
 def layout(rows: int, cols: int, source_dtype: torch.dtype) -> dict:
     return {"data": (torch.int8, (rows, cols)), "scale": (torch.float32, (rows,))}

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from usaf.quant.descriptor import Descriptor
+
+DESCRIPTOR = Descriptor("none", "unquantized (compute dtype)", 16, 0)
+
 
 def layout(rows: int, cols: int, source_dtype: torch.dtype) -> dict:
     return {"data": (source_dtype, (rows, cols))}

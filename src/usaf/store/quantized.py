@@ -16,12 +16,16 @@ class QuantizedStore:
     """A frozen [E, A, B] expert tensor in a quantized format.
 
     parts: an object with `fetch(expert_ids) -> {part: tensor [k, ...] on the compute device}` and `device`.
+    constants: keyword arguments of the format's `dequantize` (a published format's block size, say).
     """
 
     resident = False  # the engine materializes routed experts in workspace-bounded chunks
 
-    def __init__(self, format_name: str, parts, shape: tuple[int, int, int], dtype: torch.dtype):
+    def __init__(
+        self, format_name: str, parts, shape: tuple[int, int, int], dtype: torch.dtype, constants=None
+    ):
         self.format_name = format_name
+        self.constants = dict(constants or {})  # a published format's own (e.g. FP8's block size)
         self.format = get_format(format_name)
         self.parts = parts
         self.shape = tuple(int(s) for s in shape)
@@ -34,7 +38,9 @@ class QuantizedStore:
     def materialize(self, expert_ids: list[int]) -> torch.Tensor:
         """A fresh [k, A, B] tensor of the given experts, dequantized; no other expert is touched."""
         _, rows, cols = self.shape
-        return self.format.dequantize(self.parts.fetch(list(expert_ids)), rows, cols, self.dtype)
+        return self.format.dequantize(
+            self.parts.fetch(list(expert_ids)), rows, cols, self.dtype, **self.constants
+        )
 
     @torch.no_grad()
     def read(self, flat_indices: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from usaf.config import RunConfig
 from usaf.data import Batches, TokenizedDataset
 from usaf.data.templates import template_names
 from usaf.errors import UsafError, first_line
+from usaf.io.published import checkpoint_method
 from usaf.io.source import check_model_files
 from usaf.model.hf import decoder_body
 from usaf.prepare import current_selection, enable_recomputation, prepare_model
@@ -122,7 +123,8 @@ def load_model(
     if selection_file is not None:
         config = copy.deepcopy(config)
         config.select.strategy, config.select.file = "file", str(selection_file)
-    if config.model.quant != "none":
+    # a published MXFP4/FP8 checkpoint trains on its own quantized experts, whatever model.quant says
+    if config.model.quant != "none" or checkpoint_method(path) is not None:
         model = load_for_training(
             config, device, dtype, calibration_batches=calibration_batches, recompute=recompute
         )

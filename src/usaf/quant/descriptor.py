@@ -1,0 +1,14 @@
+"""What the planner needs to know of a frozen storage format, in one place per format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    name: str
+    summary: str  # "<format>, <its constants>": the planner prints both halves
+    bits: float  # stored bits per weight, codes and constants together
+    temporaries: int  # bytes per element a dequantization holds besides its output
+    published: bool = False  # read as a checkpoint publishes it; usaf never quantizes into it

@@ -1,0 +1,226 @@
+"""Published pre-quantized checkpoints as the frozen base: gpt-oss's MXFP4 experts and block-scaled FP8 (Qwen3-*-FP8,
+DeepSeek-V3) are read as published, dequantized exactly as transformers' own dequantized load (the reference), trained
+on, and exported as plain bf16 checkpoints."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+import usaf
+from usaf.base.checkpoint import BaseCheckpoint
+from usaf.base.load import load_prepared, prepare_store, read_store_metadata
+from usaf.cli import main
+from usaf.errors import UsafError
+from usaf.export.delta import read_delta
+from usaf.io import published
+from usaf.io.shards import read_header, read_tensor
+from usaf.quant import fp8, mxfp4
+from usaf.testing.published import make_fp8_moe, make_mxfp4_gpt_oss
+
+BLOCK = 8  # the tiny FP8 checkpoint's weight_block_size (128 in the published ones)
+CHECKPOINTS = ["mxfp4", "fp8", "fp8-deepseek"]
+CONFIG = dict(density=0.1, selection="random", targets=["experts", "routers"])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("published")
+    return {
+        "mxfp4": make_mxfp4_gpt_oss(root / "gpt-oss-mxfp4"),
+        "fp8": make_fp8_moe(root / "qwen3-moe-fp8", block=BLOCK),
+        "fp8-deepseek": make_fp8_moe(root / "deepseek-v3-fp8", "deepseek_v3", block=BLOCK),
+    }
+
+
+def reference(folder, kind):
+    """transformers' own dequantized load (bf16, the checkpoint's dtype)."""
+    method = kind.split("-")[0]
+    qc = (
+        Mxfp4Config(dequantize=True)
+        if method == "mxfp4"
+        else FineGrainedFP8Config(dequantize=True, weight_block_size=(BLOCK, BLOCK))
+    )
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=qc).eval()
+
+
+def tensors_of(folder):
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+def test_dequantizers_equal_transformers_and_dequantize_only_the_routed_experts(checkpoints):
+    tensors = tensors_of(checkpoints["mxfp4"])
+    blocks = tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+    scales = tensors["model.layers.0.mlp.experts.gate_up_proj_scales"]
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # [E, in, out]
+    rows, cols = want.shape[1:]
+    got = mxfp4.dequantize({"blocks": blocks, "scales": scales}, rows, cols, torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    routed = mxfp4.dequantize(
+        {"blocks": blocks[[4, 1]], "scales": scales[[4, 1]]}, rows, cols, torch.bfloat16
+    )
+    assert torch.equal(routed.view(torch.int16), want[[4, 1]].view(torch.int16))
+
+    tensors = tensors_of(checkpoints["fp8"])
+    for key in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.experts.3.down_proj.weight"):
+        weight, scale = tensors[key], tensors[key + "_scale_inv"]
+        want = Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=torch.bfloat16)
+        got = fp8.dequantize(
+            {"data": weight, "scale_inv": scale}, *weight.shape, torch.bfloat16, (BLOCK, BLOCK)
+        )
+        assert torch.equal(got[0].view(torch.int16), want.view(torch.int16)), key
+
+
+@pytest.mark.parametrize("kind", CHECKPOINTS)
+def test_the_store_holds_the_published_bytes_and_trains_like_transformers_dequantized_load(
+    checkpoints, kind, tmp_path
+):
+    folder, method = checkpoints[kind], kind.split("-")[0]
+    store = prepare_store(folder, tmp_path / "store", quant="nf4", device="cpu")  # nf4 asked: published wins
+    metadata = read_store_metadata(store)
+    assert metadata["quant"] == method
+    stored = {}
+    for file in metadata["files"]:
+        stored.update(read_header(store / file)[0])
+    source = tensors_of(folder)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    if method == "mxfp4":  # the checkpoint's own bytes, not a re-quantization
+        assert torch.equal(read_tensor(stored[f"{name}:blocks"]), source[f"{name}_blocks"])
+        assert torch.equal(read_tensor(stored[f"{name}:scales"]), source[f"{name}_scales"])
+    else:
+        data = read_tensor(stored[f"{name}:data"])[2].view(torch.uint8)
+        experts = "model.layers.1.mlp.experts.2"
+        pair = [source[f"{experts}.{p}_proj.weight"].view(torch.uint8) for p in ("gate", "up")]
+        assert data.dtype == torch.uint8 and torch.equal(data, torch.cat(pair))
+        assert metadata["tensors"][name]["constants"] == {"block": [BLOCK, BLOCK], "values_dtype": "bfloat16"}
+    assert not any(t["kind"] == "experts" and t["format"] == "none" for t in metadata["tensors"].values())
+
+    model = load_prepared(store, folder, usaf.UsafConfig(**CONFIG), device="cpu", dtype=torch.float32)
+    plain = reference(folder, kind).float()
+    dense = dict(plain.named_parameters())
+    for key, change in usaf.get_delta(
+        model
+    ).items():  # trained values start from the dequantized published ones
+        assert torch.equal(
+            change.values.detach().reshape(-1), dense[key].detach().reshape(-1)[change.flat_indices]
+        )
+
+    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+    target = torch.randn(2, 9, plain.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for which, m in (("usaf", model), ("reference", plain)):
+        for param in m.parameters() if which == "reference" else ():
+            param.requires_grad_(True)
+        out = m(input_ids=ids).logits
+        (out * target).sum().backward()
+        logits[which] = out.detach()
+    assert (logits["usaf"] - logits["reference"]).abs().max() < 1e-4
+    mapped = load_prepared(
+        store, folder, usaf.UsafConfig(**CONFIG), device="cpu", dtype=torch.float32, residency="mmap"
+    )
+    with torch.no_grad():  # the published bytes memory-mapped from the store: the same model
+        torch.testing.assert_close(mapped(input_ids=ids).logits, logits["usaf"], atol=1e-6, rtol=0)
+    for key, change in usaf.get_delta(model).items():
+        want = dense[key].grad.reshape(-1)[change.flat_indices]
+        assert (change.values.grad.reshape(-1) - want).norm() <= 1e-4 * want.norm(), key
+
+
+@pytest.mark.parametrize("kind", CHECKPOINTS)
+def test_train_then_export_merged_and_apply_a_delta_against_the_published_checkpoint(
+    checkpoints, kind, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("USAF_CACHE", str(tmp_path / "cache"))
+    folder, method = checkpoints[kind], kind.split("-")[0]
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"copy {w} ->", "completion": f" {w}"}) + "\n" for w in "abcdef")
+    )
+    sets = ["schedule.max_steps=2", "data.max_seq_len=32", "data.batch_size=3", "select.density=0.05"]
+    sets += ["log.progress=false", "log.tensorboard=false", "data.eval_fraction=0"]
+    run = tmp_path / "run"
+    assert (
+        main(["train", f"--model={folder}", f"--data={data}", f"--out={run}", *[f"--set={s}" for s in sets]])
+        == 0
+    )
+    assert f"published {method.upper()} checkpoint: its experts stay {method}" in capsys.readouterr().err
+    merged, delta_file, applied = tmp_path / "merged", tmp_path / "delta.safetensors", tmp_path / "applied"
+    assert main(["export", str(run), "--merged", str(merged), "--delta", str(delta_file)]) == 0
+    assert "the merged checkpoint holds its" in capsys.readouterr().out
+    assert main(["apply", str(folder), str(delta_file), str(applied)]) == 0
+
+    config = json.loads((merged / "config.json").read_text())
+    assert "quantization_config" not in config
+    written = tensors_of(merged)
+    assert all(t.dtype in (torch.bfloat16, torch.float32) for t in written.values())
+    assert not any(k.endswith(("_blocks", "_scales", "_scale_inv")) for k in written)
+
+    want = reference(folder, kind).state_dict()
+    # plain transformers, no quantizer involved (a router transformers keeps in fp32 is fp32 in both loads)
+    got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.bfloat16).state_dict()
+    again = AutoModelForCausalLM.from_pretrained(applied, dtype=torch.bfloat16).state_dict()
+    changes = read_delta(delta_file).changes
+    assert want.keys() == got.keys() == again.keys()
+    for name, before in want.items():
+        after = got[name]
+        assert after.dtype == before.dtype and torch.equal(after, again[name]), name
+        keep = torch.ones(before.numel(), dtype=torch.bool)
+        change = changes.get(name)
+        if change is not None and change.flat_indices is None:
+            continue  # a router: trained whole
+        if change is not None:
+            keep[change.flat_indices] = False
+            assert torch.equal(after.reshape(-1)[change.flat_indices], change.values.to(after.dtype))
+        # bit for bit outside the trained entries
+        bits = torch.int16 if before.dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(before.reshape(-1).view(bits)[keep], after.reshape(-1).view(bits)[keep]), name
+    assert any(name in changes for name in want if "experts" in name)
+
+
+def test_other_quantizations_and_damaged_layouts_are_refused_in_one_line(checkpoints, tmp_path, capsys):
+    gptq = tmp_path / "gptq"
+    shutil.copytree(checkpoints["fp8"], gptq)
+    config = json.loads((gptq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (gptq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsafError, match=r"config.json: quantization_config.quant_method is 'gptq'"):
+        prepare_store(gptq, tmp_path / "store", device="cpu")
+    with pytest.raises(UsafError, match="'gptq'"):
+        BaseCheckpoint(gptq)
+
+    config["quantization_config"] = {"quant_method": "fp8"}  # per-tensor FP8: no blocks
+    (gptq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsafError, match="no weight_block_size"):
+        prepare_store(gptq, tmp_path / "store", device="cpu")
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoints["mxfp4"], damaged)
+    tensors = tensors_of(damaged)
+    key = "model.layers.0.mlp.experts.down_proj_scales"
+    tensors[key] = tensors[key][..., :1].contiguous()
+    save_file(tensors, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        UsafError, match=r"down_proj_blocks' in .*model.safetensors is U8 .* not the published layout"
+    ):
+        prepare_store(damaged, tmp_path / "store", device="cpu")
+    assert not (tmp_path / "store").exists()
+    shutil.rmtree(damaged)
+    shutil.copytree(checkpoints["fp8"], damaged)
+    tensors = tensors_of(damaged)
+    del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    save_file(tensors, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        UsafError, match=r"o_proj.weight' in .* is FP8 without .*'_scale_inv' tensor beside it"
+    ):
+        BaseCheckpoint(damaged)
+
+    assert published.quant_for(checkpoints["mxfp4"], "nf4") == "mxfp4"
+    assert "model.quant=nf4: " in capsys.readouterr().err
+    assert published.quant_for(tmp_path, "nf4") == "nf4"  # not a published checkpoint
