@@ -1,4 +1,4 @@
-"""Records: what kind a record is (its keys decide), and the encoders of the plain kinds.
+"""Records: the encoders of the plain record kinds (usaf.data.shapes says which kind a record is).
 
 Every encoder maps (record, tokenizer) -> (input_ids, labels), labels aligned with input_ids (-100 where not
 supervised). Chat records are encoded in usaf.data.templates.
@@ -8,38 +8,9 @@ from __future__ import annotations
 
 from usaf.engine.loss import IGNORE_INDEX
 
-RECORD_KINDS = {  # kind: (required keys, optional keys)
-    "text": ({"text"}, set()),
-    "messages": ({"messages"}, {"tools"}),
-    "prompt/completion": ({"prompt", "completion"}, set()),
-    "input_ids": ({"input_ids"}, {"labels"}),
-}
-
 
 class BadRecord(Exception):
     """A problem with one record: an error naming its location, or a skip under skip_bad_records."""
-
-
-def record_kind(record: object) -> str:
-    if not isinstance(record, dict):
-        raise BadRecord(f"a record must be a JSON object, got {type(record).__name__}")
-    keys = set(record)
-    for kind, (required, optional) in RECORD_KINDS.items():
-        if keys & required:
-            missing = required - keys
-            unknown = keys - required - optional
-            if missing:
-                raise BadRecord(f"{kind} record is missing key(s) {sorted(missing)}")
-            if unknown:
-                raise BadRecord(
-                    f"{kind} record has unknown key(s) {sorted(unknown)}; "
-                    f"allowed: {sorted(required | optional)}"
-                )
-            return kind
-    raise BadRecord(
-        f"unknown record keys {sorted(keys)}; expected one of {{'text'}}, {{'messages'}}, "
-        "{'prompt', 'completion'}, {'input_ids', 'labels'}"
-    )
 
 
 def expect_str(record: dict, key: str) -> str:
