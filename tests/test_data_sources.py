@@ -299,6 +299,18 @@ def test_a_second_load_reads_the_cache_and_encodes_nothing(tok, tmp_path, fresh_
     assert len(rows) == 2 and len(calls) == 3 * len(PAIRS) + 2
 
 
+def test_num_proc_tokenizes_in_processes_and_gives_the_same_rows(tok, tmp_path, fresh_cache):
+    path = write_jsonl(tmp_path / "d.jsonl", PAIRS * 10)
+    alone, _ = rows_of(tok, [path])
+    (fresh_cache / "usaf_tokenized").rename(tmp_path / "first")
+    shared, _ = rows_of(tok, [path], num_proc=2)
+    assert shared == alone
+    assert sorted(p.name[-21:] for p in (fresh_cache / "usaf_tokenized").iterdir()) == [
+        "_00000_of_00002.arrow",
+        "_00001_of_00002.arrow",
+    ]
+
+
 # ---------------------------------------------------------------------------------------------- bad records
 
 

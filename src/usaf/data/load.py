@@ -87,7 +87,11 @@ def load_dataset(
     if not train_docs.ids:
         raise UsafError(
             f"the data set is empty: no usable records in {', '.join(map(str, paths))}"
-            + (f" ({stats.skipped_records} bad records skipped)" if stats.skipped_records else "")
+            + (
+                f" ({stats.skipped_records} bad records skipped; the first: {stats.first_skipped[0]})"
+                if stats.skipped_records
+                else ""
+            )
             + "."
         )
     if eval_paths:
