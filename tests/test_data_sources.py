@@ -184,7 +184,7 @@ def test_columns_map_other_names_and_a_missing_column_is_named(tok, tmp_path, fr
         UsafError, match=r"d\.csv has no column\(s\) query \(data\.columns\); its columns are "
     ):
         rows_of(tok, [tmp_path / "d.csv"], columns={"prompt": "query", "completion": "answer"})
-    with pytest.raises(UsafError, match=r"d\.csv:row 0: unknown record keys .*data\.columns"):
+    with pytest.raises(UsafError, match=r"d\.csv: unknown record columns .*data\.columns"):
         rows_of(tok, [tmp_path / "d.csv"])
 
 
@@ -273,6 +273,30 @@ def test_arrow_none_fields_are_dropped_and_mixed_json_types_load(tok, tmp_path):
         assert len(rows) == 2 and "ignored columns meta" in stats.summary()
 
 
+def test_records_reach_the_encoder_as_written(tok, tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setitem(
+        tokenize.ENCODERS, "messages", lambda record, t: seen.append(record) or ([1, 9, 2], [-100, 9, 2])
+    )
+    parts = [{"type": "text", "text": "2+2?"}]  # content a string in one record, a list of parts in the next
+    records = [
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+        {
+            "messages": [
+                {"role": "user", "content": parts},
+                {"role": "assistant", "content": "4", "name": "bot"},
+            ]
+        },
+    ]
+    rows_of(tok, [write_jsonl(tmp_path / "d.jsonl", records)])
+    assert seen == records
+    seen.clear()  # a table: the first record's assistant turn gets name=None from Arrow, dropped again
+    flat = [records[0], {"messages": [records[0]["messages"][0], records[1]["messages"][1]]}]
+    pq.write_table(pa.Table.from_pylist(flat), tmp_path / "d.parquet")
+    rows_of(tok, [tmp_path / "d.parquet"])
+    assert seen == flat
+
+
 # ---------------------------------------------------------------------------------------------- cache
 
 
@@ -327,7 +351,7 @@ def test_skip_bad_records_skips_only_the_bad_ones(tok, tmp_path):
     assert len(kept) == 2 and (stats.records, stats.skipped_records) == (3, 1)
     assert stats.first_skipped == [f"{tmp_path / 'd.parquet'}:row 1: 'completion' is empty: nothing to learn"]
     # a source whose every record is bad is named, not silently dropped beside good ones
-    (tmp_path / "bad.csv").write_text("question,answer\nq,a\n")
+    (tmp_path / "bad.csv").write_text("prompt,completion\nq, \n")
     with pytest.raises(
         UsafError, match=r"bad\.csv: no usable records \(1 bad records skipped; the first: .*row 0"
     ):

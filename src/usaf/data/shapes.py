@@ -72,6 +72,11 @@ def rename(record: dict, columns: dict[str, str]) -> dict:
     return renamed
 
 
+def possible_shapes(keys: set) -> list[str]:
+    """The shapes a table with these columns can hold (its null cells count as absent keys, row by row)."""
+    return [shape for shape, triggers, required, _ in SHAPES if keys & triggers and required <= keys]
+
+
 def shape_of(keys: set) -> tuple[str, set, set]:
     for shape, triggers, required, optional in SHAPES:
         if keys & triggers:

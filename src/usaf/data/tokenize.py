@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from usaf.data.records import BadRecord, encode_pretokenized, encode_prompt_completion, encode_text
-from usaf.data.shapes import normalize
+from usaf.data.shapes import EXPECTED, normalize, possible_shapes
 from usaf.data.sources import Source, cache_root, progress_bars
 from usaf.data.templates import check_chat_support, encode_messages
 from usaf.engine.loss import IGNORE_INDEX
@@ -175,26 +175,35 @@ class Encoder:
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         out = {column: [] for column in _ROW_COLUMNS}
+
+        def add(where, ids, labels, error="", cut=0, window=-1, ignored=""):
+            for column, value in zip(
+                _ROW_COLUMNS, (where, ids, labels, error, cut, window, ignored), strict=True
+            ):
+                out[column].append(value)
+
         for row, index in enumerate(indices):
             where = f"{self.name}:row {index}"
             try:
                 where, record = self.record(batch, row, index)
                 windows, cut, ignored = self.encode(where, record)
             except (BadRecord, _Located) as problem:
-                where, problem = (
-                    (problem.where, problem.problem) if isinstance(problem, _Located) else (where, problem)
-                )
+                if isinstance(problem, _Located):
+                    where, problem = problem.where, problem.problem
                 if not self.skip:
                     raise UsafError(f"{where}: {problem}{SKIP_HINT}") from None
-                windows, cut, ignored = [([], [], str(problem))], 0, []
-            for number, window in enumerate(windows):
-                out["where"].append(where)
-                out["input_ids"].append(window[0])
-                out["labels"].append(window[1])
-                out["error"].append(window[2] if len(window) > 2 else "")
-                out["cut"].append(cut)
-                out["window"].append(number if len(windows) > 1 else -1)
-                out["ignored"].append(",".join(ignored))
+                add(where, [], [], error=str(problem))  # counted and quoted by read_documents
+                continue
+            for number, (ids, labels) in enumerate(windows):
+                # window -1: a whole record; 0, 1, ...: the windows of a split one
+                add(
+                    where,
+                    ids,
+                    labels,
+                    cut=cut,
+                    window=number if len(windows) > 1 else -1,
+                    ignored=",".join(ignored),
+                )
         return out
 
 
@@ -232,12 +241,17 @@ def _renamed(source: Source, settings: Settings) -> object:
     """A table's columns renamed by data.columns (checked once, for the whole source)."""
     rows = source.rows
     mapping = {column: key for key, column in settings.columns if column != key}
-    missing = [column for column in mapping if column not in rows.column_names]
-    if missing:
-        raise UsafError(
-            f"{source.name} has no column(s) {', '.join(missing)} (data.columns); its columns are "
-            f"{', '.join(rows.column_names)}."
-        )
+    present = {column: key for column, key in mapping.items() if column in rows.column_names}
+    if not possible_shapes({present.get(column, column) for column in rows.column_names}):
+        # no row can be a record: one error for the source, not one skipped record per row
+        missing = [column for column in mapping if column not in present]
+        if missing:
+            raise UsafError(
+                f"{source.name} has no column(s) {', '.join(missing)} (data.columns); its columns are "
+                f"{', '.join(rows.column_names)}."
+            )
+        raise UsafError(f"{source.name}: unknown record columns {rows.column_names}; {EXPECTED}.")
+    mapping = present  # data.columns applies to every source: one may use usaf's names already
     clashing = [key for key in mapping.values() if key in rows.column_names and key not in mapping]
     if clashing:
         rows = rows.remove_columns(clashing)  # the mapped column replaces one of the same name
