@@ -186,6 +186,8 @@ def test_columns_map_other_names_and_a_missing_column_is_named(tok, tmp_path, fr
         rows_of(tok, [tmp_path / "d.csv"], columns={"prompt": "query", "completion": "answer"})
     with pytest.raises(UsafError, match=r"d\.csv: unknown record columns .*data\.columns"):
         rows_of(tok, [tmp_path / "d.csv"])
+    with pytest.raises(UsafError, match=r"data\.columns must map usaf record keys to column names"):
+        rows_of(tok, [tmp_path / "d.csv"], columns=["question"])
 
 
 # ---------------------------------------------------------------------------------------------- shapes

@@ -68,9 +68,13 @@ def load_dataset(
             f"data.stride={stride!r} must be in [0, max_seq_len - 1) = [0, {max_seq_len - 1}): each window needs a "
             "new token to learn."
         )
-    columns = dict(columns or {})
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in columns.items()):
-        raise UsafError(f"data.columns must map usaf record keys to column names, got {columns!r}.")
+    columns = columns or {}
+    if not isinstance(columns, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in columns.items()
+    ):
+        raise UsafError(
+            f"data.columns must map usaf record keys to column names, e.g. {{prompt: question}}, got {columns!r}."
+        )
     settings = Settings(max_seq_len, long_documents, stride, tuple(sorted(columns.items())), split)
     shown = sys.stderr.isatty()
 

@@ -216,11 +216,12 @@ def _pick_split(name: str, splits: list[str], split: str):
         )
 
 
-def _saved_folder(path: Path, split: str) -> Source:
+def _saved_folder(path: Path, split: str, show_progress: bool) -> Source:
     import datasets
 
     try:
-        saved = datasets.load_from_disk(str(path))
+        with progress_bars(show_progress):
+            saved = datasets.load_from_disk(str(path))
     except Exception as error:
         raise UsafError(f"{path}: cannot read the save_to_disk folder: {first_line(error)}") from None
     if isinstance(saved, datasets.DatasetDict):
@@ -268,7 +269,7 @@ def open_source(name: str, split: str = "train", show_progress: bool = False) ->
     path = Path(name).expanduser()
     if path.is_dir():
         if any((path / f).is_file() for f in ("dataset_dict.json", "state.json", "dataset_info.json")):
-            return _saved_folder(path, split)
+            return _saved_folder(path, split, show_progress)
         inside = sorted(str(f) for f in path.iterdir() if f.is_file() and f.suffix.lower() in FILE_KINDS)
         example = ",".join(inside[:2]) if inside else f"{path}/train.jsonl"
         raise UsafError(
