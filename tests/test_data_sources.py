@@ -238,7 +238,7 @@ SHAPES = {
     ),
 }
 NOTES = {
-    "alpaca": "data: ignored columns text (not used by prompt/completion records)",
+    "alpaca": "data: ignored columns text (not used by alpaca records)",
     "messages with extra columns and message keys": "data: ignored columns id, source (not used by messages "
     "records); data: ignored message keys weight (not used by chat templates)",
     "preference, plain": "the rejected answers are not used by supervised fine-tuning",

@@ -1,7 +1,8 @@
 """Record shapes: the layouts people write data in (alpaca, sharegpt, OpenAI messages, prompt/completion,
 preference pairs, text, token ids) brought to usaf's record kinds, with the keys they leave unused.
 
-normalize(record) -> (kind, record, ignored); the kinds are the encoders' (usaf.data.tokenize.ENCODERS):
+normalize(record) -> (kind, record, ignored, shape); the kinds are the encoders'
+(usaf.data.tokenize.ENCODERS):
   text                {"text"}
   messages            {"messages", ["tools"]}
   prompt/completion   {"prompt", "completion"}, both strings
@@ -110,8 +111,8 @@ def _messages(value, where: str, ignored: set) -> list:
     return messages
 
 
-def normalize(record: object, columns: dict[str, str] | None = None) -> tuple[str, dict, list[str]]:
-    """(kind, record in usaf's keys, keys not used); raises BadRecord."""
+def normalize(record: object, columns: dict[str, str] | None = None) -> tuple[str, dict, list[str], str]:
+    """(kind, record in usaf's keys, keys not used, the shape it came in); raises BadRecord."""
     if not isinstance(record, dict):
         raise BadRecord(f"a record must be a JSON object, got {type(record).__name__}")
     record = rename(drop_none(record), columns or {})
@@ -154,4 +155,4 @@ def normalize(record: object, columns: dict[str, str] | None = None) -> tuple[st
         # plain text, no chat template: the parts and the answer apart by a blank line each
         prompt = "\n\n".join(part for part in parts if part and part.strip()) + "\n\n"
         kind, out = "prompt/completion", {"prompt": prompt, "completion": record["output"]}
-    return kind, out, sorted(ignored)
+    return kind, out, sorted(ignored), shape

@@ -159,7 +159,7 @@ class Encoder:
             raise _Located(where, BadRecord(f"invalid JSON: {error.msg} (column {error.colno})")) from None
 
     def encode(self, where: str, record: object) -> tuple[list, int, list[str]]:
-        kind, record, ignored = normalize(record, self.columns)
+        kind, record, ignored, shape = normalize(record, self.columns)
         tokenizer = self.tokenizer
         if kind != "input_ids" and getattr(tokenizer, "missing", False):
             raise tokenizer.needs_tokenizer(where, kind)  # a model folder without tokenizer files
@@ -171,7 +171,7 @@ class Encoder:
         if not windows or all(label == IGNORE_INDEX for label in windows[0][1]):
             why = f" left after truncation to max_seq_len={self.settings.max_seq_len}" if cut else ""
             raise BadRecord(f"the record has no supervised tokens{why}")
-        return windows, cut, [f"{kind}:{key}" for key in ignored]
+        return windows, cut, [f"{shape}:{key}" for key in ignored]
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         out = {column: [] for column in _ROW_COLUMNS}
@@ -302,7 +302,7 @@ class Documents:
 
 
 def _note(ignored: set[str]) -> list[str]:
-    """One line per record kind, naming what its records carried that usaf does not use."""
+    """One line per record shape, naming what its records carried that usaf does not use."""
     by_kind: dict[str, set[str]] = {}
     for item in ignored:
         kind, _, key = item.partition(":")
