@@ -157,6 +157,15 @@ def test_a_hub_id_not_in_the_cache_fails_at_once_in_one_line(tok, tmp_path):
     assert "datasets.load_dataset('someorg/absent')" in message
 
 
+def test_a_missing_relative_file_is_not_taken_for_a_hub_id(tok, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsafError, match=r"^data/train\.jsonl: data file not found\.$"):
+        rows_of(tok, ["data/train.jsonl"])
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n')[:-6])  # truncated
+    with pytest.raises(UsafError, match=r"d\.jsonl\.gz: cannot read: "):
+        rows_of(tok, ["d.jsonl.gz"])
+
+
 def test_a_wrong_split_lists_the_splits(tok, tmp_path, fresh_cache):
     cache_hub_dataset(
         fresh_cache,

@@ -67,8 +67,11 @@ def progress_bars(shown: bool):
 
 
 def is_hub_id(name: str) -> bool:
-    """`org/name` that is no local path (the same rule as model.path)."""
-    return bool(HUB_ID.match(name)) and not Path(name).expanduser().exists()
+    """`org/name` that is no local path (the same rule as model.path) nor named like a data file (a missing
+    `data/train.jsonl` is a missing file)."""
+    suffixes = [s.lower() for s in Path(name).suffixes[-2:]]
+    named_like_a_file = any(s in FILE_KINDS or s in COMPRESSIONS for s in suffixes)
+    return bool(HUB_ID.match(name)) and not named_like_a_file and not Path(name).expanduser().exists()
 
 
 def file_kind(path: Path) -> tuple[str, str | None]:
@@ -109,7 +112,7 @@ def _read_bytes(path: Path, compression: str | None) -> bytes:
     try:
         with _open(path, compression) as handle:
             return handle.read()
-    except OSError as error:  # a truncated or corrupt archive
+    except Exception as error:  # a corrupt or truncated archive: OSError, EOFError, lzma.LZMAError, ...
         raise UsafError(f"{path}: cannot read: {first_line(error)}") from None
 
 
