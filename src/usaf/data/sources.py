@@ -3,13 +3,15 @@ records, each with a fingerprint of its content.
 
 JSON, JSON lines and text files are read here, one JSON string per record in a `json` column beside its
 location (`file:LINE`, `file[INDEX]`): Arrow cannot hold a key that is a string in one record and a list in
-another, and a broken line must stay one bad record. CSV/TSV, Parquet and Arrow files, save_to_disk folders
+another, and a broken line must stay one bad record. They are streamed into the datasets cache once per content
+(bounded memory; the next load of the same file reads nothing but its bytes, for the digest). CSV/TSV, Parquet and Arrow files, save_to_disk folders
 and hub ids are read by `datasets` (their rows are located as `file:row N`, N being the row's index).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -108,25 +110,17 @@ def _open(path: Path, compression: str | None):
         raise UsafError(f"{path}: cannot open {compression} data: {first_line(error)}") from None
 
 
-def _read_bytes(path: Path, compression: str | None) -> bytes:
+def _decode(path: Path, number: int, raw: bytes) -> str:
     try:
-        with _open(path, compression) as handle:
-            return handle.read()
-    except Exception as error:  # a corrupt or truncated archive: OSError, EOFError, lzma.LZMAError, ...
-        raise UsafError(f"{path}: cannot read: {first_line(error)}") from None
-
-
-def _decode(path: Path, data: bytes) -> str:
-    try:
-        return data.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise UsafError(f"{path}: not UTF-8 ({error}).") from None
+        raise UsafError(f"{path}:{number}: not UTF-8 ({error}).") from None
 
 
-def _read_jsonl(path: Path, data: bytes) -> Iterator[tuple[str, str, str]]:
+def _read_jsonl(path: Path, handle) -> Iterator[tuple[str, str, str]]:
     """(where, line, problem) per non-blank line; the line is parsed when it is encoded (a line that is no
     JSON is one bad record there)."""
-    for number, raw in enumerate(data.split(b"\n"), start=1):
+    for number, raw in enumerate(handle, start=1):
         where = f"{path}:{number}"
         try:
             line = raw.decode("utf-8")
@@ -137,9 +131,10 @@ def _read_jsonl(path: Path, data: bytes) -> Iterator[tuple[str, str, str]]:
             yield where, line, ""
 
 
-def _read_json(path: Path, data: bytes) -> Iterator[tuple[str, str, str]]:
+def _read_json(path: Path, handle) -> Iterator[tuple[str, str, str]]:
+    data = handle.read()  # one JSON value: read whole
     try:
-        records = json.loads(_decode(path, data))
+        records = json.loads(_decode(path, 1, data))
     except json.JSONDecodeError as error:  # a broken file has no records to skip
         raise UsafError(f"{path}:{error.lineno}: invalid JSON: {error.msg}.") from None
     if isinstance(records, dict) and isinstance(records.get("data"), list):
@@ -150,12 +145,14 @@ def _read_json(path: Path, data: bytes) -> Iterator[tuple[str, str, str]]:
         yield f"{path}[{index}]", json.dumps(record), ""
 
 
-def _read_text(path: Path, data: bytes) -> Iterator[tuple[str, str, str]]:
+def _read_text(path: Path, handle) -> Iterator[tuple[str, str, str]]:
     """One {"text"} record per blank-line-separated block, located by the block's first line."""
-    lines = _decode(path, data).splitlines()
     block: list[str] = []
     first_line_number = 0
-    for number, line in enumerate([*lines, ""], start=1):  # the sentinel flushes the last block
+    for number, raw in enumerate(
+        itertools.chain(handle, [b""]), start=1
+    ):  # the sentinel flushes the last block
+        line = _decode(path, number, raw).rstrip("\r\n")
         if line.strip():
             if not block:
                 first_line_number = number
@@ -175,26 +172,46 @@ _TABLE_BUILDERS = {
 _TABLE_LABELS = {"csv": "CSV", "tsv": "TSV", "parquet": "Parquet", "arrow": "Arrow"}
 
 
-def _own_file(path: Path, kind: str, compression: str | None) -> Source:
+def _raw_rows(path: str, kind: str, compression: str | None) -> Iterator[dict]:
+    """The generator of a file read here (module level: datasets may pickle it)."""
+    try:
+        with _open(Path(path), compression) as handle:
+            for where, text, problem in READERS[kind](Path(path), handle):
+                yield {"where": where, "json": text, "bad": problem}
+    except UsafError:
+        raise
+    except Exception as error:  # a corrupt or truncated archive: OSError, EOFError, lzma.LZMAError, ...
+        raise UsafError(f"{path}: cannot read: {first_line(error)}") from None
+
+
+def _own_file(path: Path, kind: str, compression: str | None, show_progress: bool) -> Source:
+    """Streamed into the datasets cache (bounded memory), once per content: the fingerprint is the file's."""
     import datasets
 
-    data = _read_bytes(path, compression)
-    wheres, texts, problems = [], [], []
-    for where, text, problem in READERS[kind](path, data):
-        wheres.append(where)
-        texts.append(text)
-        problems.append(problem)
-    rows = datasets.Dataset.from_dict(
-        {"where": wheres, "json": texts, "bad": problems},
-        features=datasets.Features(
-            {
-                "where": datasets.Value("string"),
-                "json": datasets.Value("string"),
-                "bad": datasets.Value("string"),
-            }
-        ),
-    )
-    return Source(str(path), rows, _file_digest(path), located=True)
+    digest = _file_digest(path)
+    strings = {column: datasets.Value("string") for column in ("where", "json", "bad")}
+    try:
+        with progress_bars(show_progress):
+            rows = datasets.Dataset.from_generator(
+                _raw_rows,
+                features=datasets.Features(strings),
+                gen_kwargs={"path": str(path), "kind": kind, "compression": compression},
+                cache_dir=str(cache_root()),
+                fingerprint=f"usaf-raw-{kind}-{digest}",
+            )
+    except ValueError as error:
+        if "corresponds to no data" not in str(error):
+            raise
+        # a file without records: datasets' builder refuses an empty split, the pipeline says "empty" itself
+        rows = datasets.Dataset.from_dict(
+            {column: [] for column in strings}, features=datasets.Features(strings)
+        )
+    except datasets.exceptions.DatasetGenerationError as error:  # datasets wraps what the reader raised
+        cause = error.__cause__
+        if isinstance(cause, UsafError):
+            raise UsafError(str(cause)) from None
+        raise UsafError(f"{path}: cannot read: {first_line(cause or error)}") from None
+    return Source(str(path), rows, digest, located=True)
 
 
 def _table_file(path: Path, kind: str, show_progress: bool) -> Source:
@@ -285,7 +302,7 @@ def open_source(name: str, split: str = "train", show_progress: bool = False) ->
     if not path.is_file():
         raise UsafError(f"{path}: data file not found.")
     if kind in READERS:
-        return _own_file(path, kind, compression)
+        return _own_file(path, kind, compression, show_progress)
     return _table_file(path, kind, show_progress)
 
 
