@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 import time
 
 import datasets
@@ -344,6 +345,14 @@ def test_num_proc_tokenizes_in_processes_and_gives_the_same_rows(tok, tmp_path, 
         "_00000_of_00002.arrow",
         "_00001_of_00002.arrow",
     ]
+
+
+def test_a_progress_bar_on_a_terminal_only(tok, tmp_path, capsys, monkeypatch):
+    rows_of(tok, [write_jsonl(tmp_path / "d.jsonl", PAIRS)])
+    assert "tokenizing" not in capsys.readouterr().err  # a log file or a pipe: no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    rows_of(tok, [write_jsonl(tmp_path / "e.jsonl", PAIRS)])
+    assert f"tokenizing {tmp_path / 'e.jsonl'}" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- bad records
