@@ -270,6 +270,25 @@ def test_every_record_shape_gives_the_rows_of_its_usaf_record(tok, tmp_path, sha
         assert NOTES[shape] in stats.summary()
 
 
+BAD_SHAPES = [
+    (
+        {"prompt": "q", "completion": [CHAT[2]]},
+        "'prompt' and 'completion' must both be strings or both lists",
+    ),
+    ({"instruction": "x"}, r"alpaca record is missing key\(s\) \['output'\]"),
+    ({"chosen": "a"}, r"preference record is missing key\(s\) \['rejected'\]"),
+    ({"messages": CHAT, "tools": "{oops"}, "'tools' is a string but not JSON"),
+    ({"question": "q", "answer": "a"}, r"unknown record keys \['answer', 'question'\].*data\.columns"),
+]
+
+
+@pytest.mark.parametrize(("record", "problem"), BAD_SHAPES)
+def test_a_bad_shape_is_named_with_its_line(tok, tmp_path, record, problem):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine"}, record])
+    with pytest.raises(UsafError, match=rf"d\.jsonl:2: .*{problem}"):
+        rows_of(tok, [path])
+
+
 def test_arrow_none_fields_are_dropped_and_mixed_json_types_load(tok, tmp_path):
     # Arrow gives every message the union of the keys: "name" becomes None where it was absent
     named = [{**CHAT[0], "name": "rules"}, *CHAT[1:]]
@@ -302,6 +321,10 @@ def test_records_reach_the_encoder_as_written(tok, tmp_path, monkeypatch):
     ]
     rows_of(tok, [write_jsonl(tmp_path / "d.jsonl", records)])
     assert seen == records
+    seen.clear()  # tools held as a JSON string (as tables often do) reach the template as a list
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    rows_of(tok, [write_jsonl(tmp_path / "t.jsonl", [{**records[0], "tools": json.dumps(tools)}])])
+    assert seen == [{**records[0], "tools": tools}]
     seen.clear()  # a table: the first record's assistant turn gets name=None from Arrow, dropped again
     flat = [records[0], {"messages": [records[0]["messages"][0], records[1]["messages"][1]]}]
     pq.write_table(pa.Table.from_pylist(flat), tmp_path / "d.parquet")

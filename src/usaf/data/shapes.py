@@ -15,6 +15,8 @@ normalize(record) -> (kind, record, ignored, shape); the kinds are the encoders'
 
 from __future__ import annotations
 
+import json
+
 from usaf.data.records import BadRecord
 
 # A shape is recognised by any of its trigger keys; then its required keys must all be there.
@@ -111,6 +113,19 @@ def _messages(value, where: str, ignored: set) -> list:
     return messages
 
 
+def _tools(record: dict) -> dict:
+    """{"tools": [...]} when the record has tools; tables often hold them as one JSON string."""
+    if "tools" not in record:
+        return {}
+    tools = record["tools"]
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise BadRecord(f"'tools' is a string but not JSON: {error.msg}") from None
+    return {"tools": tools}
+
+
 def normalize(record: object, columns: dict[str, str] | None = None) -> tuple[str, dict, list[str], str]:
     """(kind, record in usaf's keys, keys not used, the shape it came in); raises BadRecord."""
     if not isinstance(record, dict):
@@ -128,20 +143,22 @@ def normalize(record: object, columns: dict[str, str] | None = None) -> tuple[st
         system = record.get("system")
         if isinstance(system, str) and system.strip() and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
-        out = {"messages": messages, **({"tools": record["tools"]} if "tools" in record else {})}
+        out = {"messages": messages, **_tools(record)}
     elif shape in ("preference", "prompt/completion"):
         answer = "chosen" if shape == "preference" else "completion"
         ignored |= {"rejected"} if shape == "preference" else set()
         prompt, completion = record.get("prompt"), record[answer]
         if isinstance(completion, list) or isinstance(prompt, list):
-            out = {
-                "prompt": _messages(prompt, "prompt", ignored) if prompt is not None else [],
-                "completion": _messages(completion, answer, ignored),
-                **({"tools": record["tools"]} if "tools" in record else {}),
-            }
-            kind = "chat completion"
             if not isinstance(completion, list) or (prompt is not None and not isinstance(prompt, list)):
                 raise BadRecord(f"'prompt' and '{answer}' must both be strings or both lists of messages")
+            kind, out = (
+                "chat completion",
+                {
+                    "prompt": _messages(prompt, "prompt", ignored) if prompt is not None else [],
+                    "completion": _messages(completion, answer, ignored),
+                    **_tools(record),
+                },
+            )
         elif prompt is None:  # a preference pair with the prompt inside chosen
             kind, out = "text", {"text": completion}
         else:
