@@ -401,6 +401,19 @@ def test_skip_bad_records_skips_only_the_bad_ones(tok, tmp_path):
         rows_of(tok, [tmp_path / "d.parquet", tmp_path / "bad.csv"], skip_bad_records=True)
 
 
+def test_a_very_long_text_is_tokenized_in_pieces_with_the_same_ids(tok, monkeypatch):
+    import usaf.data.records as records
+
+    text = " ".join(f"word{i}" for i in range(2000))  # 12,889 characters
+    whole = records.token_ids(tok, text, add_special_tokens=True)
+    monkeypatch.setattr(records, "LONG_TEXT_CHARS", 1000)
+    monkeypatch.setattr(records, "_PIECE_CHARS", 300)
+    assert len(records._pieces(text)) > 40 and "".join(records._pieces(text)) == text
+    assert all(piece.startswith(" ") for piece in records._pieces(text)[1:])  # cut before a space
+    assert records.token_ids(tok, text, add_special_tokens=True) == whole  # one token a character: exact
+    assert records.token_ids(tok, text, add_special_tokens=False) == whole[1:]
+
+
 def test_a_long_single_line_record_is_windowed(tok, tmp_path):
     path = write_jsonl(tmp_path / "big.jsonl", [{"text": "ab" * 500_000}])  # 1 MB on one line
     start = time.monotonic()

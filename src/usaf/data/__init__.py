@@ -40,7 +40,8 @@ Tokenization: text and prompts are encoded with the tokenizer's own special toke
 to texts and completions so the model learns to stop. Labels are aligned with input_ids, as transformers
 expects: the model (or usaf.engine.loss) shifts them, so the target of position t is token t+1. The first label of
 every document is -100: nothing inside the document predicts it, and in a packed row it would otherwise be
-the target of the previous document's last token. Tokenized rows are cached in the datasets cache (see
+the target of the previous document's last token. Texts over a million characters are tokenized in pieces cut
+before a whitespace (bounded memory; see usaf.data.records). Tokenized rows are cached in the datasets cache (see
 usaf.data.tokenize).
 
 Long records (more than max_seq_len tokens), long_documents=split: text and token-id records become windows of

@@ -20,8 +20,37 @@ def expect_str(record: dict, key: str) -> str:
     return value
 
 
+# A text longer than this is tokenized in pieces of _PIECE_CHARS, cut before a whitespace where there is one: a
+# tokenizer's whole-text encoding costs ~200 bytes a character (a 4 MB line would take 800 MB). Tokens can
+# differ from the whole-text encoding only at the few cuts, in documents of a million characters or more.
+LONG_TEXT_CHARS = 1_000_000
+_PIECE_CHARS = 250_000
+
+
+def _pieces(text: str) -> list[str]:
+    pieces, start = [], 0
+    while len(text) - start > _PIECE_CHARS:
+        end = start + _PIECE_CHARS
+        space = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+        end = space if space > start + _PIECE_CHARS // 2 else end
+        pieces.append(text[start:end])
+        start = end
+    return [*pieces, text[start:]]
+
+
 def token_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    if len(text) <= LONG_TEXT_CHARS:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    ids = [
+        token for piece in _pieces(text) for token in tokenizer(piece, add_special_tokens=False)["input_ids"]
+    ]
+    if add_special_tokens:  # what the tokenizer puts around a text (BOS, and for some EOS), around the whole
+        probe = "a"
+        plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+        full = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+        at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
+        ids = full[:at] + ids + full[at + len(plain) :]
+    return ids
 
 
 def with_eos(tokenizer, ids: list[int]) -> list[int]:
