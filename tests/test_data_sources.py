@@ -154,7 +154,7 @@ def test_a_hub_id_not_in_the_cache_fails_at_once_in_one_line(tok, tmp_path):
         rows_of(tok, ["someorg/absent"])
     message = str(error.value)
     assert "\n" not in message and time.monotonic() - start < 10
-    assert message.startswith("someorg/absent is neither a local path nor a hub dataset in the local cache")
+    assert message.startswith("someorg/absent is neither a local path nor a hub dataset in the local caches")
     assert "datasets.load_dataset('someorg/absent')" in message
 
 
@@ -165,6 +165,20 @@ def test_a_missing_relative_file_is_not_taken_for_a_hub_id(tok, tmp_path, monkey
     (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n')[:-6])  # truncated
     with pytest.raises(UsafError, match=r"d\.jsonl\.gz: cannot read: "):
         rows_of(tok, ["d.jsonl.gz"])
+
+
+def test_a_hub_id_downloaded_as_files_is_read_from_the_hub_cache(tok, tmp_path, fresh_cache, monkeypatch):
+    # the hub cache's layout: datasets--ORG--NAME/{refs/main, snapshots/REVISION/FILES}
+    repo = tmp_path / "hub" / "datasets--someorg--files"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40) / "data").mkdir(parents=True)
+    write_jsonl(repo / "snapshots" / ("0" * 40) / "data" / "train.jsonl", PAIRS)
+    write_jsonl(repo / "snapshots" / ("0" * 40) / "data" / "test.jsonl", PAIRS[:1])
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    expected, _ = rows_of(tok, [write_jsonl(tmp_path / "d.jsonl", PAIRS)])
+    assert rows_of(tok, ["someorg/files"])[0] == expected
+    assert rows_of(tok, ["someorg/files:test"])[0] == expected[:1]
 
 
 def test_a_wrong_split_lists_the_splits(tok, tmp_path, fresh_cache):

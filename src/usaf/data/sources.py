@@ -250,8 +250,24 @@ def _saved_folder(path: Path, split: str, show_progress: bool) -> Source:
     return Source(str(path), saved, saved._fingerprint, located=False)
 
 
-def _hub_dataset(name: str, split: str) -> Source:
-    """A hub dataset from the local cache only: no network (a missing id fails at once, not after retries)."""
+def _hub_snapshot(name: str) -> Path | None:
+    """The dataset repository's files in the hub cache (`huggingface-cli download --repo-type dataset NAME`)."""
+    from huggingface_hub import constants, snapshot_download
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # read once at import by huggingface_hub
+    try:
+        return Path(
+            snapshot_download(repo_id=name, repo_type="dataset", cache_dir=cache, local_files_only=True)
+        )
+    except Exception:  # LocalEntryNotFoundError, or a cache entry without a snapshot
+        return None
+
+
+def _hub_dataset(name: str, split: str, show_progress: bool) -> Source:
+    """A hub dataset from the local caches only: no network (a missing id fails at once, not after retries).
+    First what `datasets.load_dataset(NAME)` left in the datasets cache, then the repository's files in the hub
+    cache."""
+    import datasets
     from datasets.packaged_modules.cache.cache import Cache
 
     cache = cache_root()
@@ -263,14 +279,29 @@ def _hub_dataset(name: str, split: str) -> Source:
     except ValueError as error:
         if "Couldn't find cache" not in str(error):
             raise UsafError(f"{name}: cannot read the cached hub dataset: {first_line(error)}") from None
+        builder = None
+    if builder is not None:
+        splits = list(builder.info.splits or {})
+        _pick_split(name, splits, split)
+        with progress_bars(show_progress):
+            rows = builder.as_dataset(split=split)
+        return Source(name, rows, rows._fingerprint, located=False)
+    folder = _hub_snapshot(name)
+    if folder is None:
         raise UsafError(
-            f"{name} is neither a local path nor a hub dataset in the local cache ({cache}); usaf reads the hub "
-            f"offline: download it first, e.g. python -c \"import datasets; datasets.load_dataset('{name}')\"."
+            f"{name} is neither a local path nor a hub dataset in the local caches ({cache}, or the hub cache); "
+            f'usaf reads the hub offline: download it first, e.g. python -c "import datasets; '
+            f"datasets.load_dataset('{name}')\"."
+        )
+    try:
+        with progress_bars(show_progress):  # a local folder: datasets infers its splits from the file names
+            loaded = datasets.load_dataset(str(folder), cache_dir=str(cache))
+    except Exception as error:
+        raise UsafError(
+            f"{name}: cannot read its files in the hub cache ({folder}): {first_line(error)}"
         ) from None
-    splits = list(builder.info.splits or {})
-    _pick_split(name, splits, split)
-    with progress_bars(False):
-        rows = builder.as_dataset(split=split)
+    _pick_split(name, list(loaded), split)
+    rows = loaded[split]
     return Source(name, rows, rows._fingerprint, located=False)
 
 
@@ -297,7 +328,7 @@ def open_source(name: str, split: str = "train", show_progress: bool = False) ->
             "datasets save_to_disk folder."
         )
     if not path.exists() and is_hub_id(name):
-        return _hub_dataset(name, split)
+        return _hub_dataset(name, split, show_progress)
     kind, compression = file_kind(path)
     if not path.is_file():
         raise UsafError(f"{path}: data file not found.")
