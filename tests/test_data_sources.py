@@ -148,6 +148,20 @@ def test_text_files_and_long_documents_become_windows(tok, tmp_path):
     assert [len(ids) for ids, _ in rows] == [40, 11] and stats.truncated_tokens == 62
 
 
+def test_a_saved_dataset_in_torch_format_with_extra_columns(tok, tmp_path):
+    saved = datasets.Dataset.from_list([{**r, "id": i, "score": [0.5] * 3} for i, r in enumerate(PAIRS)])
+    saved.with_format("torch").save_to_disk(tmp_path / "saved")
+    expected, _ = rows_of(tok, [write_jsonl(tmp_path / "d.jsonl", PAIRS)])
+    rows, stats = rows_of(tok, [tmp_path / "saved"])
+    assert rows == expected
+    assert "data: ignored columns id, score (not used by prompt/completion records)" in stats.summary()
+    # a mapped column replaces the one of the same name, which is then ignored too
+    datasets.Dataset.from_list([{**PAIRS[0], "answer": " zz"}]).save_to_disk(tmp_path / "clash")
+    [(ids, labels)], stats = rows_of(tok, [tmp_path / "clash"], columns={"completion": "answer"})
+    assert supervised(tok, ids, labels) == [" zz<eos>"]
+    assert "ignored columns completion (not used by prompt/completion records)" in stats.summary()
+
+
 def test_a_hub_id_not_in_the_cache_fails_at_once_in_one_line(tok, tmp_path):
     start = time.monotonic()
     with pytest.raises(UsafError) as error:

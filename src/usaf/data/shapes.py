@@ -28,6 +28,7 @@ SHAPES = [  # (shape, trigger keys, required keys, optional keys)
     ("alpaca", {"instruction", "output"}, {"instruction", "output"}, {"input", "system"}),
     ("text", {"text"}, {"text"}, set()),
 ]
+RECORD_KEYS = set().union(*(triggers | required | optional for _, triggers, required, optional in SHAPES))
 EXPECTED = (
     "expected text, messages (OpenAI or sharegpt), prompt/completion, prompt/chosen/rejected, "
     "instruction/input/output (alpaca) or input_ids records; map other column names with data.columns, "

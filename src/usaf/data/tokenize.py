@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from usaf.data.records import BadRecord, encode_pretokenized, encode_prompt_completion, encode_text
-from usaf.data.shapes import EXPECTED, normalize, possible_shapes
+from usaf.data.shapes import EXPECTED, RECORD_KEYS, normalize, possible_shapes
 from usaf.data.sources import Source, cache_root, progress_bars
 from usaf.data.templates import check_chat_support, encode_messages
 from usaf.engine.loss import IGNORE_INDEX
@@ -142,8 +142,10 @@ class Encoder:
     """The function `datasets.map` runs over a source's raw records (batched, with indices): one output row per
     document window, and one row with `error` set per bad record under skip_bad_records (else it raises)."""
 
-    def __init__(self, source: Source, tokenizer, settings: Settings, skip_bad_records: bool):
-        self.name, self.located = source.name, source.located
+    def __init__(
+        self, source: Source, tokenizer, settings: Settings, skip_bad_records: bool, unused: list[str] = ()
+    ):
+        self.name, self.located, self.unused = source.name, source.located, list(unused)
         self.tokenizer, self.settings, self.skip = tokenizer, settings, skip_bad_records
         self.columns = dict(settings.columns) if source.located else {}  # tables are renamed before
 
@@ -171,7 +173,7 @@ class Encoder:
         if not windows or all(label == IGNORE_INDEX for label in windows[0][1]):
             why = f" left after truncation to max_seq_len={self.settings.max_seq_len}" if cut else ""
             raise BadRecord(f"the record has no supervised tokens{why}")
-        return windows, cut, [f"{shape}:{key}" for key in ignored]
+        return windows, cut, [f"{shape}:{key}" for key in sorted({*ignored, *self.unused})]
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         out = {column: [] for column in _ROW_COLUMNS}
@@ -237,8 +239,9 @@ def cache_fingerprint(source: Source, tokenizer_digest: str, settings: Settings)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def _renamed(source: Source, settings: Settings) -> object:
-    """A table's columns renamed by data.columns (checked once, for the whole source)."""
+def _renamed(source: Source, settings: Settings) -> tuple[object, list[str]]:
+    """A table's columns renamed by data.columns (checked once, for the whole source), without the columns no
+    record shape reads (returned, for the note)."""
     rows = source.rows
     mapping = {column: key for key, column in settings.columns if column != key}
     present = {column: key for column, key in mapping.items() if column in rows.column_names}
@@ -252,10 +255,11 @@ def _renamed(source: Source, settings: Settings) -> object:
             )
         raise UsafError(f"{source.name}: unknown record columns {rows.column_names}; {EXPECTED}.")
     mapping = present  # data.columns applies to every source: one may use usaf's names already
-    clashing = [key for key in mapping.values() if key in rows.column_names and key not in mapping]
-    if clashing:
-        rows = rows.remove_columns(clashing)  # the mapped column replaces one of the same name
-    return rows.rename_columns(mapping) if mapping else rows
+    # the mapped column replaces one of the same name; columns no shape reads are not even decoded (images...)
+    unused = [key for key in mapping.values() if key in rows.column_names and key not in mapping]
+    unused += [c for c in rows.column_names if c not in mapping and c not in RECORD_KEYS and c not in unused]
+    rows = rows.remove_columns(unused) if unused else rows
+    return (rows.rename_columns(mapping) if mapping else rows), unused
 
 
 def tokenize_source(
@@ -264,7 +268,9 @@ def tokenize_source(
     """The source's rows tokenized (a datasets.Dataset of _ROW_COLUMNS), from the cache when it has them."""
     import datasets
 
-    rows = source.rows if source.located else _renamed(source, settings)
+    # a save_to_disk folder keeps the format it was saved with (torch tensors...): rows as plain Python
+    rows, unused = (source.rows, []) if source.located else _renamed(source, settings)
+    rows = rows.with_format(None)
     fingerprint = cache_fingerprint(source, digest, settings)
     folder = cache_root() / "usaf_tokenized"
     folder.mkdir(parents=True, exist_ok=True)
@@ -281,7 +287,7 @@ def tokenize_source(
     )
     with progress_bars(sys.stderr.isatty()):
         return rows.map(
-            Encoder(source, tokenizer, settings, skip_bad_records),
+            Encoder(source, tokenizer, settings, skip_bad_records, unused),
             batched=True,
             with_indices=True,
             remove_columns=rows.column_names,
