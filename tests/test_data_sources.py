@@ -195,6 +195,21 @@ def test_a_hub_id_downloaded_as_files_is_read_from_the_hub_cache(tok, tmp_path, 
     assert rows_of(tok, ["someorg/files:test"])[0] == expected[:1]
 
 
+def test_a_runs_config_keeps_hub_ids_and_makes_paths_absolute(tmp_path, monkeypatch):
+    from usaf.data.sources import absolute_name, is_missing
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "saved").mkdir()
+    assert (
+        absolute_name("someorg/tiny") == "someorg/tiny"
+        and absolute_name("someorg/tiny:test") == "someorg/tiny:test"
+    )
+    assert absolute_name("data/train.jsonl") == str(tmp_path / "data" / "train.jsonl")
+    assert absolute_name("saved:test") == f"{tmp_path / 'saved'}:test"
+    assert not is_missing("someorg/tiny") and not is_missing(f"{tmp_path / 'saved'}:test")
+    assert is_missing(str(tmp_path / "data" / "train.jsonl"))
+
+
 def test_a_wrong_split_lists_the_splits(tok, tmp_path, fresh_cache):
     cache_hub_dataset(
         fresh_cache,
