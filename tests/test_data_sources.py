@@ -458,10 +458,10 @@ def test_a_very_long_text_is_tokenized_in_pieces_with_the_same_ids(tok, monkeypa
 
 
 def test_a_long_single_line_record_is_windowed(tok, tmp_path):
-    path = write_jsonl(tmp_path / "big.jsonl", [{"text": "ab" * 500_000}])  # 1 MB on one line
+    path = write_jsonl(tmp_path / "big.jsonl", [{"text": "ab" * 1_000_000}])  # 2 MB on one line: in pieces
     start = time.monotonic()
     train, _, stats = load_dataset([path], tok, 4096, eval_fraction=0)
-    assert stats.windows == -(-(1_000_002 - 1) // 4095) and train.supervised_tokens == 1_000_001
+    assert stats.windows == -(-(2_000_002 - 1) // 4095) and train.supervised_tokens == 2_000_001
     assert time.monotonic() - start < 60
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from usaf.errors import UsafError, first_line
+from usaf.version import __version__
 
 # read here (records located by line or index)
 OWN_KINDS = {
@@ -197,7 +198,7 @@ def _own_file(path: Path, kind: str, compression: str | None, show_progress: boo
                 features=datasets.Features(strings),
                 gen_kwargs={"path": str(path), "kind": kind, "compression": compression},
                 cache_dir=str(cache_root()),
-                fingerprint=f"usaf-raw-{kind}-{digest}",
+                fingerprint=f"usaf-{__version__}-raw-{kind}-{digest}",
             )
     except ValueError as error:
         if "corresponds to no data" not in str(error):
