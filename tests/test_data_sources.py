@@ -148,6 +148,16 @@ def test_text_files_and_long_documents_become_windows(tok, tmp_path):
     assert [len(ids) for ids, _ in rows] == [40, 11] and stats.truncated_tokens == 62
 
 
+def test_csv_cells_are_read_as_written(tok, tmp_path):
+    (tmp_path / "d.csv").write_text('prompt,completion,text\n2+2=,4,\nsay None,None,\n,,"NA, 007"\n')
+    rows, _ = rows_of(tok, [tmp_path / "d.csv"])
+    assert [supervised(tok, ids, labels) for ids, labels in rows] == [
+        ["4<eos>"],
+        ["None<eos>"],
+        ["NA, 007<eos>"],
+    ]
+
+
 def test_a_saved_dataset_in_torch_format_with_extra_columns(tok, tmp_path):
     saved = datasets.Dataset.from_list([{**r, "id": i, "score": [0.5] * 3} for i, r in enumerate(PAIRS)])
     saved.with_format("torch").save_to_disk(tmp_path / "saved")

@@ -10,7 +10,9 @@ and hub ids are read by `datasets` (their rows are located as `file:row N`, N be
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -47,6 +49,7 @@ class Source:
     rows: object  # datasets.Dataset of raw records
     fingerprint: str  # changes when the content does
     located: bool  # rows carry their own `where` and `json` columns (read here)
+    blank_is_absent: bool = False  # CSV: an empty cell is a key the row does not have
 
 
 def cache_root() -> Path:
@@ -215,10 +218,24 @@ def _own_file(path: Path, kind: str, compression: str | None, show_progress: boo
     return Source(str(path), rows, digest, located=True)
 
 
-def _table_file(path: Path, kind: str, show_progress: bool) -> Source:
+def _csv_header(path: Path, compression: str | None, sep: str) -> list[str]:
+    try:
+        with _open(path, compression) as handle:
+            return next(csv.reader(io.TextIOWrapper(handle, encoding="utf-8", newline=""), delimiter=sep), [])
+    except Exception as error:  # not UTF-8, a corrupt archive, ...
+        raise UsafError(f"{path}: cannot read: {first_line(error)}") from None
+
+
+def _table_file(path: Path, kind: str, compression: str | None, show_progress: bool) -> Source:
     import datasets
 
     builder, options = _TABLE_BUILDERS[kind]
+    blank_is_absent = builder == "csv"
+    if blank_is_absent:
+        # every cell as written: pandas would make an answer "4" the number 4 and a text "None" a null; an
+        # empty cell then means an absent key (see Source.blank_is_absent)
+        header = _csv_header(path, compression, options.get("sep", ","))
+        options = {**options, "converters": dict.fromkeys(header, str), "keep_default_na": False}
     try:
         with progress_bars(show_progress):
             rows = datasets.load_dataset(
@@ -226,7 +243,7 @@ def _table_file(path: Path, kind: str, show_progress: bool) -> Source:
             )
     except Exception as error:  # pyarrow, pandas and datasets each raise their own kinds
         raise UsafError(f"{path}: cannot read {_TABLE_LABELS[kind]}: {first_line(error)}") from None
-    return Source(str(path), rows, _file_digest(path), located=False)
+    return Source(str(path), rows, _file_digest(path), located=False, blank_is_absent=blank_is_absent)
 
 
 def _pick_split(name: str, splits: list[str], split: str):
@@ -335,7 +352,7 @@ def open_source(name: str, split: str = "train", show_progress: bool = False) ->
         raise UsafError(f"{path}: data file not found.")
     if kind in READERS:
         return _own_file(path, kind, compression, show_progress)
-    return _table_file(path, kind, show_progress)
+    return _table_file(path, kind, compression, show_progress)
 
 
 def absolute_name(name: str) -> str:

@@ -146,12 +146,16 @@ class Encoder:
         self, source: Source, tokenizer, settings: Settings, skip_bad_records: bool, unused: list[str] = ()
     ):
         self.name, self.located, self.unused = source.name, source.located, list(unused)
+        self.blank_is_absent = source.blank_is_absent
         self.tokenizer, self.settings, self.skip = tokenizer, settings, skip_bad_records
         self.columns = dict(settings.columns) if source.located else {}  # tables are renamed before
 
     def record(self, batch: dict, row: int, index: int) -> tuple[str, object]:
         if not self.located:
-            return f"{self.name}:row {index}", {key: values[row] for key, values in batch.items()}
+            record = {key: values[row] for key, values in batch.items()}
+            if self.blank_is_absent:
+                record = {key: value for key, value in record.items() if value != ""}
+            return f"{self.name}:row {index}", record
         where = batch["where"][row]
         if batch["bad"][row]:
             raise _Located(where, BadRecord(batch["bad"][row]))
