@@ -172,6 +172,17 @@ def test_a_saved_dataset_in_torch_format_with_extra_columns(tok, tmp_path):
     assert "ignored columns completion (not used by prompt/completion records)" in stats.summary()
 
 
+def test_the_windows_of_one_record_stay_on_one_side_of_the_eval_split(tok, tmp_path):
+    records = [{"text": "w" * 100}, *({"text": f"short {i}"} for i in range(3))]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    sides = set()
+    for seed in range(10):  # seed 8 holds out the first record
+        train, held, stats = load_dataset([path], tok, 40, pack=False, eval_fraction=0.25, seed=seed)
+        assert stats.windows == 3
+        sides.add((train.num_documents, held.num_documents))
+    assert sides == {(5, 1), (3, 3)}  # a short record held out, or the three windows of the long one
+
+
 def test_a_hub_id_not_in_the_cache_fails_at_once_in_one_line(tok, tmp_path):
     start = time.monotonic()
     with pytest.raises(UsafError) as error:
