@@ -458,9 +458,10 @@ def test_skip_bad_records_skips_only_the_bad_ones(tok, tmp_path):
     assert len(kept) == 2 and (stats.records, stats.skipped_records) == (3, 1)
     assert stats.first_skipped == [f"{tmp_path / 'd.parquet'}:row 1: 'completion' is empty: nothing to learn"]
     # a source whose every record is bad is named, not silently dropped beside good ones
-    (tmp_path / "bad.csv").write_text("prompt,completion\nq, \n")
+    (tmp_path / "bad.csv").write_text("prompt,completion\nq, \nr, \n")
     with pytest.raises(
-        UsafError, match=r"bad\.csv: no usable records \(1 bad records skipped; the first: .*row 0"
+        UsafError,
+        match=r"bad\.csv: no usable records \(2 bad records skipped; the first: \S*bad\.csv:row 0: ",
     ):
         rows_of(tok, [tmp_path / "d.parquet", tmp_path / "bad.csv"], skip_bad_records=True)
 

@@ -355,18 +355,20 @@ def read_documents(
         bad = pc.not_equal(table["error"], "")
         errors = table.filter(bad)
         if errors.num_rows:
-            where, error = errors["where"][0].as_py(), errors["error"][0].as_py()
+            first = f"{errors['where'][0].as_py()}: {errors['error'][0].as_py()}"
             if not skip_bad_records:  # a cache written under skip_bad_records holds the bad records
-                raise UsafError(f"{where}: {error}{SKIP_HINT}")
+                raise UsafError(first + SKIP_HINT)
             stats.skipped_records += errors.num_rows
-            for where, error in zip(errors["where"].to_pylist(), errors["error"].to_pylist(), strict=True):
-                if len(stats.first_skipped) >= _KEPT_SKIP_MESSAGES:
-                    break
-                stats.first_skipped.append(f"{where}: {error}")
+            kept = errors.slice(0, max(0, _KEPT_SKIP_MESSAGES - len(stats.first_skipped)))
+            stats.first_skipped += [
+                f"{where}: {error}"
+                for where, error in zip(kept["where"].to_pylist(), kept["error"].to_pylist(), strict=True)
+            ]
             if errors.num_rows == len(source.rows) and len(sources) > 1:
+                # every record bad: the source's shape or the settings, not its records (nothing is dropped
+                # silently beside the good sources)
                 raise UsafError(
-                    f"{source.name}: no usable records ({errors.num_rows} bad records skipped; the first: "
-                    f"{where}: {error})."
+                    f"{source.name}: no usable records ({errors.num_rows} bad records skipped; the first: {first})."
                 )
         good = table.filter(pc.invert(bad))
         stats.truncated_records += pc.sum(pc.greater(good["cut"], 0)).as_py() or 0
