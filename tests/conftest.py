@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 import warnings
 
 import pytest
@@ -6,6 +9,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# datasets' cache (usaf's tokenized data lands there): the session's own, never the user's; datasets reads these
+# variables once, at import
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="usaf-tests-datasets-")
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 warnings.filterwarnings("ignore", message=".*Sparse.*")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

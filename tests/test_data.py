@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 
 import pytest
 import torch
@@ -212,7 +211,7 @@ BAD_RECORDS = [
     ('{"text": "ok"', "invalid JSON"),
     ('["text"]', "must be a JSON object"),
     ({"prompt": "x"}, r"missing key\(s\) \['completion'\]"),
-    ({"text": "x", "source": "web"}, r"unknown key\(s\) \['source'\]"),
+    ({"conversations": [{"from": "alien", "value": "x"}]}, "from='alien'"),
     ({"txt": "x"}, "unknown record keys"),
     ({"text": 3}, "'text' must be a string, got int"),
     ({"text": ""}, "'text' is empty"),
@@ -243,7 +242,7 @@ def test_bad_record_in_json_and_parquet_names_the_record_index(tok, tmp_path):
 
     rows = [{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": " "}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
-    with pytest.raises(UsafError, match=r"d\.parquet\[1\]: 'completion' is empty"):
+    with pytest.raises(UsafError, match=r"d\.parquet:row 1: 'completion' is empty"):
         load_dataset([str(tmp_path / "d.parquet")], tok, 256, eval_fraction=0)
 
 
@@ -271,9 +270,9 @@ def test_whole_data_set_errors(tok, tmp_path):
         load_dataset([all_bad], tok, 256, skip_bad_records=True)
     with pytest.raises(UsafError, match="not found"):
         load_dataset([str(tmp_path / "missing.jsonl")], tok, 256)
-    (tmp_path / "d.csv").write_text("text\nx\n")
-    with pytest.raises(UsafError, match=r"unknown data file type '\.csv'"):
-        load_dataset([str(tmp_path / "d.csv")], tok, 256)
+    (tmp_path / "d.docx").write_text("text\nx\n")
+    with pytest.raises(UsafError, match=r"unknown data file type '\.docx'"):
+        load_dataset([str(tmp_path / "d.docx")], tok, 256)
     (tmp_path / "corrupt.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(UsafError, match=r"corrupt\.parquet: cannot read Parquet"):
         load_dataset([str(tmp_path / "corrupt.parquet")], tok, 256)
@@ -291,25 +290,51 @@ def test_chat_data_needs_a_chat_template_even_when_skipping(tmp_path):
         load_dataset([path], plain, 256, skip_bad_records=True, eval_fraction=0)
 
 
-def test_parquet_without_pyarrow_says_how_to_install(tok, tmp_path, monkeypatch):
-    (tmp_path / "d.parquet").write_bytes(b"PAR1")
-    monkeypatch.setitem(sys.modules, "pyarrow", None)
-    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(UsafError, match=r"pip install usaf\[parquet\]"):
-        load_dataset([str(tmp_path / "d.parquet")], tok, 256)
-
-
 # ---------------------------------------------------------------------------------------------- truncation
 
 
 def test_truncation_is_counted(tok, tmp_path):
     rows, stats = load_one(
-        tok, tmp_path, [{"text": "x" * 30}, {"text": "short"}, {"text": "y" * 25}], max_seq_len=20
+        tok,
+        tmp_path,
+        [{"text": "x" * 30}, {"text": "short"}, {"text": "y" * 25}],
+        max_seq_len=20,
+        long_documents="truncate",
     )
     assert [len(ids) for ids, _ in rows] == [20, 7, 20]
     # 32 and 27 tokens with BOS and EOS
     assert (stats.truncated_records, stats.truncated_tokens) == (2, 12 + 7)
     assert "2 truncated to 20 tokens (19 tokens cut)" in stats.summary()
+
+
+@pytest.mark.parametrize("stride", [0, 1, 4])
+def test_long_documents_become_windows_that_supervise_each_token_once(tok, tmp_path, stride):
+    text = "".join(chr(ord("a") + i % 26) for i in range(30))
+    full = [
+        tok.bos_token_id,
+        *tok(text, add_special_tokens=False)["input_ids"],
+        tok.eos_token_id,
+    ]  # 32 tokens
+    rows, stats = load_one(tok, tmp_path, [{"text": text}], max_seq_len=20, stride=stride)
+    overlap = max(stride, 1)  # a window's first token predicts nothing: at least one token of context
+    assert [ids for ids, _ in rows] == [full[:20], full[20 - overlap :]]
+    assert rows[1][1][:overlap] == [IGNORE_INDEX] * overlap
+    supervised = [label for _, labels in rows for label in labels if label != IGNORE_INDEX]
+    assert supervised == full[1:]  # every token but the first is a target, exactly once
+    assert (stats.split_records, stats.windows, stats.truncated_records) == (1, 2, 0)
+    assert "none truncated, 1 split into 2 windows" in stats.summary()
+
+
+def test_long_chat_and_prompt_completion_records_are_truncated_not_split(tok, tmp_path):
+    records = [
+        {"prompt": "p" * 10, "completion": "c" * 30},
+        {"messages": [CHAT[1], {**CHAT[2], "content": "4" * 40}]},
+    ]
+    rows, stats = load_one(tok, tmp_path, records, max_seq_len=20)
+    assert [len(ids) for ids, _ in rows] == [20, 20]
+    assert (stats.truncated_records, stats.split_records) == (2, 0)
+    with pytest.raises(UsafError, match=r"data\.stride=19 must be in \[0, max_seq_len - 1\)"):
+        load_one(tok, tmp_path, [{"text": "x"}], max_seq_len=20, stride=19)
 
 
 def test_completion_truncated_away_is_an_error(tok, tmp_path):

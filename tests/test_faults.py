@@ -75,8 +75,8 @@ def ws(tmp_path_factory):
     w.data_dir = root / "data-folder"
     w.data_dir.mkdir()
     shutil.copy(w.data, w.data_dir / "part1.jsonl")
-    w.csv = root / "train.csv"
-    w.csv.write_text("prompt,completion\n")
+    w.xlsx = root / "train.xlsx"
+    w.xlsx.write_text("prompt,completion\n")
     w.bad_json = root / "bad.jsonl"
     w.bad_json.write_text('{"text": "fine"}\n{"text": "broken\n')
     w.bad_keys = root / "keys.jsonl"
@@ -238,8 +238,8 @@ ROWS = [
         absent=["{tmp}/run"]),
     Row("train-data-missing", T("--model={ws.base}", "--data={tmp}/none.jsonl", "--out={tmp}/run"), 2,
         ["{tmp}/none.jsonl: data file not found"], absent=["{tmp}/run"]),
-    Row("train-data-csv", T("--model={ws.base}", "--data={ws.csv}", "--out={tmp}/run"), 2,
-        ["{ws.csv}: unknown data file type '.csv'; use one of"], absent=["{tmp}/run"]),
+    Row("train-data-xlsx", T("--model={ws.base}", "--data={ws.xlsx}", "--out={tmp}/run"), 2,
+        ["{ws.xlsx}: unknown data file type '.xlsx'; use one of"], absent=["{tmp}/run"]),
     Row("train-data-bad-json", T("--model={ws.base}", "--data={ws.bad_json}", "--out={tmp}/run"), 2,
         ["{ws.bad_json}:2:", "--skip-bad-records"], absent=["{tmp}/run"]),
     Row("train-data-unknown-keys", T("--model={ws.base}", "--data={ws.bad_keys}", "--out={tmp}/run"), 2,

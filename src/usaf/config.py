@@ -309,11 +309,19 @@ class ScheduleSection:
 
 @dataclass
 class DataSection:
-    train: list = option([], "training data files (jsonl, json, parquet, txt)")
-    eval: list = option([], "held-out files; empty: split eval_fraction off the training data")
+    train: list = option(
+        [],
+        "training data: files (jsonl, json, csv, tsv, parquet, arrow, txt, md; also .gz/.bz2/.xz/.zst), "
+        "datasets save_to_disk folders or hub dataset ids from the local cache (NAME:SPLIT picks a split); "
+        "records: text, messages (OpenAI or sharegpt), prompt/completion (plain or conversational), "
+        "prompt/chosen/rejected, alpaca instruction/input/output, input_ids",
+    )
+    eval: list = option([], "held-out data (as train); empty: split eval_fraction off the training data")
     # two tokens at least: a causal LM learns from next-token pairs
     max_seq_len: int = option(
-        512, "tokens per sequence; longer records are truncated and counted", bounds="[2, inf)"
+        512,
+        "tokens per sequence; longer records are split into windows or truncated (long_documents), and counted",
+        bounds="[2, inf)",
     )
     pack: bool = option(True, "pack short records into full sequences (no attention across records)")
     batch_size: int = option(4, "sequences per micro-batch", bounds="[1, inf)")
@@ -321,6 +329,24 @@ class DataSection:
         0.05, "share of training records held out when no eval file is given (0: none)", bounds="[0, 1)"
     )
     eval_batches: int = option(0, "batches per evaluation (0: all)", bounds="[0, inf)")
+    split: str = option("train", "split of a save_to_disk DatasetDict or a hub dataset")
+    columns: dict = option(
+        {}, "usaf record keys from other column names, e.g. {prompt: question, completion: answer}"
+    )
+    long_documents: str = option(
+        "split",
+        "records longer than max_seq_len: split text and input_ids records into windows, or truncate them "
+        "(chat and prompt/completion records are always truncated)",
+        ("split", "truncate"),
+    )
+    stride: int = option(
+        0,
+        "tokens a window repeats from the one before as context (at least 1; never supervised twice)",
+        bounds="[0, inf)",
+    )
+    num_proc: int = option(
+        0, "processes that tokenize (0: one; the result is cached either way)", bounds="[0, inf)"
+    )
     skip_bad_records: bool = option(False, "skip malformed records (and report how many) instead of failing")
     chat_template: str = option(
         "",

@@ -2,28 +2,38 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from usaf.data.pack import TokenizedDataset
+from usaf.data.sources import open_source
 from usaf.data.templates import use_chat_template
-from usaf.data.tokenize import DataStats, Documents, read_documents
+from usaf.data.tokenize import DataStats, Documents, Settings, read_documents
 from usaf.errors import UsafError
+
+LONG_DOCUMENTS = ("split", "truncate")
 
 
 def split_documents(documents: Documents, eval_fraction: float, seed: int) -> tuple[Documents, Documents]:
-    count = len(documents.ids)
+    """Whole records to each side: the windows of one long record never straddle train and eval."""
+    records = list(dict.fromkeys(documents.records)) if documents.records else list(range(len(documents.ids)))
+    count = len(records)
     eval_count = max(1, round(eval_fraction * count))
     if count - eval_count < 1:
         raise UsafError(
             f"the data set is too small to hold out {eval_fraction:.0%} for evaluation ({count} documents); "
             "add data, give an eval file, or set eval_fraction to 0."
         )
-    chosen = set(np.random.default_rng([seed, count]).permutation(count)[:eval_count].tolist())
+    picked = np.random.default_rng([seed, count]).permutation(count)[:eval_count].tolist()
+    chosen = {records[i] for i in picked}
     train, held_out = Documents(), Documents()
-    for index in range(count):  # file order is kept in both parts
-        part = held_out if index in chosen else train
+    for index in range(len(documents.ids)):  # file order is kept in both parts
+        record = documents.records[index] if documents.records else index
+        part = held_out if record in chosen else train
         part.ids.append(documents.ids[index])
         part.labels.append(documents.labels[index])
+        part.records.append(record)
     return train, held_out
 
 
@@ -36,8 +46,14 @@ def load_dataset(
     eval_paths: list[str] | None = None,
     eval_fraction: float = 0.05,
     seed: int = 0,
+    split: str = "train",
+    columns: dict[str, str] | None = None,
+    long_documents: str = "split",
+    stride: int = 0,
+    num_proc: int | None = None,
 ) -> tuple[TokenizedDataset, TokenizedDataset | None, DataStats]:
-    """Read, tokenize, truncate, split and pack `paths` (and `eval_paths`); see the module docstring."""
+    """Read, tokenize, window or truncate, split and pack `paths` (and `eval_paths`); see the module
+    docstring. Paths are files, save_to_disk folders or cached hub ids."""
     if isinstance(paths, str) or isinstance(eval_paths, str):
         raise UsafError("load_dataset: paths and eval_paths must be lists of file names.")
     if not paths:
@@ -46,20 +62,45 @@ def load_dataset(
         raise UsafError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}.")
     if not 0.0 <= eval_fraction < 1.0:
         raise UsafError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}.")
+    if long_documents not in LONG_DOCUMENTS:
+        raise UsafError(f"long_documents must be one of {', '.join(LONG_DOCUMENTS)}, got {long_documents!r}.")
+    if not isinstance(stride, int) or not 0 <= stride < max_seq_len - 1:
+        raise UsafError(
+            f"data.stride={stride!r} must be in [0, max_seq_len - 1) = [0, {max_seq_len - 1}): each window needs a "
+            "new token to learn."
+        )
+    columns = columns or {}
+    if not isinstance(columns, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in columns.items()
+    ):
+        raise UsafError(
+            f"data.columns must map usaf record keys to column names, e.g. {{prompt: question}}, got {columns!r}."
+        )
+    settings = Settings(max_seq_len, long_documents, stride, tuple(sorted(columns.items())), split)
+    shown = sys.stderr.isatty()
+
+    def read(names):
+        sources = [open_source(str(name), split, shown) for name in names]
+        return read_documents(sources, tokenizer, settings, skip_bad_records, stats, num_proc)
+
     pad_id = next(
         (i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0
     )  # the value is irrelevant to the loss: padded labels are -100
     stats = DataStats(max_seq_len=max_seq_len, packed=pack)
 
-    train_docs = read_documents(list(paths), tokenizer, max_seq_len, skip_bad_records, stats)
+    train_docs = read(paths)
     if not train_docs.ids:
         raise UsafError(
             f"the data set is empty: no usable records in {', '.join(map(str, paths))}"
-            + (f" ({stats.skipped_records} bad records skipped)" if stats.skipped_records else "")
+            + (
+                f" ({stats.skipped_records} bad records skipped; the first: {stats.first_skipped[0]})"
+                if stats.skipped_records
+                else ""
+            )
             + "."
         )
     if eval_paths:
-        eval_docs = read_documents(list(eval_paths), tokenizer, max_seq_len, skip_bad_records, stats)
+        eval_docs = read(eval_paths)
         if not eval_docs.ids:
             raise UsafError(
                 f"the eval data set is empty: no usable records in {', '.join(map(str, eval_paths))}."
@@ -94,4 +135,9 @@ def load_run_data(config, tokenizer, pack: bool, files: list[str] | None = None,
         eval_paths=(data.eval or None) if held_out else None,
         eval_fraction=data.eval_fraction if held_out else 0.0,
         seed=config.train.seed,
+        split=data.split,
+        columns=data.columns,
+        long_documents=data.long_documents,
+        stride=data.stride,
+        num_proc=data.num_proc or None,
     )

@@ -1,4 +1,4 @@
-"""Records: what kind a record is (its keys decide), and the encoders of the plain kinds.
+"""Records: the encoders of the plain record kinds (usaf.data.shapes says which kind a record is).
 
 Every encoder maps (record, tokenizer) -> (input_ids, labels), labels aligned with input_ids (-100 where not
 supervised). Chat records are encoded in usaf.data.templates.
@@ -8,38 +8,9 @@ from __future__ import annotations
 
 from usaf.engine.loss import IGNORE_INDEX
 
-RECORD_KINDS = {  # kind: (required keys, optional keys)
-    "text": ({"text"}, set()),
-    "messages": ({"messages"}, {"tools"}),
-    "prompt/completion": ({"prompt", "completion"}, set()),
-    "input_ids": ({"input_ids"}, {"labels"}),
-}
-
 
 class BadRecord(Exception):
     """A problem with one record: an error naming its location, or a skip under skip_bad_records."""
-
-
-def record_kind(record: object) -> str:
-    if not isinstance(record, dict):
-        raise BadRecord(f"a record must be a JSON object, got {type(record).__name__}")
-    keys = set(record)
-    for kind, (required, optional) in RECORD_KINDS.items():
-        if keys & required:
-            missing = required - keys
-            unknown = keys - required - optional
-            if missing:
-                raise BadRecord(f"{kind} record is missing key(s) {sorted(missing)}")
-            if unknown:
-                raise BadRecord(
-                    f"{kind} record has unknown key(s) {sorted(unknown)}; "
-                    f"allowed: {sorted(required | optional)}"
-                )
-            return kind
-    raise BadRecord(
-        f"unknown record keys {sorted(keys)}; expected one of {{'text'}}, {{'messages'}}, "
-        "{'prompt', 'completion'}, {'input_ids', 'labels'}"
-    )
 
 
 def expect_str(record: dict, key: str) -> str:
@@ -49,8 +20,37 @@ def expect_str(record: dict, key: str) -> str:
     return value
 
 
+# A text longer than this is tokenized in pieces of _PIECE_CHARS, cut before a whitespace where there is one: a
+# tokenizer's whole-text encoding costs ~200 bytes a character (a 4 MB line would take 800 MB). Tokens can
+# differ from the whole-text encoding only at the few cuts, in documents of a million characters or more.
+LONG_TEXT_CHARS = 1_000_000
+_PIECE_CHARS = 250_000
+
+
+def _pieces(text: str) -> list[str]:
+    pieces, start = [], 0
+    while len(text) - start > _PIECE_CHARS:
+        end = start + _PIECE_CHARS
+        space = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+        end = space if space > start + _PIECE_CHARS // 2 else end
+        pieces.append(text[start:end])
+        start = end
+    return [*pieces, text[start:]]
+
+
 def token_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    if len(text) <= LONG_TEXT_CHARS:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    ids = [
+        token for piece in _pieces(text) for token in tokenizer(piece, add_special_tokens=False)["input_ids"]
+    ]
+    if add_special_tokens:  # what the tokenizer puts around a text (BOS, and for some EOS), around the whole
+        probe = "a"
+        plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+        full = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+        at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
+        ids = full[:at] + ids + full[at + len(plain) :]
+    return ids
 
 
 def with_eos(tokenizer, ids: list[int]) -> list[int]:

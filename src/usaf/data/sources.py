@@ -1,107 +1,370 @@
-"""Sources: data files read into (location, record) pairs; a location names `file:LINE` or `file[INDEX]`."""
+"""Sources: what --data names (files, save_to_disk folders, cached hub ids) opened as `datasets.Dataset`s of raw
+records, each with a fingerprint of its content.
+
+JSON, JSON lines and text files are read here, one JSON string per record in a `json` column beside its
+location (`file:LINE`, `file[INDEX]`): Arrow cannot hold a key that is a string in one record and a list in
+another, and a broken line must stay one bad record. They are streamed into the datasets cache once per content
+(bounded memory; the next load of the same file reads nothing but its bytes, for the digest). CSV/TSV, Parquet and Arrow files, save_to_disk folders
+and hub ids are read by `datasets` (their rows are located as `file:row N`, N being the row's index).
+"""
 
 from __future__ import annotations
 
+import csv
+import hashlib
+import io
+import itertools
 import json
+import os
+import re
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from usaf.data.records import BadRecord
-from usaf.errors import UsafError
+from usaf.errors import UsafError, first_line
+from usaf.version import __version__
 
-FILE_KINDS = {
+# read here (records located by line or index)
+OWN_KINDS = {
     ".jsonl": "jsonl",
     ".ndjson": "jsonl",
     ".json": "json",
-    ".parquet": "parquet",
-    ".pq": "parquet",
     ".txt": "text",
     ".text": "text",
     ".md": "text",
 }
+# read by datasets' packaged builders (records located by row)
+TABLE_KINDS = {".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow"}
+FILE_KINDS = {**OWN_KINDS, **TABLE_KINDS}
+# compressions fsspec (and so datasets) infers from the name: the kind is then the suffix before it
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd", ".lz4": "lz4"}
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HASH_CHUNK = 1 << 22
 
 
-def file_kind(path: Path) -> str:
-    if path.is_dir():
-        inside = sorted(str(f) for f in path.iterdir() if f.is_file() and f.suffix.lower() in FILE_KINDS)
-        example = ",".join(inside[:2]) if inside else f"{path}/train.jsonl"
-        raise UsafError(
-            f"{path} is a folder; give the data files in it, comma separated (e.g. --data {example})."
-        )
-    kind = FILE_KINDS.get(path.suffix.lower())
+@dataclass
+class Source:
+    name: str  # as given, for messages
+    rows: object  # datasets.Dataset of raw records
+    fingerprint: str  # changes when the content does
+    located: bool  # rows carry their own `where` and `json` columns (read here)
+    blank_is_absent: bool = False  # CSV: an empty cell is a key the row does not have
+
+
+def cache_root() -> Path:
+    """The datasets cache (HF_DATASETS_CACHE), read at each call: datasets reads the variable once, at import."""
+    import datasets
+
+    return Path(os.environ.get("HF_DATASETS_CACHE") or datasets.config.HF_DATASETS_CACHE).expanduser()
+
+
+@contextmanager
+def progress_bars(shown: bool):
+    """datasets' bars on a terminal only: in a log file or a pipe they are noise."""
+    from datasets.utils import logging as ds_logging
+
+    was = ds_logging.is_progress_bar_enabled()
+    (ds_logging.enable_progress_bar if shown and was else ds_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (ds_logging.enable_progress_bar if was else ds_logging.disable_progress_bar)()
+
+
+def is_hub_id(name: str) -> bool:
+    """`org/name` that is no local path (the same rule as model.path) nor named like a data file (a missing
+    `data/train.jsonl` is a missing file)."""
+    suffixes = [s.lower() for s in Path(name).suffixes[-2:]]
+    named_like_a_file = any(s in FILE_KINDS or s in COMPRESSIONS for s in suffixes)
+    return bool(HUB_ID.match(name)) and not named_like_a_file and not Path(name).expanduser().exists()
+
+
+def file_kind(path: Path) -> tuple[str, str | None]:
+    """(kind, compression) of a data file, by its name."""
+    suffixes = [s.lower() for s in path.suffixes]
+    compression = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
+    suffix = (suffixes[-2] if len(suffixes) > 1 else "") if compression else path.suffix.lower()
+    kind = FILE_KINDS.get(suffix)
     if kind is None:
         raise UsafError(
-            f"{path}: unknown data file type '{path.suffix}'; use one of {', '.join(sorted(FILE_KINDS))}."
+            f"{path}: unknown data file type '{''.join(path.suffixes[-2:] if compression else path.suffixes[-1:])}'; "
+            f"use one of {', '.join(sorted(FILE_KINDS))} (compressed with {', '.join(COMPRESSIONS)} or not), "
+            "a datasets save_to_disk folder or a hub dataset id."
         )
-    if not path.is_file():
-        raise UsafError(f"{path}: data file not found.")
-    return kind
+    return kind, compression
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256(str(path.resolve()).encode())
     with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            where = f"{path}:{number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                yield where, BadRecord(f"not UTF-8 ({error})")
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as error:
-                yield where, BadRecord(f"invalid JSON: {error.msg} (column {error.colno})")
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()[:32]
 
 
-def _read_json(path: Path) -> Iterator[tuple[str, object]]:
+def _open(path: Path, compression: str | None):
+    if compression is None:
+        return path.open("rb")
+    import fsspec
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return fsspec.open(str(path), "rb", compression=compression).open()
+    except (ValueError, ImportError) as error:  # zstd/lz4 need their python package
+        raise UsafError(f"{path}: cannot open {compression} data: {first_line(error)}") from None
+
+
+def _decode(path: Path, number: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise UsafError(f"{path}: not UTF-8 ({error}).") from None
+        raise UsafError(f"{path}:{number}: not UTF-8 ({error}).") from None
+
+
+def _read_jsonl(path: Path, handle) -> Iterator[tuple[str, str, str]]:
+    """(where, line, problem) per non-blank line; the line is parsed when it is encoded (a line that is no
+    JSON is one bad record there)."""
+    for number, raw in enumerate(handle, start=1):
+        where = f"{path}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            yield where, "", f"not UTF-8 ({error})"
+            continue
+        if line.strip():
+            yield where, line, ""
+
+
+def _read_json(path: Path, handle) -> Iterator[tuple[str, str, str]]:
+    data = handle.read()  # one JSON value: read whole
+    try:
+        records = json.loads(_decode(path, 1, data))
     except json.JSONDecodeError as error:  # a broken file has no records to skip
         raise UsafError(f"{path}:{error.lineno}: invalid JSON: {error.msg}.") from None
-    if isinstance(data, dict) and isinstance(data.get("data"), list):
-        data = data["data"]
-    if not isinstance(data, list):
+    if isinstance(records, dict) and isinstance(records.get("data"), list):
+        records = records["data"]
+    if not isinstance(records, list):
         raise UsafError(f'{path}: a .json data file must hold a list of records or {{"data": [records]}}.')
-    for index, record in enumerate(data):
-        yield f"{path}[{index}]", record
+    for index, record in enumerate(records):
+        yield f"{path}[{index}]", json.dumps(record), ""
 
 
-def _read_parquet(path: Path) -> Iterator[tuple[str, object]]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UsafError(f"{path}: reading Parquet needs pyarrow: pip install usaf[parquet]") from None
-    try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
-        index = 0
-        for batch in batches:
-            for row in batch.to_pylist():
-                yield f"{path}[{index}]", {key: value for key, value in row.items() if value is not None}
-                index += 1
-    except (OSError, pa.ArrowException) as error:
-        raise UsafError(f"{path}: cannot read Parquet: {error}") from None
-
-
-def _read_text(path: Path) -> Iterator[tuple[str, object]]:
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as error:
-        raise UsafError(f"{path}: not UTF-8 ({error}).") from None
+def _read_text(path: Path, handle) -> Iterator[tuple[str, str, str]]:
+    """One {"text"} record per blank-line-separated block, located by the block's first line."""
     block: list[str] = []
-    first_line = 0
-    for number, line in enumerate([*lines, ""], start=1):  # the sentinel flushes the last block
+    first_line_number = 0
+    for number, raw in enumerate(
+        itertools.chain(handle, [b""]), start=1
+    ):  # the sentinel flushes the last block
+        line = _decode(path, number, raw).rstrip("\r\n")
         if line.strip():
             if not block:
-                first_line = number
+                first_line_number = number
             block.append(line)
         elif block:
-            yield f"{path}:{first_line}", {"text": "\n".join(block)}
+            yield f"{path}:{first_line_number}", json.dumps({"text": "\n".join(block)}), ""
             block = []
 
 
-READERS = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet, "text": _read_text}
+READERS = {"jsonl": _read_jsonl, "json": _read_json, "text": _read_text}
+_TABLE_BUILDERS = {
+    "csv": ("csv", {}),
+    "tsv": ("csv", {"sep": "\t"}),
+    "parquet": ("parquet", {}),
+    "arrow": ("arrow", {}),
+}
+_TABLE_LABELS = {"csv": "CSV", "tsv": "TSV", "parquet": "Parquet", "arrow": "Arrow"}
+
+
+def _raw_rows(path: str, kind: str, compression: str | None) -> Iterator[dict]:
+    """The generator of a file read here (module level: datasets may pickle it)."""
+    try:
+        with _open(Path(path), compression) as handle:
+            for where, text, problem in READERS[kind](Path(path), handle):
+                yield {"where": where, "json": text, "bad": problem}
+    except UsafError:
+        raise
+    except Exception as error:  # a corrupt or truncated archive: OSError, EOFError, lzma.LZMAError, ...
+        raise UsafError(f"{path}: cannot read: {first_line(error)}") from None
+
+
+def _own_file(path: Path, kind: str, compression: str | None, show_progress: bool) -> Source:
+    """Streamed into the datasets cache (bounded memory), once per content: the fingerprint is the file's."""
+    import datasets
+
+    digest = _file_digest(path)
+    strings = {column: datasets.Value("string") for column in ("where", "json", "bad")}
+    try:
+        with progress_bars(show_progress):
+            rows = datasets.Dataset.from_generator(
+                _raw_rows,
+                features=datasets.Features(strings),
+                gen_kwargs={"path": str(path), "kind": kind, "compression": compression},
+                cache_dir=str(cache_root()),
+                fingerprint=f"usaf-{__version__}-raw-{kind}-{digest}",
+            )
+    except ValueError as error:
+        if "corresponds to no data" not in str(error):
+            raise
+        # a file without records: datasets' builder refuses an empty split, the pipeline says "empty" itself
+        rows = datasets.Dataset.from_dict(
+            {column: [] for column in strings}, features=datasets.Features(strings)
+        )
+    except datasets.exceptions.DatasetGenerationError as error:  # datasets wraps what the reader raised
+        cause = error.__cause__
+        if isinstance(cause, UsafError):
+            raise UsafError(str(cause)) from None
+        raise UsafError(f"{path}: cannot read: {first_line(cause or error)}") from None
+    return Source(str(path), rows, digest, located=True)
+
+
+def _csv_header(path: Path, compression: str | None, sep: str) -> list[str]:
+    try:
+        with _open(path, compression) as handle:
+            return next(csv.reader(io.TextIOWrapper(handle, encoding="utf-8", newline=""), delimiter=sep), [])
+    except Exception as error:  # not UTF-8, a corrupt archive, ...
+        raise UsafError(f"{path}: cannot read: {first_line(error)}") from None
+
+
+def _table_file(path: Path, kind: str, compression: str | None, show_progress: bool) -> Source:
+    import datasets
+
+    builder, options = _TABLE_BUILDERS[kind]
+    blank_is_absent = builder == "csv"
+    if blank_is_absent:
+        # every cell as written: pandas would make an answer "4" the number 4 and a text "None" a null; an
+        # empty cell then means an absent key (see Source.blank_is_absent)
+        header = _csv_header(path, compression, options.get("sep", ","))
+        options = {**options, "converters": dict.fromkeys(header, str), "keep_default_na": False}
+    try:
+        with progress_bars(show_progress):
+            rows = datasets.load_dataset(
+                builder, data_files=str(path), split="train", cache_dir=str(cache_root()), **options
+            )
+    except Exception as error:  # pyarrow, pandas and datasets each raise their own kinds
+        raise UsafError(f"{path}: cannot read {_TABLE_LABELS[kind]}: {first_line(error)}") from None
+    return Source(str(path), rows, _file_digest(path), located=False, blank_is_absent=blank_is_absent)
+
+
+def _pick_split(name: str, splits: list[str], split: str):
+    if split not in splits:
+        raise UsafError(
+            f"{name} has no split '{split}'; its splits are {', '.join(splits)} (set data.split, or add "
+            f":SPLIT to the name, e.g. {name}:{splits[0]})."
+        )
+
+
+def _saved_folder(path: Path, split: str, show_progress: bool) -> Source:
+    import datasets
+
+    try:
+        with progress_bars(show_progress):
+            saved = datasets.load_from_disk(str(path))
+    except Exception as error:
+        raise UsafError(f"{path}: cannot read the save_to_disk folder: {first_line(error)}") from None
+    if isinstance(saved, datasets.DatasetDict):
+        _pick_split(str(path), list(saved), split)
+        saved = saved[split]
+    return Source(str(path), saved, saved._fingerprint, located=False)
+
+
+def _hub_snapshot(name: str) -> Path | None:
+    """The dataset repository's files in the hub cache (`huggingface-cli download --repo-type dataset NAME`)."""
+    from huggingface_hub import constants, snapshot_download
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # read once at import by huggingface_hub
+    try:
+        return Path(
+            snapshot_download(repo_id=name, repo_type="dataset", cache_dir=cache, local_files_only=True)
+        )
+    except Exception:  # LocalEntryNotFoundError, or a cache entry without a snapshot
+        return None
+
+
+def _hub_dataset(name: str, split: str, show_progress: bool) -> Source:
+    """A hub dataset from the local caches only: no network (a missing id fails at once, not after retries).
+    First what `datasets.load_dataset(NAME)` left in the datasets cache, then the repository's files in the hub
+    cache."""
+    import datasets
+    from datasets.packaged_modules.cache.cache import Cache
+
+    cache = cache_root()
+    try:
+        # the builder `load_dataset` falls back to offline, called directly so no request is ever made
+        builder = Cache(
+            cache_dir=str(cache), repo_id=name, dataset_name=name.split("/")[-1], version="auto", hash="auto"
+        )
+    except ValueError as error:
+        if "Couldn't find cache" not in str(error):
+            raise UsafError(f"{name}: cannot read the cached hub dataset: {first_line(error)}") from None
+        builder = None
+    if builder is not None:
+        splits = list(builder.info.splits or {})
+        _pick_split(name, splits, split)
+        with progress_bars(show_progress):
+            rows = builder.as_dataset(split=split)
+        return Source(name, rows, rows._fingerprint, located=False)
+    folder = _hub_snapshot(name)
+    if folder is None:
+        raise UsafError(
+            f"{name} is neither a local path nor a hub dataset in the local caches ({cache}, or the hub cache); "
+            f'usaf reads the hub offline: download it first, e.g. python -c "import datasets; '
+            f"datasets.load_dataset('{name}')\"."
+        )
+    try:
+        with progress_bars(show_progress):  # a local folder: datasets infers its splits from the file names
+            loaded = datasets.load_dataset(str(folder), cache_dir=str(cache))
+    except Exception as error:
+        raise UsafError(
+            f"{name}: cannot read its files in the hub cache ({folder}): {first_line(error)}"
+        ) from None
+    _pick_split(name, list(loaded), split)
+    rows = loaded[split]
+    return Source(name, rows, rows._fingerprint, located=False)
+
+
+def _split_suffix(name: str, split: str) -> tuple[str, str]:
+    """`NAME:SPLIT` for a save_to_disk folder or a hub id (a path that exists as given is never split)."""
+    base, colon, suffix = name.rpartition(":")
+    exists = Path(name).expanduser().exists()
+    if colon and suffix and not exists and (Path(base).expanduser().is_dir() or is_hub_id(base)):
+        return base, suffix
+    return name, split
+
+
+def open_source(name: str, split: str = "train", show_progress: bool = False) -> Source:
+    """One entry of data.train / data.eval as raw records."""
+    name, split = _split_suffix(str(name), split)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if any((path / f).is_file() for f in ("dataset_dict.json", "state.json", "dataset_info.json")):
+            return _saved_folder(path, split, show_progress)
+        inside = sorted(str(f) for f in path.iterdir() if f.is_file() and f.suffix.lower() in FILE_KINDS)
+        example = ",".join(inside[:2]) if inside else f"{path}/train.jsonl"
+        raise UsafError(
+            f"{path} is a folder; give the data files in it, comma separated (e.g. --data {example}), or a "
+            "datasets save_to_disk folder."
+        )
+    if not path.exists() and is_hub_id(name):
+        return _hub_dataset(name, split, show_progress)
+    kind, compression = file_kind(path)
+    if not path.is_file():
+        raise UsafError(f"{path}: data file not found.")
+    if kind in READERS:
+        return _own_file(path, kind, compression, show_progress)
+    return _table_file(path, kind, compression, show_progress)
+
+
+def absolute_name(name: str) -> str:
+    """A data entry with its local path absolute (a run's config.yaml must not depend on the cwd); hub ids
+    stay as they are."""
+    base, split = _split_suffix(str(name), "")
+    if is_hub_id(base):
+        return str(name)
+    return os.path.abspath(os.path.expanduser(base)) + (f":{split}" if split else "")
+
+
+def is_missing(name: str) -> bool:
+    """A local data entry that is not there (a resumed run's data moved); hub ids are checked when read."""
+    base, _ = _split_suffix(str(name), "")
+    return not is_hub_id(base) and not Path(base).expanduser().exists()

@@ -13,6 +13,7 @@ import torch
 
 from usaf.base.record import base_difference, base_record, read_run_base_record
 from usaf.config import RunConfig
+from usaf.data.sources import is_missing
 from usaf.errors import UsafError, first_line
 from usaf.files import (
     CONFIG_FILE,
@@ -97,7 +98,7 @@ def check_run_paths(config: RunConfig, run_dir: Path) -> None:
         ("data.eval", config.data.eval, None),
     ):
         for file in files:
-            if not Path(file).exists():
+            if is_missing(file):
                 missing.append((key, file, f"{flag} NEW_FILES" if flag else f"--set {key}=[NEW_FILES]"))
                 break
     if missing:

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from usaf.base.load import load_for_training
 from usaf.config import RunConfig
 from usaf.data import Batches, TokenizedDataset
+from usaf.data.sources import absolute_name
 from usaf.data.templates import template_names
 from usaf.errors import UsafError, first_line
 from usaf.io.published import checkpoint_method
@@ -37,8 +38,8 @@ def absolute_paths(config: RunConfig) -> RunConfig:
     config = copy.deepcopy(config)
     if config.model.path and is_local_path(config.model.path):
         config.model.path = os.path.abspath(os.path.expanduser(config.model.path))
-    config.data.train = [os.path.abspath(os.path.expanduser(str(f))) for f in config.data.train]
-    config.data.eval = [os.path.abspath(os.path.expanduser(str(f))) for f in config.data.eval]
+    config.data.train = [absolute_name(str(f)) for f in config.data.train]
+    config.data.eval = [absolute_name(str(f)) for f in config.data.eval]
     if config.select.file:
         config.select.file = os.path.abspath(os.path.expanduser(config.select.file))
     template = config.data.chat_template
