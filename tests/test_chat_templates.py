@@ -412,6 +412,22 @@ def test_usaf_data_json_shows_what_training_gets(family, model_dirs, tmp_path, c
     assert err.startswith("data: 2 records")
 
 
+def test_usaf_data_json_qwen3_with_a_system_prompt_a_tool_call_and_thinking(model_dirs, tmp_path, capsys):
+    data = tmp_path / "tools.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."}, *TOOL_CHAT]}) + "\n")
+    assert (
+        main(["data", "--model", str(model_dirs["qwen3"]), "--data", str(data), "--show", "1", "--json"]) == 0
+    )
+    row = json.loads(capsys.readouterr().out)
+    tokenizer = family_tokenizer("qwen3")
+    call = '<tool_call>\n{"name": "get", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert supervised(tokenizer, row["input_ids"], row["labels"]) == [
+        f"<think>\n\n</think>\n\n{call}<|im_end|>\n",
+        "<think>\nit said cold\n</think>\n\nCold.<|im_end|>\n",
+    ]
+    assert "Be brief." in tokenizer.decode(row["input_ids"])
+
+
 def test_usaf_data_marks_the_supervised_text(model_dirs, tmp_path, capsys):
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": CHAT}) + "\n")
