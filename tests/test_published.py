@@ -21,6 +21,7 @@ from usaf.export.delta import read_delta
 from usaf.io import published
 from usaf.io.shards import read_header, read_tensor
 from usaf.quant import fp8, mxfp4
+from usaf.store.quantized import QuantizedStore
 from usaf.testing.published import make_fp8_moe, make_mxfp4_gpt_oss
 
 BLOCK = 8  # the tiny FP8 checkpoint's weight_block_size (128 in the published ones)
@@ -104,6 +105,13 @@ def test_the_store_holds_the_published_bytes_and_trains_like_transformers_dequan
     assert not any(t["kind"] == "experts" and t["format"] == "none" for t in metadata["tensors"].values())
 
     model = load_prepared(store, folder, usaf.UsafConfig(**CONFIG), device="cpu", dtype=torch.float32)
+    stores = [  # the expert weights (not gpt-oss's biases): published bytes, dequantized per forward
+        store
+        for m in model.modules()
+        for key, store in getattr(getattr(m, "usaf", None), "stores", {}).items()
+        if not key.endswith("_bias")
+    ]
+    assert stores and all(isinstance(s, QuantizedStore) and s.format_name == method for s in stores)
     plain = reference(folder, kind).float()
     dense = dict(plain.named_parameters())
     for key, change in usaf.get_delta(

@@ -25,6 +25,7 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def quantization_config(config) -> dict | None:
+    """A config's (dict or transformers config) quantization_config as a dict, None when it has none."""
     qc = (
         getattr(config, "quantization_config", None)
         if not isinstance(config, dict)
@@ -36,7 +37,7 @@ def quantization_config(config) -> dict | None:
 
 
 def published_method(config, where: str | Path) -> str | None:
-    """ "mxfp4" or "fp8" for a checkpoint published in those formats, None for a full-precision one; any other
+    """The published format of a checkpoint's config ("mxfp4", "fp8"), None for a full-precision one; any other
     quantization is refused in one line (`where`: the folder, for the message)."""
     qc = quantization_config(config)
     if not qc:
@@ -75,8 +76,8 @@ def checkpoint_method(path: str | Path) -> str | None:
 
 
 def quant_for(path: str | Path, requested: str) -> str:
-    """The frozen experts' format of a run on the checkpoint at `path`: a published checkpoint's own format
-    (saying so in one line when another one was asked for), else `requested`."""
+    """The frozen experts' format of a run on the checkpoint at `path`: a published checkpoint's own format,
+    said in one line (naming `requested` when another one was asked for), else `requested`."""
     method = checkpoint_method(path)
     if method is None:
         return requested

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -12,3 +12,4 @@ class Descriptor:
     bits: float  # stored bits per weight, codes and constants together
     temporaries: int  # bytes per element a dequantization holds besides its output
     published: bool = False  # read as a checkpoint publishes it; usaf never quantizes into it
+    constants: dict = field(default_factory=dict)  # the format's block / group sizes

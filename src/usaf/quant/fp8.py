@@ -13,13 +13,14 @@ from usaf.errors import UsafError
 from usaf.quant.descriptor import Descriptor
 
 BLOCK = (128, 128)
-# the fp32 widening of the values and of the expanded scales, and the product
+# the values widened to fp32 (scaled in place, whole blocks) and their rounding to the checkpoint's dtype
 DESCRIPTOR = Descriptor(
     "fp8",
     "FP8 (e4m3) as published, one fp32 scale per 128x128 block",
     8 + 32 / (128 * 128),
-    12,
+    6,
     published=True,
+    constants={"block": BLOCK},
 )
 
 

@@ -11,11 +11,11 @@ import torch
 
 from usaf.quant.descriptor import Descriptor
 
-DESCRIPTOR = Descriptor(
-    "int4", "int4, fp16 scale and offset per group of 64", 4.5, 9
-)  # nibbles, fp32 codes and result
-
 GROUP_SIZE = 64
+# temporaries: the unpacked nibbles, their fp32 codes and the fp32 result
+DESCRIPTOR = Descriptor(
+    "int4", "int4, fp16 scale and offset per group of 64", 4.5, 9, constants={"group_size": GROUP_SIZE}
+)
 
 
 def _padded(cols: int, group_size: int) -> int:

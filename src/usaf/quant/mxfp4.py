@@ -17,7 +17,12 @@ BLOCK_SIZE = 32
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # fp32 values (4 B), int32 codes (2 B a value) and the gathered half (2 B) before the cast to the output dtype
 DESCRIPTOR = Descriptor(
-    "mxfp4", "MXFP4 as published, one 8-bit exponent scale per 32 weights", 4.25, 8, published=True
+    "mxfp4",
+    "MXFP4 as published, one 8-bit exponent scale per 32 weights",
+    4.25,
+    8,
+    published=True,
+    constants={"block_size": BLOCK_SIZE},
 )
 
 

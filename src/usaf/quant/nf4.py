@@ -9,9 +9,11 @@ import torch
 
 from usaf.quant.descriptor import Descriptor
 
-DESCRIPTOR = Descriptor("nf4", "NF4, one fp32 absmax per 64 weights", 4.5, 0)  # the kernel writes the dtype
-
 BLOCK_SIZE = 64
+# the kernel writes the dtype: no temporaries
+DESCRIPTOR = Descriptor(
+    "nf4", "NF4, one fp32 absmax per 64 weights", 4.5, 0, constants={"block_size": BLOCK_SIZE}
+)
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hpu": "HPU"}
 
 
