@@ -34,6 +34,15 @@ def write_copy_task(path: Path, count: int, seed: int = 0) -> Path:
 
 
 # 0.1.0's default targets: what the tests of the experts engine, routers and selection are about
+# a multi-turn chat with a system prompt, shared by the data and chat-template tests
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "and 3+3?"},
+    {"role": "assistant", "content": "6"},
+]
+
 EXPERTS_AND_ROUTERS = ["experts", "routers"]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import trl
+from helpers import CHAT
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
@@ -68,13 +69,6 @@ FAMILIES = {
         "<|eot_id|>",
     ),
 }
-CHAT = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "2+2?"},
-    {"role": "assistant", "content": "4"},
-    {"role": "user", "content": "and 3+3?"},
-    {"role": "assistant", "content": "6"},
-]
 # what the model generates in each assistant turn of CHAT, its end-of-turn token included
 EXPECTED = {
     # TRL's training variant renders the (empty) reasoning block in every turn: the model emits it

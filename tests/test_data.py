@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import CHAT
 from transformers import AutoTokenizer
 
 from usaf.data import IGNORE_INDEX, Batches, collate, load_dataset
@@ -15,13 +16,6 @@ from usaf.errors import UsafError
 from usaf.testing.tiny import tiny_model
 from usaf.train.tokenizer import char_tokenizer
 
-CHAT = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "2+2?"},
-    {"role": "assistant", "content": "4"},
-    {"role": "user", "content": "and 3+3?"},
-    {"role": "assistant", "content": "6"},
-]
 MIXED = [
     {"text": "Hello world."},
     {"prompt": "Q: sky? A: ", "completion": "blue"},

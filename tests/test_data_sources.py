@@ -14,7 +14,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import make_model_dir
+from helpers import CHAT, make_model_dir
 
 import usaf.data.tokenize as tokenize
 from usaf.cli import main
@@ -22,13 +22,6 @@ from usaf.data import IGNORE_INDEX, load_dataset
 from usaf.errors import UsafError
 from usaf.train.tokenizer import char_tokenizer
 
-CHAT = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "2+2?"},
-    {"role": "assistant", "content": "4"},
-    {"role": "user", "content": "and 3+3?"},
-    {"role": "assistant", "content": "6"},
-]
 PAIRS = [{"prompt": f"copy {w} ->", "completion": f" {w}"} for w in ("abc", "fed", "bad", "cab")]
 
 
