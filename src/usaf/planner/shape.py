@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from usaf.errors import UsafError
+from usaf.errors import UsafError, first_line
 from usaf.model.layout import find_moe_layers, intermediate_size
 from usaf.model.targets import DENSE_TARGETS, find_target_weights
 
@@ -135,7 +135,7 @@ def model_shape(config: dict, name: str = "model") -> ModelShape:
         raise
     except Exception as err:
         warnings.warn(
-            f"transformers cannot build {name} ({type(err).__name__}: {err}); planning from formulas.",
+            f"transformers cannot build {name} ({type(err).__name__}: {first_line(err)}); planning from formulas.",
             stacklevel=2,
         )
         return _shape_from_formulas(config, name)
