@@ -13,7 +13,7 @@ from usaf.errors import UsafError
 def collate(rows: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad rows to the longest: input_ids with pad_id, labels with -100, position_ids restarting at 0.
 
-    No attention_mask: see the module docstring (packing needs it absent; right padding never needs it).
+    No attention_mask: see usaf.data's docstring (packing needs it absent; right padding never needs it).
     """
     width = max(len(row["input_ids"]) for row in rows)
     batch = {
