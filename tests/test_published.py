@@ -232,3 +232,29 @@ def test_other_quantizations_and_damaged_layouts_are_refused_in_one_line(checkpo
     assert published.quant_for(checkpoints["mxfp4"], "nf4") == "mxfp4"
     assert "model.quant=nf4: " in capsys.readouterr().err
     assert published.quant_for(tmp_path, "nf4") == "nf4"  # not a published checkpoint
+
+
+def test_a_cached_hub_id_of_a_published_checkpoint_trains_from_its_snapshot_folder(
+    checkpoints, tmp_path, monkeypatch, capsys
+):
+    """`--model openai/gpt-oss-20b` as users write it: the hub cache's snapshot folder is read like a local
+    checkpoint (the published format, the base recorded), not handed to transformers' loader."""
+    import huggingface_hub
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someorg--tiny-gpt-oss"
+    shutil.copytree(checkpoints["mxfp4"], repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("USAF_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": f"copy {w} {w}"}) + "\n" for w in "abcdef"))
+    sets = ["schedule.max_steps=1", "data.max_seq_len=32", "select.density=0.05", "log.progress=false"]
+    sets += ["log.tensorboard=false", "data.eval_fraction=0"]
+    run = tmp_path / "run"
+    args = ["train", "--model=someorg/tiny-gpt-oss", f"--data={data}", f"--out={run}"]
+    assert main([*args, *[f"--set={s}" for s in sets]]) == 0
+    assert "published MXFP4 checkpoint: its experts stay mxfp4" in capsys.readouterr().err
+    assert str(repo / "snapshots" / revision) in (run / "config.yaml").read_text()
+    assert (run / "base.json").is_file()  # the base's identity, checked by a later export --base

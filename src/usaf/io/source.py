@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import huggingface_hub
 import torch
 from torch import nn
 
@@ -355,6 +356,17 @@ class SourceCheckpoint:
         for key in keys:
             self.verify(key)
         return {key: self.checksums[key] for key in keys}
+
+
+def cached_model_folder(repo_id: str) -> Path | None:
+    """The local hub cache's snapshot folder of the model `repo_id` (None when it is not cached). A cached hub id is
+    read from that folder like any local checkpoint: a published MXFP4/FP8 base, a quantized store and the run's
+    record of its base all need the files, not transformers' loader."""
+    try:
+        folder = Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached (LocalEntryNotFoundError), not a repo id (HFValidationError), ...
+        return None
+    return folder if (folder / "config.json").is_file() else None
 
 
 def check_model_files(path: str) -> None:

@@ -23,7 +23,7 @@ from usaf.data.sources import absolute_name
 from usaf.data.templates import template_names
 from usaf.errors import UsafError, first_line
 from usaf.io.published import checkpoint_method
-from usaf.io.source import check_model_files
+from usaf.io.source import cached_model_folder, check_model_files
 from usaf.model.hf import decoder_body
 from usaf.prepare import current_selection, enable_recomputation, prepare_model
 from usaf.selection.choose import resolved_selection
@@ -33,11 +33,13 @@ from usaf.train.tokenizer import has_tokenizer_files, model_vocabulary
 
 
 def absolute_paths(config: RunConfig) -> RunConfig:
-    """A copy of `config` with its local paths absolute (model.path unless a hub id, data files, select.file,
-    a data.chat_template file)."""
+    """A copy of `config` with its local paths absolute (model.path, a cached hub id's its snapshot folder; data
+    files, select.file, a data.chat_template file)."""
     config = copy.deepcopy(config)
     if config.model.path and is_local_path(config.model.path):
         config.model.path = os.path.abspath(os.path.expanduser(config.model.path))
+    else:
+        config.model.path = local_model_path(config.model.path)
     config.data.train = [absolute_name(str(f)) for f in config.data.train]
     config.data.eval = [absolute_name(str(f)) for f in config.data.eval]
     if config.select.file:
@@ -46,6 +48,12 @@ def absolute_paths(config: RunConfig) -> RunConfig:
     if template and template not in template_names() and Path(template).expanduser().is_file():
         config.data.chat_template = os.path.abspath(os.path.expanduser(template))
     return config
+
+
+def local_model_path(path: str) -> str:
+    """`path`, or for a hub id in the local cache its snapshot folder (read like any local checkpoint)."""
+    cached = cached_model_folder(path) if path and not is_local_path(path) else None
+    return str(cached) if cached is not None else path
 
 
 def is_local_path(path: str) -> bool:
@@ -213,6 +221,9 @@ def open_session(
     the packing check: a family whose attention ignores restarting position_ids (gpt-oss in transformers 5.24)
     would let packed documents attend to each other, so each document then gets its own row. `calibrate`: the
     selection calibrates on the training data (in its own order); `recompute`: None lets train.recompute decide."""
+    if (folder := local_model_path(config.model.path)) != config.model.path:
+        config = copy.deepcopy(config)
+        config.model.path = folder
     device = distributed.local_device(
         runtime.resolve_device(config.model.device)
     )  # cuda:LOCAL_RANK under torchrun
