@@ -44,7 +44,7 @@ from usaf.io.source import SourceCheckpoint
 from usaf.model.hf import build_skeleton, compute_missing_buffers, mark_loaded
 from usaf.model.layout import expert_weight_names, find_moe_layers
 from usaf.prepare import enable_recomputation, prepare_model
-from usaf.quant import default_device, get_format, resolve_format
+from usaf.quant import PUBLISHED, default_device, get_format, resolve_format
 from usaf.quant import int4 as int4_format
 from usaf.quant import int8 as int8_format
 from usaf.quant import nf4 as nf4_format
@@ -445,7 +445,8 @@ def load_for_training(
             )
         recorded = Path(metadata["source"]["dir"])
         source = recorded if (recorded / "config.json").exists() else None
-        if source is None:
+        # a published format's dequantized base is the original: nothing is lost without the source
+        if source is None and metadata["quant"] not in PUBLISHED:
             warnings.warn(
                 f"{recorded}, the checkpoint {store} was prepared from, is gone: the trained values start from the "
                 "dequantized base rather than the original weights.",
