@@ -327,6 +327,21 @@ def test_every_record_shape_gives_the_rows_of_its_usaf_record(tok, tmp_path, sha
         assert NOTES[shape] in stats.summary()
 
 
+def test_a_conversational_prompt_is_normalized_like_messages(tok, tmp_path):
+    """The prompt is rendered from the same normalized messages as the whole conversation: a developer turn and
+    an assistant example with content parts are context, not a template error or a refused record."""
+    prompt = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "4"}]},
+        {"role": "user", "content": "and 3+3?"},
+    ]
+    rows, _ = rows_of(tok, [write_jsonl(tmp_path / "d.jsonl", [{"prompt": prompt, "completion": CHAT[4:]}])])
+    [(ids, labels)] = rows
+    assert tok.decode(ids) == tok.apply_chat_template(CHAT, tokenize=False)
+    assert supervised(tok, ids, labels) == ["6<eos>"]
+
+
 BAD_SHAPES = [
     (
         {"prompt": "q", "completion": [CHAT[2]]},

@@ -447,7 +447,9 @@ def _supervised(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) ->
     return mask
 
 
-def _encode(tokenizer, messages: list[dict], tools, template: str) -> tuple[list[int], list[int]]:
+def _encode(
+    tokenizer, messages: list[dict], tools, template: str, context: int = 0
+) -> tuple[list[int], list[int]]:
     full = _render(tokenizer, messages, tools)
     marked = bool(_GENERATION_MARKER.search(template))
     if marked:
@@ -460,10 +462,19 @@ def _encode(tokenizer, messages: list[dict], tools, template: str) -> tuple[list
     if not marked:
         for token in _stop_tokens(tokenizer, messages, tools, full, spans, offsets):
             mask[token] = True
+    if context:  # the first `context` messages are the prompt: their assistant turns (few-shot examples) too
+        before = _render(tokenizer, messages[:context], tools, add_generation_prompt=True)
+        if not full.startswith(before):
+            raise BadRecord(
+                "cannot tell the prompt's tokens from the completion's: the chat template renders the prompt "
+                "differently once the completion follows"
+            )
+        mask = [keep and start >= len(before) for keep, (start, _) in zip(mask, offsets, strict=True)]
     return ids, [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask, strict=True)]
 
 
-def encode_messages(record: dict, tokenizer) -> tuple[list[int], list[int]]:
+def encode_messages(record: dict, tokenizer, context: int = 0) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of a chat record: the assistant turns after the first `context` messages supervised."""
     messages, tools = check_messages(record)
     try:
         template = tokenizer.get_chat_template(tools=tools)
@@ -471,13 +482,13 @@ def encode_messages(record: dict, tokenizer) -> tuple[list[int], list[int]]:
         raise BadRecord(f"the chat template failed: {first_line(error)}") from None
     messages = _fit_roles(messages, template)
     try:
-        return _encode(tokenizer, messages, tools, template)
+        return _encode(tokenizer, messages, tools, template, context)
     except BadRecord:
         if not any("tool_calls" in message for message in messages):
             raise
         failed = sys.exc_info()[1]
     try:  # dict arguments are what transformers documents, but some templates only concatenate strings
-        return _encode(tokenizer, _string_arguments(messages), tools, template)
+        return _encode(tokenizer, _string_arguments(messages), tools, template, context)
     except BadRecord:
         raise failed from None
 

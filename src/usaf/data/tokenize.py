@@ -89,20 +89,11 @@ class Settings:
 
 
 def encode_chat_completion(record: dict, tokenizer) -> tuple[list[int], list[int]]:
-    """Conversational prompt/completion: one conversation, only the completion's assistant turns supervised."""
-    prompt, tools = record["prompt"], record.get("tools")
-    ids, labels = encode_messages({"messages": prompt + record["completion"], "tools": tools}, tokenizer)
-    if any(message.get("role") == "assistant" for message in prompt):
-        # assistant turns of the prompt (few-shot examples) are context: mask the prompt's own rendering
-        text = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
-        prefix = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if ids[: len(prefix)] != prefix:
-            raise BadRecord(
-                "cannot tell the prompt's tokens from the completion's: the chat template renders the prompt "
-                "differently once the completion follows"
-            )
-        labels[: len(prefix)] = [IGNORE_INDEX] * len(prefix)
-    return ids, labels
+    """Conversational prompt/completion: one conversation, only the completion's assistant turns supervised (the
+    prompt's, few-shot examples, are context)."""
+    prompt = record["prompt"]
+    messages = {"messages": prompt + record["completion"], "tools": record.get("tools")}
+    return encode_messages(messages, tokenizer, context=len(prompt))
 
 
 ENCODERS = {
