@@ -342,6 +342,14 @@ def test_a_conversational_prompt_is_normalized_like_messages(tok, tmp_path):
     assert supervised(tok, ids, labels) == ["6<eos>"]
 
 
+def test_reasoning_under_any_of_its_names_reaches_the_template(tok, tmp_path):
+    turns = [CHAT[1], {"role": "assistant", "reasoning": "add", "content": "4"}]
+    rows, stats = rows_of(tok, [write_jsonl(tmp_path / "d.jsonl", [{"messages": turns}])])
+    as_content = [CHAT[1], {"role": "assistant", "reasoning_content": "add", "content": "4"}]
+    assert rows == rows_of(tok, [write_jsonl(tmp_path / "c.jsonl", [{"messages": as_content}])])[0]
+    assert "ignored message keys" not in stats.summary()
+
+
 BAD_SHAPES = [
     (
         {"prompt": "q", "completion": [CHAT[2]]},

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 
 from usaf.data.records import BadRecord
+from usaf.data.templates import MESSAGE_KEYS
 
 # A shape is recognised by any of its trigger keys; then its required keys must all be there.
 SHAPES = [  # (shape, trigger keys, required keys, optional keys)
@@ -35,8 +36,6 @@ EXPECTED = (
     "e.g. data.columns={prompt: question, completion: answer}"
 )
 
-# What a message may carry; other keys are dropped (and named in a note). Chat templates read these.
-MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "thinking"}
 # sharegpt speakers -> OpenAI roles
 SHAREGPT_ROLES = {
     "human": "user",

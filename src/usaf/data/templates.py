@@ -23,9 +23,10 @@ from usaf.engine.loss import IGNORE_INDEX
 from usaf.errors import UsafError, first_line
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "thinking")
 # one reasoning text under the names templates read: Qwen3, GLM and DeepSeek read reasoning_content, gpt-oss thinking
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+# what a message may carry; shapes drops other keys (and names them in a note)
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", *REASONING_KEYS}
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TEMPLATE_ALIASES = {"chatml": "qwen2_5"}  # TRL names ChatML after Qwen2.5, whose template it is
 _MAX_TEMPLATE_BYTES = 1 << 20  # a chat template is a few KB; anything larger is not one
