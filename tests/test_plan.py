@@ -184,7 +184,20 @@ def test_published_mxfp4_and_fp8_presets_are_planned_as_published_and_against_a_
     assert fp8["frozen experts"].device == shape.expert_weights
     blocks = sum(n * -(-r // 128) * -(-c // 128) for n, r, c in shape.expert_matrices)
     assert fp8["quantization constants"].device == 4 * blocks
-    assert planner.published_format({"quantization_config": {"quant_method": "gptq"}}) is None
+
+
+@pytest.mark.parametrize(
+    ("quantization", "error"),
+    [
+        ({"quant_method": "gptq"}, "quant_method is 'gptq'"),
+        ({"quant_method": "fp8"}, "no weight_block_size"),  # per-tensor FP8: usaf train refuses it too
+    ],
+)
+def test_a_quantization_usaf_train_refuses_is_refused_by_plan_too(capsys, tmp_path, quantization, error):
+    _, config = planner.load_model_config("qwen3-30b-a3b")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    code, out, err = run_cli(capsys, "--model", str(tmp_path), "--vram", "24GB", "--ram", "64GB")
+    assert code == 2 and error in err and len(err.strip().splitlines()) == 1 and not out
 
 
 def test_sparse_state_counts_every_byte_per_entry_and_neurons_need_no_index():

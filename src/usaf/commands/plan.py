@@ -170,6 +170,7 @@ def _device(args) -> tuple:
 
 def run(args: argparse.Namespace) -> int:
     from usaf import planner
+    from usaf.io.published import published_method
 
     _check_numbers(args)
     device, vram = _device(args)
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     if not model:
         raise UsafError("usaf plan needs --model (or --config with a model.path).")
     name, config = planner.load_model_config(model)
-    method = planner.published_format(config)
+    method = published_method(config, model)  # any other quantization: refused as usaf train refuses it
     if method is not None:  # its experts are planned as published, as usaf train keeps them
         settings = settings.replace(quant=method)
     shape = planner.model_shape(config, name)

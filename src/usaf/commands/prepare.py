@@ -43,6 +43,7 @@ def add_command(subparsers) -> None:
 def _run(args) -> int:
     from usaf.base.load import prepare_store, read_store_metadata
     from usaf.planner.sizes import format_size
+    from usaf.quant import PUBLISHED
 
     _check_model_dir(Path(args.model_dir))
     start = time.time()
@@ -59,7 +60,7 @@ def _run(args) -> int:
     stored = sum(info["size"] for info in metadata["files"].values())
     source = sum(Path(args.model_dir, name).stat().st_size for name in metadata["source"]["files"])
     experts = sum(1 for t in metadata["tensors"].values() if t["kind"] == "experts")
-    if metadata["quant"] in ("mxfp4", "fp8"):
+    if metadata["quant"] in PUBLISHED:
         note = " (published: the checkpoint's own bytes, not re-quantized)"
     else:
         note = "" if metadata["quant"] == args.quant else f" (bitsandbytes has no {args.quant} kernels here)"

@@ -18,9 +18,9 @@ import torch
 
 from usaf.errors import UsafError
 from usaf.io import shards
-from usaf.quant import fp8, mxfp4
+from usaf.quant import PUBLISHED, fp8, mxfp4
 
-METHODS = ("mxfp4", "fp8")
+METHODS = tuple(PUBLISHED)  # the quant_method names of the formats read as published
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 

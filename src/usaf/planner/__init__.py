@@ -14,7 +14,7 @@ from usaf.planner.ledger import (
     trained_entries,
     trained_router_params,
 )
-from usaf.planner.search import Verdict, decide, published_format, published_line, search
+from usaf.planner.search import Verdict, decide, published_line, search
 from usaf.planner.settings import (
     DEVICES,
     DTYPE_BYTES,
@@ -57,7 +57,6 @@ __all__ = [
     "model_shape",
     "parse_size",
     "plan",
-    "published_format",
     "published_line",
     "run_optimizer",
     "search",

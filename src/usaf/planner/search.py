@@ -11,7 +11,6 @@ from usaf.planner.ledger import Plan, plan, stored_bytes
 from usaf.planner.settings import DEVICES, DTYPE_BYTES, QUANT_ORDER, Device, PlanSettings, default_dtype
 from usaf.planner.shape import ModelShape
 from usaf.planner.sizes import format_size
-from usaf.quant import PUBLISHED
 
 
 @dataclass
@@ -115,13 +114,6 @@ def search(
 
 
 SMALL_CARD = "rtx-3060-12gb"
-
-
-def published_format(config: dict) -> str | None:
-    """The published format ("mxfp4", "fp8") a model's config.json declares in its quantization_config, else None."""
-    qc = config.get("quantization_config")
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
-    return method if method in PUBLISHED else None
 
 
 def published_line(shape: ModelShape, settings: PlanSettings, device: Device, ram, residency: str) -> str:
