@@ -8,6 +8,8 @@ parameter matrix [rows, cols], blocks are [cols, rows/32, 16] and scales [cols, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from usaf.errors import UsafError
@@ -35,12 +37,18 @@ def quantize(weight: torch.Tensor):
     raise UsafError("mxfp4 is read as a checkpoint publishes it; usaf does not quantize into it.")
 
 
+@functools.cache
+def _lookup_table(device: torch.device) -> torch.Tensor:
+    """FP4 code -> value, once per device: a forward dequantizes per layer and chunk, each a host-to-device copy."""
+    return torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+
+
 def dequantize(parts: dict[str, torch.Tensor], rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """parts of k matrices ({"blocks": [k, cols, rows/32, 16], "scales": [k, cols, rows/32]}) -> [k, rows, cols]."""
     groups = rows // BLOCK_SIZE
     blocks = parts["blocks"].reshape(-1, cols, groups, BLOCK_SIZE // 2)
     scales = parts["scales"].reshape(-1, cols, groups)
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    lut = _lookup_table(blocks.device)
     values = torch.empty(*blocks.shape[:-1], BLOCK_SIZE, dtype=torch.float32, device=blocks.device)
     values[..., 0::2] = lut[(blocks & 0x0F).int()]
     values[..., 1::2] = lut[(blocks >> 4).int()]
