@@ -258,3 +258,22 @@ def test_a_cached_hub_id_of_a_published_checkpoint_trains_from_its_snapshot_fold
     assert "published MXFP4 checkpoint: its experts stay mxfp4" in capsys.readouterr().err
     assert str(repo / "snapshots" / revision) in (run / "config.yaml").read_text()
     assert (run / "base.json").is_file()  # the base's identity, checked by a later export --base
+
+
+def test_an_unquantized_expert_tensor_in_a_published_checkpoint_is_one_line(tmp_path, capsys):
+    folder = make_mxfp4_gpt_oss(tmp_path / "gpt-oss")
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(path)
+        blocks = [k for k in tensors if k.endswith("layers.0.mlp.experts.gate_up_proj_blocks")]
+        if blocks:
+            plain = blocks[0].removesuffix("_blocks")
+            experts, cols, groups, _ = tensors.pop(blocks[0]).shape
+            tensors.pop(plain + "_scales")
+            tensors[plain] = torch.zeros(experts, groups * mxfp4.BLOCK_SIZE, cols, dtype=torch.bfloat16)
+            save_file(tensors, path, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    assert not index.exists()  # one shard: no index to rewrite
+    assert main(["prepare", str(folder), "--out", str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err
+    assert "gate_up_proj' in" in err and "is not quantized although the checkpoint declares mxfp4" in err
+    assert "Traceback" not in err and not (tmp_path / "store").exists()

@@ -213,8 +213,4 @@ def _derived(entry, name, dtype, shape, parts, rows, derive) -> shards.DerivedEn
     return shards.DerivedEntry(entry.file, name, dtype, tuple(shape), 0, nbytes, parts, rows, derive)
 
 
-def is_derived(entry: shards.TensorEntry) -> bool:
-    return isinstance(entry, shards.DerivedEntry)
-
-
 PART_NAMES = {"mxfp4": ("blocks", "scales"), "fp8": ("data", "scale_inv")}

@@ -107,6 +107,7 @@ class SourceCheckpoint:
         self.checksums: dict[str, str] = {}
         self.expected_checksums: dict[str, str] = {}  # from a store's metadata: what reads must match
         self._whole_stack: tuple[str, torch.Tensor] | None = None
+        self._whole_parts: dict[str, tuple[str, torch.Tensor]] = {}  # the same, per published part
 
     # ---- mapping -------------------------------------------------------------------------------------------
 
@@ -304,8 +305,10 @@ class SourceCheckpoint:
         return out.reshape(flat_indices.shape)
 
     def release(self) -> None:
-        """Drop the whole stack `build_expert` may have built for an expert-mixing conversion (memory bound)."""
+        """Drop the whole stack `build_expert` (or `expert_parts`) may have built for an expert-mixing conversion
+        (memory bound)."""
         self._whole_stack = None
+        self._whole_parts = {}
 
     def expert_parts(self, name: str, expert: int, load=None) -> dict[str, torch.Tensor]:
         """Expert `expert` of the fused expert tensor `name` as the published checkpoint stores it: its quantized
@@ -318,6 +321,11 @@ class SourceCheckpoint:
         for i, part in enumerate(names):
 
             def read(key, i=i):
+                if not isinstance(self.entries[key], shards.DerivedEntry):
+                    raise UsafError(
+                        f"Tensor '{key}' in {self.entries[key].file} is not quantized although the checkpoint "
+                        f"declares {self.published} experts; use the model's bf16 checkpoint."
+                    )
                 entry = self.entries[key].parts[i]
                 if load is not None:
                     return load(entry, row)
@@ -327,8 +335,12 @@ class SourceCheckpoint:
                 out[part] = read(group.keys()[0])
             elif target.per_expert:
                 out[part] = self._convert(group, self._expert_sources(group, expert), read)[name][0]
-            else:
+            elif load is not None:
                 out[part] = self._convert(group, group.sources, read)[name][expert]
+            else:  # a conversion that mixes experts: the whole stack once per part (as build_expert), then rows
+                if self._whole_parts.get(part, (None,))[0] != name:
+                    self._whole_parts[part] = (name, self._convert(group, group.sources, read)[name])
+                out[part] = self._whole_parts[part][1][expert]
         return out
 
     def expert_part_shapes(self, name: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
