@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import string
+import time
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,15 @@ def test_messages_are_normalized_for_the_templates():
     assert messages[3]["tool_calls"] == [
         {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
     ]
+
+
+def test_a_conversation_of_too_many_turns_is_refused_at_once():
+    tokenizer = family_tokenizer("qwen2_5")
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 5_000
+    began = time.monotonic()
+    with pytest.raises(BadRecord, match="10,000 turns; usaf encodes at most 512"):
+        encode(tokenizer, turns)
+    assert time.monotonic() - began < 1
 
 
 @pytest.mark.parametrize(

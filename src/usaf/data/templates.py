@@ -27,6 +27,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 # what a message may carry; shapes drops other keys (and names them in a note)
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", *REASONING_KEYS}
+MAX_MESSAGES = 512
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TEMPLATE_ALIASES = {"chatml": "qwen2_5"}  # TRL names ChatML after Qwen2.5, whose template it is
 _MAX_TEMPLATE_BYTES = 1 << 20  # a chat template is a few KB; anything larger is not one
@@ -131,6 +132,13 @@ def check_messages(record: dict) -> tuple[list[dict], list | None]:
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise BadRecord("'messages' must be a non-empty list")
+    if (
+        len(messages) > MAX_MESSAGES
+    ):  # locating turns renders the chat once per turn: time grows as turns squared
+        raise BadRecord(
+            f"'messages' has {len(messages):,} turns; usaf encodes at most {MAX_MESSAGES:,} a record: split the "
+            "conversation into several records"
+        )
     cleaned = [_check_message(message, f"messages[{index}]") for index, message in enumerate(messages)]
     if not any(message["role"] == "assistant" for message in cleaned):
         raise BadRecord("'messages' has no assistant turn: nothing to learn")
