@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from usaf.errors import UsafError, first_line
+from usaf.io.source import cached_snapshot
 from usaf.version import __version__
 
 # read here (records located by line or index)
@@ -268,19 +269,6 @@ def _saved_folder(path: Path, split: str, show_progress: bool) -> Source:
     return Source(str(path), saved, saved._fingerprint, located=False)
 
 
-def _hub_snapshot(name: str) -> Path | None:
-    """The dataset repository's files in the hub cache (`huggingface-cli download --repo-type dataset NAME`)."""
-    from huggingface_hub import constants, snapshot_download
-
-    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # read once at import by huggingface_hub
-    try:
-        return Path(
-            snapshot_download(repo_id=name, repo_type="dataset", cache_dir=cache, local_files_only=True)
-        )
-    except Exception:  # LocalEntryNotFoundError, or a cache entry without a snapshot
-        return None
-
-
 def _hub_dataset(name: str, split: str, show_progress: bool) -> Source:
     """A hub dataset from the local caches only: no network (a missing id fails at once, not after retries).
     First what `datasets.load_dataset(NAME)` left in the datasets cache, then the repository's files in the hub
@@ -304,7 +292,7 @@ def _hub_dataset(name: str, split: str, show_progress: bool) -> Source:
         with progress_bars(show_progress):
             rows = builder.as_dataset(split=split)
         return Source(name, rows, rows._fingerprint, located=False)
-    folder = _hub_snapshot(name)
+    folder = cached_snapshot(name, repo_type="dataset")
     if folder is None:
         raise UsafError(
             f"{name} is neither a local path nor a hub dataset in the local caches ({cache}, or the hub cache); "

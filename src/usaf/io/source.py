@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -370,15 +371,26 @@ class SourceCheckpoint:
         return {key: self.checksums[key] for key in keys}
 
 
-def cached_model_folder(repo_id: str) -> Path | None:
-    """The local hub cache's snapshot folder of the model `repo_id` (None when it is not cached). A cached hub id is
-    read from that folder like any local checkpoint: a published MXFP4/FP8 base, a quantized store and the run's
-    record of its base all need the files, not transformers' loader."""
+def cached_snapshot(repo_id: str, repo_type: str = "model") -> Path | None:
+    """The local hub cache's snapshot folder of `repo_id` (None when it is not cached), never the network."""
+    # huggingface_hub reads HF_HUB_CACHE once, at import: a value set later (a test, a launcher) is read here
+    cache = os.environ.get("HF_HUB_CACHE") or huggingface_hub.constants.HF_HUB_CACHE
     try:
-        folder = Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
+        return Path(
+            huggingface_hub.snapshot_download(
+                repo_id, repo_type=repo_type, cache_dir=cache, local_files_only=True
+            )
+        )
     except Exception:  # not cached (LocalEntryNotFoundError), not a repo id (HFValidationError), ...
         return None
-    return folder if (folder / "config.json").is_file() else None
+
+
+def cached_model_folder(repo_id: str) -> Path | None:
+    """The snapshot folder of a cached hub model (None when it is not cached). A cached hub id is read from that
+    folder like any local checkpoint: a published MXFP4/FP8 base, a quantized store and the run's record of its
+    base all need the files, not transformers' loader."""
+    folder = cached_snapshot(repo_id)
+    return folder if folder is not None and (folder / "config.json").is_file() else None
 
 
 def check_model_files(path: str) -> None:
