@@ -43,6 +43,20 @@ CHAT = [
     {"role": "assistant", "content": "6"},
 ]
 
+
+def supervised(tokenizer, ids, labels) -> list[str]:
+    """The decoded runs of consecutive supervised tokens (labels aligned with ids, never shifted)."""
+    pieces, run = [], []
+    for token, label in zip([*ids, None], [*labels, -100], strict=True):
+        if label != -100:
+            assert label == token
+            run.append(token)
+        elif run:
+            pieces.append(tokenizer.decode(run))
+            run = []
+    return pieces
+
+
 EXPERTS_AND_ROUTERS = ["experts", "routers"]
 
 

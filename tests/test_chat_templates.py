@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import trl
-from helpers import CHAT
+from helpers import CHAT, supervised
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
@@ -114,17 +114,6 @@ def family_tokenizer(family: str, template: str | None = None) -> PreTrainedToke
         eos_token=eos,
         chat_template=template or stock,
     )
-
-
-def supervised(tokenizer, ids, labels) -> list[str]:
-    pieces, run = [], []
-    for token, label in [*zip(ids, labels, strict=True), (None, -100)]:
-        if label != -100:
-            run.append(token)
-        elif run:
-            pieces.append(tokenizer.decode(run))
-            run = []
-    return pieces
 
 
 def encode(tokenizer, messages, setting: str = ""):

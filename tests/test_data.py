@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CHAT
+from helpers import CHAT, supervised
 from transformers import AutoTokenizer
 
 from usaf.data import IGNORE_INDEX, Batches, collate, load_dataset
@@ -47,21 +47,6 @@ def decode_all(tok, dataset) -> list[str]:
     return [tok.decode(dataset[i]["input_ids"], skip_special_tokens=True) for i in range(len(dataset))]
 
 
-def supervised_pieces(tok, ids, labels) -> list[str]:
-    """The decoded runs of consecutive supervised tokens."""
-    pieces, current = [], []
-    for token, label in zip(ids, labels, strict=True):
-        if label != IGNORE_INDEX:
-            assert label == token  # aligned labels, never shifted
-            current.append(token)
-        elif current:
-            pieces.append(tok.decode(current))
-            current = []
-    if current:
-        pieces.append(tok.decode(current))
-    return pieces
-
-
 # ---------------------------------------------------------------------------------------------- tokenizer
 
 
@@ -94,13 +79,13 @@ def test_text_record_has_bos_eos_and_loss_on_all_but_first(tok, tmp_path):
 def test_prompt_completion_loss_on_completion_only(tok, tmp_path):
     [(ids, labels)], _ = load_one(tok, tmp_path, [{"prompt": "Q: sky? A: ", "completion": "blue"}])
     assert tok.decode(ids) == "<bos>Q: sky? A: blue<eos>"
-    assert supervised_pieces(tok, ids, labels) == ["blue<eos>"]
+    assert supervised(tok, ids, labels) == ["blue<eos>"]
 
 
 def test_chat_loss_on_assistant_turns_only(tok, tmp_path):
     [(ids, labels)], _ = load_one(tok, tmp_path, [{"messages": CHAT}])
     assert tok.decode(ids) == tok.apply_chat_template(CHAT, tokenize=False)
-    assert supervised_pieces(tok, ids, labels) == ["4<eos>", "6<eos>"]
+    assert supervised(tok, ids, labels) == ["4<eos>", "6<eos>"]
 
 
 def test_chat_mask_without_generation_markers(tmp_path):
@@ -110,7 +95,7 @@ def test_chat_mask_without_generation_markers(tmp_path):
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     [(ids, labels)], _ = load_one(chatml, tmp_path, [{"messages": CHAT}])
-    assert supervised_pieces(chatml, ids, labels) == ["4<|im_end|>\n", "6<|im_end|>\n"]
+    assert supervised(chatml, ids, labels) == ["4<|im_end|>\n", "6<|im_end|>\n"]
 
 
 def test_chat_mask_with_a_template_that_rewrites_earlier_turns(tmp_path):
@@ -127,7 +112,7 @@ def test_chat_mask_with_a_template_that_rewrites_earlier_turns(tmp_path):
         "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
     )
     [(ids, labels)], _ = load_one(qwen_like, tmp_path, [{"messages": CHAT}])
-    assert supervised_pieces(qwen_like, ids, labels) == ["4<eos>", "<think></think>6<eos>"]
+    assert supervised(qwen_like, ids, labels) == ["4<eos>", "<think></think>6<eos>"]
 
 
 def test_pretokenized_records_are_used_as_given(tok, tmp_path):

@@ -14,7 +14,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import CHAT, make_model_dir
+from helpers import CHAT, make_model_dir, supervised
 
 import usaf.data.tokenize as tokenize
 from usaf.cli import main
@@ -47,19 +47,6 @@ def rows_of(tok, paths, max_seq_len=256, **kw):
         [str(p) for p in paths], tok, max_seq_len, pack=False, eval_fraction=0, **kw
     )
     return [(train[i]["input_ids"].tolist(), train[i]["labels"].tolist()) for i in range(len(train))], stats
-
-
-def supervised(tok, ids, labels) -> list[str]:
-    """The decoded runs of supervised tokens."""
-    pieces, run = [], []
-    for token, label in zip([*ids, None], [*labels, IGNORE_INDEX], strict=True):
-        if label != IGNORE_INDEX:
-            assert label == token
-            run.append(token)
-        elif run:
-            pieces.append(tok.decode(run))
-            run = []
-    return pieces
 
 
 def cache_hub_dataset(cache, repo_id: str, splits: dict) -> None:
