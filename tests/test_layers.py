@@ -15,6 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 STAGES = [
     ["usaf.version", "usaf.errors", "usaf.files", "usaf.config"],
     ["usaf.quant"],
+    ["usaf.kernels"],
     ["usaf.store"],
     ["usaf.model"],
     ["usaf.io"],

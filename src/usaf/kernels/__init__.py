@@ -1,0 +1,102 @@
+"""The engine's heavy primitives over expert segments, each in one call whatever the number of experts.
+
+Rows of a routed batch are grouped by expert (`Segments`: expert e's rows are offsets[e]:offsets[e + 1]); so are
+the trained entries of a fused [E, A, B] tensor. Two primitives give every gradient the engine needs:
+- `sampled_dots`: the trained entries' gradients, out[k] = sum over expert e_k's rows t of U[t, a_k] * V[t, b_k]
+  (a sampled dense-dense product per expert, never the dense [E, A, B] product);
+- `line_dots`: whole trained lines, out[l, :] = sum over expert e_l's rows t of fixed[t, line_l] * spanning[t, :].
+
+Each has a pure-PyTorch implementation (`usaf.kernels.torch_path`: any device, a bounded number of ops) and may
+have a Triton one (`usaf.kernels.triton_path`: CUDA and ROCm). `use(name)` chooses: "auto" takes Triton for
+tensors on a GPU when Triton is importable, else PyTorch; "triton" insists; "torch" never uses Triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from usaf.errors import UsafError
+
+CHOICES = ("auto", "triton", "torch")
+
+
+@dataclass
+class Segments:
+    """E groups of consecutive rows: `offsets` [E + 1] int64 on the device, `counts` the same on the host (read
+    once, where a caller already had them: a routing plan's one host sync, or a selection's cached grouping)."""
+
+    offsets: torch.Tensor
+    counts: list[int]
+
+    @classmethod
+    def from_counts(cls, counts: list[int], device) -> Segments:
+        offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0, out=offsets[1:])
+        return cls(offsets.to(device), list(counts))
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.counts)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def span(self, first: int, last: int) -> Segments:
+        """Segments first..last (inclusive), offsets counted from segment `first`'s start."""
+        offsets = self.offsets[first : last + 2]
+        return Segments(offsets - offsets[0], self.counts[first : last + 1])
+
+
+_choice = "auto"
+
+
+def use(name: str) -> None:
+    """Choose the implementation for later calls (see the module's docstring)."""
+    global _choice
+    if name not in CHOICES:
+        raise UsafError(f"train.kernels must be one of {', '.join(CHOICES)}, got {name!r}.")
+    if name == "triton":
+        from usaf.kernels import triton_path
+
+        triton_path.require()
+    _choice = name
+
+
+def chosen() -> str:
+    return _choice
+
+
+def _implementation(tensor: torch.Tensor):
+    from usaf.kernels import torch_path
+
+    if _choice == "torch" or (_choice == "auto" and tensor.device.type != "cuda"):
+        return torch_path
+    from usaf.kernels import triton_path
+
+    if _choice == "triton" or triton_path.available(tensor.device):
+        return triton_path
+    return torch_path
+
+
+def sampled_dots(
+    U: torch.Tensor, V: torch.Tensor, rows: Segments, local: torch.Tensor, entries: Segments, width: int
+) -> torch.Tensor:
+    """[K] fp32: out[k] = sum_{t in rows of e_k} U[t, a_k] * V[t, b_k].
+
+    U [R, A] and V [R, B] (any float dtype, the same), rows grouped by `rows`; `local` [K] the entries' indices
+    a * width + b within their expert's matrix (width = B), grouped by expert by `entries` (ascending within an
+    expert). Experts with no rows or no entries are allowed; so are R = 0 and K = 0."""
+    return _implementation(U).sampled_dots(U, V, rows, local, entries, width)
+
+
+def line_dots(
+    fixed: torch.Tensor, spanning: torch.Tensor, rows: Segments, lines: torch.Tensor, entries: Segments
+) -> torch.Tensor:
+    """[L, W] fp32: out[l, :] = sum_{t in rows of e_l} fixed[t, lines[l]] * spanning[t, :].
+
+    fixed [R, A'], spanning [R, W]; `lines` [L] int64 indices into fixed's columns, grouped by expert by
+    `entries`."""
+    return _implementation(fixed).line_dots(fixed, spanning, rows, lines, entries)
