@@ -9,12 +9,14 @@ the trained entries.
 
 from __future__ import annotations
 
-import itertools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from usaf import kernels
 from usaf.engine.sparse import ElementEntries
+from usaf.kernels import Segments
 from usaf.model.hf import gated_activation, register_experts_implementation
 from usaf.model.layout import input_projection
 
@@ -31,43 +33,43 @@ class RoutingPlan:
         self.token_of_row = torch.div(self.order, self.num_top_k, rounding_mode="floor")
         self.inverse = torch.empty_like(self.order)
         self.inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
-        # the one host sync of a layer: chunking and the grouped matmul need the counts
-        self.counts: list[int] = torch.bincount(self.expert_of_row, minlength=num_experts).tolist()
-        self.row_offsets = [0, *itertools.accumulate(self.counts)]
+        counts = torch.bincount(self.expert_of_row, minlength=num_experts)
+        offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=counts.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        # the one host sync of a layer: padding, chunking and the portable grouped product need the counts
+        self.rows = Segments(offsets, counts.tolist())
 
     def chunks(self, resident: bool, bytes_per_expert: int, workspace_bytes: int):
-        """(expert ids or None for all, first row, last row, rows per expert) per chunk of routed experts.
+        """`Chunk`s of routed experts.
 
         A resident store is used whole (grouped matmul skips empty experts). Otherwise only experts that received
         tokens are materialized, as many at a time as fit the workspace.
         """
+        rows = self.rows
         if resident:
-            yield None, 0, self.row_offsets[-1], self.counts
+            yield Chunk(None, 0, rows.total, rows, rows, 0)
             return
         per_chunk = max(1, workspace_bytes // max(1, bytes_per_expert))
-        active = [e for e, c in enumerate(self.counts) if c]
+        active = [e for e, c in enumerate(rows.counts) if c]
         for i in range(0, len(active), per_chunk):
             ids = active[i : i + per_chunk]
-            yield ids, self.row_offsets[ids[0]], self.row_offsets[ids[-1] + 1], [self.counts[e] for e in ids]
+            first, last = ids[0], ids[-1]
+            matmul_rows = Segments.from_counts([rows.counts[e] for e in ids], rows.offsets.device)
+            yield Chunk(ids, rows.start(first), rows.start(last + 1), matmul_rows, rows.span(first, last), first)
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """rows of x (grouped by expert, `counts` rows each) @ weight[e] ([k, K, N]) -> [rows, N]."""
-    if x.shape[0] == 0:
-        return x.new_zeros(0, weight.shape[2])
-    if hasattr(torch.nn.functional, "grouped_mm"):
-        offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
-        try:
-            return torch.nn.functional.grouped_mm(x, weight, offs=offsets)
-        except (RuntimeError, NotImplementedError):
-            pass  # unaligned strides, old GPU or unsupported dtype: the portable path below
-    out = x.new_empty(x.shape[0], weight.shape[2])
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            torch.mm(x[start : start + count], weight[e], out=out[start : start + count])
-        start += count
-    return out
+@dataclass
+class Chunk:
+    """Routed experts materialized together: `expert_ids` (None: the whole resident stack), their rows r0:r1 of
+    the plan, grouped per materialized expert (`matmul_rows`) and per expert first..last (`span_rows`, where
+    experts in between that got no rows count zero: how trained entries are grouped)."""
+
+    expert_ids: list[int] | None
+    r0: int
+    r1: int
+    matmul_rows: Segments
+    span_rows: Segments
+    first: int
 
 
 class Projection:
@@ -142,10 +144,11 @@ class SparseGroupedLinear(torch.autograd.Function):
         if proj.store.resident and proj.entries is not None:
             proj.entries.write_into(proj.store.full(), None)
         out = None
-        for expert_ids, r0, r1, counts in proj.chunks(plan):
-            weight = proj.weights(expert_ids)
+        for chunk in proj.chunks(plan):
+            r0, r1 = chunk.r0, chunk.r1
+            weight = proj.weights(chunk.expert_ids)
             oriented = weight if proj.transposed else weight.transpose(1, 2)  # [k, in, out]
-            y = grouped_matmul(x[r0:r1], oriented, counts)
+            y = kernels.grouped_matmul(x[r0:r1], oriented, chunk.matmul_rows)
             if out is None:  # every row belongs to exactly one chunk: no need to zero
                 out = y if (r0, r1) == (0, x.shape[0]) else x.new_empty(x.shape[0], y.shape[1])
             if out is not y:
@@ -171,19 +174,18 @@ class SparseGroupedLinear(torch.autograd.Function):
         grad_x = torch.empty_like(x) if need_x else None  # every row belongs to exactly one chunk
         grad_values = torch.zeros_like(proj.entries.values) if need_values else None
         if need_x or need_values or proj.probe is not None:
-            for expert_ids, r0, r1, counts in proj.chunks(plan):
+            for chunk in proj.chunks(plan):
+                r0, r1 = chunk.r0, chunk.r1
                 if need_x:
-                    weight = proj.weights(expert_ids)
+                    weight = proj.weights(chunk.expert_ids)
                     oriented = weight.transpose(1, 2) if proj.transposed else weight  # [k, out, in]
-                    grad_x[r0:r1] = grouped_matmul(gy[r0:r1], oriented, counts)
+                    grad_x[r0:r1] = kernels.grouped_matmul(gy[r0:r1], oriented, chunk.matmul_rows)
                 if need_values or proj.probe is not None:
-                    U, V = (x, gy) if proj.transposed else (gy, x)
-                    ids = list(range(len(counts))) if expert_ids is None else expert_ids
-                    local_offsets = [0, *itertools.accumulate(counts)]
+                    U, V = (x[r0:r1], gy[r0:r1]) if proj.transposed else (gy[r0:r1], x[r0:r1])
                     if need_values:
-                        proj.entries.add_grad(grad_values, U[r0:r1], V[r0:r1], ids, local_offsets)
+                        proj.entries.add_grad(grad_values, U, V, chunk.span_rows, chunk.first)
                     if proj.probe is not None:
-                        proj.probe.accumulate(U[r0:r1], V[r0:r1], ids, local_offsets)
+                        proj.probe.accumulate(U, V, chunk.span_rows, chunk.first)
         grad_bias = None
         if need_bias:
             entries: ElementEntries = proj.bias_entries

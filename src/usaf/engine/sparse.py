@@ -17,13 +17,11 @@ import warnings
 import torch
 from torch import nn
 
+from usaf import kernels
+from usaf.kernels import Segments
+
 # torch's sampled dense-dense product needs a CSR pattern; building one warns on every call.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
-
-
-def _expert_offsets(expert_of_entry: torch.Tensor, num_experts: int) -> list[int]:
-    counts = torch.bincount(expert_of_entry, minlength=num_experts)
-    return [0, *torch.cumsum(counts, 0).tolist()]
 
 
 class _Entries(nn.Module):
@@ -126,11 +124,12 @@ class ElementEntries(_Entries):
         flat = torch.repeat_interleave(starts, counts, output_size=self.local_indices.numel())
         return flat.add_(self.local_indices)
 
-    def offsets(self) -> list[int]:
-        """Entry offsets per expert (a host list, cached until the selection changes)."""
+    def segments(self) -> Segments:
+        """The entries grouped by expert: offsets on the device, counts on the host (read once per selection and
+        cached until it changes)."""
         key = (self.expert_offsets.data_ptr(), self.local_indices.numel())
         if self._grouping is None or self._grouping[0] != key:
-            self._grouping = (key, self.expert_offsets.tolist())
+            self._grouping = (key, _segments(self.expert_offsets))
         return self._grouping[1]
 
     def expanded_flat_indices(self) -> torch.Tensor:
@@ -151,77 +150,44 @@ class ElementEntries(_Entries):
 
     @torch.no_grad()
     def write_into(self, weight: torch.Tensor, expert_ids: list[int] | None) -> None:
-        """Write the trained values into `weight` ([E, A, B] when expert_ids is None, else [k, A, B])."""
+        """Write the trained values into `weight` ([E, A, B] when expert_ids is None, else [k, A, B]): one
+        scatter."""
         if self.values.numel() == 0:
             return
         values = self.values.detach().to(weight.dtype)
         if expert_ids is None:
             weight.view(-1).index_copy_(0, self.flat_indices, values)  # index_copy_ beats index_put_ on CPU
             return
-        offsets = self.offsets()
-        for local, e in enumerate(expert_ids):
-            k0, k1 = offsets[e], offsets[e + 1]
-            if k0 < k1:
-                weight[local].view(-1).index_copy_(0, self.local_indices[k0:k1].long(), values[k0:k1])
+        picked, slot = entries_of_experts(self.segments(), expert_ids)
+        flat = slot * self.per_expert + self.local_indices.index_select(0, picked)
+        weight.view(-1).index_copy_(0, flat, values.index_select(0, picked))
 
-    def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, expert_ids, row_offsets) -> None:
-        """grad[k] += sum_t U[t, a_k] * V[t, b_k] over the rows of entry k's expert."""
-        offsets = self.offsets()
-        first, last = expert_ids[0], expert_ids[-1]  # ascending: their entries are one contiguous range
-        base = offsets[first]
-        rows, cols, pointers = self._coordinates(first, last, base, offsets[last + 1])
-        for local, e in enumerate(expert_ids):
-            k0, k1 = offsets[e], offsets[e + 1]
-            r0, r1 = row_offsets[local], row_offsets[local + 1]
-            if k0 == k1 or r0 == r1:
-                continue
-            i0, i1 = k0 - base, k1 - base
-            grad[k0:k1] += _sampled_dots(
-                U[r0:r1], V[r0:r1], rows[i0:i1], cols[i0:i1], pointers[e - first], self.shape
+    def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int) -> None:
+        """grad[k] += sum_t U[t, a_k] * V[t, b_k] over the rows of entry k's expert, for the entries of experts
+        first .. first + n - 1 whose rows U and V hold (grouped by `rows`, n segments): one kernel call."""
+        entries, last = self.segments(), first + rows.num_segments - 1
+        k0, k1 = entries.start(first), entries.start(last + 1)
+        if k0 < k1:
+            grad[k0:k1] += kernels.sampled_dots(
+                U, V, rows, self.local_indices[k0:k1], entries.span(first, last), self.shape[2]
             )
 
-    def _coordinates(self, first: int, last: int, k0: int, k1: int):
-        """Rows, columns and CSR row pointers (per expert, concatenated) of the entries of experts first..last:
-        derived in a few vectorized operations, transients of those entries only."""
-        _, rows_a, cols_b = self.shape
-        local = self.local_indices[k0:k1]
-        rows = torch.div(local, cols_b, rounding_mode="floor")
-        cols = local - rows * cols_b
-        span = self.expert_offsets[first : last + 2]
-        experts = torch.arange(last + 1 - first, device=local.device, dtype=local.dtype)
-        line = (
-            torch.repeat_interleave(experts * rows_a, span[1:] - span[:-1], output_size=local.numel()) + rows
-        )
-        count = last + 1 - first
-        crow = torch.zeros(count * rows_a + 1, dtype=local.dtype, device=local.device)
-        crow[1:] = torch.cumsum(torch.bincount(line, minlength=count * rows_a), 0)  # faster than searchsorted
-        # [experts, A + 1]: each expert's row pointers, counted from its own first entry
-        at = experts[:, None] * rows_a + torch.arange(rows_a + 1, device=local.device, dtype=local.dtype)
-        pointers = crow[at]
-        return rows, cols, pointers - pointers[:, :1]
+
+def _segments(offsets: torch.Tensor) -> Segments:
+    return Segments(offsets, (offsets[1:] - offsets[:-1]).tolist())
 
 
-def _sampled_dots(Ue, Ve, rows, cols, crow, shape) -> torch.Tensor:
-    """(Ue^T @ Ve)[rows, cols] without forming Ue^T @ Ve: torch's sampled dense-dense product where it has a
-    kernel for the dtype, else dot products over chunks of gathered columns."""
-    if Ue.dtype in (torch.float32, torch.float64) or Ue.is_cuda:
-        try:
-            pattern = torch.sparse_csr_tensor(
-                crow,
-                cols,
-                torch.zeros(cols.numel(), dtype=Ue.dtype, device=Ue.device),
-                (shape[1], shape[2]),
-                check_invariants=False,
-            )
-            return torch.sparse.sampled_addmm(pattern, Ue.t(), Ve, beta=0.0).values().float()
-        except (RuntimeError, NotImplementedError):
-            pass
-    out = torch.empty(rows.numel(), dtype=torch.float32, device=Ue.device)
-    Ut, Vt = Ue.t().contiguous(), Ve.t().contiguous()
-    step = 512
-    for i in range(0, rows.numel(), step):
-        out[i : i + step] = torch.linalg.vecdot(Ut[rows[i : i + step]], Vt[cols[i : i + step]]).float()
-    return out
+def entries_of_experts(entries: Segments, expert_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices of the entries of `expert_ids`, each one's position in `expert_ids`): a ragged range built on the
+    device in a fixed number of ops, whatever the number of experts (the total is known on the host)."""
+    device = entries.offsets.device
+    ids = torch.tensor(expert_ids, dtype=torch.int64).to(device, non_blocking=True)
+    starts = entries.offsets.index_select(0, ids)
+    counts = entries.offsets.index_select(0, ids + 1) - starts
+    total = sum(entries.counts[e] for e in expert_ids)
+    slot = torch.repeat_interleave(torch.arange(len(expert_ids), device=device), counts, output_size=total)
+    shift = (starts - (torch.cumsum(counts, 0) - counts)).index_select(0, slot)
+    return torch.arange(total, device=device) + shift, slot
 
 
 class LineEntries(_Entries):
@@ -243,7 +209,8 @@ class LineEntries(_Entries):
     def lines_per_expert(self) -> int:
         return self.shape[self.axis]
 
-    def grouping(self):
+    def grouping(self) -> tuple[Segments, torch.Tensor]:
+        """(the lines grouped by expert, each line's index within its expert), cached per selection."""
         key = (self.line_ids.data_ptr(), self.line_ids.numel())
         if self._grouping is None or self._grouping[0] != key:
             self._grouping = (key, *_line_grouping(self.line_ids, self.shape, self.axis))
@@ -257,44 +224,39 @@ class LineEntries(_Entries):
     def write_into(self, weight: torch.Tensor, expert_ids: list[int] | None) -> None:
         if self.values.numel() == 0:
             return
-        offsets, expert, line = self.grouping()
+        segments, line = self.grouping()
         values = self.values.detach().to(weight.dtype)
         if expert_ids is None:
-            self._write(weight, expert, line, values)
-            return
-        for local, e in enumerate(expert_ids):
-            k0, k1 = offsets[e], offsets[e + 1]
-            if k0 < k1:
-                self._write(weight, torch.full_like(line[k0:k1], local), line[k0:k1], values[k0:k1])
-
-    def _write(self, weight, expert, line, values) -> None:
-        if self.axis == 1:
-            weight[expert, line, :] = values
+            slot = torch.div(self.line_ids, self.lines_per_expert, rounding_mode="floor")
         else:
-            weight[expert, :, line] = values
+            picked, slot = entries_of_experts(segments, expert_ids)
+            line, values = line.index_select(0, picked), values.index_select(0, picked)
+        if self.axis == 1:
+            weight[slot, line, :] = values
+        else:
+            weight[slot, :, line] = values
 
-    def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, expert_ids, row_offsets) -> None:
-        offsets, _, line = self.grouping()
-        _add_line_grads(grad, U, V, expert_ids, row_offsets, offsets, line, self.axis)
+    def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int) -> None:
+        """Rows: grad[k, :] += U[:, a_k]^T V; columns: grad[k, :] += V[:, b_k]^T U, over the rows of each line's
+        expert (see `ElementEntries.add_grad` for the arguments)."""
+        segments, line = self.grouping()
+        _add_line_grads(grad, U, V, rows, first, segments, line, self.axis)
 
 
-def _line_grouping(line_ids: torch.Tensor, shape, axis: int):
-    """(entry offsets per expert, expert of each line, line index within its expert)."""
+def _line_grouping(line_ids: torch.Tensor, shape, axis: int) -> tuple[Segments, torch.Tensor]:
+    """(the lines grouped by expert, each line's index within its expert)."""
     expert = torch.div(line_ids, shape[axis], rounding_mode="floor")
-    line = line_ids - expert * shape[axis]
-    return _expert_offsets(expert, shape[0]), expert, line
+    offsets = torch.zeros(shape[0] + 1, dtype=torch.int64, device=line_ids.device)
+    torch.cumsum(torch.bincount(expert, minlength=shape[0]), 0, out=offsets[1:])
+    return _segments(offsets), line_ids - expert * shape[axis]
 
 
-def _add_line_grads(grad, U, V, expert_ids, row_offsets, offsets, line, axis: int) -> None:
-    """Rows: grad[k, :] += U[:, a_k]^T V; columns: grad[k, :] += V[:, b_k]^T U (small matmuls per expert)."""
+def _add_line_grads(grad, U, V, rows: Segments, first: int, segments: Segments, line, axis: int) -> None:
     fixed, spanning = (U, V) if axis == 1 else (V, U)
-    for local, e in enumerate(expert_ids):
-        k0, k1 = offsets[e], offsets[e + 1]
-        r0, r1 = row_offsets[local], row_offsets[local + 1]
-        if k0 == k1 or r0 == r1:
-            continue
-        picked = fixed[r0:r1].index_select(1, line[k0:k1])  # [t, n]
-        grad[k0:k1] += (picked.t() @ spanning[r0:r1]).float()
+    last = first + rows.num_segments - 1
+    k0, k1 = segments.start(first), segments.start(last + 1)
+    if k0 < k1:
+        grad[k0:k1] += kernels.line_dots(fixed, spanning, rows, line[k0:k1], segments.span(first, last))
 
 
 class LineProbe:
@@ -307,13 +269,13 @@ class LineProbe:
     def __init__(self, shape, axis: int, line_ids: torch.Tensor):
         self.shape, self.axis = tuple(shape), axis
         self.line_ids = line_ids.to(torch.int64)
-        self.offsets, _, self.line = _line_grouping(self.line_ids, self.shape, axis)
+        self.segments, self.line = _line_grouping(self.line_ids, self.shape, axis)
         length = self.shape[3 - axis]
         self.score = torch.zeros(self.line_ids.numel(), length, device=line_ids.device)
 
-    def accumulate(self, U, V, expert_ids, row_offsets) -> None:
+    def accumulate(self, U, V, rows: Segments, first: int) -> None:
         grad = torch.zeros_like(self.score)
-        _add_line_grads(grad, U, V, expert_ids, row_offsets, self.offsets, self.line, self.axis)
+        _add_line_grads(grad, U, V, rows, first, self.segments, self.line, self.axis)
         self.score += grad.abs()
 
     def flat_indices(self) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from usaf.engine.sparse import ElementEntries
+from usaf.kernels import Segments
 from usaf.store.dense import DenseStore
 
 
@@ -112,15 +113,15 @@ class _SparseLinear(torch.autograd.Function):
         probe = state.probes.get("weight")
         if need_values or probe is not None:
             U, V = _common(g, x.reshape(-1, x.shape[-1]))
-            offsets = [0, U.shape[0]]
+            rows = Segments.from_counts([U.shape[0]], U.device)  # one matrix: one expert
         grad_values = None
         if need_values and state.entries is None:
             grad_values = grad_out.new_zeros(0)
         elif need_values:
             grad_values = torch.zeros_like(state.entries.values)
-            state.entries.add_grad(grad_values, U, V, [0], offsets)
+            state.entries.add_grad(grad_values, U, V, rows, 0)
         if probe is not None:
-            probe.accumulate(U, V, [0], offsets)
+            probe.accumulate(U, V, rows, 0)
         if ctx.observing:
             flat_x = x.reshape(-1, x.shape[-1]).float()
             state.observe_rows(None, (g.float().pow(2) * flat_x.pow(2).sum(1, keepdim=True)).sum(0))

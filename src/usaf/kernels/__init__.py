@@ -13,11 +13,13 @@ tensors on a GPU when Triton is importable, else PyTorch; "triton" insists; "tor
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from usaf.errors import UsafError
+from usaf.kernels import torch_path
 
 CHOICES = ("auto", "triton", "torch")
 
@@ -42,10 +44,19 @@ class Segments:
 
     @property
     def total(self) -> int:
-        return sum(self.counts)
+        return self.start(len(self.counts))
+
+    def start(self, segment: int) -> int:
+        """Where segment `segment` starts (host arithmetic; `start(n)` is the total)."""
+        starts = self.__dict__.get("_starts")
+        if starts is None:
+            starts = self.__dict__["_starts"] = [0, *itertools.accumulate(self.counts)]
+        return starts[segment]
 
     def span(self, first: int, last: int) -> Segments:
         """Segments first..last (inclusive), offsets counted from segment `first`'s start."""
+        if first == 0 and last == len(self.counts) - 1:
+            return self
         offsets = self.offsets[first : last + 2]
         return Segments(offsets - offsets[0], self.counts[first : last + 1])
 
@@ -70,8 +81,6 @@ def chosen() -> str:
 
 
 def _implementation(tensor: torch.Tensor):
-    from usaf.kernels import torch_path
-
     if _choice == "torch" or (_choice == "auto" and tensor.device.type != "cuda"):
         return torch_path
     from usaf.kernels import triton_path
@@ -100,3 +109,9 @@ def line_dots(
     fixed [R, A'], spanning [R, W]; `lines` [L] int64 indices into fixed's columns, grouped by expert by
     `entries`."""
     return _implementation(fixed).line_dots(fixed, spanning, rows, lines, entries)
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, rows: Segments) -> torch.Tensor:
+    """[R, K] rows grouped by `rows` @ weight [n, K, N] -> [R, N] (torch's grouped_mm where it runs, else one
+    batched product over padded rows; see `usaf.kernels.torch_path.grouped_matmul`)."""
+    return torch_path.grouped_matmul(x, weight, rows)

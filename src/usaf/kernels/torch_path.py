@@ -1,13 +1,147 @@
-"""The pure-PyTorch implementations of `usaf.kernels` (CPU, MPS, ROCm or CUDA without Triton)."""
+"""The pure-PyTorch implementations of `usaf.kernels` (CPU, MPS, ROCm or CUDA without Triton).
+
+A fixed number of ops per call, whatever the number of experts, entries or rows: the rows of every expert are laid
+out padded to the longest expert's count ("slots"), so that one batched product serves all experts at once. The
+sampled product is one `torch.sparse.sampled_addmm` over a block-diagonal pattern: rows (e, a) of an [E * A, T]
+matrix against columns (e, b) of a [T, E * B] one, so no entry ever meets another expert's rows. Padding costs
+memory (E x the longest expert x the width): experts are taken in groups whose padded copy stays within a bound
+(one group in a balanced batch), which is the only loop, on host integers already known.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+# a group of experts' padded rows holds at most this many rows, or twice the real rows if more (see `_groups`)
+MIN_PADDED_ROWS = 8192
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    # sampled_addmm has no half-precision CPU kernel, and sums of products want fp32 anyway
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _groups(counts: list[int]):
+    """(first, last) expert of consecutive groups whose padded size (experts x the group's longest) stays bounded."""
+    budget = max(MIN_PADDED_ROWS, 2 * sum(counts))
+    first, longest = 0, 0
+    for e, c in enumerate(counts):
+        grown = max(longest, c)
+        if e > first and (e + 1 - first) * grown > budget:
+            yield first, e - 1
+            first, grown = e, c
+        longest = grown
+    if counts:
+        yield first, len(counts) - 1
+
+
+def _slots(offsets: torch.Tensor, num_rows: int):
+    """(expert of each row, position of each row within its expert), for rows grouped by `offsets` [n + 1]."""
+    counts = offsets[1:] - offsets[:-1]
+    expert = torch.repeat_interleave(
+        torch.arange(counts.numel(), device=offsets.device), counts, output_size=num_rows
+    )
+    return expert, torch.arange(num_rows, device=offsets.device) - offsets[expert]
+
+
+def _entry_experts(entries_offsets: torch.Tensor, num_entries: int) -> torch.Tensor:
+    counts = entries_offsets[1:] - entries_offsets[:-1]
+    return torch.repeat_interleave(
+        torch.arange(counts.numel(), device=counts.device), counts, output_size=num_entries
+    )
 
 
 def sampled_dots(U, V, rows, local, entries, width):
-    raise NotImplementedError  # filled in next
+    num_entries = local.numel()
+    dtype = _compute_dtype(U)
+    out = torch.zeros(num_entries, dtype=torch.float32, device=U.device)
+    if num_entries == 0 or rows.total == 0:
+        return out
+    for first, last in _groups(rows.counts):
+        r0, r1 = rows.start(first), rows.start(last + 1)
+        k0, k1 = entries.start(first), entries.start(last + 1)
+        if r0 == r1 or k0 == k1:
+            continue
+        span = rows.span(first, last)
+        out[k0:k1] = _sampled_group(
+            U[r0:r1], V[r0:r1], span, max(span.counts), local[k0:k1], entries.span(first, last), width, dtype
+        )
+    return out
+
+
+def _sampled_group(U, V, rows, longest: int, local, entries, width: int, dtype) -> torch.Tensor:
+    n, a_dim, b_dim = rows.num_segments, U.shape[1], width
+    if n == 1:  # one expert (a native weight): no padding
+        m1, m2 = U.t().to(dtype), V.to(dtype)
+    else:
+        expert, slot = _slots(rows.offsets, U.shape[0])
+        m1 = U.new_zeros(n, a_dim, longest, dtype=dtype)
+        m1[expert, :, slot] = U.to(dtype)
+        m2 = V.new_zeros(longest, n, b_dim, dtype=dtype)
+        m2[slot, expert, :] = V.to(dtype)
+        m1, m2 = m1.view(n * a_dim, longest), m2.view(longest, n * b_dim)
+    # the block-diagonal pattern: entry (e, a, b) at row e * A + a, column e * B + b
+    local = local.long()
+    a = torch.div(local, b_dim, rounding_mode="floor")
+    expert_of = _entry_experts(entries.offsets, local.numel())
+    columns = local - a * b_dim + expert_of * b_dim
+    lines = a.add_(expert_of * a_dim)
+    crow = torch.zeros(n * a_dim + 1, dtype=torch.int64, device=local.device)
+    torch.cumsum(torch.bincount(lines, minlength=n * a_dim), 0, out=crow[1:])
+    pattern = torch.sparse_csr_tensor(
+        crow,
+        columns,
+        torch.zeros(local.numel(), dtype=dtype, device=local.device),
+        (n * a_dim, n * b_dim),
+        check_invariants=False,
+    )
+    return torch.sparse.sampled_addmm(pattern, m1, m2, beta=0.0).values().float()
 
 
 def line_dots(fixed, spanning, rows, lines, entries):
-    raise NotImplementedError
+    num_lines, width = lines.numel(), spanning.shape[1]
+    dtype = _compute_dtype(fixed)
+    out = torch.zeros(num_lines, width, dtype=torch.float32, device=fixed.device)
+    if num_lines == 0 or rows.total == 0:
+        return out
+    for first, last in _groups(rows.counts):
+        r0, r1 = rows.start(first), rows.start(last + 1)
+        k0, k1 = entries.start(first), entries.start(last + 1)
+        if r0 == r1 or k0 == k1:
+            continue
+        out[k0:k1] = _line_group(
+            fixed[r0:r1], spanning[r0:r1], rows.span(first, last), lines[k0:k1], entries.span(first, last), dtype
+        )
+    return out
+
+
+def _line_group(fixed, spanning, rows, lines, entries, dtype) -> torch.Tensor:
+    """Each line's column of `fixed` over its expert's rows, times that expert's rows of `spanning`: one gather
+    and one grouped product."""
+    n, a_dim, longest = rows.num_segments, fixed.shape[1], max(rows.counts)
+    expert, slot = _slots(rows.offsets, fixed.shape[0])
+    columns = fixed.new_zeros(n, a_dim, longest, dtype=dtype)
+    columns[expert, :, slot] = fixed.to(dtype)
+    spans = spanning.new_zeros(n, longest, spanning.shape[1], dtype=dtype)
+    spans[expert, slot] = spanning.to(dtype)
+    expert_of = _entry_experts(entries.offsets, lines.numel())
+    picked = columns.view(n * a_dim, longest).index_select(0, expert_of * a_dim + lines)  # [L, longest]
+    return grouped_matmul(picked, spans, entries).float()
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, rows) -> torch.Tensor:
+    """[R, K] rows grouped by `rows` (n segments) @ weight [n, K, N] -> [R, N]: torch's grouped_mm where it runs
+    (aligned strides, a supported dtype and device), else one batched product over padded rows."""
+    if x.shape[0] == 0:
+        return x.new_zeros(0, weight.shape[2])
+    if hasattr(F, "grouped_mm"):
+        try:
+            return F.grouped_mm(x, weight, offs=rows.offsets[1:].to(torch.int32))
+        except (RuntimeError, NotImplementedError):
+            pass  # unaligned strides, old GPU or unsupported dtype: the padded batched product below
+    n, longest = rows.num_segments, max(rows.counts)
+    expert, slot = _slots(rows.offsets, x.shape[0])
+    padded = x.new_zeros(n, longest, x.shape[1])
+    padded[expert, slot] = x
+    return torch.bmm(padded, weight)[expert, slot]

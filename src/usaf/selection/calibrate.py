@@ -65,7 +65,7 @@ class _Observer:
         if not self.active:
             return None
         cal = self.calibration
-        cal.tokens[self.path] += torch.tensor(plan.counts, dtype=torch.float64)
+        cal.tokens[self.path] += torch.tensor(plan.rows.counts, dtype=torch.float64)
         gates = top_k_weights.detach().reshape(-1)[plan.order].double().cpu()
         cal.gate_weight[self.path].index_add_(0, plan.expert_of_row.cpu(), gates)
         if not (self.with_gradients and h.requires_grad):
