@@ -8,6 +8,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton's kernels run in its interpreter on the CPU (how `make test` checks them against the PyTorch path); Triton
+# reads this once, at import, which importing usaf does
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # datasets' cache (usaf's tokenized data lands there): the session's own, never the user's; datasets reads these
 # variables once, at import

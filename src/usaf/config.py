@@ -403,6 +403,12 @@ class TrainSection:
     prefix_cache: str = option(
         "off", "cache hidden states entering the lowest trained layer", ("off", "ram", "disk")
     )
+    kernels: str = option(
+        "auto",
+        "the engine's gradient kernels: auto is Triton on CUDA/ROCm when Triton is installed, else PyTorch; triton "
+        "insists (an error when it is not installed); torch never uses Triton",
+        ("auto", "triton", "torch"),
+    )
     distributed_backend: str = option(
         "auto",
         "torch.distributed backend under torchrun (WORLD_SIZE > 1): auto is nccl on CUDA/ROCm, gloo on CPU; "

@@ -55,7 +55,9 @@ class RoutingPlan:
             ids = active[i : i + per_chunk]
             first, last = ids[0], ids[-1]
             matmul_rows = Segments.from_counts([rows.counts[e] for e in ids], rows.offsets.device)
-            yield Chunk(ids, rows.start(first), rows.start(last + 1), matmul_rows, rows.span(first, last), first)
+            yield Chunk(
+                ids, rows.start(first), rows.start(last + 1), matmul_rows, rows.span(first, last), first
+            )
 
 
 @dataclass

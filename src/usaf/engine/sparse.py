@@ -162,7 +162,9 @@ class ElementEntries(_Entries):
         flat = slot * self.per_expert + self.local_indices.index_select(0, picked)
         weight.view(-1).index_copy_(0, flat, values.index_select(0, picked))
 
-    def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int) -> None:
+    def add_grad(
+        self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int
+    ) -> None:
         """grad[k] += sum_t U[t, a_k] * V[t, b_k] over the rows of entry k's expert, for the entries of experts
         first .. first + n - 1 whose rows U and V hold (grouped by `rows`, n segments): one kernel call."""
         entries, last = self.segments(), first + rows.num_segments - 1
@@ -236,7 +238,9 @@ class LineEntries(_Entries):
         else:
             weight[slot, :, line] = values
 
-    def add_grad(self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int) -> None:
+    def add_grad(
+        self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int
+    ) -> None:
         """Rows: grad[k, :] += U[:, a_k]^T V; columns: grad[k, :] += V[:, b_k]^T U, over the rows of each line's
         expert (see `ElementEntries.add_grad` for the arguments)."""
         segments, line = self.grouping()

@@ -14,12 +14,12 @@ tensors on a GPU when Triton is importable, else PyTorch; "triton" insists; "tor
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from usaf.errors import UsafError
-from usaf.kernels import torch_path
+from usaf.kernels import torch_path, triton_path  # triton_path imports without Triton (then unavailable)
 
 CHOICES = ("auto", "triton", "torch")
 
@@ -31,6 +31,9 @@ class Segments:
 
     offsets: torch.Tensor
     counts: list[int]
+    # what an implementation derives from these segments alone (a sparsity pattern, say): it lives as long as this
+    # object, which a selection keeps until it changes
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_counts(cls, counts: list[int], device) -> Segments:
@@ -70,8 +73,6 @@ def use(name: str) -> None:
     if name not in CHOICES:
         raise UsafError(f"train.kernels must be one of {', '.join(CHOICES)}, got {name!r}.")
     if name == "triton":
-        from usaf.kernels import triton_path
-
         triton_path.require()
     _choice = name
 
@@ -83,8 +84,6 @@ def chosen() -> str:
 def _implementation(tensor: torch.Tensor):
     if _choice == "torch" or (_choice == "auto" and tensor.device.type != "cuda"):
         return torch_path
-    from usaf.kernels import triton_path
-
     if _choice == "triton" or triton_path.available(tensor.device):
         return triton_path
     return torch_path

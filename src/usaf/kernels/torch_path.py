@@ -54,49 +54,71 @@ def _entry_experts(entries_offsets: torch.Tensor, num_entries: int) -> torch.Ten
 
 def sampled_dots(U, V, rows, local, entries, width):
     num_entries = local.numel()
-    dtype = _compute_dtype(U)
-    out = torch.zeros(num_entries, dtype=torch.float32, device=U.device)
     if num_entries == 0 or rows.total == 0:
-        return out
-    for first, last in _groups(rows.counts):
+        return torch.zeros(num_entries, dtype=torch.float32, device=U.device)
+    dtype = _compute_dtype(U)
+    groups = list(_groups(rows.counts))
+    if len(groups) == 1:  # the usual case: no copy into an output
+        return _sampled_group(U, V, rows, local, entries, width, dtype)
+    out = torch.zeros(num_entries, dtype=torch.float32, device=U.device)
+    for first, last in groups:
         r0, r1 = rows.start(first), rows.start(last + 1)
         k0, k1 = entries.start(first), entries.start(last + 1)
-        if r0 == r1 or k0 == k1:
-            continue
-        span = rows.span(first, last)
-        out[k0:k1] = _sampled_group(
-            U[r0:r1], V[r0:r1], span, max(span.counts), local[k0:k1], entries.span(first, last), width, dtype
-        )
+        if r0 < r1 and k0 < k1:
+            out[k0:k1] = _sampled_group(
+                U[r0:r1],
+                V[r0:r1],
+                rows.span(first, last),
+                local[k0:k1],
+                entries.span(first, last),
+                width,
+                dtype,
+            )
     return out
 
 
-def _sampled_group(U, V, rows, longest: int, local, entries, width: int, dtype) -> torch.Tensor:
-    n, a_dim, b_dim = rows.num_segments, U.shape[1], width
+def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tensor:
+    n, a_dim = rows.num_segments, U.shape[1]
     if n == 1:  # one expert (a native weight): no padding
         m1, m2 = U.t().to(dtype), V.to(dtype)
     else:
+        longest = max(rows.counts)
         expert, slot = _slots(rows.offsets, U.shape[0])
         m1 = U.new_zeros(n, a_dim, longest, dtype=dtype)
         m1[expert, :, slot] = U.to(dtype)
-        m2 = V.new_zeros(longest, n, b_dim, dtype=dtype)
+        m2 = V.new_zeros(longest, n, width, dtype=dtype)
         m2[slot, expert, :] = V.to(dtype)
-        m1, m2 = m1.view(n * a_dim, longest), m2.view(longest, n * b_dim)
-    # the block-diagonal pattern: entry (e, a, b) at row e * A + a, column e * B + b
-    local = local.long()
-    a = torch.div(local, b_dim, rounding_mode="floor")
-    expert_of = _entry_experts(entries.offsets, local.numel())
-    columns = local - a * b_dim + expert_of * b_dim
-    lines = a.add_(expert_of * a_dim)
-    crow = torch.zeros(n * a_dim + 1, dtype=torch.int64, device=local.device)
-    torch.cumsum(torch.bincount(lines, minlength=n * a_dim), 0, out=crow[1:])
+        m1, m2 = m1.view(n * a_dim, longest), m2.view(longest, n * width)
+    crow, columns = _block_diagonal_pattern(local, entries, a_dim, width)
     pattern = torch.sparse_csr_tensor(
         crow,
         columns,
+        # zeros, not empty: beta=0 still multiplies them (0 x a NaN of garbage is NaN)
         torch.zeros(local.numel(), dtype=dtype, device=local.device),
-        (n * a_dim, n * b_dim),
+        (n * a_dim, n * width),
         check_invariants=False,
     )
     return torch.sparse.sampled_addmm(pattern, m1, m2, beta=0.0).values().float()
+
+
+def _block_diagonal_pattern(local, entries, a_dim: int, width: int):
+    """CSR (row pointers, columns) of entry (e, a, b) at row e * A + a, column e * B + b. It depends only on the
+    selection: kept in the entries' `cache` (a whole selection's grouping lives as long as its selection), so a
+    step derives it once per selection rather than once per call."""
+    key = ("block_diagonal", a_dim, width)
+    if key in entries.cache:
+        return entries.cache[key]
+    n = entries.num_segments
+    index_dtype = torch.int32 if max(n * a_dim + 1, n * width, local.numel()) < 2**31 else torch.int64
+    local = local.long()
+    a = torch.div(local, width, rounding_mode="floor")
+    expert_of = _entry_experts(entries.offsets, local.numel())
+    columns = (local - a * width + expert_of * width).to(index_dtype)
+    lines = a.add_(expert_of * a_dim)
+    crow = torch.zeros(n * a_dim + 1, dtype=index_dtype, device=local.device)
+    torch.cumsum(torch.bincount(lines, minlength=n * a_dim), 0, out=crow[1:])
+    entries.cache[key] = crow, columns
+    return crow, columns
 
 
 def line_dots(fixed, spanning, rows, lines, entries):
@@ -111,7 +133,12 @@ def line_dots(fixed, spanning, rows, lines, entries):
         if r0 == r1 or k0 == k1:
             continue
         out[k0:k1] = _line_group(
-            fixed[r0:r1], spanning[r0:r1], rows.span(first, last), lines[k0:k1], entries.span(first, last), dtype
+            fixed[r0:r1],
+            spanning[r0:r1],
+            rows.span(first, last),
+            lines[k0:k1],
+            entries.span(first, last),
+            dtype,
         )
     return out
 

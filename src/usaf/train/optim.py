@@ -38,6 +38,7 @@ class CompactAdamW(torch.optim.AdamW):
     def __init__(self, params, *, seed: int = 0, **kwargs):
         super().__init__(params, **kwargs)
         self.seed = seed
+        self._host_steps: dict[int, int] = {}  # parameter index -> its step count (see `_compact_step`)
         for group in self.param_groups:
             group.setdefault("compact", False)
 
@@ -74,7 +75,11 @@ class CompactAdamW(torch.optim.AdamW):
         beta1, beta2 = group["betas"]
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
         state["step"] += 1
-        step = int(state["step"].item())
+        # the step count as a host integer (the tensor is read once per parameter after a start or a load), so a
+        # step reads no tensor per parameter
+        known = self._host_steps.get(index)
+        step = known + 1 if known is not None else int(state["step"].item())
+        self._host_steps[index] = step
         grad = param.grad.float()
         if decay:
             param.mul_(1 - lr * decay)
@@ -91,6 +96,7 @@ class CompactAdamW(torch.optim.AdamW):
         # torch casts loaded floating-point state to the parameter's dtype: bring compact moments back to bf16
         # (exact: they were bf16 before the cast)
         super().load_state_dict(state_dict)
+        self._host_steps = {}
         for group in self.param_groups:
             if group.get("compact"):
                 for param in group["params"]:

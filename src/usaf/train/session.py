@@ -16,6 +16,7 @@ import huggingface_hub
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from usaf import kernels
 from usaf.base.load import load_for_training
 from usaf.config import RunConfig
 from usaf.data import Batches, TokenizedDataset
@@ -224,6 +225,7 @@ def open_session(
     if (folder := local_model_path(config.model.path)) != config.model.path:
         config = copy.deepcopy(config)
         config.model.path = folder
+    kernels.use(config.train.kernels)
     device = distributed.local_device(
         runtime.resolve_device(config.model.device)
     )  # cuda:LOCAL_RANK under torchrun
