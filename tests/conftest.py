@@ -24,3 +24,16 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=["torch", "triton"])
+def each_kernel_path(request):
+    """Run a test once on each implementation of usaf.kernels (Triton interpreted on the CPU)."""
+    from usaf import kernels
+
+    if request.param == "triton":
+        pytest.importorskip("triton")
+    before = kernels.chosen()
+    kernels.use(request.param)
+    yield request.param
+    kernels.use(before)

@@ -43,6 +43,7 @@ def patched_reference(reference, model):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("granularity", ["element", "neuron"])
+@pytest.mark.usefixtures("each_kernel_path")
 def test_logits_and_gradients_match_transformers(family, granularity):
     reference, model = prepared(family, granularity)
     with torch.no_grad():  # (a) untouched: same logits as transformers' grouped_mm

@@ -52,6 +52,7 @@ def backward_allocations(model):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("granularity", ["element", "neuron"])
 @pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.usefixtures("each_kernel_path")
 def test_backward_forms_no_dense_expert_gradient(family, granularity, recompute):
     model = usaf.prepare_model(tiny_model(family), usaf.UsafConfig(density=0.1, granularity=granularity))
     if recompute:
@@ -90,6 +91,7 @@ def target_matrix_shapes(model):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.usefixtures("each_kernel_path")
 def test_backward_forms_no_dense_gradient_of_any_target(family, recompute):
     from usaf.config import TARGETS
 

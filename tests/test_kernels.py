@@ -1,4 +1,5 @@
-"""usaf.kernels' Triton kernels against a naive per-expert loop, run on the CPU by Triton's interpreter."""
+"""usaf.kernels' two implementations against a naive per-expert loop: PyTorch's, and Triton's kernels run on the CPU
+by Triton's interpreter."""
 
 import os
 
@@ -10,19 +11,23 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
 import usaf.kernels as kernels
 from usaf.errors import UsafError
-from usaf.kernels import Segments, triton_path
+from usaf.kernels import Segments, torch_path, triton_path
 
 # imported by an earlier test before TRITON_INTERPRET was set: build its kernels again, interpreted
 if not triton_path.INTERPRETED and os.environ["TRITON_INTERPRET"] == "1":
     importlib.reload(triton_path)
 
-pytestmark = pytest.mark.skipif(
-    not triton_path.available("cpu"), reason="Triton's interpreter is off (TRITON_INTERPRET is set to 0)"
+needs_triton = pytest.mark.skipif(
+    not triton_path.available("cpu"),
+    reason="Triton is not installed or its interpreter is off (TRITON_INTERPRET=0)",
 )
+
+
+@pytest.fixture(params=[torch_path, pytest.param(triton_path, marks=needs_triton)], ids=["torch", "triton"])
+def impl(request):
+    return request.param
 
 
 def reference_sampled(U, V, row_counts, local, entry_counts, width):
@@ -49,6 +54,7 @@ def reference_lines(fixed, spanning, row_counts, lines, entry_counts):
 
 def entries_of(entry_counts, size, generator):
     """Each expert's distinct indices below `size`, ascending, grouped by expert."""
+    assert max(entry_counts, default=0) <= size, "more entries than an expert's matrix has"
     parts = [torch.randperm(size, generator=generator)[:count].sort().values for count in entry_counts]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
@@ -76,15 +82,15 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_sampled_dots_matches_a_loop(case, dtype):
+def test_sampled_dots_matches_a_loop(impl, case, dtype):
     row_counts, entry_counts = CASES[case]
     generator = torch.Generator().manual_seed(0)
-    A, B = 6, 11
+    A, B = 8, 11  # room for every case's entries in one expert (88 >= 77)
     R = sum(row_counts)
     U = torch.randn(R, A, generator=generator).to(dtype)
     V = torch.randn(R, B, generator=generator).to(dtype)
     local = entries_of(entry_counts, A * B, generator)
-    out = triton_path.sampled_dots(
+    out = impl.sampled_dots(
         U, V, Segments.from_counts(row_counts, "cpu"), local, Segments.from_counts(entry_counts, "cpu"), B
     )
     check(out, reference_sampled(U, V, row_counts, local, entry_counts, B), dtype)
@@ -92,7 +98,7 @@ def test_sampled_dots_matches_a_loop(case, dtype):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_line_dots_matches_a_loop(case, dtype):
+def test_line_dots_matches_a_loop(impl, case, dtype):
     row_counts, entry_counts = CASES[case]
     generator = torch.Generator().manual_seed(1)
     A, W = 7, 70  # W over one column block (64)
@@ -100,7 +106,7 @@ def test_line_dots_matches_a_loop(case, dtype):
     fixed = torch.randn(R, A, generator=generator).to(dtype)
     spanning = torch.randn(R, W, generator=generator).to(dtype)
     lines = torch.randint(0, A, (sum(entry_counts),), generator=generator)
-    out = triton_path.line_dots(
+    out = impl.line_dots(
         fixed,
         spanning,
         Segments.from_counts(row_counts, "cpu"),
@@ -111,7 +117,7 @@ def test_line_dots_matches_a_loop(case, dtype):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_random_sizes(seed):
+def test_random_sizes(impl, seed):
     generator = torch.Generator().manual_seed(seed)
     E = int(torch.randint(1, 9, (1,), generator=generator))
     A, B = (int(n) for n in torch.randint(1, 49, (2,), generator=generator))
@@ -122,19 +128,19 @@ def test_random_sizes(seed):
     rows, entries = Segments.from_counts(row_counts, "cpu"), Segments.from_counts(entry_counts, "cpu")
     local = entries_of(entry_counts, A * B, generator)
     check(
-        triton_path.sampled_dots(U, V, rows, local, entries, B),
+        impl.sampled_dots(U, V, rows, local, entries, B),
         reference_sampled(U, V, row_counts, local, entry_counts, B),
         torch.float32,
     )
     lines = torch.randint(0, A, (sum(entry_counts),), generator=generator)
     check(
-        triton_path.line_dots(U, V, rows, lines, entries),
+        impl.line_dots(U, V, rows, lines, entries),
         reference_lines(U, V, row_counts, lines, entry_counts),
         torch.float32,
     )
 
 
-def test_non_contiguous_inputs():
+def test_non_contiguous_inputs(impl):
     generator = torch.Generator().manual_seed(3)
     row_counts, entry_counts = [4, 0, 9], [5, 2, 6]
     A, B = 5, 8
@@ -144,26 +150,27 @@ def test_non_contiguous_inputs():
     local = torch.stack([grouped, torch.zeros_like(grouped)], 1)[:, 0]  # a strided view
     rows, entries = Segments.from_counts(row_counts, "cpu"), Segments.from_counts(entry_counts, "cpu")
     check(
-        triton_path.sampled_dots(U, V, rows, local, entries, B),
+        impl.sampled_dots(U, V, rows, local, entries, B),
         reference_sampled(U, V, row_counts, local, entry_counts, B),
         torch.float32,
     )
     check(
-        triton_path.line_dots(U, V, rows, local % A, entries),
+        impl.line_dots(U, V, rows, local % A, entries),
         reference_lines(U, V, row_counts, local % A, entry_counts),
         torch.float32,
     )
 
 
-def test_empty_calls_return_empty_fp32():
+def test_empty_calls_return_empty_fp32(impl):
     rows, entries = Segments.from_counts([2, 1], "cpu"), Segments.from_counts([0, 0], "cpu")
     U, V = torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(3, 5, dtype=torch.bfloat16)
     none = torch.zeros(0, dtype=torch.int64)
-    assert triton_path.sampled_dots(U, V, rows, none, entries, 5).shape == (0,)
-    lines = triton_path.line_dots(U, V, rows, none, entries)
+    assert impl.sampled_dots(U, V, rows, none, entries, 5).shape == (0,)
+    lines = impl.line_dots(U, V, rows, none, entries)
     assert lines.shape == (0, 5) and lines.dtype == torch.float32
 
 
+@needs_triton
 def test_chosen_through_the_interface():
     generator = torch.Generator().manual_seed(4)
     row_counts, entry_counts = [3, 5], [4, 6]
@@ -194,3 +201,40 @@ def test_use_triton_without_triton_is_one_line(monkeypatch):
     message = str(raised.value)
     assert "train.kernels=triton" in message and "\n" not in message
     assert kernels.chosen() == "auto"
+
+
+def test_torch_path_groups_experts_when_padding_would_be_large(monkeypatch):
+    """One expert with most rows: padding every expert to it would cost experts x its rows; the experts are taken
+    in groups instead, with the same result."""
+    generator = torch.Generator().manual_seed(5)
+    row_counts, entry_counts = [1, 2, 40, 1, 0, 3, 1], [3, 4, 5, 2, 6, 1, 7]
+    A, B = 5, 6
+    R = sum(row_counts)
+    U, V = torch.randn(R, A, generator=generator), torch.randn(R, B, generator=generator)
+    local = entries_of(entry_counts, A * B, generator)
+    lines = torch.randint(0, A, (sum(entry_counts),), generator=generator)
+    monkeypatch.setattr(torch_path, "MIN_PADDED_ROWS", 0)
+    assert len(list(torch_path._groups(row_counts))) > 1
+    rows, entries = Segments.from_counts(row_counts, "cpu"), Segments.from_counts(entry_counts, "cpu")
+    check(
+        torch_path.sampled_dots(U, V, rows, local, entries, B),
+        reference_sampled(U, V, row_counts, local, entry_counts, B),
+        torch.float32,
+    )
+    check(
+        torch_path.line_dots(U, V, rows, lines, entries),
+        reference_lines(U, V, row_counts, lines, entry_counts),
+        torch.float32,
+    )
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (5, 3)])  # aligned for grouped_mm, and not (the padded product)
+def test_grouped_matmul_matches_a_loop(shape):
+    generator = torch.Generator().manual_seed(6)
+    K, N = shape
+    counts = [3, 0, 5, 1]
+    x = torch.randn(sum(counts), K, generator=generator)
+    weight = torch.randn(len(counts), K, N, generator=generator)
+    out = kernels.grouped_matmul(x, weight, Segments.from_counts(counts, "cpu"))
+    expected = torch.cat([x[sum(counts[:e]) : sum(counts[: e + 1])] @ weight[e] for e in range(len(counts))])
+    torch.testing.assert_close(out, expected)
