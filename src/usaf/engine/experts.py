@@ -142,7 +142,7 @@ class SparseGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, values, bias_values, proj: Projection, plan: RoutingPlan):
         ctx.x_dtype = x.dtype
-        x = x.to(proj.store.dtype)
+        x = kernels.cast(x, proj.store.dtype)
         if proj.store.resident and proj.entries is not None:
             proj.entries.write_into(proj.store.full(), None)
         out = None
@@ -172,7 +172,7 @@ class SparseGroupedLinear(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         proj, plan = ctx.proj, ctx.plan
         need_x, need_values, need_bias = ctx.needs_input_grad[:3]
-        gy = grad_out.to(x.dtype)
+        gy = kernels.cast(grad_out, x.dtype)
         grad_x = torch.empty_like(x) if need_x else None  # every row belongs to exactly one chunk
         grad_values = torch.zeros_like(proj.entries.values) if need_values else None
         if need_x or need_values or proj.probe is not None:
@@ -192,10 +192,10 @@ class SparseGroupedLinear(torch.autograd.Function):
         if need_bias:
             entries: ElementEntries = proj.bias_entries
             per_expert = gy.new_zeros(entries.shape[0], gy.shape[1], dtype=torch.float32)
-            per_expert.index_add_(0, plan.expert_of_row, gy.float())
+            per_expert.index_add_(0, plan.expert_of_row, kernels.cast(gy, torch.float32))
             grad_bias = per_expert.view(-1)[entries.flat_indices]
         if grad_x is not None:
-            grad_x = grad_x.to(ctx.x_dtype)
+            grad_x = kernels.cast(grad_x, ctx.x_dtype)
         return grad_x, grad_values, grad_bias, None, None
 
 
@@ -308,7 +308,7 @@ def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
             y = self.post_expert_norm(y)
         y = y * routing_weights
     out = RowsToTokens.apply(y, plan)
-    return out.to(hidden_states.dtype)
+    return kernels.cast(out, hidden_states.dtype)
 
 
 def register() -> None:

@@ -119,8 +119,12 @@ class ElementEntries(_Entries):
     @property
     def flat_indices(self) -> torch.Tensor:
         """int64 flat indices into [E, A, B] (computed: a transient of one tensor's entries)."""
-        counts = self.expert_offsets[1:] - self.expert_offsets[:-1]
-        starts = torch.arange(self.num_experts, device=counts.device) * self.per_expert
+        segments = self.segments()
+        if "expert starts" not in segments.cache:  # [E] each: per selection, not per call
+            counts = self.expert_offsets[1:] - self.expert_offsets[:-1]
+            starts = torch.arange(self.num_experts, device=counts.device) * self.per_expert
+            segments.cache["expert starts"] = starts, counts
+        starts, counts = segments.cache["expert starts"]
         flat = torch.repeat_interleave(starts, counts, output_size=self.local_indices.numel())
         return flat.add_(self.local_indices)
 
@@ -154,7 +158,7 @@ class ElementEntries(_Entries):
         scatter."""
         if self.values.numel() == 0:
             return
-        values = self.values.detach().to(weight.dtype)
+        values = kernels.cast(self.values.detach(), weight.dtype)
         if expert_ids is None:
             weight.view(-1).index_copy_(0, self.flat_indices, values)  # index_copy_ beats index_put_ on CPU
             return
@@ -227,7 +231,7 @@ class LineEntries(_Entries):
         if self.values.numel() == 0:
             return
         segments, line = self.grouping()
-        values = self.values.detach().to(weight.dtype)
+        values = kernels.cast(self.values.detach(), weight.dtype)
         if expert_ids is None:
             slot = torch.div(self.line_ids, self.lines_per_expert, rounding_mode="floor")
         else:

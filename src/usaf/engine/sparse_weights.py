@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from usaf.engine.sparse import ElementEntries
+from usaf import kernels
 from usaf.kernels import Segments
 from usaf.store.dense import DenseStore
 
@@ -89,7 +90,7 @@ def _values(state: SparseWeight):
 
 def _common(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = torch.promote_types(a.dtype, b.dtype)
-    return a.to(dtype), b.to(dtype)
+    return kernels.cast(a, dtype), kernels.cast(b, dtype)
 
 
 class _SparseLinear(torch.autograd.Function):
@@ -109,7 +110,7 @@ class _SparseLinear(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = None
         if need_x:
-            grad_x = (g.to(weight.dtype) @ weight).to(x.dtype).view_as(x)
+            grad_x = kernels.cast(kernels.cast(g, weight.dtype) @ weight, x.dtype).view_as(x)
         probe = state.probes.get("weight")
         if need_values or probe is not None:
             U, V = _common(g, x.reshape(-1, x.shape[-1]))
@@ -146,7 +147,7 @@ class _SparseRows(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         state = ctx.state
         scale = embedding_scale(ctx.module)
-        g = grad_out.reshape(-1, grad_out.shape[-1]).float()
+        g = kernels.cast(grad_out.reshape(-1, grad_out.shape[-1]), torch.float32)
         if scale is not None:
             g = g * (scale.float() if torch.is_tensor(scale) else float(scale))
         # the weight's gradient at the rows this batch looked up: [distinct ids, H], never [vocab, H]

@@ -64,6 +64,7 @@ class Segments:
         return Segments(offsets - offsets[0], self.counts[first : last + 1])
 
 
+cast = torch_path.cast
 _choice = "auto"
 
 

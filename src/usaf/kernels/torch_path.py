@@ -17,6 +17,11 @@ import torch.nn.functional as F
 MIN_PADDED_ROWS = 8192
 
 
+def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in `dtype`, without an op when it already is (each op is a launch's worth of host time)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     # sampled_addmm has no half-precision CPU kernel, and sums of products want fp32 anyway
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -80,14 +85,14 @@ def sampled_dots(U, V, rows, local, entries, width):
 def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tensor:
     n, a_dim = rows.num_segments, U.shape[1]
     if n == 1:  # one expert (a native weight): no padding
-        m1, m2 = U.t().to(dtype), V.to(dtype)
+        m1, m2 = cast(U, dtype).t(), cast(V, dtype)
     else:
         longest = max(rows.counts)
         expert, slot = _slots(rows.offsets, U.shape[0])
         m1 = U.new_zeros(n, a_dim, longest, dtype=dtype)
-        m1[expert, :, slot] = U.to(dtype)
+        m1[expert, :, slot] = cast(U, dtype)
         m2 = V.new_zeros(longest, n, width, dtype=dtype)
-        m2[slot, expert, :] = V.to(dtype)
+        m2[slot, expert, :] = cast(V, dtype)
         m1, m2 = m1.view(n * a_dim, longest), m2.view(longest, n * width)
     crow, columns = _block_diagonal_pattern(local, entries, a_dim, width)
     pattern = torch.sparse_csr_tensor(
@@ -98,7 +103,7 @@ def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tenso
         (n * a_dim, n * width),
         check_invariants=False,
     )
-    return torch.sparse.sampled_addmm(pattern, m1, m2, beta=0.0).values().float()
+    return cast(torch.sparse.sampled_addmm(pattern, m1, m2, beta=0.0).values(), torch.float32)
 
 
 def _block_diagonal_pattern(local, entries, a_dim: int, width: int):
@@ -149,12 +154,12 @@ def _line_group(fixed, spanning, rows, lines, entries, dtype) -> torch.Tensor:
     n, a_dim, longest = rows.num_segments, fixed.shape[1], max(rows.counts)
     expert, slot = _slots(rows.offsets, fixed.shape[0])
     columns = fixed.new_zeros(n, a_dim, longest, dtype=dtype)
-    columns[expert, :, slot] = fixed.to(dtype)
+    columns[expert, :, slot] = cast(fixed, dtype)
     spans = spanning.new_zeros(n, longest, spanning.shape[1], dtype=dtype)
-    spans[expert, slot] = spanning.to(dtype)
+    spans[expert, slot] = cast(spanning, dtype)
     expert_of = _entry_experts(entries.offsets, lines.numel())
     picked = columns.view(n * a_dim, longest).index_select(0, expert_of * a_dim + lines)  # [L, longest]
-    return grouped_matmul(picked, spans, entries).float()
+    return cast(grouped_matmul(picked, spans, entries), torch.float32)
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, rows) -> torch.Tensor:
@@ -164,7 +169,10 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, rows) -> torch.Tensor:
         return x.new_zeros(0, weight.shape[2])
     if hasattr(F, "grouped_mm"):
         try:
-            return F.grouped_mm(x, weight, offs=rows.offsets[1:].to(torch.int32))
+            ends = rows.cache.get("int32 ends")
+            if ends is None:
+                ends = rows.cache["int32 ends"] = rows.offsets[1:].to(torch.int32)
+            return F.grouped_mm(x, weight, offs=ends)
         except (RuntimeError, NotImplementedError):
             pass  # unaligned strides, old GPU or unsupported dtype: the padded batched product below
     n, longest = rows.num_segments, max(rows.counts)

@@ -39,7 +39,9 @@ class DenseStore:
 
     @property
     def tensor(self) -> torch.Tensor:
-        return getattr(self.module, self.name).data
+        # the frozen parameter itself (no `.data` alias: an op per use); it needs no gradient, so in-place writes
+        # under no_grad are allowed
+        return getattr(self.module, self.name)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -51,7 +53,8 @@ class DenseStore:
 
     def full(self) -> torch.Tensor:
         """The whole stack as [E, A, B], writable in place."""
-        return self.tensor.view(self.shape)
+        tensor = self.tensor
+        return tensor if tensor.shape == self.shape else tensor.view(self.shape)
 
     def materialize(self, expert_ids: list[int]) -> torch.Tensor:
         """A fresh [k, A, B] copy of the given experts."""

@@ -22,6 +22,18 @@ from usaf.model.layout import find_moe_layers
 
 COMPACT_DTYPE = torch.bfloat16
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+# entries updated as one flat vector: bounds the step's fp32 temporaries (moments, denominator, update: 16 B an
+# entry) while many parameters share a fixed number of ops
+BUCKET_ENTRIES = 1 << 24
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    flat = [t if t.dim() == 1 else t.reshape(-1) for t in tensors]  # no view op for the usual 1-D values
+    return torch.cat(flat) if len(flat) > 1 else flat[0]
+
+
+def _shaped(pieces, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p if t.dim() == 1 else p.view_as(t) for p, t in zip(pieces, like, strict=True)]
 
 
 def round_stochastic(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -56,41 +68,67 @@ class CompactAdamW(torch.optim.AdamW):
                 super().step()
             finally:
                 self.param_groups = groups
-        index = 0
+        pending, index = [], 0
         for group in groups:
             for param in group["params"]:
                 if group["compact"] and param.grad is not None:
-                    self._compact_step(param, group, index)
+                    pending.append((param, group, index))
                 index += 1
+        for bucket in self._buckets(pending):
+            self._compact_update(bucket)
         return loss
 
-    def _compact_step(self, param: torch.Tensor, group: dict, index: int) -> None:
-        if param.grad.is_sparse:
-            raise RuntimeError("CompactAdamW does not take sparse gradients.")
-        state = self.state[param]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            for key in _MOMENTS:
-                state[key] = torch.zeros_like(param, dtype=COMPACT_DTYPE, memory_format=torch.preserve_format)
+    def _buckets(self, pending):
+        """Consecutive parameters of one group and one step count, at most `BUCKET_ENTRIES` entries together (a
+        larger one alone): each is updated as one flat vector, a fixed number of ops for many parameters."""
+        bucket, size, key = [], 0, None
+        for param, group, index in pending:
+            if param.grad.is_sparse:
+                raise RuntimeError("CompactAdamW does not take sparse gradients.")
+            state = self.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                for name in _MOMENTS:
+                    state[name] = torch.zeros_like(param, dtype=COMPACT_DTYPE, memory_format=torch.preserve_format)
+            # the step count as a host integer (its CPU tensor is read once per parameter after a start or a
+            # load), so a step reads no tensor per parameter
+            known = self._host_steps.get(index)
+            step = known + 1 if known is not None else int(state["step"].item()) + 1
+            self._host_steps[index] = step
+            if bucket and ((id(group), step) != key or size + param.numel() > BUCKET_ENTRIES):
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((param, group, index, step))
+            size += param.numel()
+            key = (id(group), step)
+        if bucket:
+            yield bucket
+
+    def _compact_update(self, bucket) -> None:
+        params = [param for param, _, _, _ in bucket]
+        _, group, first_index, step = bucket[0]
+        states = [self.state[param] for param in params]
+        torch._foreach_add_([state["step"] for state in states], 1)
         beta1, beta2 = group["betas"]
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
-        state["step"] += 1
-        # the step count as a host integer (the tensor is read once per parameter after a start or a load), so a
-        # step reads no tensor per parameter
-        known = self._host_steps.get(index)
-        step = known + 1 if known is not None else int(state["step"].item())
-        self._host_steps[index] = step
-        grad = param.grad.float()
         if decay:
-            param.mul_(1 - lr * decay)
-        exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            torch._foreach_mul_(params, 1 - lr * decay)
+        grad = _flat([param.grad for param in params]).float()
+        exp_avg = _flat([state["exp_avg"] for state in states]).float().lerp_(grad, 1 - beta1)
+        exp_avg_sq = _flat([state["exp_avg_sq"] for state in states]).float().mul_(beta2)
+        exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
+        del grad
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
-        generator = torch.Generator(device=param.device)
-        generator.manual_seed((self.seed * 1_000_003 + index * 7_919 + step * 104_729) % (1 << 62))
-        state["exp_avg"] = round_stochastic(exp_avg, generator)
-        state["exp_avg_sq"] = round_stochastic(exp_avg_sq, generator)
+        update = torch.div(exp_avg, denom).mul_(-lr / (1 - beta1**step))
+        del denom
+        sizes = [param.numel() for param in params]
+        torch._foreach_add_(params, _shaped(update.split(sizes), params))
+        del update
+        generator = torch.Generator(device=params[0].device)
+        generator.manual_seed((self.seed * 1_000_003 + first_index * 7_919 + step * 104_729) % (1 << 62))
+        for name, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            stored = [state[name] for state in states]
+            torch._foreach_copy_(stored, _shaped(round_stochastic(moment, generator).split(sizes), stored))
 
     def load_state_dict(self, state_dict) -> None:
         # torch casts loaded floating-point state to the parameter's dtype: bring compact moments back to bf16
@@ -148,7 +186,8 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
             raise UsafError(
                 f"optim.eight_bit needs bitsandbytes with kernels for this device: {err}"
             ) from None
-    return CompactAdamW(groups, seed=config.train.seed, **kwargs)
+    # torch's multi-tensor AdamW for the plain groups (the routers): a fixed number of ops for all of them
+    return CompactAdamW(groups, seed=config.train.seed, foreach=True, **kwargs)
 
 
 def build_scheduler(optimizer, config: RunConfig):
