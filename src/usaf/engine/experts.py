@@ -174,7 +174,7 @@ class SparseGroupedLinear(torch.autograd.Function):
         need_x, need_values, need_bias = ctx.needs_input_grad[:3]
         gy = kernels.cast(grad_out, x.dtype)
         grad_x = torch.empty_like(x) if need_x else None  # every row belongs to exactly one chunk
-        grad_values = torch.zeros_like(proj.entries.values) if need_values else None
+        grad_values = None
         if need_x or need_values or proj.probe is not None:
             for chunk in proj.chunks(plan):
                 r0, r1 = chunk.r0, chunk.r1
@@ -185,9 +185,11 @@ class SparseGroupedLinear(torch.autograd.Function):
                 if need_values or proj.probe is not None:
                     U, V = (x[r0:r1], gy[r0:r1]) if proj.transposed else (gy[r0:r1], x[r0:r1])
                     if need_values:
-                        proj.entries.add_grad(grad_values, U, V, chunk.span_rows, chunk.first)
+                        grad_values = proj.entries.add_grad(grad_values, U, V, chunk.span_rows, chunk.first)
                     if proj.probe is not None:
                         proj.probe.accumulate(U, V, chunk.span_rows, chunk.first)
+        if need_values and grad_values is None:  # no rows, or no entries among the routed experts
+            grad_values = torch.zeros_like(proj.entries.values)
         grad_bias = None
         if need_bias:
             entries: ElementEntries = proj.bias_entries

@@ -167,16 +167,30 @@ class ElementEntries(_Entries):
         weight.view(-1).index_copy_(0, flat, values.index_select(0, picked))
 
     def add_grad(
-        self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int
-    ) -> None:
+        self, grad: torch.Tensor | None, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int
+    ) -> torch.Tensor | None:
         """grad[k] += sum_t U[t, a_k] * V[t, b_k] over the rows of entry k's expert, for the entries of experts
-        first .. first + n - 1 whose rows U and V hold (grouped by `rows`, n segments): one kernel call."""
+        first .. first + n - 1 whose rows U and V hold (grouped by `rows`, n segments): one kernel call. `grad`
+        None starts a gradient (see `accumulate`); returns it."""
         entries, last = self.segments(), first + rows.num_segments - 1
         k0, k1 = entries.start(first), entries.start(last + 1)
-        if k0 < k1:
-            grad[k0:k1] += kernels.sampled_dots(
-                U, V, rows, self.local_indices[k0:k1], entries.span(first, last), self.shape[2]
-            )
+        if k0 == k1:
+            return grad
+        part = kernels.sampled_dots(
+            U, V, rows, self.local_indices[k0:k1], entries.span(first, last), self.shape[2]
+        )
+        return accumulate(grad, part, k0, self.values)
+
+
+def accumulate(grad: torch.Tensor | None, part: torch.Tensor, k0: int, values: torch.Tensor) -> torch.Tensor:
+    """`grad` with `part` added at entries k0.. (None: a new gradient, `part` itself when it covers every entry,
+    which saves a zero fill and a copy per call)."""
+    if grad is None:
+        if k0 == 0 and part.shape[0] == values.shape[0]:
+            return part
+        grad = torch.zeros_like(values)
+    grad[k0 : k0 + part.shape[0]] += part
+    return grad
 
 
 def _segments(offsets: torch.Tensor) -> Segments:
@@ -243,12 +257,12 @@ class LineEntries(_Entries):
             weight[slot, :, line] = values
 
     def add_grad(
-        self, grad: torch.Tensor, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int
-    ) -> None:
+        self, grad: torch.Tensor | None, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int
+    ) -> torch.Tensor | None:
         """Rows: grad[k, :] += U[:, a_k]^T V; columns: grad[k, :] += V[:, b_k]^T U, over the rows of each line's
         expert (see `ElementEntries.add_grad` for the arguments)."""
         segments, line = self.grouping()
-        _add_line_grads(grad, U, V, rows, first, segments, line, self.axis)
+        return _add_line_grads(grad, self.values, U, V, rows, first, segments, line, self.axis)
 
 
 def _line_grouping(line_ids: torch.Tensor, shape, axis: int) -> tuple[Segments, torch.Tensor]:
@@ -259,12 +273,14 @@ def _line_grouping(line_ids: torch.Tensor, shape, axis: int) -> tuple[Segments, 
     return _segments(offsets), line_ids - expert * shape[axis]
 
 
-def _add_line_grads(grad, U, V, rows: Segments, first: int, segments: Segments, line, axis: int) -> None:
+def _add_line_grads(grad, like, U, V, rows: Segments, first: int, segments: Segments, line, axis: int):
     fixed, spanning = (U, V) if axis == 1 else (V, U)
     last = first + rows.num_segments - 1
     k0, k1 = segments.start(first), segments.start(last + 1)
-    if k0 < k1:
-        grad[k0:k1] += kernels.line_dots(fixed, spanning, rows, line[k0:k1], segments.span(first, last))
+    if k0 == k1:
+        return grad
+    part = kernels.line_dots(fixed, spanning, rows, line[k0:k1], segments.span(first, last))
+    return accumulate(grad, part, k0, like)
 
 
 class LineProbe:
@@ -282,9 +298,9 @@ class LineProbe:
         self.score = torch.zeros(self.line_ids.numel(), length, device=line_ids.device)
 
     def accumulate(self, U, V, rows: Segments, first: int) -> None:
-        grad = torch.zeros_like(self.score)
-        _add_line_grads(grad, U, V, rows, first, self.segments, self.line, self.axis)
-        self.score += grad.abs()
+        grad = _add_line_grads(None, self.score, U, V, rows, first, self.segments, self.line, self.axis)
+        if grad is not None:
+            self.score += grad.abs()
 
     def flat_indices(self) -> torch.Tensor:
         """Flat indices of the candidate entries, in the order of `score.view(-1)`."""

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from usaf.engine.sparse import ElementEntries
 from usaf import kernels
+from usaf.engine.sparse import ElementEntries
 from usaf.kernels import Segments
 from usaf.store.dense import DenseStore
 
@@ -114,13 +114,14 @@ class _SparseLinear(torch.autograd.Function):
         probe = state.probes.get("weight")
         if need_values or probe is not None:
             U, V = _common(g, x.reshape(-1, x.shape[-1]))
-            rows = Segments.from_counts([U.shape[0]], U.device)  # one matrix: one expert
+            rows = Segments.single(U.shape[0], U.device)  # one matrix: one expert
         grad_values = None
         if need_values and state.entries is None:
             grad_values = grad_out.new_zeros(0)
         elif need_values:
-            grad_values = torch.zeros_like(state.entries.values)
-            state.entries.add_grad(grad_values, U, V, rows, 0)
+            grad_values = state.entries.add_grad(None, U, V, rows, 0)
+            if grad_values is None:  # no entries
+                grad_values = torch.zeros_like(state.entries.values)
         if probe is not None:
             probe.accumulate(U, V, rows, 0)
         if ctx.observing:

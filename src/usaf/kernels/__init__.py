@@ -41,6 +41,16 @@ class Segments:
         torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0, out=offsets[1:])
         return cls(offsets.to(device), list(counts))
 
+    @classmethod
+    def single(cls, count: int, device) -> Segments:
+        """One segment of `count` rows (a native weight's tokens), its offsets made once per count and device."""
+        key = (count, str(device))
+        if key not in _SINGLE:
+            if len(_SINGLE) > 64:  # sequence lengths vary: keep the table small
+                _SINGLE.clear()
+            _SINGLE[key] = cls.from_counts([count], device)
+        return _SINGLE[key]
+
     @property
     def num_segments(self) -> int:
         return len(self.counts)
@@ -66,6 +76,7 @@ class Segments:
 
 cast = torch_path.cast
 _choice = "auto"
+_SINGLE: dict = {}
 
 
 def use(name: str) -> None:

@@ -89,7 +89,9 @@ class CompactAdamW(torch.optim.AdamW):
             if not state:
                 state["step"] = torch.tensor(0.0)
                 for name in _MOMENTS:
-                    state[name] = torch.zeros_like(param, dtype=COMPACT_DTYPE, memory_format=torch.preserve_format)
+                    state[name] = torch.zeros_like(
+                        param, dtype=COMPACT_DTYPE, memory_format=torch.preserve_format
+                    )
             # the step count as a host integer (its CPU tensor is read once per parameter after a start or a
             # load), so a step reads no tensor per parameter
             known = self._host_steps.get(index)
