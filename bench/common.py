@@ -155,11 +155,15 @@ class TensorPeak:
         from torch.utils._pytree import tree_flatten
 
         tensor = self._torch.Tensor
+        # sparse tensors (a sampled product's pattern) have no storage of their own: their parts are counted
+        strided = self._torch.strided
         inputs = {
-            a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, tensor)
+            a.untyped_storage().data_ptr()
+            for a in tree_flatten((args, kwargs))[0]
+            if isinstance(a, tensor) and a.layout == strided
         }
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, tensor) or t.device.type != "cpu":
+            if not isinstance(t, tensor) or t.device.type != "cpu" or t.layout != strided:
                 continue
             storage = t.untyped_storage()
             key = storage.data_ptr()

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# a group of experts' padded rows holds at most this many rows, or twice the real rows if more (see `_groups`)
-MIN_PADDED_ROWS = 8192
+# a group of experts' padded rows holds at most twice the real rows, or this many if more (see `_groups`)
+MIN_PADDED_ROWS = 1024
 
 
 def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -103,7 +103,8 @@ def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tenso
         (n * a_dim, n * width),
         check_invariants=False,
     )
-    return cast(torch.sparse.sampled_addmm(pattern, m1, m2, beta=0.0).values(), torch.float32)
+    # a tensor of its own: the values of a sparse result are a view whose base has no storage to look at
+    return torch.sparse.sampled_addmm(pattern, m1, m2, beta=0.0).values().to(torch.float32, copy=True)
 
 
 def _block_diagonal_pattern(local, entries, a_dim: int, width: int):

@@ -32,6 +32,7 @@ from usaf.config import (
     UsafConfig,
 )
 from usaf.errors import UsafError
+from usaf.kernels.torch_path import MIN_PADDED_ROWS
 from usaf.planner.settings import (
     COMPUTE_EFFICIENCY,
     CPU_IMPORTS,
@@ -228,6 +229,7 @@ def plan(
     trained = _sparse_state(ledger, shape, s)
     _activations(ledger, shape, s)
     _workspace(ledger, shape, s, residency, stored)
+    _gradient_kernels(ledger, shape, s, trained)
     traffic = _parallel(ledger, shape, s, trained, device)
     _framework(ledger, shape, s, residency, trained)
     result = Plan(
@@ -418,6 +420,30 @@ def _workspace(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: s
             "offload buffers",
             2 * stored / max(1, shape.num_moe_layers),
             "two layers of quantized experts: the current and the prefetched",
+        )
+
+
+def _gradient_kernels(ledger: _Ledger, shape: ModelShape, s: PlanSettings, trained: _Trained) -> None:
+    """What usaf.kernels' PyTorch path adds (a CPU's; a GPU with Triton has neither): each expert's rows padded to
+    the longest in fp32, and each element selection's block-diagonal pattern."""
+    if ledger.gpu:
+        return
+    rows = s.seq * s.batch * shape.experts_per_token
+    padded = max(MIN_PADDED_ROWS, 2 * rows)  # the bound on one group of experts (usaf.kernels.torch_path)
+    width = shape.hidden_size + 2 * shape.moe_intermediate  # gate/up's two sides, the widest pair
+    ledger.add(
+        "sampled-gradient padding",
+        padded * width * 4,
+        f"<= {padded} padded rows x ({shape.hidden_size} + 2 x {shape.moe_intermediate}) x 4 B: one projection's "
+        "routed rows laid out per expert for one sampled product",
+        phases=frozenset({LAYER}),
+    )
+    if s.granularity == "element":
+        entries = trained.experts + trained.beyond
+        ledger.add(
+            "sampled-gradient patterns",
+            4 * entries,
+            f"{format_count(entries)} entries x 4 B: each selection's int32 columns, derived once, kept until it changes",
         )
 
 
