@@ -83,17 +83,19 @@ def sampled_dots(U, V, rows, local, entries, width):
 
 
 def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tensor:
+    # both operands as [lines, rows] row-major (the second passed transposed): the layout the CPU kernel takes a dot
+    # product of without copying either (4x faster than a row-major second operand)
     n, a_dim = rows.num_segments, U.shape[1]
     if n == 1:  # one expert (a native weight): no padding
-        m1, m2 = cast(U, dtype).t(), cast(V, dtype)
+        m1, m2t = cast(U, dtype).t().contiguous(), cast(V, dtype).t().contiguous()
     else:
         longest = max(rows.counts)
         expert, slot = _slots(rows.offsets, U.shape[0])
         m1 = U.new_zeros(n, a_dim, longest, dtype=dtype)
         m1[expert, :, slot] = cast(U, dtype)
-        m2 = V.new_zeros(longest, n, width, dtype=dtype)
-        m2[slot, expert, :] = cast(V, dtype)
-        m1, m2 = m1.view(n * a_dim, longest), m2.view(longest, n * width)
+        m2t = V.new_zeros(n, width, longest, dtype=dtype)
+        m2t[expert, :, slot] = cast(V, dtype)
+        m1, m2t = m1.view(n * a_dim, longest), m2t.view(n * width, longest)
     crow, columns = _block_diagonal_pattern(local, entries, a_dim, width)
     pattern = torch.sparse_csr_tensor(
         crow,
@@ -104,7 +106,7 @@ def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tenso
         check_invariants=False,
     )
     # a tensor of its own: the values of a sparse result are a view whose base has no storage to look at
-    return torch.sparse.sampled_addmm(pattern, m1, m2, beta=0.0).values().to(torch.float32, copy=True)
+    return torch.sparse.sampled_addmm(pattern, m1, m2t.t(), beta=0.0).values().to(torch.float32, copy=True)
 
 
 def _block_diagonal_pattern(local, entries, a_dim: int, width: int):
