@@ -158,7 +158,7 @@ class ElementEntries(_Entries):
         scatter."""
         if self.values.numel() == 0:
             return
-        values = kernels.cast(self.values.detach(), weight.dtype)
+        values = kernels.cast(self.values, weight.dtype)  # no_grad: no detach needed (an op a call)
         if expert_ids is None:
             weight.view(-1).index_copy_(0, self.flat_indices, values)  # index_copy_ beats index_put_ on CPU
             return
@@ -245,7 +245,7 @@ class LineEntries(_Entries):
         if self.values.numel() == 0:
             return
         segments, line = self.grouping()
-        values = kernels.cast(self.values.detach(), weight.dtype)
+        values = kernels.cast(self.values, weight.dtype)
         if expert_ids is None:
             slot = torch.div(self.line_ids, self.lines_per_expert, rounding_mode="floor")
         else:

@@ -89,7 +89,7 @@ def _values(state: SparseWeight):
 
 
 def _common(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = torch.promote_types(a.dtype, b.dtype)
+    dtype = a.dtype if a.dtype == b.dtype else torch.promote_types(a.dtype, b.dtype)
     return kernels.cast(a, dtype), kernels.cast(b, dtype)
 
 

@@ -105,8 +105,7 @@ def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tenso
         (n * a_dim, n * width),
         check_invariants=False,
     )
-    # a tensor of its own: the values of a sparse result are a view whose base has no storage to look at
-    return torch.sparse.sampled_addmm(pattern, m1, m2t.t(), beta=0.0).values().to(torch.float32, copy=True)
+    return cast(torch.sparse.sampled_addmm(pattern, m1, m2t.t(), beta=0.0).values(), torch.float32)
 
 
 def _block_diagonal_pattern(local, entries, a_dim: int, width: int):
