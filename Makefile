@@ -38,7 +38,8 @@ bench-scale: $(STAMP)
 	$(BIN)/python bench/scale.py
 
 # Ops and host syncs per layer-step at Qwen3-30B-A3B's layer shape (issue 22). The whole grid (36 configurations)
-# takes hours on a CPU; LAUNCHES_ARGS narrows it, e.g. LAUNCHES_ARGS="--experts 32,128 --densities 1 --quant none".
+# takes about an hour on one CPU thread (18 min a density); LAUNCHES_ARGS narrows it, e.g.
+# LAUNCHES_ARGS="--experts 32,128 --densities 1 --quant none" (6 min).
 LAUNCHES_ARGS ?=
 bench-launches: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python bench/launches.py $(LAUNCHES_ARGS)

@@ -293,7 +293,8 @@ def markdown(payload: dict) -> str:
         )
     lines += ["", "## Targets", "", "| target | value | verdict |", "|---|---:|---|"]
     for v in payload["verdicts"]:
-        lines.append(f"| {v['target']} | {v['value']} | {'met' if v['met'] else 'MISSED'} |")
+        value = f"{v['value']:+.1%}" if "within" in v["target"] else f"{v['value']:,}"
+        lines.append(f"| {v['target']} | {value} | {'met' if v['met'] else 'MISSED'} |")
     if not payload["verdicts"]:
         lines.append("| (no E=128 row measured) | | |")
     sites = [r for r in payload["rows"] if r.get("sync_sites")]
@@ -337,6 +338,11 @@ def main(argv=None) -> int:
     parser.add_argument("--stem", default="launches", help="result files: <out>/<stem>-<date>.{json,md}")
     parser.add_argument("--out", default=None, help="folder (default bench/results)")
     parser.add_argument("--note", default="", help="a line for the report (e.g. why seq was cut)")
+    parser.add_argument(
+        "--merge",
+        default=None,
+        help="a previous run's .json: its rows and speed come first, its command is kept",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     import common
@@ -365,6 +371,14 @@ def main(argv=None) -> int:
         "verdicts": [],
         "speed": [],
     }
+    if args.merge:  # one report from runs made one after another (a CPU grid is long)
+        import json
+
+        previous = json.loads(Path(args.merge).read_text())
+        payload["rows"] = previous["rows"]
+        payload["speed"] = previous.get("speed", [])
+        payload["command"] = f"{previous['command']}; then {payload['command']}"
+        payload["note"] = " ".join(x for x in (previous.get("note", ""), args.note) if x)
     top = 8 if args.quick else 128
 
     def write():
