@@ -20,22 +20,34 @@
 # per step and step time, usaf against PEFT LoRA and full fine-tuning under DDP, distributed-<date>.{md,json}
 # (--dry-run: 2 gloo processes on the CPU, tiny shapes).
 #
+# Launches, a call of its own (3 files: launches-<date>.{md,json} and the log; it would not fit the 8 above):
+#   bash bench/gpu.sh OUT_DIR --launches [--dry-run]
+# runs bench/launches.py --device cuda --speed: top-level aten ops and host syncs per layer-step at Qwen3-30B-A3B's
+# layer shape (E 32/64/128, densities 0.5/1/4 %, fp32/bf16, unquantized/nf4 with host residency; counted by
+# torch.profiler and a TorchFunctionMode, no device synchronisation added) against issue 22's targets, and
+# tokens/s at that shape (2 layers, E=128, bf16, CUDA events, median after a warm-up) of the usaf step, the
+# transformers inference forward (grouped_mm, no grad) and a PEFT LoRA step. LAUNCHES_TIMEOUT (default 540 s);
+# LAUNCHES_ARGS replaces the grid's arguments (e.g. "--experts 32,128 --densities 1"). Rows are written as they
+# are measured, so a run stopped by the timeout keeps what it measured.
+#
 # Python: $PYTHON, else .venv/bin/python, else python3. usaf is imported from this checkout's src/. Wheels in
 # .whl/ (e.g. peft, bitsandbytes, a transformers >= 5.24 for a machine that lacks them) are installed into a
 # scratch folder first. Phase time limits: COMPARE_TIMEOUT (default 270 s), OFFLOAD_TIMEOUT (default 150 s),
 # SCALE_TIMEOUT (default 150 s); SCALE_LAYERS (default "2 8") the scale run's layer counts.
 set -uo pipefail
 
-usage() { echo "usage: bash bench/gpu.sh OUT_DIR [--multi-gpu] [--dry-run]" >&2; exit 2; }
+usage() { echo "usage: bash bench/gpu.sh OUT_DIR [--multi-gpu | --launches] [--dry-run]" >&2; exit 2; }
 [[ $# -ge 1 && "$1" != --* ]] || usage
 OUT=$1
 shift
 DRY_RUN=0
 MULTI_GPU=0
+LAUNCHES=0
 for flag in "$@"; do
     case $flag in
         --dry-run) DRY_RUN=1 ;;
         --multi-gpu) MULTI_GPU=1 ;;
+        --launches) LAUNCHES=1 ;;
         *) usage ;;
     esac
 done
@@ -97,7 +109,16 @@ EOF
 status=0
 LOG="$OUT/gpu.log"
 : >"$LOG"
-if [[ $MULTI_GPU -eq 1 ]]; then
+if [[ $LAUNCHES -eq 1 ]]; then
+    if [[ $DRY_RUN -eq 1 ]]; then
+        OMP_NUM_THREADS=1 timeout "${LAUNCHES_TIMEOUT:-300}" "$PY" bench/launches.py --quick --speed --out "$OUT" \
+            2>&1 | tee -a "$LOG" || status=1
+    else
+        # shellcheck disable=SC2086  # LAUNCHES_ARGS is a list of arguments
+        timeout "${LAUNCHES_TIMEOUT:-540}" "$PY" bench/launches.py --device cuda --speed ${LAUNCHES_ARGS:-} \
+            --out "$OUT" 2>&1 | tee -a "$LOG" || status=1
+    fi
+elif [[ $MULTI_GPU -eq 1 ]]; then
     if [[ $DRY_RUN -eq 1 ]]; then
         OMP_NUM_THREADS=1 timeout "${DISTRIBUTED_TIMEOUT:-300}" "$PY" bench/distributed.py --smoke --worlds 1,2 \
             --out "$OUT" 2>&1 | tee -a "$LOG" || status=1

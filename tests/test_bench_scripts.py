@@ -154,3 +154,23 @@ def test_multi_gpu_dry_run_counts_usafs_all_reduce_against_ddp(tmp_path):
         assert two[method]["bytes_per_step"] == 4 * two[method]["trainable"], method
     assert all(row["bytes_per_step"] == 0 for row in payload["worlds"]["1"].values())
     assert (tmp_path / "gpu.log").stat().st_size > 0
+
+
+def test_launches_dry_run_counts_per_layer_and_times_the_baselines(tmp_path):
+    """bench/gpu.sh --launches --dry-run: bench/launches.py --quick --speed on the CPU (E=8, tiny shapes), the
+    Python its CUDA run calls: counts per layer-step, the issue's targets with verdicts, and tokens/s of the usaf
+    step against the inference forward and PEFT LoRA."""
+    gpu_sh(tmp_path, "--launches", "--dry-run")
+    payload = json.loads(only(tmp_path, "launches-*.json").read_text())
+    rows = payload["rows"]
+    assert {(r["dtype"], r["quant"]) for r in rows} == {
+        ("fp32", "none"),
+        ("bf16", "none"),
+        ("fp32", "nf4"),
+        ("bf16", "nf4"),
+    }
+    assert all("error" not in r and r["ops_per_layer"] > 0 for r in rows), rows
+    assert {v["met"] for v in payload["verdicts"]} <= {True, False} and payload["verdicts"]
+    assert [s.get("tokens_per_s", 0) > 0 for s in payload["speed"]] == [True] * 3, payload["speed"]
+    assert "| target | value | verdict |" in only(tmp_path, "launches-*.md").read_text()
+    assert len([p for p in tmp_path.iterdir() if p.is_file()]) <= 8
