@@ -214,6 +214,7 @@ def test_torch_path_groups_experts_when_padding_would_be_large(monkeypatch):
     local = entries_of(entry_counts, A * B, generator)
     lines = torch.randint(0, A, (sum(entry_counts),), generator=generator)
     monkeypatch.setattr(torch_path, "MIN_PADDED_ROWS", 0)
+    monkeypatch.setattr(torch_path, "PADDING_FACTOR", 2)
     assert len(list(torch_path._groups(row_counts))) > 1
     rows, entries = Segments.from_counts(row_counts, "cpu"), Segments.from_counts(entry_counts, "cpu")
     check(
@@ -229,10 +230,14 @@ def test_torch_path_groups_experts_when_padding_would_be_large(monkeypatch):
 
 
 @pytest.mark.parametrize("shape", [(16, 8), (5, 3)])  # aligned for grouped_mm, and not (the padded product)
-def test_grouped_matmul_matches_a_loop(shape):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_grouped_matmul_matches_a_loop(shape, grouped, monkeypatch):
     generator = torch.Generator().manual_seed(6)
     K, N = shape
-    counts = [3, 0, 5, 1]
+    counts = [3, 0, 5, 1, 20, 2]
+    if grouped:  # the padded product in several groups of experts
+        monkeypatch.setattr(torch_path, "MIN_PADDED_ROWS", 0)
+        monkeypatch.setattr(torch_path, "PADDING_FACTOR", 2)
     x = torch.randn(sum(counts), K, generator=generator)
     weight = torch.randn(len(counts), K, N, generator=generator)
     out = kernels.grouped_matmul(x, weight, Segments.from_counts(counts, "cpu"))

@@ -32,7 +32,7 @@ from usaf.config import (
     UsafConfig,
 )
 from usaf.errors import UsafError
-from usaf.kernels.torch_path import MIN_PADDED_ROWS
+from usaf.kernels.torch_path import MIN_PADDED_ROWS, PADDING_FACTOR
 from usaf.planner.settings import (
     COMPUTE_EFFICIENCY,
     CPU_IMPORTS,
@@ -429,7 +429,9 @@ def _gradient_kernels(ledger: _Ledger, shape: ModelShape, s: PlanSettings, train
     if ledger.gpu:
         return
     rows = s.seq * s.batch * shape.experts_per_token
-    padded = max(MIN_PADDED_ROWS, 2 * rows)  # the bound on one group of experts (usaf.kernels.torch_path)
+    padded = max(
+        MIN_PADDED_ROWS, PADDING_FACTOR * rows
+    )  # the bound on one group of experts (usaf.kernels.torch_path)
     width = shape.hidden_size + 2 * shape.moe_intermediate  # gate/up's two sides, the widest pair
     ledger.add(
         "sampled-gradient padding",
