@@ -85,11 +85,13 @@ def build(shape: dict, device: torch.device, dtype: torch.dtype, quant: str, see
 
 def usaf_step(model, stores, density: float, ids):
     import usaf
+    from usaf.config import RunConfig
+    from usaf.train.optim import build_optimizer
 
     usaf.prepare_model(model, usaf.UsafConfig(density=density, selection="random"), stores=stores)
     model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = usaf.CompactAdamW(trainable, lr=1e-4)
+    # the optimizer `usaf train` builds: bf16 moments for the trained values, torch's foreach AdamW for the routers
+    optimizer = build_optimizer(model, RunConfig())
 
     def step():
         loss = usaf.causal_lm_loss(model, ids, ids)
