@@ -72,7 +72,7 @@ class Placement:
 
 def expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     """Drop-in for the experts forward: this rank's tokens in, their combined expert outputs out."""
-    placement: Placement = self.usaf_placement
+    placement: Placement = self.usaf.placement
     top_k = top_k_index.shape[-1]
     experts = top_k_index.reshape(-1)
     owner = torch.div(experts, placement.per_rank, rounding_mode="floor")
@@ -103,6 +103,6 @@ def enable(model: nn.Module, group=None) -> None:
             raise UsafError(
                 "expert parallelism runs usaf's engine: call usaf.prepare_model on the model first."
             )
-        layer.experts.usaf_placement = Placement(layer.experts.usaf.num_experts, group)
+        layer.experts.usaf.placement = Placement(layer.experts.usaf.num_experts, group)
     register_experts_implementation(IMPLEMENTATION_NAME, expert_parallel_forward)
     use_experts_implementation(model, [layer.experts for layer in layers], IMPLEMENTATION_NAME)
