@@ -122,3 +122,14 @@ def test_embedding_backward_with_padding_and_probe_matches_the_dense_gradient():
     entries = state.entries
     assert torch.allclose(entries.values.grad, dense.reshape(-1)[entries.flat_indices], atol=1e-6)
     assert torch.allclose(state.probes["weight"].score, dense[candidates].abs(), atol=1e-6)
+
+
+@pytest.mark.parametrize("ids", [[5, 1, 5, 9, 2, 1], [3], list(range(40, 0, -3)) * 3])
+def test_distinct_rows_are_unique_with_a_shape_known_in_advance(ids):
+    from usaf.engine.sparse_weights import _distinct_rows
+
+    ids = torch.tensor(ids)
+    rows, inverse = _distinct_rows(ids, 97)
+    unique, unique_inverse = torch.unique(ids, return_inverse=True)
+    assert rows.shape == ids.shape and torch.equal(inverse, unique_inverse)
+    assert torch.equal(rows[: unique.numel()], unique) and bool((rows[unique.numel() :] == 97).all())

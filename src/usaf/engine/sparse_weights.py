@@ -135,8 +135,10 @@ class _SparseRows(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1]).float()
         if scale is not None:
             g = g * (scale.float() if torch.is_tensor(scale) else float(scale))
-        # the weight's gradient at the rows this batch looked up: [distinct ids, H], never [vocab, H]
-        rows, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        # the weight's gradient at the rows this batch looked up: [tokens, H] (one slot per distinct id, the rest
+        # empty), never [vocab, H]
+        num_rows = state.stores["weight"].shape[1]
+        rows, inverse = _distinct_rows(ids.reshape(-1), num_rows)
         per_row = g.new_zeros(rows.numel(), g.shape[1]).index_add_(0, inverse, g)
         padding = getattr(ctx.module, "padding_idx", None)
         if padding is not None:  # a mask, not boolean indexing: no host sync
@@ -159,9 +161,22 @@ class _SparseRows(torch.autograd.Function):
             probe.score.index_add_(
                 0, where, torch.where(hit, per_row.abs(), torch.zeros((), device=g.device))
             )
-        if ctx.observing:
-            state.observe_rows(rows, per_row.pow(2).sum(1))
+        if ctx.observing:  # the empty slots add zeros (to the last row)
+            state.observe_rows(rows.clamp_max(num_rows - 1), per_row.pow(2).sum(1))
         return None, grad_values, None, None
+
+
+def _distinct_rows(ids: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.unique(ids, return_inverse=True)` with a shape known in advance (no host sync): the distinct ids
+    sorted, then `num_rows` (greater than any id, so the result stays sorted) in the slots left over; and each
+    id's slot."""
+    ordered, order = torch.sort(ids)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    slot_of_ordered = torch.cumsum(first, 0) - 1
+    rows = torch.full_like(ordered, num_rows).scatter_(0, slot_of_ordered, ordered)
+    inverse = torch.empty_like(slot_of_ordered).scatter_(0, order, slot_of_ordered)
+    return rows, inverse
 
 
 def _state(module: nn.Module) -> SparseWeight:
