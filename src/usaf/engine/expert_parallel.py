@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from usaf.engine.experts import usaf_experts_forward
+from usaf.engine.state import owned_state
 from usaf.errors import UsafError
 from usaf.model.hf import register_experts_implementation, use_experts_implementation
 from usaf.model.layout import find_moe_layers
@@ -99,10 +100,11 @@ def enable(model: nn.Module, group=None) -> None:
         raise UsafError("expert parallelism needs torch.distributed initialized (start with torchrun).")
     layers = find_moe_layers(model)
     for layer in layers:
-        if not hasattr(layer.experts, "usaf"):
+        state = owned_state(layer.experts)
+        if state is None or not state.is_expert_stack:
             raise UsafError(
                 "expert parallelism runs usaf's engine: call usaf.prepare_model on the model first."
             )
-        layer.experts.usaf.placement = Placement(layer.experts.usaf.num_experts, group)
+        state.placement = Placement(state.num_experts, group)
     register_experts_implementation(IMPLEMENTATION_NAME, expert_parallel_forward)
     use_experts_implementation(model, [layer.experts for layer in layers], IMPLEMENTATION_NAME)
