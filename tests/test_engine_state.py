@@ -66,7 +66,9 @@ def test_expert_parallel_placement_lives_in_the_experts_state():
         assert state.placement is None
 
 
-def test_a_norms_forward_never_replaces_or_deletes_its_parameter():
+def test_a_norms_forward_never_deletes_its_parameter_or_sticks_a_weight_on_it():
+    """The family forward sees the effective weight through functional_call: the parameter's slot is never deleted
+    and no plain `weight` attribute is set; before and after the call (the hooks) `weight` is the parameter."""
     model = _prepared(targets=("norms",))
     (path, state), *_ = [(p, s) for p, s in sparse_weights(model) if s.kind == "vector" and len(s)]
     norm = model.get_submodule(path)

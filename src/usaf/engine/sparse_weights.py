@@ -13,8 +13,9 @@ is computed only at the trained entries:
 
 A prepared module keeps its class's behaviour; its class is swapped for a same-named subclass whose forward routes
 the weight through these functions, and its state lives in `module.usaf` (a `SparseWeight`, see
-`usaf.engine.state.SparseState`). A forward never mutates the module: its parameters stay where they are, and a
-norm's family forward sees the effective weight through `torch.func.functional_call`.
+`usaf.engine.state.SparseState`). No forward deletes or reassigns a module's parameter by hand: a norm's family
+forward sees the effective weight through `torch.func.functional_call` (torch's own reparametrization, which holds
+the weight's slot for the call's duration, restores it, and which torch.compile traces).
 """
 
 from __future__ import annotations
@@ -209,8 +210,8 @@ class _FamilyForward(nn.Module):
 def _vector_forward(self, *args, **kwargs):
     """The family's own forward with the weight replaced by base-with-entries, differentiable in the values.
 
-    The module is not mutated: the family forward sees the effective weight through `torch.func.functional_call`
-    (which torch.compile traces), never by deleting and restoring the module's parameter."""
+    The family forward sees the effective weight through `torch.func.functional_call`, not by deleting and
+    restoring the module's parameter: outside the call (and in the module's hooks) `weight` is its parameter."""
     state: SparseWeight = _state(self)
     entries, probe = state.entries, state.probes.get("weight")
     if (entries is None and probe is None) or not torch.is_grad_enabled():
