@@ -573,8 +573,11 @@ def _count_params(model) -> int:
 
 
 def _quant_format(model) -> str | None:
-    store = getattr(model, "usaf_store", None)
-    return store["metadata"].get("quant") if store else None
+    from usaf.engine.state import model_state
+
+    prepared = model_state(model)
+    store = prepared.store if prepared is not None else None
+    return store.metadata.get("quant") if store is not None else None
 
 
 def _lr_factor(total: int):

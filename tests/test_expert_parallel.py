@@ -64,7 +64,7 @@ def _rank(rank: int, port: int, family: str, results: str) -> None:
     expert_parallel.enable(model)
     ids = _batch(rank)
     _loss(model, ids).backward()
-    placement = expert_parallel.find_moe_layers(model)[0].experts.usaf_placement
+    placement = expert_parallel.find_moe_layers(model)[0].experts.usaf.placement
     torch.save(
         {
             "logits": model(input_ids=ids).logits.detach(),

@@ -18,6 +18,7 @@ import usaf
 from usaf.base.load import load_prepared, prepare_store, read_store_metadata
 from usaf.cli import main as cli_main
 from usaf.engine.loss import causal_lm_loss
+from usaf.engine.state import model_state
 from usaf.errors import UsafError
 from usaf.io import shards
 from usaf.quant import get_format
@@ -209,7 +210,7 @@ def test_residency_modes_and_the_device_cache_give_identical_training(qwen):
             optimizer.zero_grad()
             losses.append(loss.item())
         with torch.no_grad():
-            runs[residency] = (losses, model(IDS).logits, model.usaf_store["streamer"])
+            runs[residency] = (losses, model(IDS).logits, model_state(model).store.streamer)
     losses, logits, _ = runs["device"]
     assert losses[1] < losses[0]  # the trained values do train
     for residency, (other_losses, other_logits, _) in runs.items():
@@ -502,7 +503,7 @@ def test_the_backward_streams_only_the_experts_its_forward_routed_to(tmp_path):
     for residency in ("device", "host"):
         model = load(tmp_path / "nf4", residency=residency)
         model.train()
-        streamer = model.usaf_store["streamer"]
+        streamer = model_state(model).store.streamer
         fills, outside = [], []
         if streamer is not None:
             fill, fetch = streamer._fill, streamer.fetch

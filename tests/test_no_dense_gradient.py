@@ -78,12 +78,11 @@ def test_recorder_catches_the_dense_path():
 def target_matrix_shapes(model):
     """Every targeted matrix beyond the experts (attention, dense MLPs, embedding, output layer), both ways.
     Norm weights are vectors as long as one activation row: their gradient is exempt (see usaf.engine.sparse_weights)."""
-    from usaf.engine.installed import sparse_modules
-    from usaf.engine.sparse_weights import SparseWeight
+    from usaf.engine.installed import sparse_weights
 
     shapes = set()
-    for _, state in sparse_modules(model):
-        if isinstance(state, SparseWeight) and state.kind != "vector":
+    for _, state in sparse_weights(model):
+        if state.kind != "vector":
             _, a, b = state.stores["weight"].shape
             shapes |= {(a, b), (b, a)}
     return shapes

@@ -5,6 +5,7 @@ import torch
 from helpers import EXPERTS_AND_ROUTERS
 
 import usaf
+from usaf.engine.state import model_state
 from usaf.model.layout import find_moe_layers
 from usaf.prepare import current_selection
 from usaf.selection.calibrate import calibrate
@@ -172,5 +173,5 @@ def test_a_file_selection_after_a_calibrated_one_reports_no_calibration(tmp_path
     from_file = usaf.prepare_model(
         tiny_model("qwen3_moe"), usaf.UsafConfig(strategy="file", file=str(tmp_path / "sel.safetensors"))
     )
-    run.select = from_file.usaf_config
+    run.select = model_state(from_file).config
     assert selection_summary(from_file, run)["calibration"] is None

@@ -10,10 +10,11 @@ from torch import nn
 
 from usaf.config import UsafConfig
 from usaf.engine.experts import IMPLEMENTATION_NAME, SparseExperts, register
-from usaf.engine.installed import sparse_experts, sparse_modules
+from usaf.engine.installed import sparse_experts, sparse_modules, sparse_weights
 from usaf.engine.router import make_routers_fp32
 from usaf.engine.sparse import ElementEntries, LineEntries, line_flat_indices
-from usaf.engine.sparse_weights import SparseWeight, install, tie
+from usaf.engine.sparse_weights import install, tie
+from usaf.engine.state import ModelState, SparseState, model_state, set_model_state
 from usaf.errors import UsafError
 from usaf.model.hf import apply_renamings, checkpoint_renamings, use_experts_implementation
 from usaf.model.layout import MoELayer, find_moe_layers
@@ -58,7 +59,7 @@ def prepare_model(
     config = config or UsafConfig()
     stores = stores or {}
     ranks.check_joined()
-    if any(isinstance(m, (SparseExperts, SparseWeight)) for m in model.modules()):
+    if model_state(model) is not None or any(isinstance(m, SparseState) for m in model.modules()):
         raise UsafError(
             "This model was already prepared by usaf.prepare_model; prepare a fresh model instead."
         )
@@ -105,9 +106,8 @@ def prepare_model(
                 param.requires_grad_(True)
         make_routers_fp32(model)  # bf16/fp16 routers: fp32 master weights, or small updates round away
     model.register_load_state_dict_pre_hook(_accept_checkpoint_names)
-    model.usaf_config = config
-    model.usaf_calibration = calibration  # what the selection was calibrated on (None: no calibration)
-    model.usaf_original_values = original_values
+    # calibration: what the selection was calibrated on (None: no calibration)
+    set_model_state(model, ModelState(config, calibration=calibration, original_values=original_values))
     # data parallel (usaf's loop, or DDP under transformers.Trainer): every rank trains rank 0's selection, and
     # DDP (which reads this attribute when it wraps the model) leaves the selection's buffers alone
     ranks.broadcast_trainable(model)
@@ -162,7 +162,7 @@ def install_selection(model: nn.Module, chosen: dict, original_values=None) -> N
         store = states[path].stores[name]
         device = store.device
         indices = indices.to(device=device, dtype=torch.int64)
-        if isinstance(states[path], SparseWeight) and axis is not None:  # native weights train elements
+        if not states[path].is_expert_stack and axis is not None:  # native weights train elements
             axis, indices = None, line_flat_indices(store.shape, axis, indices).sort().values
         flat = indices if axis is None else line_flat_indices(store.shape, axis, indices)
         numel = store.shape[0] * store.shape[1] * store.shape[2]
@@ -215,12 +215,7 @@ def trainable_summary(model: nn.Module) -> dict[str, int]:
     """Trainable counts by kind (trained expert entries, routers, entries of each other target as
     "<target>_entries", anything else), the total, and the number of expert entries the model has."""
     expert_values = {id(e.values) for _, state in sparse_experts(model) for e in state.values()}
-    target_of = {
-        id(e.values): state.target
-        for _, state in sparse_modules(model)
-        if isinstance(state, SparseWeight)
-        for e in state.values()
-    }
+    target_of = {id(e.values): state.target for _, state in sparse_weights(model) for e in state.values()}
     router_params, expert_entries = set(), 0
     for layer in find_moe_layers(model):
         if layer.router is not None:

@@ -29,6 +29,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from usaf.config import RESIDENCIES, UsafConfig
+from usaf.engine.state import PreparedStore, model_state
 from usaf.errors import UsafError
 from usaf.files import STORE_FILE
 from usaf.io import published, shards
@@ -581,7 +582,7 @@ def load_prepared(
     )
     if source is not None:
         source.verify_partial_reads()
-    model.usaf_store = {"dir": str(prepared_dir.resolve()), "metadata": metadata, "streamer": streamer}
+    model_state(model).store = PreparedStore(str(prepared_dir.resolve()), metadata, streamer)
     return model
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from usaf.engine.experts import usaf_experts_forward
+from usaf.engine.state import owned_state
 from usaf.errors import UsafError
 from usaf.model.hf import register_experts_implementation, use_experts_implementation
 from usaf.model.layout import find_moe_layers
@@ -72,7 +73,7 @@ class Placement:
 
 def expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     """Drop-in for the experts forward: this rank's tokens in, their combined expert outputs out."""
-    placement: Placement = self.usaf_placement
+    placement: Placement = self.usaf.placement
     top_k = top_k_index.shape[-1]
     experts = top_k_index.reshape(-1)
     owner = torch.div(experts, placement.per_rank, rounding_mode="floor")
@@ -99,10 +100,11 @@ def enable(model: nn.Module, group=None) -> None:
         raise UsafError("expert parallelism needs torch.distributed initialized (start with torchrun).")
     layers = find_moe_layers(model)
     for layer in layers:
-        if not hasattr(layer.experts, "usaf"):
+        state = owned_state(layer.experts)
+        if state is None or not state.is_expert_stack:
             raise UsafError(
                 "expert parallelism runs usaf's engine: call usaf.prepare_model on the model first."
             )
-        layer.experts.usaf_placement = Placement(layer.experts.usaf.num_experts, group)
+        state.placement = Placement(state.num_experts, group)
     register_experts_implementation(IMPLEMENTATION_NAME, expert_parallel_forward)
     use_experts_implementation(model, [layer.experts for layer in layers], IMPLEMENTATION_NAME)

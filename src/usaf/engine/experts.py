@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from usaf import kernels
 from usaf.engine.sparse import ElementEntries
+from usaf.engine.state import SparseState
 from usaf.kernels import Segments
 from usaf.model.hf import gated_activation, register_experts_implementation
 from usaf.model.layout import input_projection
@@ -224,66 +224,40 @@ class ObserveGradient(torch.autograd.Function):
         return grad_h, None
 
 
-class SparseExperts(nn.ModuleDict):
+class SparseExperts(SparseState):
     """usaf's state on one experts module: trained entries per tensor (as submodules) and the frozen stores."""
 
+    is_expert_stack, observes_rows, target = True, False, "experts"
+
     def __init__(self, stores: dict, entries: dict, transposed: bool, workspace_bytes: int):
-        super().__init__(entries)
-        self.stores = stores
+        # Trainer and save_pretrained read (and restore) the experts' own parameters: SparseState keeps them the
+        # effective weights (written before a state dict is taken, and after one is loaded).
+        super().__init__(stores, entries)
         # callables (state, plan, top_k_weights, intermediate) run in each forward; one may return a function
         # (intermediate, its gradient) that the backward calls (see `ObserveGradient`)
         self.observers: list = []
-        self.probes: dict = {}  # tensor name -> LineProbe: gradients of candidate lines (see usaf.engine.sparse)
         self.transposed = transposed
         self.workspace_bytes = workspace_bytes
         self.num_experts = next(iter(stores.values())).shape[0]
-        # Trainer and save_pretrained read (and restore) the experts' own parameters: keep them the effective weights.
-        # The parent's parameters enter a state dict as views before this child's hook runs, so writing here counts.
-        self.register_state_dict_pre_hook(_write_before_save)
-        self.register_load_state_dict_post_hook(_write_after_load)
+        self.placement = None  # expert parallelism's `usaf.engine.expert_parallel.Placement`, when enabled
 
     def projection(self, name: str) -> Projection:
         bias = name + "_bias"
         return Projection(
             self.stores[name],
-            self[name] if name in self else None,  # noqa: SIM401 (ModuleDict has no .get)
+            self.entries_of(name),
             self.stores.get(bias),
-            self[bias] if bias in self else None,  # noqa: SIM401
+            self.entries_of(bias),
             self.transposed,
             self.workspace_bytes,
             self.probes.get(name),
         )
-
-    @torch.no_grad()
-    def write_resident(self) -> None:
-        """Write the trained values into resident (unquantized) stores now. The forward does this lazily, so after an
-        optimizer step the module's own parameters lag one step; `state_dict` and `save_pretrained` (what
-        `transformers.Trainer` checkpoints) must see the effective weights."""
-        for name, entries in self.items():
-            store = self.stores.get(name)
-            if store is not None and store.resident:
-                entries.write_into(store.full(), None)
-
-    def after_load(self) -> None:
-        """After `load_state_dict` (e.g. Trainer's resume or best-model reload) replaced values and selections in
-        place: forget cached groupings (keyed by storage) and write the loaded values through."""
-        for entries in self.values():
-            entries._grouping = None
-        self.write_resident()
 
     def project(self, name: str, x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         proj = self.projection(name)
         values = proj.entries.values if proj.entries is not None else None
         bias_values = proj.bias_entries.values if proj.bias_entries is not None else None
         return SparseGroupedLinear.apply(x, values, bias_values, proj, plan)
-
-
-def _write_before_save(state: SparseExperts, prefix: str, keep_vars: bool) -> None:
-    state.write_resident()
-
-
-def _write_after_load(state: SparseExperts, incompatible_keys) -> None:
-    state.after_load()
 
 
 def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):

@@ -11,8 +11,11 @@ is computed only at the trained entries:
 - a norm's weight is one vector of the hidden size: its gradient is computed by autograd through the family's
   own forward and gathered at the entries (a vector as large as one activation row).
 
-A prepared module keeps its class's behaviour; its class is swapped for a subclass whose forward routes the
-weight through these functions, and its state lives in `module.usaf` (a `SparseWeight`).
+A prepared module keeps its class's behaviour; its class is swapped for a same-named subclass whose forward routes
+the weight through these functions, and its state lives in `module.usaf` (a `SparseWeight`, see
+`usaf.engine.state.SparseState`). No forward deletes or reassigns a module's parameter by hand: a norm's family
+forward sees the effective weight through `torch.func.functional_call` (torch's own reparametrization, which holds
+the weight's slot for the call's duration, restores it, and which torch.compile traces).
 """
 
 from __future__ import annotations
@@ -23,44 +26,29 @@ from torch import nn
 
 from usaf import kernels
 from usaf.engine.sparse import ElementEntries
+from usaf.engine.state import SparseState, module_state, share_state
 from usaf.kernels import Segments
 from usaf.store.dense import DenseStore
 
 
-class SparseWeight(nn.ModuleDict):
-    """usaf's state on one native weight: its trained entries (under the tensor name "weight") and its store.
+class SparseWeight(SparseState):
+    """usaf's state on one native weight: its trained entries (under the tensor name "weight") and its store,
+    the same protocol as `SparseExperts` (`usaf.engine.state.SparseState`)."""
 
-    It offers what consumers of `SparseExperts` read (`stores`, `probes`, `items()`, `write_resident`), so
-    selection, checkpoints, export and delta loading treat both alike.
-    """
+    is_expert_stack, observes_rows = False, True
 
     def __init__(self, module: nn.Module, target: str, kind: str):
-        super().__init__()
-        self.stores = {"weight": DenseStore(module, "weight", one_matrix=True)}
-        self.probes: dict = {}  # "weight" -> LineProbe over candidate rows: gradients for choosing entries
+        super().__init__({"weight": DenseStore(module, "weight", one_matrix=True)})
         # first-order importance per row while `observing` (reselection's ranking of candidate rows): for a
         # linear layer sum_t g[t, a]^2 |x_t|^2 (the squared norm of row a's gradient for one token), for
         # embedding rows the squared norm of each row's gradient; [rows], never weight-sized
         self.observing = False
         self.row_score: torch.Tensor | None = None
         self.target, self.kind = target, kind
-        self.register_state_dict_pre_hook(lambda state, prefix, keep_vars: state.write_resident())
-        self.register_load_state_dict_post_hook(lambda state, incompatible: state.after_load())
 
     @property
     def entries(self) -> ElementEntries | None:
-        return self["weight"] if "weight" in self else None  # noqa: SIM401 (ModuleDict has no .get)
-
-    @torch.no_grad()
-    def write_resident(self) -> None:
-        entries = self.entries
-        if entries is not None:
-            entries.write_into(self.stores["weight"].full(), None)
-
-    def after_load(self) -> None:
-        if self.entries is not None:
-            self.entries._grouping = None
-        self.write_resident()
+        return self.entries_of("weight")
 
     def observe_rows(self, rows: torch.Tensor | None, score: torch.Tensor) -> None:
         """Add `score` to the importance of `rows` (None: every row, in order)."""
@@ -151,12 +139,14 @@ class _SparseRows(torch.autograd.Function):
         g = kernels.cast(grad_out.reshape(-1, grad_out.shape[-1]), torch.float32)
         if scale is not None:
             g = g * (scale.float() if torch.is_tensor(scale) else float(scale))
-        # the weight's gradient at the rows this batch looked up: [distinct ids, H], never [vocab, H]
-        rows, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        # the weight's gradient at the rows this batch looked up: [tokens, H] (one slot per distinct id, the rest
+        # empty), never [vocab, H]
+        num_rows = state.stores["weight"].shape[1]
+        rows, inverse = _distinct_rows(ids.reshape(-1), num_rows)
         per_row = g.new_zeros(rows.numel(), g.shape[1]).index_add_(0, inverse, g)
         padding = getattr(ctx.module, "padding_idx", None)
-        if padding is not None:
-            per_row[rows == padding] = 0
+        if padding is not None:  # a mask, not boolean indexing: no host sync
+            per_row = per_row.masked_fill((rows == padding).unsqueeze(1), 0)
         grad_values = None
         if ctx.needs_input_grad[1] and state.entries is None:
             grad_values = g.new_zeros(0)
@@ -171,16 +161,31 @@ class _SparseRows(torch.autograd.Function):
         probe = state.probes.get("weight")
         if probe is not None:  # candidate rows (line ids are row ids, sorted)
             where = torch.searchsorted(probe.line_ids, rows).clamp_max(probe.line_ids.numel() - 1)
-            hit = probe.line_ids[where] == rows
-            probe.score.index_add_(0, where[hit], per_row[hit].abs())
-        if ctx.observing:
-            state.observe_rows(rows, per_row.pow(2).sum(1))
+            hit = (probe.line_ids[where] == rows).unsqueeze(1)  # rows not among the candidates add zeros
+            probe.score.index_add_(
+                0, where, torch.where(hit, per_row.abs(), torch.zeros((), device=g.device))
+            )
+        if ctx.observing:  # the empty slots add zeros (to the last row)
+            state.observe_rows(rows.clamp_max(num_rows - 1), per_row.pow(2).sum(1))
         return None, grad_values, None, None
 
 
+def _distinct_rows(ids: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.unique(ids, return_inverse=True)` with a shape known in advance (no host sync): the distinct ids
+    sorted, then `num_rows` (greater than any id, so the result stays sorted) in the slots left over; and each
+    id's slot."""
+    ordered, order = torch.sort(ids)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    slot_of_ordered = torch.cumsum(first, 0) - 1
+    rows = torch.full_like(ordered, num_rows).scatter_(0, slot_of_ordered, ordered)
+    inverse = torch.empty_like(slot_of_ordered).scatter_(0, order, slot_of_ordered)
+    return rows, inverse
+
+
 def _state(module: nn.Module) -> SparseWeight:
-    # an output layer tied to the embedding reads the embedding's state, kept out of the module tree (one owner)
-    return module.__dict__.get("usaf_tied") or module.usaf
+    # an output layer tied to the embedding reads the embedding's state (see `usaf.engine.state.share_state`)
+    return module_state(module)
 
 
 def _linear_forward(self, x):
@@ -189,17 +194,33 @@ def _linear_forward(self, x):
 
 
 def _rows_forward(self, ids):
-    return _SparseRows.apply(ids, _values(self.usaf), self.usaf, self)
+    state = _state(self)
+    return _SparseRows.apply(ids, _values(state), state, self)
+
+
+class _FamilyForward(nn.Module):
+    """Runs a prepared module's own (family) forward, without usaf's override and without the module's hooks
+    running a second time: what `torch.func.functional_call` calls with the weight replaced."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, args, kwargs):
+        return type(self.module)._usaf_original_forward(self.module, *args, **kwargs)
 
 
 def _vector_forward(self, *args, **kwargs):
-    """The family's own forward with the weight replaced by base-with-entries, differentiable in the values."""
-    state: SparseWeight = self.usaf
+    """The family's own forward with the weight replaced by base-with-entries, differentiable in the values.
+
+    The family forward sees the effective weight through `torch.func.functional_call`, not by deleting and
+    restoring the module's parameter: outside the call (and in the module's hooks) `weight` is its parameter."""
+    state: SparseWeight = _state(self)
     entries, probe = state.entries, state.probes.get("weight")
     if (entries is None and probe is None) or not torch.is_grad_enabled():
         state.write_resident()
         return self._usaf_original_forward(*args, **kwargs)
-    weight = self._parameters["weight"]
+    weight = state.stores["weight"].tensor  # the module's own parameter
     if entries is not None:
         flat = entries.flat_indices
         effective = weight.detach().reshape(-1).index_put((flat,), entries.values.to(weight.dtype))
@@ -211,13 +232,9 @@ def _vector_forward(self, *args, **kwargs):
             probe.score.add_(grad.abs().view_as(probe.score).float())
 
         effective.register_hook(accumulate)
-    del self._parameters["weight"]
-    try:
-        self.weight = effective.view(weight.shape)  # a plain attribute while the forward runs
-        return self._usaf_original_forward(*args, **kwargs)
-    finally:
-        del self.weight
-        self._parameters["weight"] = weight
+    return torch.func.functional_call(
+        _FamilyForward(self), {"module.weight": effective.view(weight.shape)}, (args, kwargs)
+    )
 
 
 FORWARDS = {"linear": _linear_forward, "rows": _rows_forward, "vector": _vector_forward}
@@ -225,13 +242,23 @@ _SUBCLASSES: dict[tuple[type, str], type] = {}
 
 
 def _swap_class(module: nn.Module, kind: str) -> None:
+    """Give `module` the forward of `kind`: its class becomes a subclass of the same name and module (so it keeps its
+    family's behaviour, `isinstance` checks and checkpoint naming), created once per (class, kind)."""
     cls = type(module)
+    if getattr(cls, "_usaf_kind", None) == kind:
+        return
     key = (cls, kind)
     if key not in _SUBCLASSES:
         _SUBCLASSES[key] = type(
             cls.__name__,
             (cls,),
-            {"forward": FORWARDS[kind], "_usaf_original_forward": cls.forward, "__module__": cls.__module__},
+            {
+                "forward": FORWARDS[kind],
+                "_usaf_original_forward": cls.forward,
+                "_usaf_kind": kind,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+            },
         )
     module.__class__ = _SUBCLASSES[key]
 
@@ -247,4 +274,4 @@ def install(module: nn.Module, target: str, kind: str) -> SparseWeight:
 def tie(head: nn.Linear, state: SparseWeight) -> None:
     """An output layer that shares its weight with the embedding owning `state` uses the same trained values."""
     _swap_class(head, "linear")
-    head.__dict__["usaf_tied"] = state
+    share_state(head, state)

@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from usaf.engine.installed import sparse_experts, sparse_modules
+from usaf.engine.installed import row_observers, sparse_experts, sparse_modules
 from usaf.engine.loss import causal_lm_loss
 from usaf.engine.sparse import LineProbe
-from usaf.engine.sparse_weights import SparseWeight
 
 
 @dataclass
@@ -168,9 +167,7 @@ def calibrate(model, batches, num_batches: int, with_gradients: bool) -> Calibra
         observer = _Observer(calibration, path, state.num_experts, with_gradients)
         state.observers.append(observer)
         observers.append((state, observer))
-    weights = (
-        {p: s for p, s in sparse_modules(model) if isinstance(s, SparseWeight)} if with_gradients else {}
-    )
+    weights = row_observers(model) if with_gradients else {}
     try:
         calibration.batches = run_batches(
             model,

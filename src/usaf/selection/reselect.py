@@ -22,9 +22,9 @@ import math
 
 import torch
 
-from usaf.engine.installed import sparse_experts, sparse_modules
+from usaf.engine.installed import row_observers, sparse_experts
 from usaf.engine.sparse import LineProbe, line_flat_indices
-from usaf.engine.sparse_weights import SparseWeight
+from usaf.engine.state import model_state
 from usaf.errors import UsafError
 from usaf.model.layout import find_moe_layers, intermediate_size, neuron_axes
 from usaf.selection.choose import neuron_line_ids
@@ -60,7 +60,7 @@ class Reselector:
         self.states = dict(sparse_experts(model))
         # the other targets' weights: entries (never neurons) reselected the same way, rows ranked by
         # SparseWeight.row_score; an output layer tied to the embedding is the embedding's state
-        self.weights = {p: s for p, s in sparse_modules(model) if isinstance(s, SparseWeight)}
+        self.weights = row_observers(model)
         self.layers = {layer.experts_name: layer for layer in _layers(model)}
         self.importance = {path: _NeuronImportance() for path in self.states}
         for path, state in self.states.items():
@@ -197,7 +197,8 @@ class Reselector:
         return count
 
     def _original(self, state, name, store, flat) -> torch.Tensor:
-        original = getattr(self.model, "usaf_original_values", None)
+        prepared = model_state(self.model)
+        original = prepared.original_values if prepared is not None else None
         path = next(p for p, s in self._all().items() if s is state)
         return original(f"{path}.{name}", flat) if original is not None else store.read(flat)
 

@@ -253,13 +253,6 @@ def _streams_for(device: torch.device):
     return module, module.Stream(device)
 
 
-def streamed_bytes(model) -> int:
-    """Host -> device bytes the `LayerStreamer` of `model` (a `usaf.load_prepared` model) has moved so far; 0 where
-    the experts are resident on the device (nothing streams)."""
-    streamer = (getattr(model, "usaf_store", None) or {}).get("streamer")
-    return streamer.bytes_streamed if streamer is not None else 0
-
-
 def host_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` copied into host memory, pinned when `device` is an accelerator that copies from pinned memory
     asynchronously."""

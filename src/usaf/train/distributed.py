@@ -301,13 +301,14 @@ class GradientReducer:
 # ------------------------------------------------------------------------------------------------------ reselection
 
 
-def _reselection_slots(reselector) -> list[tuple[object, str]]:
-    """(holder, attribute) of every statistic reselection sums over micro-batches, in the same order on every rank."""
-    slots: list[tuple[object, str]] = [(imp, "score") for imp in reselector.importance.values()]
-    slots += [(state, "row_score") for state in reselector.weights.values()]
+def _reselection_slots(reselector, with_keep: bool = False) -> list[tuple]:
+    """(holder, attribute) of every statistic reselection sums over micro-batches, in the same order on every rank;
+    `with_keep` adds whether the holder keeps its tensor (a probe's score: zeroed, never dropped)."""
+    slots: list[tuple[object, str, bool]] = [(imp, "score", False) for imp in reselector.importance.values()]
+    slots += [(state, "row_score", False) for state in reselector.weights.values()]
     for state in [*reselector.states.values(), *reselector.weights.values()]:
-        slots += [(state.probes[name], "score") for name in sorted(state.probes)]
-    return slots
+        slots += [(state.probes[name], "score", True) for name in sorted(state.probes)]
+    return slots if with_keep else [(holder, attr) for holder, attr, _ in slots]
 
 
 def before_step(reselector) -> None:
@@ -315,10 +316,10 @@ def before_step(reselector) -> None:
     the global running sum), so that `after_backward`'s sum is the global one."""
     if not active() or reselector is None or is_main():
         return
-    for holder, attr in _reselection_slots(reselector):
+    for holder, attr, keep in _reselection_slots(reselector, with_keep=True):
         value = getattr(holder, attr)
         if value is not None:
-            if attr == "score" and hasattr(holder, "line_ids"):  # a probe keeps its tensor
+            if keep:
                 value.zero_()
             else:
                 setattr(holder, attr, None)

@@ -18,6 +18,7 @@ from usaf.config import RunConfig
 from usaf.data import Batches, collate, load_run_data
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.router import RouterCollapse, RouterTraining
+from usaf.engine.state import streamed_bytes
 from usaf.errors import UsafError
 from usaf.files import (
     CONFIG_FILE,
@@ -29,7 +30,6 @@ from usaf.prepare import current_selection, trainable_summary
 from usaf.report import write_router_load
 from usaf.selection.choose import save_selection
 from usaf.selection.reselect import Reselector
-from usaf.store.offload import streamed_bytes
 from usaf.train import checkpoint, distributed, runtime
 from usaf.train.checkpoint import restore_trainable
 from usaf.train.evaluate import evaluate

@@ -22,6 +22,7 @@ from usaf.config import RunConfig
 from usaf.data import Batches, TokenizedDataset
 from usaf.data.sources import absolute_name
 from usaf.data.templates import template_names
+from usaf.engine.state import model_state
 from usaf.errors import UsafError, first_line
 from usaf.io.published import checkpoint_method
 from usaf.io.source import cached_model_folder, check_model_files
@@ -166,7 +167,8 @@ def packed_documents_are_isolated(model, device) -> bool:
 
 def selection_summary(model, config: RunConfig) -> dict:
 
-    calibration = getattr(model, "usaf_calibration", None)
+    prepared = model_state(model)
+    calibration = prepared.calibration if prepared is not None else None
     return {
         "strategy": config.select.strategy,
         "selection": resolved_selection(config.select, has_data=True),
