@@ -60,29 +60,45 @@ def _entry_experts(entries_offsets: torch.Tensor, num_entries: int) -> torch.Ten
     )
 
 
+def _by_groups(rows, entries, out_shape, device, group_fn) -> torch.Tensor:
+    """fp32 [K, ...]: `group_fn(row range, rows, entry range, entries)` for each group of experts (see `_groups`),
+    the whole at once where one group holds them all (no copy into an output)."""
+    groups = list(_groups(rows.counts))
+    if len(groups) == 1:
+        return group_fn(slice(None), rows, slice(None), entries)
+    out = torch.zeros(out_shape, dtype=torch.float32, device=device)
+    for first, last in groups:
+        r0, r1 = rows.start(first), rows.start(last + 1)
+        k0, k1 = entries.start(first), entries.start(last + 1)
+        if r0 < r1 and k0 < k1:
+            out[k0:k1] = group_fn(
+                slice(r0, r1), rows.span(first, last), slice(k0, k1), entries.span(first, last)
+            )
+    return out
+
+
+def _padded_columns(x: torch.Tensor, expert, slot, n: int, longest: int, dtype) -> torch.Tensor:
+    """[n, width, longest]: expert e's rows of x [R, width] as the columns of its own [width, longest] block,
+    zero past its count."""
+    padded = x.new_zeros(n, x.shape[1], longest, dtype=dtype)
+    padded[expert, :, slot] = cast(x, dtype)
+    return padded
+
+
 def sampled_dots(U, V, rows, local, entries, width):
     num_entries = local.numel()
     if num_entries == 0 or rows.total == 0:
         return torch.zeros(num_entries, dtype=torch.float32, device=U.device)
     dtype = _compute_dtype(U)
-    groups = list(_groups(rows.counts))
-    if len(groups) == 1:  # the usual case: no copy into an output
-        return _sampled_group(U, V, rows, local, entries, width, dtype)
-    out = torch.zeros(num_entries, dtype=torch.float32, device=U.device)
-    for first, last in groups:
-        r0, r1 = rows.start(first), rows.start(last + 1)
-        k0, k1 = entries.start(first), entries.start(last + 1)
-        if r0 < r1 and k0 < k1:
-            out[k0:k1] = _sampled_group(
-                U[r0:r1],
-                V[r0:r1],
-                rows.span(first, last),
-                local[k0:k1],
-                entries.span(first, last),
-                width,
-                dtype,
-            )
-    return out
+    return _by_groups(
+        rows,
+        entries,
+        (num_entries,),
+        U.device,
+        lambda r, group_rows, k, group_entries: _sampled_group(
+            U[r], V[r], group_rows, local[k], group_entries, width, dtype
+        ),
+    )
 
 
 def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tensor:
@@ -94,10 +110,8 @@ def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tenso
     else:
         longest = max(rows.counts)
         expert, slot = _slots(rows.offsets, U.shape[0])
-        m1 = U.new_zeros(n, a_dim, longest, dtype=dtype)
-        m1[expert, :, slot] = cast(U, dtype)
-        m2t = V.new_zeros(n, width, longest, dtype=dtype)
-        m2t[expert, :, slot] = cast(V, dtype)
+        m1 = _padded_columns(U, expert, slot, n, longest, dtype)
+        m2t = _padded_columns(V, expert, slot, n, longest, dtype)
         m1, m2t = m1.view(n * a_dim, longest), m2t.view(n * width, longest)
     crow, columns = _block_diagonal_pattern(local, entries, a_dim, width)
     pattern = torch.sparse_csr_tensor(
@@ -133,24 +147,18 @@ def _block_diagonal_pattern(local, entries, a_dim: int, width: int):
 
 def line_dots(fixed, spanning, rows, lines, entries):
     num_lines, width = lines.numel(), spanning.shape[1]
-    dtype = _compute_dtype(fixed)
-    out = torch.zeros(num_lines, width, dtype=torch.float32, device=fixed.device)
     if num_lines == 0 or rows.total == 0:
-        return out
-    for first, last in _groups(rows.counts):
-        r0, r1 = rows.start(first), rows.start(last + 1)
-        k0, k1 = entries.start(first), entries.start(last + 1)
-        if r0 == r1 or k0 == k1:
-            continue
-        out[k0:k1] = _line_group(
-            fixed[r0:r1],
-            spanning[r0:r1],
-            rows.span(first, last),
-            lines[k0:k1],
-            entries.span(first, last),
-            dtype,
-        )
-    return out
+        return torch.zeros(num_lines, width, dtype=torch.float32, device=fixed.device)
+    dtype = _compute_dtype(fixed)
+    return _by_groups(
+        rows,
+        entries,
+        (num_lines, width),
+        fixed.device,
+        lambda r, group_rows, k, group_entries: _line_group(
+            fixed[r], spanning[r], group_rows, lines[k], group_entries, dtype
+        ),
+    )
 
 
 def _line_group(fixed, spanning, rows, lines, entries, dtype) -> torch.Tensor:
@@ -158,8 +166,7 @@ def _line_group(fixed, spanning, rows, lines, entries, dtype) -> torch.Tensor:
     and one grouped product."""
     n, a_dim, longest = rows.num_segments, fixed.shape[1], max(rows.counts)
     expert, slot = _slots(rows.offsets, fixed.shape[0])
-    columns = fixed.new_zeros(n, a_dim, longest, dtype=dtype)
-    columns[expert, :, slot] = cast(fixed, dtype)
+    columns = _padded_columns(fixed, expert, slot, n, longest, dtype)
     spans = spanning.new_zeros(n, longest, spanning.shape[1], dtype=dtype)
     spans[expert, slot] = cast(spanning, dtype)
     expert_of = _entry_experts(entries.offsets, lines.numel())

@@ -74,6 +74,16 @@ if triton is not None:
         return low
 
     @triton.jit
+    def _lane_rows(index, live, entry_offsets, row_offsets, E, STEPS: tl.constexpr):
+        """Each lane's rows first..last (its entry's expert's; none past the end) and the span the block walks."""
+        expert = _segment_of(tl.where(live, index, 0), entry_offsets, E, STEPS)
+        last = tl.load(row_offsets + expert + 1)
+        first = tl.where(live, tl.load(row_offsets + expert), last)  # lanes past the end walk no rows
+        start = tl.min(tl.where(live, first, 1 << 62))
+        stop = tl.max(tl.where(live, last, 0))
+        return first, last, start, stop
+
+    @triton.jit
     def _sampled_dots_kernel(
         U,
         V,
@@ -94,19 +104,13 @@ if triton is not None:
     ):
         k = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
         live = k < K
-        expert = _segment_of(tl.where(live, k, 0), entry_offsets, E, STEPS)
-        first = tl.load(row_offsets + expert)
-        last = tl.load(row_offsets + expert + 1)
-        # lanes past K walk no rows
-        first = tl.where(live, first, last)
+        first, last, start, stop = _lane_rows(k, live, entry_offsets, row_offsets, E, STEPS)
         entry = tl.load(local + k, mask=live, other=0)
         a = entry // width
         b = entry - a * width
         u_columns = U + a * stride_ua
         v_columns = V + b * stride_vb
         acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-        start = tl.min(tl.where(live, first, 1 << 62))
-        stop = tl.max(tl.where(live, last, 0))
         for t0 in range(start, stop, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
             mine = (t[:, None] >= first[None, :]) & (t[:, None] < last[None, :])
@@ -139,16 +143,11 @@ if triton is not None:
         ell = tl.program_id(0).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
         w = tl.program_id(1).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
         live = ell < L
-        expert = _segment_of(tl.where(live, ell, 0), entry_offsets, E, STEPS)
-        first = tl.load(row_offsets + expert)
-        last = tl.load(row_offsets + expert + 1)
-        first = tl.where(live, first, last)
+        first, last, start, stop = _lane_rows(ell, live, entry_offsets, row_offsets, E, STEPS)
         column = tl.load(lines + ell, mask=live, other=0)
         fixed_columns = fixed + column * stride_fa
         w_live = w < W
         acc = tl.zeros((BLOCK_L, BLOCK_W), dtype=tl.float32)
-        start = tl.min(tl.where(live, first, 1 << 62))
-        stop = tl.max(tl.where(live, last, 0))
         for t0 in range(start, stop, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
             # [L, T]: zero where the row is not the line's expert's, so the product keeps only its own rows (an
