@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 # a group of experts' padded rows holds at most PADDING_FACTOR x the real rows, or MIN_PADDED_ROWS if more (see
-# `_groups`): routing as uneven as a random model's (the longest expert 8x the mean at 128 experts) still fits one
-# group, so the ops do not grow with the number of experts
-PADDING_FACTOR = 8
+# `_groups`): routing as uneven as a random model's (the longest expert up to ~10x the mean at 128 experts) still
+# fits one group, so the ops do not grow with the number of experts; more uneven routing splits into groups
+PADDING_FACTOR = 16
 MIN_PADDED_ROWS = 1024
 
 
