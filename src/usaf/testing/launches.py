@@ -26,8 +26,8 @@ sync on CUDA without any host read in Python. `repeat_interleave` without an out
 from __future__ import annotations
 
 import gc
+import inspect
 import os
-import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,7 +107,7 @@ def _minus(a: Counter, b: Counter) -> Counter:
 
 
 def _caller() -> str:
-    frame = sys._getframe(2)
+    frame = inspect.currentframe().f_back.f_back
     fallback = None
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
@@ -135,7 +135,7 @@ def _to_cpu(args, kwargs) -> bool:
 
 def _in_torch_optim() -> bool:
     """The read's caller (the first frame outside this module and torch.overrides) is in torch.optim."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe().f_back
     while frame is not None and (
         os.path.abspath(frame.f_code.co_filename) == _HERE
         or frame.f_code.co_filename.endswith("overrides.py")

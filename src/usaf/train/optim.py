@@ -38,10 +38,18 @@ def _shaped(pieces, like: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def round_stochastic(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """fp32 -> bf16, rounding up or down with probabilities that make the result unbiased."""
+    return round_with_noise(x, _rounding_noise(x.shape, generator, x.device))
+
+
+def _rounding_noise(shape, generator: torch.Generator, device) -> torch.Tensor:
+    return torch.randint(0, 1 << 16, shape, generator=generator, device=device, dtype=torch.int32)
+
+
+def round_with_noise(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`round_stochastic` with its noise drawn already (int32 in [0, 2^16), x's shape)."""
     bits = x.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int32)
     # adding below the 16 kept bits carries into them with the probability of the dropped remainder
-    return ((bits + noise) & -65536).view(torch.float32).to(COMPACT_DTYPE)
+    return ((bits + noise.view(bits.shape)) & -65536).view(torch.float32).to(COMPACT_DTYPE)
 
 
 class CompactAdamW(torch.optim.AdamW):
@@ -108,7 +116,7 @@ class CompactAdamW(torch.optim.AdamW):
 
     def _compact_update(self, bucket) -> None:
         params = [param for param, _, _, _ in bucket]
-        _, group, first_index, step = bucket[0]
+        _, group, _, step = bucket[0]
         states = [self.state[param] for param in params]
         torch._foreach_add_([state["step"] for state in states], 1)
         beta1, beta2 = group["betas"]
@@ -121,16 +129,26 @@ class CompactAdamW(torch.optim.AdamW):
         exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
         del grad
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-        update = torch.div(exp_avg, denom).mul_(-lr / (1 - beta1**step))
-        del denom
         sizes = [param.numel() for param in params]
-        torch._foreach_add_(params, _shaped(update.split(sizes), params))
-        del update
-        generator = torch.Generator(device=params[0].device)
-        generator.manual_seed((self.seed * 1_000_003 + first_index * 7_919 + step * 104_729) % (1 << 62))
+        torch._foreach_addcdiv_(
+            params,
+            _shaped(exp_avg.split(sizes), params),
+            _shaped(denom.split(sizes), params),
+            value=-lr / (1 - beta1**step),
+        )
+        del denom
+        # each parameter's noise from its own generator, seeded by its position and the step, drawn for the first
+        # moment then the second: the same bits whatever the bucket (and as a parameter-at-a-time step drew them)
+        noise = {name: [] for name in _MOMENTS}
+        for param, _, index, _ in bucket:
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed((self.seed * 1_000_003 + index * 7_919 + step * 104_729) % (1 << 62))
+            for name in _MOMENTS:
+                noise[name].append(_rounding_noise(param.shape, generator, param.device))
         for name, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
             stored = [state[name] for state in states]
-            torch._foreach_copy_(stored, _shaped(round_stochastic(moment, generator).split(sizes), stored))
+            rounded = round_with_noise(moment, _flat(noise[name]))
+            torch._foreach_copy_(stored, _shaped(rounded.split(sizes), stored))
 
     def load_state_dict(self, state_dict) -> None:
         # torch casts loaded floating-point state to the parameter's dtype: bring compact moments back to bf16
