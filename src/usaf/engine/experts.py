@@ -73,6 +73,10 @@ class Chunk:
     span_rows: Segments
     first: int
 
+    def rows_of(self, t: torch.Tensor) -> torch.Tensor:
+        """This chunk's rows of t (t itself for the whole stack: a slice is an op)."""
+        return t if self.expert_ids is None else t[self.r0 : self.r1]
+
 
 class Projection:
     """One projection of an experts module: its frozen store, trained entries, and optional bias."""
@@ -147,14 +151,13 @@ class SparseGroupedLinear(torch.autograd.Function):
             proj.entries.write_into(proj.store.full(), None)
         out = None
         for chunk in proj.chunks(plan):
-            r0, r1 = chunk.r0, chunk.r1
             weight = proj.weights(chunk.expert_ids)
             oriented = weight if proj.transposed else weight.transpose(1, 2)  # [k, in, out]
-            y = kernels.grouped_matmul(x[r0:r1], oriented, chunk.matmul_rows)
+            y = kernels.grouped_matmul(chunk.rows_of(x), oriented, chunk.matmul_rows)
             if out is None:  # every row belongs to exactly one chunk: no need to zero
-                out = y if (r0, r1) == (0, x.shape[0]) else x.new_empty(x.shape[0], y.shape[1])
+                out = y if chunk.expert_ids is None else x.new_empty(x.shape[0], y.shape[1])
             if out is not y:
-                out[r0:r1] = y
+                out[chunk.r0 : chunk.r1] = y
         if out is None:  # no rows at all
             out_dim = proj.store.shape[2] if proj.transposed else proj.store.shape[1]
             out = x.new_zeros(0, out_dim)
@@ -173,17 +176,22 @@ class SparseGroupedLinear(torch.autograd.Function):
         proj, plan = ctx.proj, ctx.plan
         need_x, need_values, need_bias = ctx.needs_input_grad[:3]
         gy = kernels.cast(grad_out, x.dtype)
-        grad_x = torch.empty_like(x) if need_x else None  # every row belongs to exactly one chunk
-        grad_values = None
+        grad_x = grad_values = None
         if need_x or need_values or proj.probe is not None:
             for chunk in proj.chunks(plan):
-                r0, r1 = chunk.r0, chunk.r1
+                xs, gs = chunk.rows_of(x), chunk.rows_of(gy)
                 if need_x:
                     weight = proj.weights(chunk.expert_ids)
                     oriented = weight.transpose(1, 2) if proj.transposed else weight  # [k, out, in]
-                    grad_x[r0:r1] = kernels.grouped_matmul(gy[r0:r1], oriented, chunk.matmul_rows)
+                    part = kernels.grouped_matmul(gs, oriented, chunk.matmul_rows)
+                    if chunk.expert_ids is None:
+                        grad_x = part
+                    else:
+                        if grad_x is None:  # every row belongs to exactly one chunk: no need to zero
+                            grad_x = torch.empty_like(x)
+                        grad_x[chunk.r0 : chunk.r1] = part
                 if need_values or proj.probe is not None:
-                    U, V = (x[r0:r1], gy[r0:r1]) if proj.transposed else (gy[r0:r1], x[r0:r1])
+                    U, V = (xs, gs) if proj.transposed else (gs, xs)
                     if need_values:
                         grad_values = proj.entries.add_grad(grad_values, U, V, chunk.span_rows, chunk.first)
                     if proj.probe is not None:
@@ -196,6 +204,8 @@ class SparseGroupedLinear(torch.autograd.Function):
             per_expert = gy.new_zeros(entries.shape[0], gy.shape[1], dtype=torch.float32)
             per_expert.index_add_(0, plan.expert_of_row, kernels.cast(gy, torch.float32))
             grad_bias = per_expert.view(-1)[entries.flat_indices]
+        if need_x and grad_x is None:  # no rows at all
+            grad_x = torch.zeros_like(x)
         if grad_x is not None:
             grad_x = kernels.cast(grad_x, ctx.x_dtype)
         return grad_x, grad_values, grad_bias, None, None

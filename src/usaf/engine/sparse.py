@@ -176,9 +176,10 @@ class ElementEntries(_Entries):
         k0, k1 = entries.start(first), entries.start(last + 1)
         if k0 == k1:
             return grad
-        part = kernels.sampled_dots(
-            U, V, rows, self.local_indices[k0:k1], entries.span(first, last), self.shape[2]
-        )
+        local = self.local_indices
+        if (k0, k1) != (0, local.numel()):  # a slice is an op: none for all the entries
+            local = local[k0:k1]
+        part = kernels.sampled_dots(U, V, rows, local, entries.span(first, last), self.shape[2])
         return accumulate(grad, part, k0, self.values)
 
 

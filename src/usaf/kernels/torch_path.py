@@ -62,10 +62,10 @@ def _entry_experts(entries_offsets: torch.Tensor, num_entries: int) -> torch.Ten
 
 def _by_groups(rows, entries, out_shape, device, group_fn) -> torch.Tensor:
     """fp32 [K, ...]: `group_fn(row range, rows, entry range, entries)` for each group of experts (see `_groups`),
-    the whole at once where one group holds them all (no copy into an output)."""
+    the whole at once (ranges None) where one group holds them all (no copy into an output)."""
     groups = list(_groups(rows.counts))
     if len(groups) == 1:
-        return group_fn(slice(None), rows, slice(None), entries)
+        return group_fn(None, rows, None, entries)
     out = torch.zeros(out_shape, dtype=torch.float32, device=device)
     for first, last in groups:
         r0, r1 = rows.start(first), rows.start(last + 1)
@@ -75,6 +75,10 @@ def _by_groups(rows, entries, out_shape, device, group_fn) -> torch.Tensor:
                 slice(r0, r1), rows.span(first, last), slice(k0, k1), entries.span(first, last)
             )
     return out
+
+
+def _part(t: torch.Tensor, where: slice | None) -> torch.Tensor:
+    return t if where is None else t[where]  # None: all of it (a slice is an op)
 
 
 def _padded_columns(x: torch.Tensor, expert, slot, n: int, longest: int, dtype) -> torch.Tensor:
@@ -96,7 +100,7 @@ def sampled_dots(U, V, rows, local, entries, width):
         (num_entries,),
         U.device,
         lambda r, group_rows, k, group_entries: _sampled_group(
-            U[r], V[r], group_rows, local[k], group_entries, width, dtype
+            _part(U, r), _part(V, r), group_rows, _part(local, k), group_entries, width, dtype
         ),
     )
 
@@ -106,7 +110,9 @@ def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tenso
     # product of without copying either (4x faster than a row-major second operand)
     n, a_dim = rows.num_segments, U.shape[1]
     if n == 1:  # one expert (a native weight): no padding
-        m1, m2t = cast(U, dtype).t().contiguous(), cast(V, dtype).t().contiguous()
+        # one op each: the cast and the transposed copy together
+        m1 = U.t().to(dtype, memory_format=torch.contiguous_format)
+        m2t = V.t().to(dtype, memory_format=torch.contiguous_format)
     else:
         longest = max(rows.counts)
         expert, slot = _slots(rows.offsets, U.shape[0])
@@ -156,7 +162,7 @@ def line_dots(fixed, spanning, rows, lines, entries):
         (num_lines, width),
         fixed.device,
         lambda r, group_rows, k, group_entries: _line_group(
-            fixed[r], spanning[r], group_rows, lines[k], group_entries, dtype
+            _part(fixed, r), _part(spanning, r), group_rows, _part(lines, k), group_entries, dtype
         ),
     )
 

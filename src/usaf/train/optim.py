@@ -89,6 +89,9 @@ class CompactAdamW(torch.optim.AdamW):
     def _buckets(self, pending):
         """Consecutive parameters of one group and one step count, at most `BUCKET_ENTRIES` entries together (a
         larger one alone): each is updated as one flat vector, a fixed number of ops for many parameters."""
+        # a bucket holds at least two of the largest parameters (a layer's worth: the planner's estimate of the
+        # step's temporaries), so a density that grows the parameters does not multiply the buckets
+        limit = max(BUCKET_ENTRIES, 2 * max((param.numel() for param, _, _ in pending), default=0))
         bucket, size, key = [], 0, None
         for param, group, index in pending:
             if param.grad.is_sparse:
@@ -105,7 +108,7 @@ class CompactAdamW(torch.optim.AdamW):
             known = self._host_steps.get(index)
             step = known + 1 if known is not None else int(state["step"].item()) + 1
             self._host_steps[index] = step
-            if bucket and ((id(group), step) != key or size + param.numel() > BUCKET_ENTRIES):
+            if bucket and ((id(group), step) != key or size + param.numel() > limit):
                 yield bucket
                 bucket, size = [], 0
             bucket.append((param, group, index, step))
