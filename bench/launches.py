@@ -160,8 +160,7 @@ def speed(args) -> list[dict]:
     import compare
 
     device = torch.device(args.device)
-    dtype = DTYPES[args.speed_dtype]
-    experts = 8 if args.quick else 128
+    experts = 8 if args.quick else args.speed_experts
     shape = shape_for(experts, 2, args)
     ids = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=torch.Generator()).to(
         device
@@ -196,18 +195,23 @@ def speed(args) -> list[dict]:
         "inference forward (grouped_mm, no grad)": inference,
         f"PEFT LoRA r={compare.LORA_RANK} step (grouped_mm)": lora_step,
     }
-    for name, wrap in methods.items():
-        model, _ = build(shape, device, dtype, "none")
-        try:
-            seconds = _timed(wrap(model), device, args.steps)
-            rows.append({"method": name, "step_s": seconds, "tokens_per_s": tokens / seconds})
-        except Exception as err:
-            rows.append({"method": name, "error": f"{type(err).__name__}: {err}"})
-        print(rows[-1], flush=True)
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    wanted = [m for m in args.speed_methods.split(",") if m]
+    for dtype_name in args.speed_dtype.split(","):  # side by side: fp32 and bf16 steps in one run
+        for name, wrap in methods.items():
+            if wanted and not any(m in name for m in wanted):
+                continue
+            model, _ = build(shape, device, DTYPES[dtype_name], "none")
+            row = {"method": name, "dtype": dtype_name, "experts": experts}
+            try:
+                seconds = _timed(wrap(model), device, args.steps)
+                rows.append({**row, "step_s": seconds, "tokens_per_s": tokens / seconds})
+            except Exception as err:
+                rows.append({**row, "error": f"{type(err).__name__}: {err}"})
+            print(rows[-1], flush=True)
+            del model
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -307,13 +311,19 @@ def markdown(payload: dict) -> str:
             lines += [f"  - `{k}`: {v}" for k, v in r["sync_sites"].items()]
             lines += [f"  - shape sync `{k}`: {v}" for k, v in r.get("shape_sync_ops", {}).items()]
     if payload.get("speed"):
-        lines += ["", "## Tokens/s at the layer shape (2 layers)", "", "| method | step ms | tokens/s |"]
-        lines.append("|---|---:|---:|")
+        lines += [
+            "",
+            "## Tokens/s at the layer shape (2 layers)",
+            "",
+            "| method | dtype | E | step ms | tokens/s |",
+        ]
+        lines.append("|---|---|---:|---:|---:|")
         for s in payload["speed"]:
+            head = f"| {s['method']} | {s.get('dtype', '')} | {s.get('experts', '')} |"
             if "error" in s:
-                lines.append(f"| {s['method']} | error: {s['error']} | |")
+                lines.append(f"{head} error: {s['error']} | |")
             else:
-                lines.append(f"| {s['method']} | {s['step_s'] * 1e3:.1f} | {s['tokens_per_s']:,.0f} |")
+                lines.append(f"{head} {s['step_s'] * 1e3:.1f} | {s['tokens_per_s']:,.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -334,7 +344,13 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="E=8, tiny shapes: a smoke run in seconds")
     parser.add_argument("--speed", action="store_true", help="tokens/s against inference and PEFT LoRA")
-    parser.add_argument("--speed-dtype", default="bf16")
+    parser.add_argument(
+        "--speed-dtype", default="bf16", help="comma-separated: each dtype's steps side by side"
+    )
+    parser.add_argument("--speed-experts", type=int, default=128)
+    parser.add_argument(
+        "--speed-methods", default="", help="substrings of the methods to time (default: all)"
+    )
     parser.add_argument("--speed-density", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=5, help="--speed: timed steps after one warm-up")
     parser.add_argument("--stem", default="launches", help="result files: <out>/<stem>-<date>.{json,md}")
