@@ -25,6 +25,9 @@ DEFAULT_RESELECT_EVERY = 10
 # 512 tokens x a 151 k vocabulary is 0.9 GB of logits (fp32 with their gradient): what keeps Qwen3-30B-A3B at 1 % with
 # reselection's probe windows within 12 GB; the loss is the same for any chunk, and 512 rows still fill a GPU's matmul
 DEFAULT_LOGITS_CHUNK = 512
+# values the optimizer updates as one flat vector (at least two of the largest parameters): bounds the step's fp32
+# temporaries, 16 B a value, while many parameters share a fixed number of ops (usaf.train.optim, the planner)
+OPTIMIZER_BUCKET_ENTRIES = 1 << 24
 DEFAULT_WORKSPACE_MB = 256  # select.workspace_mb: one projection's dequantized routed-expert workspace
 
 

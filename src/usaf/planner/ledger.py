@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass, field
 
 from usaf.config import (
+    OPTIMIZER_BUCKET_ENTRIES,
     UsafConfig,
 )
 from usaf.errors import UsafError
@@ -497,9 +498,16 @@ def _framework(
         )
         return
     values = trained.experts + trained.beyond
-    if s.optimizer == "adamw":  # one tensor at a time: fp32 moments, denominator, rounding noise
-        step_bytes = 16 * values // max(1, shape.num_moe_layers) + 4 * trained.routers
-        step_detail = "bf16 moments widened to fp32 one tensor at a time; the routers' foreach square roots"
+    if s.optimizer == "adamw":  # a bucket at a time: fp32 moments, denominator, rounding noise
+        per_layer = values // max(1, shape.num_moe_layers)
+        bucket = min(
+            values, max(OPTIMIZER_BUCKET_ENTRIES, 2 * per_layer)
+        )  # usaf.train.optim's (see _buckets)
+        step_bytes = 16 * bucket + 4 * trained.routers
+        step_detail = (
+            f"bf16 moments widened to fp32 for a bucket of <= {format_count(bucket)} values at a time; the routers' "
+            "foreach square roots"
+        )
     else:
         step_bytes = 4 * (values + trained.routers)
         step_detail = "AdamW's foreach kernels copy the moments' square roots of a whole group"

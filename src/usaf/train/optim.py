@@ -16,15 +16,12 @@ import math
 
 import torch
 
-from usaf.config import RunConfig
+from usaf.config import OPTIMIZER_BUCKET_ENTRIES, RunConfig
 from usaf.errors import UsafError
 from usaf.model.layout import find_moe_layers
 
 COMPACT_DTYPE = torch.bfloat16
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-# entries updated as one flat vector: bounds the step's fp32 temporaries (moments, denominator, update: 16 B an
-# entry) while many parameters share a fixed number of ops
-BUCKET_ENTRIES = 1 << 24
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -87,11 +84,11 @@ class CompactAdamW(torch.optim.AdamW):
         return loss
 
     def _buckets(self, pending):
-        """Consecutive parameters of one group and one step count, at most `BUCKET_ENTRIES` entries together (a
-        larger one alone): each is updated as one flat vector, a fixed number of ops for many parameters."""
+        """Consecutive parameters of one group and one step count, up to `OPTIMIZER_BUCKET_ENTRIES` values together:
+        each bucket is updated as one flat vector, a fixed number of ops for many parameters."""
         # a bucket holds at least two of the largest parameters (a layer's worth: the planner's estimate of the
         # step's temporaries), so a density that grows the parameters does not multiply the buckets
-        limit = max(BUCKET_ENTRIES, 2 * max((param.numel() for param, _, _ in pending), default=0))
+        limit = max(OPTIMIZER_BUCKET_ENTRIES, 2 * max((param.numel() for param, _, _ in pending), default=0))
         bucket, size, key = [], 0, None
         for param, group, index in pending:
             if param.grad.is_sparse:
