@@ -202,7 +202,7 @@ def entries_of_experts(entries: Segments, expert_ids: list[int]) -> tuple[torch.
     """(indices of the entries of `expert_ids`, each one's position in `expert_ids`): a ragged range built on the
     device in a fixed number of ops, whatever the number of experts (the total is known on the host)."""
     device = entries.offsets.device
-    ids = torch.tensor(expert_ids, dtype=torch.int64).to(device, non_blocking=True)
+    ids = kernels.host_ints_to_device(expert_ids, device)
     starts = entries.offsets.index_select(0, ids)
     counts = entries.offsets.index_select(0, ids + 1) - starts
     total = sum(entries.counts[e] for e in expert_ids)

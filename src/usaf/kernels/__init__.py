@@ -37,9 +37,7 @@ class Segments:
 
     @classmethod
     def from_counts(cls, counts: list[int], device) -> Segments:
-        offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
-        torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0, out=offsets[1:])
-        return cls(offsets.to(device), list(counts))
+        return cls(host_ints_to_device([0, *itertools.accumulate(counts)], device), list(counts))
 
     @classmethod
     def single(cls, count: int, device) -> Segments:
@@ -75,6 +73,18 @@ class Segments:
 
 
 cast = torch_path.cast
+
+
+def host_ints_to_device(values: list[int], device) -> torch.Tensor:
+    """int64 tensor of host integers on `device` without a host sync: on an accelerator made in pinned memory and
+    copied asynchronously (a copy from pageable memory waits for the device's queue first), on the CPU as it is."""
+    tensor = torch.tensor(values, dtype=torch.int64)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 _choice = "auto"
 _SINGLE: dict = {}
 

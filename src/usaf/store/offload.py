@@ -17,12 +17,14 @@ from collections import Counter, OrderedDict
 
 import torch
 
+from usaf.kernels import host_ints_to_device
+
 
 def _expert_index(expert_ids: list[int], device: torch.device):
     """Slices for a contiguous run of experts (no copy), else an index tensor."""
     if expert_ids == list(range(expert_ids[0], expert_ids[0] + len(expert_ids))):
         return slice(expert_ids[0], expert_ids[0] + len(expert_ids))
-    return torch.tensor(expert_ids, device=device)
+    return host_ints_to_device(expert_ids, device)
 
 
 class ResidentParts:
@@ -159,7 +161,7 @@ class LayerStreamer:
         copy = self.copies[parts.layer]
         rows = copy.rows[parts]
         if all(e in rows for e in expert_ids):
-            index = torch.tensor([rows[e] for e in expert_ids], device=self.device)
+            index = host_ints_to_device([rows[e] for e in expert_ids], self.device)
             return {name: t.index_select(0, index) for name, t in copy.tensors[parts].items()}
         out = {}
         for name, host in parts.host.items():
