@@ -33,11 +33,8 @@ class RoutingPlan:
         self.token_of_row = torch.div(self.order, self.num_top_k, rounding_mode="floor")
         self.inverse = torch.empty_like(self.order)
         self.inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
-        counts = torch.bincount(self.expert_of_row, minlength=num_experts)
-        offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=counts.device)
-        torch.cumsum(counts, 0, out=offsets[1:])
         # the one host sync of a layer: padding, chunking and the portable grouped product need the counts
-        self.rows = Segments(offsets, counts.tolist())
+        self.rows = Segments.of(self.expert_of_row, num_experts)
 
     def chunks(self, resident: bool, bytes_per_expert: int, workspace_bytes: int):
         """`Chunk`s of routed experts.

@@ -109,9 +109,7 @@ class ElementEntries(_Entries):
         if flat.numel() > 1 and not bool((flat[1:] > flat[:-1]).all()):
             raise ValueError("ElementEntries needs sorted, unique flat indices.")
         expert = torch.div(flat, self.per_expert, rounding_mode="floor")
-        counts = torch.bincount(expert, minlength=self.num_experts)
-        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=flat.device)
-        torch.cumsum(counts, 0, out=offsets[1:])
+        _, offsets = kernels.offsets_of(expert, self.num_experts)
         self.local_indices = (flat - expert * self.per_expert).to(self.index_dtype)
         self.expert_offsets = offsets
         self._grouping = None
@@ -133,7 +131,7 @@ class ElementEntries(_Entries):
         cached until it changes)."""
         key = (self.expert_offsets.data_ptr(), self.local_indices.numel())
         if self._grouping is None or self._grouping[0] != key:
-            self._grouping = (key, _segments(self.expert_offsets))
+            self._grouping = (key, Segments.from_offsets(self.expert_offsets))
         return self._grouping[1]
 
     def expanded_flat_indices(self) -> torch.Tensor:
@@ -194,10 +192,6 @@ def accumulate(grad: torch.Tensor | None, part: torch.Tensor, k0: int, values: t
     return grad
 
 
-def _segments(offsets: torch.Tensor) -> Segments:
-    return Segments(offsets, (offsets[1:] - offsets[:-1]).tolist())
-
-
 def entries_of_experts(entries: Segments, expert_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices of the entries of `expert_ids`, each one's position in `expert_ids`): a ragged range built on the
     device in a fixed number of ops, whatever the number of experts (the total is known on the host)."""
@@ -230,8 +224,8 @@ class LineEntries(_Entries):
     def lines_per_expert(self) -> int:
         return self.shape[self.axis]
 
-    def grouping(self) -> tuple[Segments, torch.Tensor]:
-        """(the lines grouped by expert, each line's index within its expert), cached per selection."""
+    def grouping(self) -> tuple[Segments, torch.Tensor, torch.Tensor]:
+        """(the lines grouped by expert, each line's expert, its index within its expert), cached per selection."""
         key = (self.line_ids.data_ptr(), self.line_ids.numel())
         if self._grouping is None or self._grouping[0] != key:
             self._grouping = (key, *_line_grouping(self.line_ids, self.shape, self.axis))
@@ -245,11 +239,9 @@ class LineEntries(_Entries):
     def write_into(self, weight: torch.Tensor, expert_ids: list[int] | None) -> None:
         if self.values.numel() == 0:
             return
-        segments, line = self.grouping()
+        segments, slot, line = self.grouping()
         values = kernels.cast(self.values, weight.dtype)
-        if expert_ids is None:
-            slot = torch.div(self.line_ids, self.lines_per_expert, rounding_mode="floor")
-        else:
+        if expert_ids is not None:
             picked, slot = entries_of_experts(segments, expert_ids)
             line, values = line.index_select(0, picked), values.index_select(0, picked)
         if self.axis == 1:
@@ -262,16 +254,14 @@ class LineEntries(_Entries):
     ) -> torch.Tensor | None:
         """Rows: grad[k, :] += U[:, a_k]^T V; columns: grad[k, :] += V[:, b_k]^T U, over the rows of each line's
         expert (see `ElementEntries.add_grad` for the arguments)."""
-        segments, line = self.grouping()
+        segments, _, line = self.grouping()
         return _add_line_grads(grad, self.values, U, V, rows, first, segments, line, self.axis)
 
 
-def _line_grouping(line_ids: torch.Tensor, shape, axis: int) -> tuple[Segments, torch.Tensor]:
-    """(the lines grouped by expert, each line's index within its expert)."""
+def _line_grouping(line_ids: torch.Tensor, shape, axis: int) -> tuple[Segments, torch.Tensor, torch.Tensor]:
+    """(the lines grouped by expert, each line's expert, its index within its expert)."""
     expert = torch.div(line_ids, shape[axis], rounding_mode="floor")
-    offsets = torch.zeros(shape[0] + 1, dtype=torch.int64, device=line_ids.device)
-    torch.cumsum(torch.bincount(expert, minlength=shape[0]), 0, out=offsets[1:])
-    return _segments(offsets), line_ids - expert * shape[axis]
+    return Segments.of(expert, shape[0]), expert, line_ids - expert * shape[axis]
 
 
 def _add_line_grads(grad, like, U, V, rows: Segments, first: int, segments: Segments, line, axis: int):
@@ -294,7 +284,7 @@ class LineProbe:
     def __init__(self, shape, axis: int, line_ids: torch.Tensor):
         self.shape, self.axis = tuple(shape), axis
         self.line_ids = line_ids.to(torch.int64)
-        self.segments, self.line = _line_grouping(self.line_ids, self.shape, axis)
+        self.segments, _, self.line = _line_grouping(self.line_ids, self.shape, axis)
         length = self.shape[3 - axis]
         self.score = torch.zeros(self.line_ids.numel(), length, device=line_ids.device)
 

@@ -40,6 +40,17 @@ class Segments:
         return cls(host_ints_to_device([0, *itertools.accumulate(counts)], device), list(counts))
 
     @classmethod
+    def of(cls, ids: torch.Tensor, num_segments: int) -> Segments:
+        """The segments `ids` (each item's segment, ascending) group items into; reads the counts to the host."""
+        counts, offsets = torch_path.offsets_of(ids, num_segments)
+        return cls(offsets, counts.tolist())
+
+    @classmethod
+    def from_offsets(cls, offsets: torch.Tensor) -> Segments:
+        """Segments from device offsets; reads the counts to the host."""
+        return cls(offsets, (offsets[1:] - offsets[:-1]).tolist())
+
+    @classmethod
     def single(cls, count: int, device) -> Segments:
         """One segment of `count` rows (a native weight's tokens), its offsets made once per count and device."""
         key = (count, str(device))
@@ -72,7 +83,7 @@ class Segments:
         return Segments(offsets - offsets[0], self.counts[first : last + 1])
 
 
-cast = torch_path.cast
+cast, offsets_of = torch_path.cast, torch_path.offsets_of
 
 
 def host_ints_to_device(values: list[int], device) -> torch.Tensor:

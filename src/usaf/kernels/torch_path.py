@@ -25,6 +25,14 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
+def offsets_of(ids: torch.Tensor, num_segments: int, dtype=torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts [n], offsets [n + 1]) of the segments that `ids` (each item's segment, ascending) group items into."""
+    counts = torch.bincount(ids, minlength=num_segments)
+    offsets = torch.zeros(num_segments + 1, dtype=dtype, device=ids.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return counts, offsets
+
+
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     # sampled_addmm has no half-precision CPU kernel, and sums of products want fp32 anyway
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -145,8 +153,7 @@ def _block_diagonal_pattern(local, entries, a_dim: int, width: int):
     expert_of = _entry_experts(entries.offsets, local.numel())
     columns = (local - a * width + expert_of * width).to(index_dtype)
     lines = a.add_(expert_of * a_dim)
-    crow = torch.zeros(n * a_dim + 1, dtype=index_dtype, device=local.device)
-    torch.cumsum(torch.bincount(lines, minlength=n * a_dim), 0, out=crow[1:])
+    _, crow = offsets_of(lines, n * a_dim, index_dtype)
     entries.cache[key] = crow, columns
     return crow, columns
 

@@ -55,7 +55,7 @@ class CompactAdamW(torch.optim.AdamW):
     def __init__(self, params, *, seed: int = 0, **kwargs):
         super().__init__(params, **kwargs)
         self.seed = seed
-        self._host_steps: dict[int, int] = {}  # parameter index -> its step count (see `_compact_step`)
+        self._host_steps: dict[int, int] = {}  # parameter index -> its step count (see `_next_step`)
         for group in self.param_groups:
             group.setdefault("compact", False)
 
@@ -91,20 +91,7 @@ class CompactAdamW(torch.optim.AdamW):
         limit = max(OPTIMIZER_BUCKET_ENTRIES, 2 * max((param.numel() for param, _, _ in pending), default=0))
         bucket, size, key = [], 0, None
         for param, group, index in pending:
-            if param.grad.is_sparse:
-                raise RuntimeError("CompactAdamW does not take sparse gradients.")
-            state = self.state[param]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                for name in _MOMENTS:
-                    state[name] = torch.zeros_like(
-                        param, dtype=COMPACT_DTYPE, memory_format=torch.preserve_format
-                    )
-            # the step count as a host integer (its CPU tensor is read once per parameter after a start or a
-            # load), so a step reads no tensor per parameter
-            known = self._host_steps.get(index)
-            step = known + 1 if known is not None else int(state["step"].item()) + 1
-            self._host_steps[index] = step
+            step = self._next_step(param, index)
             if bucket and ((id(group), step) != key or size + param.numel() > limit):
                 yield bucket
                 bucket, size = [], 0
@@ -113,6 +100,23 @@ class CompactAdamW(torch.optim.AdamW):
             key = (id(group), step)
         if bucket:
             yield bucket
+
+    def _next_step(self, param: torch.Tensor, index: int) -> int:
+        """The step `param` is about to take, its state made on its first. A host integer: its CPU tensor is read
+        once per parameter after a start or a load, so a step reads no tensor per parameter."""
+        if param.grad.is_sparse:
+            raise RuntimeError("CompactAdamW does not take sparse gradients.")
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            for name in _MOMENTS:
+                state[name] = torch.zeros_like(
+                    param, dtype=COMPACT_DTYPE, memory_format=torch.preserve_format
+                )
+        known = self._host_steps.get(index)
+        step = known + 1 if known is not None else int(state["step"].item()) + 1
+        self._host_steps[index] = step
+        return step
 
     def _compact_update(self, bucket) -> None:
         params = [param for param, _, _, _ in bucket]
