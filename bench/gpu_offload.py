@@ -105,6 +105,14 @@ def build_offloaded_model(
             del layer.experts._parameters[tensor.name]  # the meta parameter goes; the store stands in for it
             setattr(layer.experts, tensor.name, StoredExpertTensor(store, name))
             stores[name] = store
+    fill_random(model, dtype, device, generator)
+    model.to(device)
+    return model, stores, streamer, fmt_name
+
+
+def fill_random(model, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> None:
+    """Random frozen weights for a skeleton's parameters still on the meta device (norm weights 1, the rest
+    N(0, 0.02)), made in `dtype` on `device`, then the buffers its own initialisation computes."""
     for module_name, module in model.named_modules():
         for param_name, param in list(module._parameters.items()):
             if param is None or param.device.type != "meta":
@@ -117,8 +125,6 @@ def build_offloaded_model(
             module._parameters[param_name] = nn.Parameter(value, requires_grad=False)
             value._is_hf_initialized = True  # transformers' initialisation must leave it alone
     compute_missing_buffers(model)  # rotary frequencies, computed by the model's own initialisation
-    model.to(device)
-    return model, stores, streamer, fmt_name
 
 
 class TransferClock:

@@ -58,28 +58,15 @@ def build(shape: dict, device: torch.device, dtype: torch.dtype, quant: str, see
     """(model, stores or None): random weights, made chunk by chunk in `dtype` (the whole model never exists in
     fp32 when it is bf16)."""
     import gpu_offload
-    from torch import nn
     from transformers import AutoConfig
 
     if quant != "none":
         model, stores, _, _ = gpu_offload.build_offloaded_model(shape, device, dtype, quant, 0, seed=seed)
         return model, stores
-    from usaf.model.hf import build_skeleton, compute_missing_buffers
+    from usaf.model.hf import build_skeleton
 
     model = build_skeleton(AutoConfig.for_model("qwen3_moe", **shape), dtype)
-    generator = torch.Generator(device).manual_seed(seed)
-    for module_name, module in model.named_modules():
-        for name, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            value = torch.empty(param.shape, dtype=dtype, device=device)
-            if "norm" in f"{module_name}.{name}" and value.dim() == 1:
-                value.fill_(1.0)
-            else:
-                value.normal_(0.0, 0.02, generator=generator)
-            value._is_hf_initialized = True
-            module._parameters[name] = nn.Parameter(value, requires_grad=False)
-    compute_missing_buffers(model)
+    gpu_offload.fill_random(model, dtype, device, torch.Generator(device).manual_seed(seed))
     return model.to(device), None
 
 
