@@ -37,3 +37,12 @@ def each_kernel_path(request):
     kernels.use(request.param)
     yield request.param
     kernels.use(before)
+
+
+@pytest.fixture(scope="session")
+def ws(tmp_path_factory):
+    """The fault tables' workspace (tests/faults.py): models, data, a finished run, an unfinished one and a delta,
+    made once per session; rows that change them work on copies."""
+    from faults import build_workspace
+
+    return build_workspace(tmp_path_factory.mktemp("faults"))
