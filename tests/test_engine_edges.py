@@ -1,6 +1,7 @@
 """Chunked loss, recomputation, the chunked (non-resident) store path, and clear errors on bad input."""
 
 import copy
+from typing import ClassVar
 
 import pytest
 import torch
@@ -82,13 +83,18 @@ class CopyingStore(DenseStore):
     def full(self):
         raise AssertionError("a non-resident store is never used whole")
 
+    chunk_sizes: ClassVar[list[int]] = []  # every materialized chunk's number of experts, all stores together
+
     def materialize(self, expert_ids):
-        assert len(expert_ids) == 1, "the 1-byte workspace allows one expert per chunk"
+        self.chunk_sizes.append(len(expert_ids))
         return self.tensor.view(self.shape)[expert_ids]
 
 
+@pytest.mark.parametrize("per_chunk", [1, 2])
 @pytest.mark.parametrize("granularity", ["element", "neuron"])
-def test_chunked_store_path_matches_resident_path(granularity):
+def test_chunked_store_path_matches_resident_path(granularity, per_chunk):
+    """Chunks of one expert, and of two (of four for the narrower projection): the values land in the right
+    expert of the right chunk, and the gradients are the resident path's."""
     config = dict(density=0.2, granularity=granularity, selection="random")
     resident = usaf.prepare_model(tiny_model("gpt_oss"), usaf.UsafConfig(**config))
     chunked_model = tiny_model("gpt_oss")
@@ -99,20 +105,28 @@ def test_chunked_store_path_matches_resident_path(granularity):
         if not t.is_bias
     }
     chunked = usaf.prepare_model(chunked_model, usaf.UsafConfig(**config), stores=stores)
+    CopyingStore.chunk_sizes = []
     for layer in find_moe_layers(chunked):
-        layer.experts.usaf.workspace_bytes = 1  # one expert per chunk
+        largest = max(
+            store.shape[1] * store.shape[2] * 4 for store in stores.values()
+        )  # fp32 bytes an expert
+        layer.experts.usaf.workspace_bytes = per_chunk * largest if per_chunk > 1 else 1
+    ids = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(5))  # most experts routed
     results = []
     for model in (resident, chunked):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(".values"):
                     p.add_(0.1)
-        loss = causal_lm_loss(model, IDS, IDS)
+        loss = causal_lm_loss(model, ids, ids)
         loss.backward()
         results.append((loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
     assert abs(results[0][0] - results[1][0]) < 1e-6
     for name, grad in results[0][1].items():
         assert torch.allclose(grad, results[1][1][name], rtol=1e-5, atol=1e-7), name
+    sizes = CopyingStore.chunk_sizes
+    assert max(sizes) <= max(per_chunk, 1) * 2 and (per_chunk == 1) == (max(sizes) == 1), sizes
+    assert len(sizes) > 2 * len(stores), "several chunks a projection"
 
 
 def test_dense_model_is_refused():

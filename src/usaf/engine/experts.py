@@ -9,6 +9,7 @@ the trained entries.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -36,43 +37,77 @@ class RoutingPlan:
         # the one host sync of a layer: padding, chunking and the portable grouped product need the counts
         self.rows = Segments.of(self.expert_of_row, num_experts)
 
-    def chunks(self, resident: bool, bytes_per_expert: int, workspace_bytes: int):
-        """`Chunk`s of routed experts.
+        self._chunkings: dict[int | None, Chunking] = {}
 
-        A resident store is used whole (grouped matmul skips empty experts). Otherwise only experts that received
-        tokens are materialized, as many at a time as fit the workspace.
-        """
-        rows = self.rows
-        if resident:
-            yield Chunk(None, 0, rows.total, rows, rows, 0)
-            return
-        per_chunk = max(1, workspace_bytes // max(1, bytes_per_expert))
-        active = [e for e, c in enumerate(rows.counts) if c]
-        for i in range(0, len(active), per_chunk):
-            ids = active[i : i + per_chunk]
-            first, last = ids[0], ids[-1]
-            matmul_rows = Segments.from_counts([rows.counts[e] for e in ids], rows.offsets.device)
-            yield Chunk(
-                ids, rows.start(first), rows.start(last + 1), matmul_rows, rows.span(first, last), first
-            )
+    def chunking(self, resident: bool, bytes_per_expert: int, workspace_bytes: int) -> Chunking:
+        """How a projection's routed experts are materialized: a resident store is used whole (grouped matmul
+        skips empty experts); otherwise only experts that received tokens, as many at a time as fit the
+        workspace. Made once per plan and workspace: the forward and the backward share it."""
+        per_chunk = None if resident else max(1, workspace_bytes // max(1, bytes_per_expert))
+        if per_chunk not in self._chunkings:
+            self._chunkings[per_chunk] = Chunking(self.rows, per_chunk)
+        return self._chunkings[per_chunk]
 
 
 @dataclass
 class Chunk:
     """Routed experts materialized together: `expert_ids` (None: the whole resident stack), their rows r0:r1 of
-    the plan, grouped per materialized expert (`matmul_rows`) and per expert first..last (`span_rows`, where
-    experts in between that got no rows count zero: how trained entries are grouped)."""
+    the plan, grouped per materialized expert (`matmul_rows`)."""
 
+    index: int
     expert_ids: list[int] | None
     r0: int
     r1: int
     matmul_rows: Segments
-    span_rows: Segments
-    first: int
 
-    def rows_of(self, t: torch.Tensor) -> torch.Tensor:
-        """This chunk's rows of t (t itself for the whole stack: a slice is an op)."""
-        return t if self.expert_ids is None else t[self.r0 : self.r1]
+
+class Chunking:
+    """A plan's routed experts cut into chunks of `per_chunk` (None: one chunk, the whole resident stack).
+
+    Everything a chunk needs is made here once, in a fixed number of ops whatever the number of chunks: every
+    chunk's row offsets in one transfer, rows split into chunks with one op, and, per trained tensor, where its
+    entries land in each chunk (`placement`). The chunks partition the plan's rows in order (experts without
+    rows are not materialized and own no rows), so chunk outputs join with one concatenation."""
+
+    def __init__(self, rows: Segments, per_chunk: int | None):
+        self.per_chunk = per_chunk
+        self._placements: dict[int, tuple[object, list]] = {}
+        if per_chunk is None:
+            self.active = None
+            self.chunks = [Chunk(0, None, 0, rows.total, rows)]
+            return
+        self.active = [e for e, c in enumerate(rows.counts) if c]
+        groups = [self.active[i : i + per_chunk] for i in range(0, len(self.active), per_chunk)]
+        counts = [[rows.counts[e] for e in group] for group in groups]
+        offsets = kernels.host_ints_to_device(
+            [o for c in counts for o in (0, *itertools.accumulate(c))], rows.offsets.device
+        )
+        pieces = offsets.split([len(c) + 1 for c in counts]) if len(groups) > 1 else [offsets]
+        self.chunks = [
+            Chunk(i, group, rows.start(group[0]), rows.start(group[-1] + 1), Segments(piece, c))
+            for i, (group, c, piece) in enumerate(zip(groups, counts, pieces, strict=True))
+        ]
+
+    def split(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """t's rows per chunk (views)."""
+        if len(self.chunks) == 1:
+            return [t]
+        return list(t.split([c.r1 - c.r0 for c in self.chunks]))
+
+    @staticmethod
+    def join(parts: list[torch.Tensor], empty) -> torch.Tensor:
+        """The chunks' outputs as one [rows, ...] tensor (`empty()` when there are no rows at all)."""
+        return empty() if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def placement(self, entries, chunk: Chunk):
+        """Where `entries`' values land in `chunk`'s materialized weights (None: the whole stack): made for every
+        chunk at its first use, kept while this plan lives (the forward's chunks are the backward's)."""
+        if chunk.expert_ids is None:
+            return None
+        key = id(entries)
+        if key not in self._placements:  # the entries themselves are kept with it, so their id stays theirs
+            self._placements[key] = (entries, entries.place(self.active, self.per_chunk))
+        return self._placements[key][1][chunk.index]
 
 
 class Projection:
@@ -86,19 +121,19 @@ class Projection:
         self.transposed = transposed
         self.workspace_bytes = workspace_bytes
 
-    def weights(self, expert_ids):
+    def weights(self, chunk: Chunk, chunking: Chunking) -> torch.Tensor:
         """Effective weights [k, A, B] of a chunk (the whole patched stack for a resident store)."""
-        if expert_ids is None:
+        if chunk.expert_ids is None:
             return self.store.full()  # already patched once per forward, see `SparseGroupedLinear.forward`
-        weight = self.store.materialize(expert_ids)
+        weight = self.store.materialize(chunk.expert_ids)
         if self.entries is not None:
-            self.entries.write_into(weight, expert_ids)
+            self.entries.write_into(weight, chunking.placement(self.entries, chunk))
         return weight
 
-    def chunks(self, plan: RoutingPlan):
+    def chunking(self, plan: RoutingPlan) -> Chunking:
         _, a, b = self.store.shape
         bytes_per_expert = a * b * torch.empty((), dtype=self.store.dtype).element_size()
-        return plan.chunks(self.store.resident, bytes_per_expert, self.workspace_bytes)
+        return plan.chunking(self.store.resident, bytes_per_expert, self.workspace_bytes)
 
 
 def sum_rows_into_tokens(rows: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
@@ -146,18 +181,15 @@ class SparseGroupedLinear(torch.autograd.Function):
         x = kernels.cast(x, proj.store.dtype)
         if proj.store.resident and proj.entries is not None:
             proj.entries.write_into(proj.store.full(), None)
-        out = None
-        for chunk in proj.chunks(plan):
-            weight = proj.weights(chunk.expert_ids)
-            oriented = weight if proj.transposed else weight.transpose(1, 2)  # [k, in, out]
-            y = kernels.grouped_matmul(chunk.rows_of(x), oriented, chunk.matmul_rows)
-            if out is None:  # every row belongs to exactly one chunk: no need to zero
-                out = y if chunk.expert_ids is None else x.new_empty(x.shape[0], y.shape[1])
-            if out is not y:
-                out[chunk.r0 : chunk.r1] = y
-        if out is None:  # no rows at all
-            out_dim = proj.store.shape[2] if proj.transposed else proj.store.shape[1]
-            out = x.new_zeros(0, out_dim)
+        chunking = proj.chunking(plan)
+        outputs = [
+            kernels.grouped_matmul(
+                rows, _oriented(proj, proj.weights(chunk, chunking), backward=False), chunk.matmul_rows
+            )
+            for chunk, rows in zip(chunking.chunks, chunking.split(x), strict=True)
+        ]
+        out_dim = proj.store.shape[2] if proj.transposed else proj.store.shape[1]
+        out = Chunking.join(outputs, lambda: x.new_zeros(0, out_dim))
         if proj.bias_store is not None:
             bias = proj.bias_store.full()
             if proj.bias_entries is not None:
@@ -174,38 +206,38 @@ class SparseGroupedLinear(torch.autograd.Function):
         need_x, need_values, need_bias = ctx.needs_input_grad[:3]
         gy = kernels.cast(grad_out, x.dtype)
         grad_x = grad_values = None
-        if need_x or need_values or proj.probe is not None:
-            for chunk in proj.chunks(plan):
-                xs, gs = chunk.rows_of(x), chunk.rows_of(gy)
-                if need_x:
-                    weight = proj.weights(chunk.expert_ids)
-                    oriented = weight.transpose(1, 2) if proj.transposed else weight  # [k, out, in]
-                    part = kernels.grouped_matmul(gs, oriented, chunk.matmul_rows)
-                    if chunk.expert_ids is None:
-                        grad_x = part
-                    else:
-                        if grad_x is None:  # every row belongs to exactly one chunk: no need to zero
-                            grad_x = torch.empty_like(x)
-                        grad_x[chunk.r0 : chunk.r1] = part
-                if need_values or proj.probe is not None:
-                    U, V = (xs, gs) if proj.transposed else (gs, xs)
-                    if need_values:
-                        grad_values = proj.entries.add_grad(grad_values, U, V, chunk.span_rows, chunk.first)
-                    if proj.probe is not None:
-                        proj.probe.accumulate(U, V, chunk.span_rows, chunk.first)
-        if need_values and grad_values is None:  # no rows, or no entries among the routed experts
-            grad_values = torch.zeros_like(proj.entries.values)
+        if need_x:
+            chunking = proj.chunking(plan)
+            parts = [
+                kernels.grouped_matmul(
+                    rows, _oriented(proj, proj.weights(chunk, chunking), backward=True), chunk.matmul_rows
+                )
+                for chunk, rows in zip(chunking.chunks, chunking.split(gy), strict=True)
+            ]
+            grad_x = Chunking.join(parts, lambda: torch.zeros_like(x))
+        # the trained entries' gradients need no weights: one call over every expert's rows, whatever the chunks
+        U, V = (x, gy) if proj.transposed else (gy, x)
+        if need_values:
+            grad_values = proj.entries.add_grad(None, U, V, plan.rows, 0)
+            if grad_values is None:  # no entries among the routed experts
+                grad_values = torch.zeros_like(proj.entries.values)
+        if proj.probe is not None:
+            proj.probe.accumulate(U, V, plan.rows, 0)
         grad_bias = None
         if need_bias:
             entries: ElementEntries = proj.bias_entries
             per_expert = gy.new_zeros(entries.shape[0], gy.shape[1], dtype=torch.float32)
             per_expert.index_add_(0, plan.expert_of_row, kernels.cast(gy, torch.float32))
             grad_bias = per_expert.view(-1)[entries.flat_indices]
-        if need_x and grad_x is None:  # no rows at all
-            grad_x = torch.zeros_like(x)
         if grad_x is not None:
             grad_x = kernels.cast(grad_x, ctx.x_dtype)
         return grad_x, grad_values, grad_bias, None, None
+
+
+def _oriented(proj: Projection, weight: torch.Tensor, backward: bool) -> torch.Tensor:
+    """A chunk's [k, A, B] weights as the grouped product's right operand: [k, in, out] forward, [k, out, in] for
+    the input gradient."""
+    return weight.transpose(1, 2) if proj.transposed == backward else weight
 
 
 class ObserveGradient(torch.autograd.Function):

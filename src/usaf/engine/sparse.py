@@ -150,19 +150,26 @@ class ElementEntries(_Entries):
         rest = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing, unexpected, errors)
 
+    def place(self, experts: list[int], per_chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(which entries, their flat index in the chunk's [k, A, B] weights) per chunk of `per_chunk` of
+        `experts`: for `write_into`, made in a fixed number of ops for every chunk at once."""
+        picked, slot = entries_of_experts(self.segments(), experts)
+        flat = torch.remainder(slot, per_chunk).mul_(self.per_expert)
+        flat += self.local_indices.index_select(0, picked)
+        return _per_chunk(self.segments(), experts, per_chunk, picked, flat)
+
     @torch.no_grad()
-    def write_into(self, weight: torch.Tensor, expert_ids: list[int] | None) -> None:
-        """Write the trained values into `weight` ([E, A, B] when expert_ids is None, else [k, A, B]): one
-        scatter."""
+    def write_into(self, weight: torch.Tensor, placement: tuple | None) -> None:
+        """Write the trained values into `weight`: the whole [E, A, B] stack (placement None), or a chunk's
+        [k, A, B] experts at the places `place` gave: one scatter."""
         if self.values.numel() == 0:
             return
-        values = kernels.cast(self.values, weight.dtype)  # no_grad: no detach needed (an op a call)
-        if expert_ids is None:
+        if placement is None:
+            values = kernels.cast(self.values, weight.dtype)  # no_grad: no detach needed (an op a call)
             weight.view(-1).index_copy_(0, self.flat_indices, values)  # index_copy_ beats index_put_ on CPU
             return
-        picked, slot = entries_of_experts(self.segments(), expert_ids)
-        flat = slot * self.per_expert + self.local_indices.index_select(0, picked)
-        weight.view(-1).index_copy_(0, flat, values.index_select(0, picked))
+        picked, flat = placement
+        weight.view(-1).index_copy_(0, flat, kernels.cast(self.values.index_select(0, picked), weight.dtype))
 
     def add_grad(
         self, grad: torch.Tensor | None, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int
@@ -190,6 +197,17 @@ def accumulate(grad: torch.Tensor | None, part: torch.Tensor, k0: int, values: t
         grad = torch.zeros_like(values)
     grad[k0 : k0 + part.shape[0]] += part
     return grad
+
+
+def _per_chunk(entries: Segments, experts: list[int], per_chunk: int, *tensors: torch.Tensor) -> list[tuple]:
+    """Tensors over the entries of `experts` (in their order) split into chunks of `per_chunk` experts: one split
+    each (sizes from the host counts)."""
+    sizes = [
+        sum(entries.counts[e] for e in experts[i : i + per_chunk]) for i in range(0, len(experts), per_chunk)
+    ]
+    if len(sizes) == 1:
+        return [tensors]
+    return list(zip(*(t.split(sizes) for t in tensors), strict=True))
 
 
 def entries_of_experts(entries: Segments, expert_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,15 +253,25 @@ class LineEntries(_Entries):
         """Flat indices of every trained entry, in the order of `values.view(-1)`."""
         return line_flat_indices(self.shape, self.axis, self.line_ids)
 
+    def place(self, experts: list[int], per_chunk: int) -> list[tuple[torch.Tensor, ...]]:
+        """(which lines, their expert's slot in the chunk, the line within it) per chunk of `per_chunk` of
+        `experts` (see `ElementEntries.place`)."""
+        segments, _, line = self.grouping()
+        picked, slot = entries_of_experts(segments, experts)
+        slot = torch.remainder(slot, per_chunk)
+        return _per_chunk(segments, experts, per_chunk, picked, slot, line.index_select(0, picked))
+
     @torch.no_grad()
-    def write_into(self, weight: torch.Tensor, expert_ids: list[int] | None) -> None:
+    def write_into(self, weight: torch.Tensor, placement: tuple | None) -> None:
+        """Write the trained lines into `weight` (see `ElementEntries.write_into`)."""
         if self.values.numel() == 0:
             return
-        segments, slot, line = self.grouping()
-        values = kernels.cast(self.values, weight.dtype)
-        if expert_ids is not None:
-            picked, slot = entries_of_experts(segments, expert_ids)
-            line, values = line.index_select(0, picked), values.index_select(0, picked)
+        if placement is None:
+            _, slot, line = self.grouping()
+            values = kernels.cast(self.values, weight.dtype)
+        else:
+            picked, slot, line = placement
+            values = kernels.cast(self.values.index_select(0, picked), weight.dtype)
         if self.axis == 1:
             weight[slot, line, :] = values
         else:

@@ -161,8 +161,15 @@ class LayerStreamer:
         copy = self.copies[parts.layer]
         rows = copy.rows[parts]
         if all(e in rows for e in expert_ids):
-            index = host_ints_to_device([rows[e] for e in expert_ids], self.device)
-            return {name: t.index_select(0, index) for name, t in copy.tensors[parts].items()}
+            at = [rows[e] for e in expert_ids]
+            tensors = copy.tensors[parts]
+            if at == list(range(at[0], at[0] + len(at))):  # consecutive rows (the usual case): views, no copy
+                return {
+                    name: t if len(at) == t.shape[0] else t[at[0] : at[0] + len(at)]
+                    for name, t in tensors.items()
+                }
+            index = host_ints_to_device(at, self.device)
+            return {name: t.index_select(0, index) for name, t in tensors.items()}
         out = {}
         for name, host in parts.host.items():
             dest = torch.empty((len(expert_ids), *host.shape[1:]), dtype=host.dtype, device=self.device)
@@ -217,9 +224,15 @@ class LayerStreamer:
             copy.rows[parts] = {e: i for i, e in enumerate(wanted)}
             copy.tensors[parts] = {}
             for name, host in parts.host.items():
-                dest = torch.empty((len(wanted), *host.shape[1:]), dtype=host.dtype, device=self.device)
-                for start, stop, at in _runs(wanted):  # contiguous runs: one copy each, straight from host
-                    dest[at : at + stop - start].copy_(host[start:stop], non_blocking=non_blocking)
+                whole = len(wanted) == host.shape[0]
+                if whole and host.device == self.device:  # every expert, where it lies: nothing to copy
+                    dest = host
+                elif whole:  # every expert: one copy
+                    dest = host.to(self.device, non_blocking=non_blocking)
+                else:  # contiguous runs: one copy each, straight from host
+                    dest = torch.empty((len(wanted), *host.shape[1:]), dtype=host.dtype, device=self.device)
+                    for start, stop, at in _runs(wanted):
+                        dest[at : at + stop - start].copy_(host[start:stop], non_blocking=non_blocking)
                 copy.tensors[parts][name] = dest
                 self.bytes_streamed += dest.numel() * dest.element_size()
 
