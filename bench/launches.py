@@ -70,12 +70,15 @@ def build(shape: dict, device: torch.device, dtype: torch.dtype, quant: str, see
     return model.to(device), None
 
 
-def usaf_step(model, stores, density: float, ids):
+def usaf_step(model, stores, density: float, ids, workspace_mb: int | None = None):
     import usaf
-    from usaf.config import RunConfig
+    from usaf.config import DEFAULT_WORKSPACE_MB, RunConfig
     from usaf.train.optim import build_optimizer
 
-    usaf.prepare_model(model, usaf.UsafConfig(density=density, selection="random"), stores=stores)
+    config = usaf.UsafConfig(
+        density=density, selection="random", workspace_mb=workspace_mb or DEFAULT_WORKSPACE_MB
+    )
+    usaf.prepare_model(model, config, stores=stores)
     model.train()
     # the optimizer `usaf train` builds: bf16 moments for the trained values, torch's foreach AdamW for the routers
     optimizer = build_optimizer(model, RunConfig())
@@ -99,7 +102,7 @@ def measure(experts: int, density_pct: float, dtype_name: str, quant: str, args)
 
     def make(layers: int):
         model, stores = build(shape_for(experts, layers, args), device, DTYPES[dtype_name], quant)
-        return usaf_step(model, stores, density_pct / 100, ids)
+        return usaf_step(model, stores, density_pct / 100, ids, args.workspace_mb)
 
     began = time.perf_counter()
     counts = per_layer(make, device=device)
@@ -110,6 +113,7 @@ def measure(experts: int, density_pct: float, dtype_name: str, quant: str, args)
         "quant": quant,
         "seq": args.seq,
         "batch": args.batch,
+        "workspace_mb": args.workspace_mb,
         "ops_per_layer": counts.ops,
         "syncs_per_layer": counts.syncs,
         "shape_syncs_per_layer": counts.shape_syncs,
@@ -278,8 +282,9 @@ def markdown(payload: dict) -> str:
             )
             continue
         top = ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in list(r["top_ops"].items())[:5])
+        quant = r["quant"] + (f", workspace {r['workspace_mb']} MB" if r.get("workspace_mb") else "")
         lines.append(
-            f"| {r['experts']} | {r['density_pct']:g} % | {r['dtype']} | {r['quant']} | {r['seq']} | "
+            f"| {r['experts']} | {r['density_pct']:g} % | {r['dtype']} | {quant} | {r['seq']} | "
             f"{r['ops_per_layer']:,} | {r['syncs_per_layer']:,} | {r['shape_syncs_per_layer']:,} | "
             f"{r.get('cpu_only_syncs_per_layer', 0):,} | {top} | "
             f"{r['seconds']:.0f} |"
@@ -329,6 +334,12 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--workspace-mb",
+        type=int,
+        default=None,
+        help="select.workspace_mb (default usaf's): how many routed experts of a quantized store one chunk holds",
+    )
     parser.add_argument("--quick", action="store_true", help="E=8, tiny shapes: a smoke run in seconds")
     parser.add_argument("--speed", action="store_true", help="tokens/s against inference and PEFT LoRA")
     parser.add_argument(

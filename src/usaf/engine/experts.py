@@ -36,7 +36,6 @@ class RoutingPlan:
         self.inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
         # the one host sync of a layer: padding, chunking and the portable grouped product need the counts
         self.rows = Segments.of(self.expert_of_row, num_experts)
-
         self._chunkings: dict[int | None, Chunking] = {}
 
     def chunking(self, resident: bool, bytes_per_expert: int, workspace_bytes: int) -> Chunking:
@@ -101,13 +100,18 @@ class Chunking:
 
     def placement(self, entries, chunk: Chunk):
         """Where `entries`' values land in `chunk`'s materialized weights (None: the whole stack): made for every
-        chunk at its first use, kept while this plan lives (the forward's chunks are the backward's)."""
+        chunk at its first use, kept until `release`."""
         if chunk.expert_ids is None:
             return None
         key = id(entries)
         if key not in self._placements:  # the entries themselves are kept with it, so their id stays theirs
             self._placements[key] = (entries, entries.place(self.active, self.per_chunk))
         return self._placements[key][1][chunk.index]
+
+    def release(self) -> None:
+        """Drop the placements after a pass over the chunks: they are as large as the trained entries, and the
+        plan lives from a layer's forward to its backward (made again there, in a fixed number of ops)."""
+        self._placements.clear()
 
 
 class Projection:
@@ -132,7 +136,7 @@ class Projection:
 
     def chunking(self, plan: RoutingPlan) -> Chunking:
         _, a, b = self.store.shape
-        bytes_per_expert = a * b * torch.empty((), dtype=self.store.dtype).element_size()
+        bytes_per_expert = a * b * self.store.dtype.itemsize
         return plan.chunking(self.store.resident, bytes_per_expert, self.workspace_bytes)
 
 
@@ -188,6 +192,7 @@ class SparseGroupedLinear(torch.autograd.Function):
             )
             for chunk, rows in zip(chunking.chunks, chunking.split(x), strict=True)
         ]
+        chunking.release()
         out_dim = proj.store.shape[2] if proj.transposed else proj.store.shape[1]
         out = Chunking.join(outputs, lambda: x.new_zeros(0, out_dim))
         if proj.bias_store is not None:
@@ -214,6 +219,7 @@ class SparseGroupedLinear(torch.autograd.Function):
                 )
                 for chunk, rows in zip(chunking.chunks, chunking.split(gy), strict=True)
             ]
+            chunking.release()
             grad_x = Chunking.join(parts, lambda: torch.zeros_like(x))
         # the trained entries' gradients need no weights: one call over every expert's rows, whatever the chunks
         U, V = (x, gy) if proj.transposed else (gy, x)
