@@ -17,6 +17,7 @@ from usaf.config import RunConfig
 from usaf.demo.task import NEW_SKILL, read_jsonl, task_accuracy
 from usaf.errors import UsafError
 from usaf.export.merged import export_merged
+from usaf.io.guard import DEMO, check_output
 from usaf.train.loop import train
 from usaf.train.state import format_summary, stopped_exit_code
 
@@ -41,6 +42,8 @@ def run_demo(args) -> int:
     root = assets()
     model_dir, data_dir = root / "model", root / "data"
     out = Path(args.out or "demo-run")
+    # a previous demo run is replaced; never the demo's own files, a run, a model or a folder of the user's
+    check_output(out, DEMO, flag="--out", force=True, inputs=[("the demo's assets", root)])
     if out.exists():
         if not (out / MARKER).exists():
             raise UsafError(f"{out} exists and is not a previous demo run; choose another --out.")
