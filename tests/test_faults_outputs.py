@@ -177,6 +177,9 @@ ROWS = [
             setup=link_in_run(name), keeps=["{tmp}/victim"])
         for name in RUN_LINKS
     ),
+    Row("report-through-a-linked-png", ["report", "{run}"], 2,
+        ["{run}/report.png is a symbolic link; usaf never writes through one"], run="finished",
+        setup=link_in_run("report.png"), keeps=["{tmp}/victim"]),
     Row("train-into-an-empty-out-with-a-linked-lock", T(*NEW), 2,
         ["{tmp}/run/.usaf-lock is a symbolic link; usaf never writes through one"], setup=lock_link_in_empty_out,
         keeps=["{tmp}/victim"]),
