@@ -17,11 +17,12 @@ from usaf.config import RunConfig
 from usaf.demo.task import NEW_SKILL, read_jsonl, task_accuracy
 from usaf.errors import UsafError
 from usaf.export.merged import export_merged
+from usaf.files import DEMO_MARKER
 from usaf.io.guard import DEMO, check_output
 from usaf.train.loop import train
 from usaf.train.state import format_summary, stopped_exit_code
 
-MARKER = "usaf_demo.json"
+MARKER = DEMO_MARKER
 # Chosen on this project's 2-core CPU: the shift skill goes from ~0 % to most words right in a few minutes.
 DEMO_SETTINGS = [  # usaf's defaults for what to train and how fast; only the steps and the data differ
     "schedule.max_steps=500",

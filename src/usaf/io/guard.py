@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from usaf.errors import UsafError
-from usaf.files import CONFIG_FILE, MERGED_METADATA_FILE, RUN_MARKER, STORE_FILE
+from usaf.files import CONFIG_FILE, DEMO_MARKER, MERGED_METADATA_FILE, RUN_MARKER, STORE_FILE
 from usaf.io.atomic import WEIGHT_SUFFIXES, expect_at, identity, real_path, refuse_link
 
 
@@ -101,9 +101,7 @@ def _is_selection(path: Path) -> bool:
 
 
 def _is_demo(folder: Path) -> bool:
-    from usaf.demo.run import MARKER
-
-    return (folder / MARKER).is_file() and set(os.listdir(folder)) <= {MARKER, "run", "model"}
+    return (folder / DEMO_MARKER).is_file() and set(os.listdir(folder)) <= {DEMO_MARKER, "run", "model"}
 
 
 @dataclass(frozen=True)
