@@ -149,7 +149,7 @@ ROWS = [
         "--out={tmp}/s.safetensors", "--force", *SET_ARGS], 0, ['"file": "{tmp}/s.safetensors"'],
         setup=earlier_selection),
     Row("select-out-a-folder", ["select", "--model={ws.base}", "--data={ws.data}", "--out={tmp}/s.safetensors",
-        "--force", *SET_ARGS], 2, ["--out {tmp}/s.safetensors is a folder; the selection is one file"],
+        *SET_ARGS], 2, ["--out {tmp}/s.safetensors is a folder; the selection is one file"],
         setup=folder_named_like_a_selection),
     Row("prepare-into-a-run", ["prepare", "{ws.base}", "--quant=int8", "--out={run}/store"], 2,
         ["--out {run}/store must not be inside the usaf run {run}"], run="finished", keeps=["{run}"],
@@ -345,8 +345,8 @@ def test_an_export_racing_rotation_says_rotated_not_delete(ws, tmp_path, monkeyp
 
 
 def test_nothing_of_the_refused_rows_changed_the_workspace(ws):
-    """The rows above refuse outputs inside the workspace's base, store and runs: each keeps them, byte for byte
-    (here: the model folders hold nothing usaf wrote)."""
+    """After the rows above (which aim outputs and lock files at the workspace's base and models): the model
+    folders hold nothing usaf wrote, not even a lock file."""
     for folder in (ws.base, ws.olmoe):
         assert {p.name for p in folder.iterdir()} <= {
             "config.json", "model.safetensors", "generation_config.json", "tokenizer.json",

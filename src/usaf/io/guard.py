@@ -169,9 +169,6 @@ def check_output(
     refuse_link(out)
     found = identity(out)
     if found is not None:
-        if not force:
-            raise UsafError(f"{out} already exists; choose another {noun} or pass --force to replace it.")
-        empty = out.is_dir() and not os.listdir(out)
         what = what_is(out)
         if what is None and kind.folder and not out.is_dir():
             raise UsafError(f"{flag} {out} is a file, not a folder; choose another {noun}.")
@@ -179,6 +176,9 @@ def check_output(
             raise UsafError(
                 f"{flag} {out} is a folder; the {kind.short} is one file, e.g. {out / kind.short}.safetensors."
             )
+        if not force:
+            raise UsafError(f"{out} already exists; choose another {noun} or pass --force to replace it.")
+        empty = out.is_dir() and not os.listdir(out)
         if not ((empty and kind.folder) or kind.is_one(out)):
             what = (
                 "a" + what.removeprefix("the")
