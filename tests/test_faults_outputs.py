@@ -47,8 +47,12 @@ def user_folder(ctx, monkeypatch):
 
 
 def earlier_selection(ctx, monkeypatch):
-    assert main(["select", f"--model={ctx.ws.base}", f"--data={ctx.ws.data}", f"--out={ctx.tmp / 's.safetensors'}",
-                 *SET_ARGS]) == 0  # fmt: skip
+    """A selection file as `usaf select` writes it (its .json companion holds the axes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"layer.experts": torch.arange(4)}, str(ctx.tmp / "s.safetensors"))
+    (ctx.tmp / "s.json").write_text(json.dumps({"axes": {"layer.experts": None}, "summary": {}}))
 
 
 def folder_named_like_a_selection(ctx, monkeypatch):
