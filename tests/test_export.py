@@ -427,21 +427,18 @@ def test_existing_outputs_need_force(trained, tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err and (tmp_path / "m" / "keep.txt").exists()
     assert main(["export", str(run), "--delta", str(tmp_path / "d.safetensors")]) == 2
     assert (tmp_path / "d.safetensors").read_text() == "mine"
-    assert (
-        main(
-            [
-                "export",
-                str(run),
-                "--merged",
-                str(tmp_path / "m"),
-                "--delta",
-                str(tmp_path / "d.safetensors"),
-                "--force",
-            ]
-        )
-        == 0
-    )
-    assert not (tmp_path / "m" / "keep.txt").exists() and (tmp_path / "m" / "usaf_delta.json").exists()
+    both = ["export", str(run), "--merged", str(tmp_path / "m"), "--delta", str(tmp_path / "d.safetensors")]
+    # --force replaces only an earlier output of usaf's of the same kind (issue 23), never the user's files
+    assert main([*both, "--force"]) == 2
+    assert "is not a usaf delta file" in capsys.readouterr().err
+    (tmp_path / "d.safetensors").unlink()
+    assert main([*both, "--force"]) == 2
+    assert "is not a merged checkpoint usaf wrote" in capsys.readouterr().err
+    assert (tmp_path / "m" / "keep.txt").read_text() == "mine" and not (tmp_path / "d.safetensors").exists()
+    shutil.rmtree(tmp_path / "m")
+    assert main(both) == 0
+    assert main([*both, "--force"]) == 0
+    assert (tmp_path / "m" / "usaf_delta.json").exists()
     read_delta(tmp_path / "d.safetensors")
     base = trained["runs"]["gemma4_text"]["base"]
     with pytest.raises(UsafError, match="would replace the base checkpoint"):

@@ -113,11 +113,17 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    except KeyboardInterrupt:  # a second Ctrl-C during training, or one before it began: no traceback
+    except (
+        KeyboardInterrupt
+    ) as interrupt:  # a second Ctrl-C during training, or one before it began: no traceback
+        # (or a SIGTERM while an output is written: usaf.io.atomic.terminate_as_interrupt)
+        signum = getattr(interrupt, "signum", signal.SIGINT)
+        how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
         print(
-            "usaf: interrupted; files already written are complete (checkpoints are atomic)", file=sys.stderr
+            f"usaf: interrupted{how}; files already written are complete (checkpoints are atomic)",
+            file=sys.stderr,
         )
-        return 128 + signal.SIGINT
+        return 128 + signum
 
 
 def _as_os_error(err: BaseException) -> OSError | None:

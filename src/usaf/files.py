@@ -9,3 +9,4 @@ METRICS_FILE = "metrics.jsonl"  # a run's rows, one JSON object per logged step
 ROUTER_LOAD_FILE = "router_load.json"  # a run's expert loads per layer, for the heatmaps
 RUN_MARKER = ".usaf-run"  # written first by every new run: the folder (and its config.yaml) is usaf's
 LOCK_FILE = ".usaf-lock"  # held by the one process writing a run
+DEMO_MARKER = "usaf_demo.json"  # in a `usaf demo` output folder: a later demo may replace the folder

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from usaf.errors import UsafError
 from usaf.files import METRICS_FILE, ROUTER_LOAD_FILE
-from usaf.io.atomic import atomic_json
+from usaf.io.atomic import atomic_file, atomic_json
 
 REPORT_PNG = "report.png"
 ROUTER_LOAD_PNG = "router_load.png"
@@ -117,7 +117,7 @@ def render_curves(records: list[dict], out: Path) -> Path:
         ax.set_visible(False)
     fig.suptitle("usaf run", fontsize=12)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    atomic_file(Path(out), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))  # never through a link
     plt.close(fig)
     return out
 
@@ -190,7 +190,7 @@ def render_router_load(data: dict, out: Path) -> Path:
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=8)
     fig.suptitle("share of routed tokens per expert (grey: not observed)", fontsize=12)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    atomic_file(Path(out), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))  # never through a link
     plt.close(fig)
     return out
 

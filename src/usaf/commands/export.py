@@ -41,17 +41,26 @@ def add_command(sub) -> None:
 
 def run_export(args) -> int:
     from usaf.base.checkpoint import BaseCheckpoint
-    from usaf.export.delta import check_output_dir, check_output_file, run_delta_and_base, write_delta
+    from usaf.export.delta import run_delta_and_base, write_delta
     from usaf.export.merged import dequantized_note, write_merged
     from usaf.export.trainer import trainer_checkpoint_delta
+    from usaf.io.atomic import terminate_as_interrupt
+    from usaf.io.guard import DELTA, MERGED, check_output
 
     if not (args.delta or args.merged):
         raise UsafError("say what to write: --delta OUT.safetensors and/or --merged OUT_DIR.")
-    # refuse existing outputs before any work is done
+    # refuse outputs that would replace an input or an earlier output of another kind before any work is done
+    inputs = _export_inputs(args)
     if args.delta:
-        check_output_file(Path(args.delta), args.force)
+        check_output(args.delta, DELTA, flag="--delta", force=args.force, inputs=inputs, noun="output file")
     if args.merged:
-        check_output_dir(Path(args.merged), args.base, args.force)
+        if args.delta and Path(args.merged).resolve() in Path(args.delta).resolve().parents:
+            raise UsafError(
+                f"--delta {args.delta} is inside --merged {args.merged}; write the delta beside it."
+            )
+        check_output(
+            args.merged, MERGED, flag="--merged", force=args.force, inputs=inputs, noun="output directory"
+        )
     if args.from_trainer:
         if args.run_dir:
             raise UsafError("give either RUN_DIR or --from-trainer CKPT_DIR, not both.")
@@ -65,17 +74,35 @@ def run_export(args) -> int:
         delta, base = run_delta_and_base(args.run_dir, args.base)
     else:
         raise UsafError("give RUN_DIR (a usaf run directory) or --from-trainer CKPT_DIR --base MODEL_DIR.")
-    if args.delta:
-        path = write_delta(delta, base, args.delta, fp32=args.fp32, force=args.force)
-        print(f"delta: {path} ({_size(path)}, {sum(c.count for c in delta.changes.values()):,} values)")
-    if args.merged:
-        path = write_merged(base, delta, args.merged, force=args.force)
-        print(f"merged checkpoint: {path}")
-        if (note := dequantized_note(base, path)) is not None:
-            print(note)
+    with terminate_as_interrupt():  # a SIGTERM removes the partial output, as Ctrl-C does
+        if args.delta:
+            path = write_delta(delta, base, args.delta, fp32=args.fp32, force=args.force)
+            print(f"delta: {path} ({_size(path)}, {sum(c.count for c in delta.changes.values()):,} values)")
+        if args.merged:
+            path = write_merged(base, delta, args.merged, force=args.force)
+            print(f"merged checkpoint: {path}")
+            if (note := dequantized_note(base, path)) is not None:
+                print(note)
     if args.run_dir:
         print(_which_step(Path(args.run_dir), delta))
     return 0
+
+
+def _export_inputs(args) -> list[tuple[str, str | Path | None]]:
+    """What an export reads: its outputs may never replace or lie inside them."""
+    from usaf.base.record import run_base_dir
+
+    base = args.base
+    if base is None and args.run_dir:
+        try:
+            base = run_base_dir(Path(args.run_dir))
+        except Exception:  # an unreadable run: said once the run is read
+            base = None
+    return [
+        ("the run", args.run_dir),
+        ("the Trainer checkpoint", args.from_trainer),
+        ("the base checkpoint", base),
+    ]
 
 
 def _which_step(run_dir: Path, delta) -> str:
@@ -102,9 +129,11 @@ def _which_step(run_dir: Path, delta) -> str:
 def run_apply(args) -> int:
     from usaf.base.checkpoint import BaseCheckpoint
     from usaf.export.merged import apply_delta, dequantized_note
+    from usaf.io.atomic import terminate_as_interrupt
     from usaf.io.published import checkpoint_method
 
-    path = apply_delta(args.base_dir, args.delta, args.out_dir, force=args.force)
+    with terminate_as_interrupt():  # a SIGTERM removes the partial output, as Ctrl-C does
+        path = apply_delta(args.base_dir, args.delta, args.out_dir, force=args.force)
     print(f"merged checkpoint: {path}")
     if checkpoint_method(args.base_dir) is not None:
         print(dequantized_note(BaseCheckpoint(args.base_dir), path))

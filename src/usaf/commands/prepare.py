@@ -42,20 +42,25 @@ def add_command(subparsers) -> None:
 
 def _run(args) -> int:
     from usaf.base.load import prepare_store, read_store_metadata
+    from usaf.io.atomic import terminate_as_interrupt
+    from usaf.io.guard import STORE, check_output
     from usaf.planner.sizes import format_size
     from usaf.quant import PUBLISHED
 
     _check_model_dir(Path(args.model_dir))
+    inputs = [("the checkpoint directory", args.model_dir)]
+    check_output(args.out, STORE, flag="--out", force=args.force, inputs=inputs)
     start = time.time()
-    out = prepare_store(
-        args.model_dir,
-        args.out,
-        args.quant,
-        args.quant_dense,
-        force=args.force,
-        device=_device(args.device),
-        progress=True,
-    )
+    with terminate_as_interrupt():  # a SIGTERM removes the partial store, as Ctrl-C does
+        out = prepare_store(
+            args.model_dir,
+            args.out,
+            args.quant,
+            args.quant_dense,
+            force=args.force,
+            device=_device(args.device),
+            progress=True,
+        )
     metadata = read_store_metadata(out)
     stored = sum(info["size"] for info in metadata["files"].values())
     source = sum(Path(args.model_dir, name).stat().st_size for name in metadata["source"]["files"])

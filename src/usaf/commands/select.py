@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from usaf.commands import add_set_option
@@ -21,12 +22,15 @@ def add_command(sub) -> None:
     p.add_argument("--data", help="data files, comma separated (data.train)")
     p.add_argument("--config", help="YAML run configuration")
     p.add_argument("--out", required=True, help="selection file to write (.safetensors)")
+    p.add_argument("--force", action="store_true", help="replace an earlier selection file at --out")
     add_set_option(p)
     p.set_defaults(func=run_select, eval_data=None, skip_bad_records=False, resume=None)
 
 
 def run_select(args) -> int:
     from usaf.data import load_run_data
+    from usaf.io.atomic import expect_at, identity, terminate_as_interrupt
+    from usaf.io.guard import SELECTION, check_output, check_placement
     from usaf.prepare import current_selection
     from usaf.selection.choose import save_selection
     from usaf.train.session import open_session, selection_summary
@@ -39,6 +43,21 @@ def run_select(args) -> int:
         raise UsafError(
             f"--out {out}: the selection file must end in .safetensors (a .json summary goes beside it)."
         )
+    # the selection and its .json summary: never an input, a run's or a model's file, or another file
+    inputs = [
+        ("the model folder", config.model.path),
+        *(("the data file", path) for path in [*config.data.train, *config.data.eval]),
+        ("the config file", args.config),
+        ("the selection file", config.select.file),
+    ]
+    check_output(out, SELECTION, flag="--out", force=args.force, inputs=inputs)
+    summary_file = out.with_suffix(".json")
+    check_placement(summary_file, "--out's summary", inputs)
+    if not out.exists() and os.path.lexists(summary_file):
+        raise UsafError(
+            f"{summary_file} already exists (the selection's .json summary goes there); choose another --out."
+        )
+    expect_at(summary_file, identity(summary_file))
     session = open_session(
         config,
         lambda config, tokenizer, pack: load_run_data(config, tokenizer, pack, held_out=False),
@@ -46,7 +65,8 @@ def run_select(args) -> int:
     )
     model, config, stats = session.model, session.config, session.data_stats
     summary = selection_summary(model, config)
-    save_selection(out, current_selection(model), summary)
+    with terminate_as_interrupt():
+        save_selection(out, current_selection(model), summary)
     counts = summary["entries"]
     print(
         json.dumps(

@@ -17,10 +17,12 @@ from usaf.config import RunConfig
 from usaf.demo.task import NEW_SKILL, read_jsonl, task_accuracy
 from usaf.errors import UsafError
 from usaf.export.merged import export_merged
+from usaf.files import DEMO_MARKER
+from usaf.io.guard import DEMO, check_output
 from usaf.train.loop import train
 from usaf.train.state import format_summary, stopped_exit_code
 
-MARKER = "usaf_demo.json"
+MARKER = DEMO_MARKER
 # Chosen on this project's 2-core CPU: the shift skill goes from ~0 % to most words right in a few minutes.
 DEMO_SETTINGS = [  # usaf's defaults for what to train and how fast; only the steps and the data differ
     "schedule.max_steps=500",
@@ -41,6 +43,8 @@ def run_demo(args) -> int:
     root = assets()
     model_dir, data_dir = root / "model", root / "data"
     out = Path(args.out or "demo-run")
+    # a previous demo run is replaced; never the demo's own files, a run, a model or a folder of the user's
+    check_output(out, DEMO, flag="--out", force=True, inputs=[("the demo's assets", root)])
     if out.exists():
         if not (out / MARKER).exists():
             raise UsafError(f"{out} exists and is not a previous demo run; choose another --out.")

@@ -17,9 +17,8 @@ from usaf.base.record import read_run_base_record, run_base_dir, structural_diff
 from usaf.engine.sparse import line_flat_indices
 from usaf.errors import UsafError
 from usaf.io import shards
-from usaf.io.atomic import (
-    atomic_file,
-)
+from usaf.io.atomic import atomic_file
+from usaf.io.guard import DELTA, check_output
 from usaf.prepare import TensorChange
 from usaf.train import checkpoint
 from usaf.version import __version__
@@ -56,13 +55,7 @@ def delta_from_run(run_dir: str | Path) -> Delta:
         raise UsafError(f"{run_dir} is a file, not a run directory; pass the --out folder of `usaf train`.")
     if not run_dir.is_dir():
         raise UsafError(f"Run directory {run_dir} does not exist; pass the --out folder of `usaf train`.")
-    latest = checkpoint.latest(run_dir)
-    if latest is None:
-        raise UsafError(
-            f"{run_dir} has no finished checkpoint (checkpoints/step-*/state.json): train it first, or resume it "
-            "with `usaf train --resume` until it saves one."
-        )
-    saved = checkpoint.load(latest)
+    latest, saved = _load_latest(run_dir)
     trainable = saved["trainable"]
     changes: dict[str, TensorChange] = {}
     claimed: set[str] = set()
@@ -92,6 +85,28 @@ def delta_from_run(run_dir: str | Path) -> Delta:
     return Delta(changes, info, base_record=read_run_base_record(run_dir), origin=f"the run {run_dir}")
 
 
+def _load_latest(run_dir: Path) -> tuple[Path, dict]:
+    """The run's latest checkpoint, loaded. A run still training rotates its checkpoints (checkpoint.keep_last):
+    one that disappears while it is read was replaced by a newer one, which is read instead."""
+    for _ in range(5):
+        latest = checkpoint.latest(run_dir)
+        if latest is None:
+            raise UsafError(
+                f"{run_dir} has no finished checkpoint (checkpoints/step-*/state.json): train it first, or resume "
+                "it with `usaf train --resume` until it saves one."
+            )
+        try:
+            return latest, checkpoint.load(latest)
+        except UsafError:
+            if checkpoint.latest(run_dir) == latest:
+                raise  # still the latest: damaged, not rotated away
+    raise UsafError(
+        f"the checkpoints of {run_dir} were rotated away while this export read them (the run is still training "
+        "and keeps only the newest, checkpoint.keep_last); nothing is wrong with them: run the export again, or "
+        "once the run has finished."
+    )
+
+
 def sorted_change(flat: torch.Tensor, values: torch.Tensor) -> TensorChange:
     flat = flat.reshape(-1).to(torch.int64).cpu()
     values = values.reshape(-1).detach().cpu()
@@ -105,7 +120,9 @@ def write_delta(
     """Write `delta` as one safetensors file: per changed parameter its flat indices (int32 where every index of the
     tensor fits, else int64) and values (the base's dtype, or float32), whole tensors for routers, and metadata."""
     out_path = Path(out_path)
-    check_output_file(out_path, force)
+    check_output(
+        out_path, DELTA, flag="--delta", force=force, inputs=written_from(delta, base), noun="output file"
+    )
     tensors: dict[str, torch.Tensor] = {}
     described: dict[str, dict] = {}
     checksums: dict[str, dict] = {}
@@ -307,27 +324,6 @@ def checksum_message(key: str, file: Path, delta_path: Path | str, how: str = "s
 # ---- files and folders -------------------------------------------------------------------------------------------
 
 
-def check_output_dir(out_dir: Path, base_dir: str | Path | None, force: bool) -> None:
-    if base_dir is not None:
-        base = Path(base_dir).resolve()
-        if out_dir.resolve() == base or out_dir.resolve() in base.parents:
-            raise UsafError(
-                f"The output {out_dir} would replace the base checkpoint {base_dir}; choose another one."
-            )
-    if out_dir.exists() and not force:
-        raise UsafError(
-            f"{out_dir} already exists; choose another output directory or pass --force to replace it."
-        )
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UsafError(f"{out_dir} exists and is not a directory; remove it or choose another output.")
-
-
-def check_output_file(out_path: Path, force: bool) -> None:
-    if out_path.exists() and not force:
-        raise UsafError(
-            f"{out_path} already exists; choose another output file or pass --force to replace it."
-        )
-    if out_path.is_dir():
-        raise UsafError(
-            f"{out_path} is a directory; the delta is one file, e.g. {out_path / 'delta.safetensors'}."
-        )
+def written_from(delta: Delta, base: BaseCheckpoint) -> list[tuple[str, str | Path | None]]:
+    """What an output written from `delta` and `base` must never replace or lie inside."""
+    return [("the run", (delta.info.get("source") or {}).get("run_dir")), ("the base checkpoint", base.dir)]

@@ -20,10 +20,10 @@ from usaf.errors import UsafError
 from usaf.export.delta import (
     Delta,
     check_base,
-    check_output_dir,
     checksum_message,
     read_delta,
     run_delta_and_base,
+    written_from,
 )
 from usaf.files import INDEX_FILE, MERGED_METADATA_FILE
 from usaf.io import shards
@@ -35,6 +35,7 @@ from usaf.io.atomic import (
     temporary_name,
     write_json,
 )
+from usaf.io.guard import MERGED, check_output
 from usaf.planner.sizes import format_size
 from usaf.version import __version__
 
@@ -45,7 +46,8 @@ def export_merged(
     run_dir: str | Path, out_dir: str | Path, *, force: bool = False, base_dir: str | Path | None = None
 ) -> Path:
     """`usaf export RUN_DIR --merged OUT_DIR`: the base checkpoint with the run's trained entries written in."""
-    check_output_dir(Path(out_dir), base_dir, force)
+    inputs = [("the run", run_dir), ("the base checkpoint", base_dir)]
+    check_output(out_dir, MERGED, flag="--merged", force=force, inputs=inputs, noun="output directory")
     delta, base = run_delta_and_base(run_dir, base_dir)
     return write_merged(base, delta, out_dir, force=force)
 
@@ -54,11 +56,12 @@ def apply_delta(
     base_dir: str | Path, delta_path: str | Path, out_dir: str | Path, *, force: bool = False
 ) -> Path:
     """`usaf apply BASE_DIR DELTA OUT_DIR`: a merged checkpoint from a base and a delta file made against it."""
-    check_output_dir(Path(out_dir), base_dir, force)
+    inputs = [("the base checkpoint", base_dir), ("the delta file", delta_path)]
+    check_output(out_dir, MERGED, flag="OUT_DIR", force=force, inputs=inputs, noun="output directory")
     delta = read_delta(delta_path)
     base = BaseCheckpoint(base_dir)
     check_base(delta, base)
-    return write_merged(base, delta, out_dir, force=force)
+    return write_merged(base, delta, out_dir, force=force, flag="OUT_DIR")
 
 
 # ---- merged checkpoints ------------------------------------------------------------------------------------------
@@ -70,14 +73,16 @@ def write_merged(
     out_dir: str | Path,
     *,
     force: bool = False,
+    flag: str = "--merged",
 ) -> Path:
     """Stream `base`'s shards into `out_dir` with the entries of `delta` replaced (cast to each tensor's dtype).
 
     The changed tensors must match the checksums of `delta.base_record` (a delta file's, a run's base.json);
-    checked as they are read, and a mismatch abandons the output.
+    checked as they are read, and a mismatch abandons the output. `flag` names the output in messages.
     """
     out_dir = Path(out_dir)
-    check_output_dir(out_dir, base.dir, force)
+    inputs = written_from(delta, base)
+    check_output(out_dir, MERGED, flag=flag, force=force, inputs=inputs, noun="output directory")
     edits = _edits_by_checkpoint_key(base, delta)
     expected = (delta.base_record or {}).get("tensors")
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -2,19 +2,162 @@
 
 Everything is written under a temporary name next to its destination (`.NAME.usaf-tmp-PID-RANDOM`), fsynced, and
 renamed into place; the folder holding it is fsynced after the rename. Temporaries of processes that are gone are
-removed by the next writer to the same place.
+removed by the next writer to the same place. A symbolic link is never written through nor replaced. An output that
+`usaf.io.guard` checked is put in place only if what stands there is still what the check found (nothing, or the
+earlier output --force replaces): one another process wrote meanwhile is refused, never silently replaced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
 import shutil
+import signal
+import threading
 from pathlib import Path
 
+from usaf.errors import UsafError
 from usaf.files import INDEX_FILE
+
+# ---- what stands at a destination -------------------------------------------------------------------------------
+
+
+def real_path(path: Path, follow: bool = True) -> Path:
+    """`path` with its links followed (`follow=False`: those of its folder only, the last name kept)."""
+    path = Path(path).expanduser()
+    if follow:
+        return Path(os.path.realpath(path))
+    return Path(os.path.realpath(path.parent)) / path.name
+
+
+def identity(path: Path) -> tuple[int, int] | None:
+    """What stands at `path` (device and inode, links not followed); None when nothing does."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+# destination (its real place) -> what a command's output check found there (usaf.io.guard.check_output)
+_EXPECTED: dict[Path, tuple[int, int] | None] = {}
+
+
+def expect_at(path: Path, found: tuple[int, int] | None) -> None:
+    """Record what the output check found at `path`: it is put in place only if that still stands there."""
+    _EXPECTED[real_path(path, follow=False)] = found
+
+
+def refuse_link(path: Path) -> None:
+    """usaf writes into its own files only: a symbolic link where it writes is refused, never followed."""
+    if Path(path).is_symlink():
+        raise UsafError(
+            f"{path} is a symbolic link; usaf never writes through one (it points to {os.readlink(path)}): remove "
+            "the link (or put the file itself there) and run it again."
+        )
+
+
+def _appeared(path: Path) -> UsafError:
+    return UsafError(
+        f"{path} appeared while this command was writing it (another usaf writing the same output?); nothing was "
+        "replaced: choose another output, or run it again with --force once the other has finished."
+    )
+
+
+def _place(tmp: Path, path: Path, folder: bool) -> Path | None:
+    """Rename `tmp` to `path`; returns the earlier output moved aside (to remove), if any. Where an output check
+    recorded what stood at `path`, anything else there now is refused; elsewhere (a run's own files) it is
+    replaced. A symbolic link at `path` is refused."""
+    refuse_link(path)
+    key = real_path(path, follow=False)
+    if key not in _EXPECTED:
+        if folder:
+            return _move_aside_and_rename(tmp, path)
+        os.replace(tmp, path)
+        return None
+    expected, now = _EXPECTED[key], identity(path)
+    if now is not None and now != expected:
+        raise _appeared(path)
+    if now is not None:  # the earlier output --force replaces
+        if folder:
+            return _move_aside_and_rename(tmp, path)
+        os.replace(tmp, path)
+        return None
+    # nothing there: put it in place only if nothing appears meanwhile (no rename over another's output)
+    try:
+        if folder:
+            os.mkdir(path)  # claims the name; a folder renamed onto an empty folder replaces it
+            try:
+                os.rename(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+                raise
+        else:
+            os.link(tmp, path)
+            os.unlink(tmp)
+    except FileExistsError:
+        raise _appeared(path) from None
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise _appeared(path) from None
+        if folder or err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
+            raise
+        # a file system without hard links: the last moment's check, then the rename
+        if identity(path) is not None:
+            raise _appeared(path) from None
+        os.replace(tmp, path)
+    return None
+
+
+def _move_aside_and_rename(tmp: Path, path: Path) -> Path | None:
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.usaf-old-{secrets.token_hex(4)}"
+        os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except OSError as err:
+        if old is not None:
+            with contextlib.suppress(OSError):
+                os.rename(old, path)
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise _appeared(path) from None
+        raise
+    return old
+
+
+# ---- a SIGTERM while an output is written ------------------------------------------------------------------------
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while an output is written: raised where Ctrl-C would be, so the same clean-up runs."""
+
+    signum = signal.SIGTERM
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """Within the block SIGTERM interrupts like Ctrl-C (temporaries removed, exit 128+15) instead of ending the
+    process where it stands, which would leave a hidden partial output behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ---- writing -----------------------------------------------------------------------------------------------------
 
 
 def temporary_name(destination: Path) -> Path:
@@ -51,6 +194,7 @@ def fsync_dir(path: Path) -> None:
 
 def write_json(path: Path, data: dict) -> None:
     """A JSON file written and fsynced in place: for files inside a temporary folder that is renamed as a whole."""
+    refuse_link(path)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
         f.flush()
@@ -58,7 +202,11 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def atomic_file(path: Path, write) -> None:
-    """`write(tmp_path)` writes the content; the file appears at `path` only once it is complete and on disk."""
+    """`write(tmp_path)` writes the content; the file appears at `path` only once it is complete and on disk (and
+    only if nothing else appeared there meanwhile, for an output `usaf.io.guard` checked). A link at `path` is
+    refused."""
+    path = Path(path)
+    refuse_link(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
     tmp = temporary_name(path)
@@ -66,7 +214,7 @@ def atomic_file(path: Path, write) -> None:
         write(tmp)
         make_shareable(tmp)
         fsync_file(tmp)
-        os.replace(tmp, path)
+        _place(tmp, path, folder=False)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -86,19 +234,16 @@ def atomic_json(path: Path, data: dict) -> None:
 
 
 def install_dir(tmp: Path, out_dir: Path) -> None:
-    """Rename a finished temporary folder into place; an existing one (--force) is moved aside first, then removed."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.usaf-old-{secrets.token_hex(4)}"
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
+    """Rename a finished temporary folder into place; an existing one (--force) is moved aside first, then removed
+    (for an output `usaf.io.guard` checked: only the one it found there; another's output is refused)."""
+    old = _place(tmp, out_dir, folder=True)
     fsync_dir(out_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
 # Weights, which a model folder's side files are not (config, tokenizer, chat template, generation config...).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".pkl")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".pkl")
 _SIDE_FILE_LIMIT = 64 << 20
 
 
@@ -110,7 +255,7 @@ def copy_side_files(model_dir: Path, out: Path, keep_shard_index: bool, skip: tu
             continue
         if (path.name == INDEX_FILE and keep_shard_index) or (
             path.name != INDEX_FILE
-            and not path.name.endswith(_WEIGHT_SUFFIXES)
+            and not path.name.endswith(WEIGHT_SUFFIXES)
             and path.stat().st_size <= _SIDE_FILE_LIMIT
         ):
             shutil.copy2(path, out / path.name)

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from usaf.files import METRICS_FILE
+from usaf.io.atomic import refuse_link
 
 
 class MetricsLog:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: bool, tensorboard: bool):
         self.path = Path(run_dir) / METRICS_FILE
-        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (lives as long as the run); appended: a resumed run continues the same log
+        self.file = _open_for_append(
+            self.path
+        )  # lives as long as the run; a resumed run continues the same log
         self.bar = (
             tqdm(
                 total=total_steps,
@@ -65,3 +70,15 @@ class MetricsLog:
         if self.writer is not None:
             self.writer.close()
         self.file.close()
+
+
+def _open_for_append(path: Path):
+    """The run's own metrics file, appended to; a symbolic link in its place is refused, never written through."""
+    refuse_link(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # a link made after the check
+            refuse_link(path)
+        raise
+    return os.fdopen(fd, "a", encoding="utf-8")

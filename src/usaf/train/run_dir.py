@@ -3,6 +3,7 @@ the record of the base a run trains on."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -24,7 +25,8 @@ from usaf.files import (
     RUN_MARKER,
     STORE_FILE,
 )
-from usaf.io.atomic import atomic_file, atomic_json
+from usaf.io.atomic import atomic_file, atomic_json, refuse_link
+from usaf.io.guard import check_placement, what_is
 from usaf.train import checkpoint, distributed
 from usaf.train.session import (
     absolute_paths,
@@ -127,6 +129,28 @@ def check_moved_base(run_dir: Path, model_dir: str) -> None:
 def check_resume_folder(run_dir: Path) -> None:
     if not (run_dir / CONFIG_FILE).is_file():
         raise UsafError(f"--resume {run_dir}: no {CONFIG_FILE} there; is it a usaf run directory?")
+    refuse_links_in_run(run_dir)
+
+
+def refuse_links_in_run(run_dir: Path) -> None:
+    """Every file a run writes, appends to or rewrites (and its lock, and its checkpoints) is its own: a symbolic
+    link in its place is refused, never written through."""
+    for name in (*RUN_FILES, LOCK_FILE, "selection.json"):
+        refuse_link(run_dir / name)
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir():
+        for entry in sorted(checkpoints.iterdir()):
+            refuse_link(entry)
+
+
+def run_inputs(config: RunConfig) -> list[tuple[str, str | None]]:
+    """What a run reads: its folder may never be, hold or lie inside them."""
+    return [
+        ("the model folder", config.model.path),
+        *(("the data file", path) for path in config.data.train),
+        *(("the eval data file", path) for path in config.data.eval),
+        ("the selection file", config.select.file),
+    ]
 
 
 def check_new_run(config: RunConfig, run_dir: Path, force: bool) -> str:
@@ -136,10 +160,14 @@ def check_new_run(config: RunConfig, run_dir: Path, force: bool) -> str:
         raise UsafError("no training data: give --data FILE (or data.train in the config file).")
     if not config.model.path:
         raise UsafError("no model: give --model DIR (or model.path in the config file).")
+    if run_dir.is_file():
+        raise UsafError(f"--out {run_dir} is a file, not a folder; choose another --out.")
+    check_placement(run_dir, "--out", run_inputs(config))
     if not run_dir.exists():
         return "new"
     if not run_dir.is_dir():
         raise UsafError(f"--out {run_dir} is a file, not a folder; choose another --out.")
+    refuse_links_in_run(run_dir)
     if checkpoint.latest(run_dir) is not None:
         raise UsafError(f"{run_dir} already holds a run; resume it with --resume or choose another --out.")
     # usaf's own temporaries of its run files (a start in its first instant, or one killed then) are not the
@@ -151,6 +179,11 @@ def check_new_run(config: RunConfig, run_dir: Path, force: bool) -> str:
     if RUN_MARKER in entries:
         return "dead start"
     if force:
+        if (what := what_is(run_dir)) is not None:
+            raise UsafError(
+                f"--out {run_dir} is {what.replace('the ', 'a ', 1)}; --force writes a run into a folder of other "
+                "files, never into a run, a model folder or a prepared store: choose another --out."
+            )
         return "forced"
     shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     raise UsafError(
@@ -181,8 +214,12 @@ class RunLock:
         self.made_folder = not self.run_dir.exists()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            refuse_link(self.run_dir / LOCK_FILE)
+            # never followed: a link made after the check is not truncated through either
+            fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as err:
+            if err.errno == errno.ELOOP:
+                refuse_link(self.run_dir / LOCK_FILE)
             raise UsafError(
                 f"cannot write into {self.run_dir}: {err.strerror}; choose another --out."
             ) from None
