@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from usaf.data.records import BadRecord
+from usaf.data.records import BadRecord, TextLimit
 from usaf.engine.loss import IGNORE_INDEX
 from usaf.errors import UsafError, first_line
 
@@ -146,6 +146,12 @@ def check_messages(record: dict) -> tuple[list[dict], list | None]:
     if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
         raise BadRecord("'tools' must be a list of JSON schemas (objects)")
     return cleaned, tools or None
+
+
+def _cut_message(message: dict, limit: TextLimit) -> dict:
+    """A message's texts cut to `limit` (only the chat's first max_seq_len tokens are kept: see TextLimit)."""
+    cut = {key: limit.cut(message[key]) for key in ("content", *REASONING_KEYS) if key in message}
+    return {**message, **cut}
 
 
 def _fit_roles(messages: list[dict], template: str) -> list[dict]:
@@ -482,9 +488,14 @@ def _encode(
     return ids, [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask, strict=True)]
 
 
-def encode_messages(record: dict, tokenizer, context: int = 0) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of a chat record: the assistant turns after the first `context` messages supervised."""
+def encode_messages(
+    record: dict, tokenizer, context: int = 0, limit: TextLimit | None = None
+) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of a chat record: the assistant turns after the first `context` messages supervised;
+    with a TextLimit (a truncated record), each message's text cut to it before the chat is rendered."""
     messages, tools = check_messages(record)
+    if limit is not None:
+        messages = [_cut_message(message, limit) for message in messages]
     try:
         template = tokenizer.get_chat_template(tools=tools)
     except Exception as error:  # no template, or no variant for tools
