@@ -117,7 +117,7 @@ def _chat_file(tmp: Path) -> Path:
     "template, bound",
     [
         (NESTED_LOOPS, "characters"),
-        (SILENT_LOOPS, "seconds"),
+        (SILENT_LOOPS, "iterations"),
         (BIG_STRING, "characters"),
         (POWER, "too large"),
         (RECURSION, "deep"),
@@ -145,34 +145,39 @@ def test_chat_template_is_bounded(template, bound, ws, tmp_path, capsys):
     assert elapsed < 30, elapsed
 
 
-def test_chat_without_markers_is_linear_in_turns(ws, tmp_path):
-    """Locating the turns of a chat whose template has no generation markers renders the conversation's prefixes;
-    it renders each turn's text once (incrementally), not the whole prefix per turn."""
-    from usaf.data import templates
-    from usaf.train.session import load_tokenizer
+def test_model_chat_template_is_bounded(ws, tmp_path, capsys):
+    """The model's own template (chat_template.jinja in its folder) is bounded the same way, record by record."""
+    model = Path(shutil.copytree(ws.base, tmp_path / "model"))
+    (model / "chat_template.jinja").write_text(NESTED_LOOPS)
+    started = time.monotonic()
+    rc = main(["data", f"--model={model}", f"--data={_chat_file(tmp_path)}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("usaf: error: ") and err.count("\n") == 1, err
+    assert f"{tmp_path / 'chat.jsonl'}:1" in err and f"of {model}" in err and "characters" in err, err
+    assert time.monotonic() - started < 30
 
-    tokenizer = load_tokenizer(str(ws.base))
-    tokenizer.chat_template = (
+
+def test_chat_without_markers_is_bounded_in_turns(ws, tmp_path, capsys):
+    """Locating the turns of a chat whose template has no generation markers renders the conversation's prefixes
+    (time as turns x length): a record past the bound is refused in one line, up front, naming the markers."""
+    template = tmp_path / "plain.jinja"
+    template.write_text(
         "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<eos>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 4} for i in range(400)]
-    counted = []
-    real = templates.bounded_render
-
-    def counting(*args, **kwargs):
-        text = real(*args, **kwargs)
-        counted.append(len(text))
-        return text
-
-    templates.bounded_render = counting
-    try:
-        templates.encode_messages({"messages": turns}, tokenizer)
-    finally:
-        templates.bounded_render = real
-    full = max(counted)
-    # quadratic: sum over turns of the prefix (~ turns/2 * full); linear: a few times the full text
-    assert sum(counted) < 8 * full, (sum(counted), full)
+    turns = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 1000} for i in range(500)
+    ]
+    data = tmp_path / "long-chat.jsonl"
+    data.write_text(json.dumps({"messages": turns}) + "\n" + json.dumps({"messages": turns[:6]}) + "\n")
+    started = time.monotonic()
+    rc = main(["data", f"--model={ws.base}", f"--data={data}", f"--set=data.chat_template={template}",
+               "--set=data.max_seq_len=100000000"])  # fmt: skip
+    elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"{data}:1" in err and "{% generation %} markers" in err, err
+    assert elapsed < 20, elapsed
 
 
 # ---- YAML: no alias bombs, no duplicate keys -----------------------------------------------------------------------
