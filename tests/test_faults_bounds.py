@@ -313,7 +313,7 @@ def test_long_record_is_cut_before_tokenizing(ws, tmp_path, monkeypatch):
 
     monkeypatch.setattr(records, "_tokenize", spy)
     data = tmp_path / "long.jsonl"
-    data.write_text(json.dumps({"prompt": "p" * 2_000_000, "completion": " x" * 1_000_000}) + "\n")
+    data.write_text(json.dumps({"prompt": "copy:", "completion": " x" * 2_000_000}) + "\n")
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"text": "y" * 4_000_000}) + "\n")
     for path in (data, text):

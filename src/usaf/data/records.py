@@ -6,6 +6,8 @@ supervised). Chat records are encoded in usaf.data.templates.
 
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from usaf.engine.loss import IGNORE_INDEX
@@ -73,12 +75,30 @@ class TextLimit:
         return round(self.dropped * tokens / self.kept) if self.dropped and self.kept else 0
 
 
+_LIMIT: contextvars.ContextVar[TextLimit | None] = contextvars.ContextVar("usaf_text_limit", default=None)
+
+
+@contextmanager
+def limited(limit: TextLimit | None):
+    """The encoders called inside cut their texts to `limit` (None: texts whole)."""
+    token = _LIMIT.set(limit)
+    try:
+        yield limit
+    finally:
+        _LIMIT.reset(token)
+
+
+def text_limit() -> TextLimit | None:
+    """The TextLimit of the record being encoded (see `limited`)."""
+    return _LIMIT.get()
+
+
 def _tokenize(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-def token_ids(tokenizer, text: str, add_special_tokens: bool, limit: TextLimit | None = None) -> list[int]:
-    if limit is not None:
+def token_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if (limit := text_limit()) is not None:
         text = limit.cut(text)
     if len(text) <= LONG_TEXT_CHARS:
         return _tokenize(tokenizer, text, add_special_tokens)
@@ -97,24 +117,20 @@ def with_eos(tokenizer, ids: list[int]) -> list[int]:
     return [*ids, eos] if eos is not None and (not ids or ids[-1] != eos) else ids
 
 
-def encode_text(record: dict, tokenizer, limit: TextLimit | None = None) -> tuple[list[int], list[int]]:
+def encode_text(record: dict, tokenizer) -> tuple[list[int], list[int]]:
     text = expect_str(record, "text")
     if not text.strip():
         raise BadRecord("'text' is empty")
-    ids = with_eos(tokenizer, token_ids(tokenizer, text, add_special_tokens=True, limit=limit))
+    ids = with_eos(tokenizer, token_ids(tokenizer, text, add_special_tokens=True))
     return ids, list(ids)
 
 
-def encode_prompt_completion(
-    record: dict, tokenizer, limit: TextLimit | None = None
-) -> tuple[list[int], list[int]]:
+def encode_prompt_completion(record: dict, tokenizer) -> tuple[list[int], list[int]]:
     prompt, completion = expect_str(record, "prompt"), expect_str(record, "completion")
     if not completion.strip():
         raise BadRecord("'completion' is empty: nothing to learn")
-    prompt_ids = token_ids(tokenizer, prompt, add_special_tokens=True, limit=limit)
-    completion_ids = with_eos(
-        tokenizer, token_ids(tokenizer, completion, add_special_tokens=False, limit=limit)
-    )
+    prompt_ids = token_ids(tokenizer, prompt, add_special_tokens=True)
+    completion_ids = with_eos(tokenizer, token_ids(tokenizer, completion, add_special_tokens=False))
     return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
 
 

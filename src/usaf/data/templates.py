@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from usaf.data.records import BadRecord, TextLimit
+from usaf.data.records import BadRecord, TextLimit, text_limit
 from usaf.data.render import RenderBounds, TemplateBoundError, rendering
 from usaf.engine.loss import IGNORE_INDEX
 from usaf.errors import UsafError, first_line
@@ -155,7 +155,9 @@ def check_messages(record: dict) -> tuple[list[dict], list | None]:
 
 def _cut_message(message: dict, limit: TextLimit) -> dict:
     """A message's texts cut to `limit` (only the chat's first max_seq_len tokens are kept: see TextLimit)."""
-    cut = {key: limit.cut(message[key]) for key in ("content", *REASONING_KEYS) if key in message}
+    cut = {"content": limit.cut(message["content"])}
+    if "reasoning_content" in message:  # one text under two names (_check_message): cut once
+        cut["reasoning_content"] = cut["thinking"] = limit.cut(message["reasoning_content"])
     return {**message, **cut}
 
 
@@ -545,13 +547,12 @@ def _encode(
     return ids, [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask, strict=True)]
 
 
-def encode_messages(
-    record: dict, tokenizer, context: int = 0, limit: TextLimit | None = None
-) -> tuple[list[int], list[int]]:
+def encode_messages(record: dict, tokenizer, context: int = 0) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of a chat record: the assistant turns after the first `context` messages supervised;
-    with a TextLimit (a truncated record), each message's text cut to it before the chat is rendered."""
+    under a TextLimit (a truncated record: usaf.data.records.limited), each message's text cut to it before the
+    chat is rendered."""
     messages, tools = check_messages(record)
-    if limit is not None:
+    if (limit := text_limit()) is not None:
         messages = [_cut_message(message, limit) for message in messages]
     try:
         template = tokenizer.get_chat_template(tools=tools)

@@ -21,6 +21,7 @@ from usaf.data.records import (
     encode_pretokenized,
     encode_prompt_completion,
     encode_text,
+    limited,
 )
 from usaf.data.shapes import EXPECTED, RECORD_KEYS, normalize, possible_shapes
 from usaf.data.sources import Source, cache_root, progress_bars
@@ -95,14 +96,12 @@ class Settings:
     split: str = "train"
 
 
-def encode_chat_completion(
-    record: dict, tokenizer, limit: TextLimit | None = None
-) -> tuple[list[int], list[int]]:
+def encode_chat_completion(record: dict, tokenizer) -> tuple[list[int], list[int]]:
     """Conversational prompt/completion: one conversation, only the completion's assistant turns supervised (the
     prompt's, few-shot examples, are context)."""
     prompt = record["prompt"]
     messages = {"messages": prompt + record["completion"], "tools": record.get("tools")}
-    return encode_messages(messages, tokenizer, context=len(prompt), limit=limit)
+    return encode_messages(messages, tokenizer, context=len(prompt))
 
 
 ENCODERS = {
@@ -208,8 +207,8 @@ class Encoder:
             raise tokenizer.needs_tokenizer(where, kind)  # a model folder without tokenizer files
         if kind in ("messages", "chat completion"):
             check_chat_support(tokenizer, where)
-        limit = self.text_limit(kind)
-        ids, labels = ENCODERS[kind](record, tokenizer, **({"limit": limit} if limit else {}))
+        with limited(self.text_limit(kind)) as limit:
+            ids, labels = ENCODERS[kind](record, tokenizer)
         labels[0] = IGNORE_INDEX  # see usaf.data's docstring: never a target within its document
         windows, cut = fit(ids, labels, kind, self.settings)
         if limit is not None:
