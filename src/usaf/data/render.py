@@ -76,6 +76,7 @@ class RenderBounds:
             raise TemplateBoundError(f"builds a value of over {self.max_chars:,} characters")
 
     def argument(self, value) -> None:
+        """A width, count or repeat asked for (not a value being formatted)."""
         if type(value) is int and abs(value) > INT_LIMIT:
             raise TemplateBoundError(f"asks for a size too large ({value:,}; at most {INT_LIMIT:,})")
 
@@ -111,8 +112,9 @@ def _check_str_method(bounds: RenderBounds, method, args, kwargs) -> None:
     """The str methods that can grow a string, sized before they run."""
     text, name = method.__self__, method.__name__
     values = [*args, *kwargs.values()]
-    for value in values:
-        bounds.argument(value)
+    if name in ("center", "ljust", "rjust", "zfill"):
+        for value in values:
+            bounds.argument(value)
     if name in ("format", "format_map"):
         _check_format(text)
     elif name == "expandtabs":
@@ -129,13 +131,14 @@ def _check_str_method(bounds: RenderBounds, method, args, kwargs) -> None:
 def _bounded_filter(name: str, function):
     """A filter whose size arguments, and whose result, are bounded."""
 
+    first = 1 if getattr(function, "jinja_pass_arg", None) is not None else 0  # after a context, the value
+
     @functools.wraps(function)
     def bounded(*args, **kwargs):
         bounds = _bounds()
         values = [*args, *kwargs.values()]
-        for value in values:
-            if not isinstance(value, bool):
-                bounds.argument(value)
+        for value in values[first + 1 :]:  # the sizes asked for (widths, counts), not the value filtered
+            bounds.argument(value)
         text = next((value for value in values if isinstance(value, str)), "")
         if name == "format":
             _check_format(text)
@@ -228,10 +231,6 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
             items = _check_str_method(bounds, method, args, kwargs)
             if items is not None:
                 args = (items, *args[1:])
-        else:
-            for value in (*args, *kwargs.values()):
-                if not isinstance(value, bool):
-                    bounds.argument(value)
         result = super().call(__context, __obj, *args, **kwargs)
         bounds.size(_length(result))
         return result
@@ -266,6 +265,7 @@ def _compile(chat_template: str):
     environment.filters.update(reference.filters)
     environment.filters = {name: _bounded_filter(name, f) for name, f in environment.filters.items()}
     environment.globals.update(reference.globals)
+    del environment.globals["lipsum"]  # Jinja's filler text, n paragraphs of it: no chat template's business
     environment.tests.update(reference.tests)
     return environment.from_string(chat_template)
 
