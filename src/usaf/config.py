@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from usaf.errors import UsafError
+from usaf.errors import UsafError, first_line
 
 RESIDENCIES = ("device", "host", "mmap")  # where a quantized base's experts live (see usaf.store.offload)
 GUARD_ACTIONS = ("warn", "raise_balance", "freeze_router", "stop")  # see usaf.engine.router.CollapseGuard
@@ -477,21 +477,17 @@ class RunConfig:
     @classmethod
     def load(cls, path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
         """A YAML file (optional) with `section.key=value` overrides applied on top."""
-        import yaml
-
         data: dict = {}
         if path:
             try:
                 with open(path, encoding="utf-8") as f:
-                    data = yaml.safe_load(f)
+                    data = read_yaml(f, path)
             except FileNotFoundError:
                 raise UsafError(f"Config file {path} does not exist.") from None
             except IsADirectoryError:
                 raise UsafError(f"Config file {path} is a directory; give a YAML file.") from None
             except UnicodeDecodeError:
                 raise UsafError(f"Config file {path} is not a text (UTF-8) file.") from None
-            except yaml.YAMLError as err:
-                raise UsafError(f"{path} is not valid YAML: {err}") from None
             data = {} if data is None else data  # an empty file: all defaults
             if not isinstance(data, dict):
                 # checked before the overrides go in: a list has no sections to put them into
@@ -504,18 +500,133 @@ class RunConfig:
         return cls.from_dict(data, source=path or "config")
 
 
-def apply_override(data: dict, item: str) -> None:
-    """`section.key=value` (value parsed as YAML: numbers, booleans, lists) into a nested dict."""
+# ---- YAML, bounded -------------------------------------------------------------------------------------------------
+# PyYAML builds an alias once and shares it, but whatever walks the result (the checks' messages, the run's
+# config.yaml, a deep copy) expands it: a 475-byte "billion laughs" is 10^9 strings. A config is a few dozen
+# values, so a document is refused when its expansion would exceed YAML_MAX_NODES, before anything is built. A key
+# given twice would silently keep the last value (a section given twice, the last section): refused too.
+YAML_MAX_NODES = 10_000
+
+
+def read_yaml(stream, source: str):
+    """The YAML document in `stream` (a string or a text file) as Python values: safe tags only, aliases bounded,
+    no duplicate keys; any problem is one line naming `source` and the line."""
     import yaml
 
+    loader = _bounded_loader()(stream)
+    try:
+        return loader.get_single_data()
+    except _YamlRefused as refused:
+        raise UsafError(f"{source}:{refused.line}: {refused}") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        problem = " ".join(str(err.problem or err.context or "").split())
+        raise UsafError(f"{where}: not valid YAML: {first_line(ValueError(problem))}") from None
+    except (yaml.YAMLError, RecursionError) as err:
+        raise UsafError(f"{source} is not valid YAML: {first_line(err)}") from None
+    finally:
+        loader.dispose()
+
+
+class _YamlRefused(Exception):
+    def __init__(self, message: str, line: int):
+        super().__init__(message)
+        self.line = line
+
+
+_LOADER = None
+
+
+def _bounded_loader():
+    """yaml.SafeLoader (libyaml's when there is one) that sizes the document before building it, and refuses
+    duplicate keys."""
+    global _LOADER
+    if _LOADER is not None:
+        return _LOADER
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class BoundedLoader(base):
+        def construct_document(self, node):
+            _check_expansion(node)
+            return super().construct_document(node)
+
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                seen = set()
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        duplicate = key in seen
+                        seen.add(key)
+                    except TypeError:  # a list as a key: yaml reports it below
+                        continue
+                    if duplicate:
+                        raise _YamlRefused(
+                            f"key {key!r} appears twice in the same mapping (the first would be silently "
+                            "dropped); give it once",
+                            key_node.start_mark.line + 1,
+                        )
+            return super().construct_mapping(node, deep=deep)
+
+    _LOADER = BoundedLoader
+    return _LOADER
+
+
+def _check_expansion(root) -> None:
+    """Refuse a node graph whose expansion (aliases copied out) has over YAML_MAX_NODES nodes, or a cycle."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack = [(root, False)]
+    while stack:  # iterative: a deeply nested document must not overflow Python's stack
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            children = _children(node)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in children)
+            open_nodes.discard(key)
+            if sizes[key] > YAML_MAX_NODES:
+                raise _YamlRefused(
+                    f"the document's aliases (*name) expand to over {YAML_MAX_NODES:,} values; a usaf config "
+                    "needs no more: write the values out, or use fewer aliases",
+                    node.start_mark.line + 1,
+                )
+            continue
+        if key in sizes:
+            continue
+        if key in open_nodes:
+            raise _YamlRefused(
+                "an alias refers to a node that contains it (a cycle); aliases must not nest",
+                node.start_mark.line + 1,
+            )
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+
+
+def _children(node) -> list:
+    value = node.value
+    if not isinstance(value, list):
+        return []
+    return [part for item in value for part in (item if isinstance(item, tuple) else (item,))]
+
+
+def apply_override(data: dict, item: str) -> None:
+    """`section.key=value` (value parsed as YAML: numbers, booleans, lists) into a nested dict."""
     if "=" not in item or "." not in item.split("=", 1)[0]:
         raise UsafError(f"--set {item!r}: expected section.key=value, e.g. --set optim.lr=3e-4.")
     key, raw = item.split("=", 1)
     section, name = key.split(".", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
+        value = read_yaml(raw, f"--set {key}") if raw != "" else ""
+    except UsafError as err:
+        if "alias" in str(err) or "twice" in str(err):
+            raise
+        value = raw  # not YAML: the text as given
     if data.get(section) is None:  # absent, or an empty `section:` line in the file
         data[section] = {}
     if not isinstance(data[section], dict):

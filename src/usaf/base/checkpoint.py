@@ -13,7 +13,7 @@ from usaf.errors import UsafError
 from usaf.files import STORE_FILE
 from usaf.io import shards
 from usaf.io.source import SourceCheckpoint, check_model_files
-from usaf.model.hf import WeightRenaming, build_skeleton
+from usaf.model.hf import WeightRenaming, build_skeleton, load_config
 from usaf.model.layout import expert_weight_names, find_moe_layers
 
 _CHUNK_BYTES = 64 << 20
@@ -27,9 +27,6 @@ class BaseCheckpoint:
     """A full-precision Hugging Face checkpoint directory, read against its model's skeleton (no weights loaded)."""
 
     def __init__(self, model_dir: str | Path):
-        # usaf.base.load and usaf.io.source pull in the quantized-storage stack; only what reads checkpoints needs them
-        from transformers import AutoConfig
-
         self.dir = Path(model_dir)
         if (self.dir / STORE_FILE).exists():
             source = json.loads((self.dir / STORE_FILE).read_text()).get("source", {}).get("dir")
@@ -42,7 +39,7 @@ class BaseCheckpoint:
                 f"{self.dir} has no config.json; pass the Hugging Face model directory the model was trained from."
             )
         check_model_files(str(self.dir))  # an unreadable config.json or an unknown model_type: one line
-        self.config = AutoConfig.from_pretrained(self.dir)
+        self.config = load_config(self.dir)
         self.skeleton = build_skeleton(self.config)
         self.layers = find_moe_layers(self.skeleton)
         self.source = SourceCheckpoint(self.dir, self.skeleton, set(expert_weight_names(self.layers)))

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 
 from usaf.config import RESIDENCIES, UsafConfig
 from usaf.engine.state import PreparedStore, model_state
@@ -42,7 +41,7 @@ from usaf.io.atomic import (
     write_json,
 )
 from usaf.io.source import SourceCheckpoint
-from usaf.model.hf import build_skeleton, compute_missing_buffers, mark_loaded
+from usaf.model.hf import build_skeleton, compute_missing_buffers, load_config, mark_loaded
 from usaf.model.layout import expert_weight_names, find_moe_layers
 from usaf.prepare import enable_recomputation, prepare_model
 from usaf.quant import PUBLISHED, default_device, get_format, resolve_format
@@ -101,7 +100,7 @@ def prepare_store(
     _check_output(model_dir, out_dir, force)
     if not (model_dir / "config.json").exists():
         raise UsafError(f"{model_dir} has no config.json; pass a Hugging Face model directory.")
-    config = AutoConfig.from_pretrained(model_dir)
+    config = load_config(model_dir)
     # a published MXFP4/FP8 checkpoint keeps its experts as published: the store holds their own bytes
     method = published.checkpoint_method(model_dir)
     if method is None and quant in published.METHODS:
@@ -527,7 +526,7 @@ def load_prepared(
     tensors = metadata["tensors"]
     if dtype is None:
         dtype = _checkpoint_dtype(tensors)
-    model = build_skeleton(AutoConfig.from_pretrained(prepared_dir), dtype)
+    model = build_skeleton(load_config(prepared_dir), dtype)
     experts = expert_weight_names(find_moe_layers(model))
     missing = sorted(set(experts) - {n for n, t in tensors.items() if t["kind"] == "experts"})
     if missing:

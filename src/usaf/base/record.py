@@ -157,9 +157,10 @@ def run_base_dir(run_dir: Path, base_dir: str | Path | None = None) -> Path:
         raise UsafError(
             f"{run_dir} has no config.yaml: is it a usaf run directory? Pass --base MODEL_DIR otherwise."
         )
-    import yaml
+    from usaf.config import read_yaml
 
-    path = ((yaml.safe_load(config_file.read_text()) or {}).get("model") or {}).get("path") or ""
+    saved = read_yaml(config_file.read_text(), str(config_file))
+    path = ((saved if isinstance(saved, dict) else {}).get("model") or {}).get("path") or ""
     model_path = Path(path)
     store = model_path / STORE_FILE
     if store.exists():

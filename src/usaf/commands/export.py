@@ -107,15 +107,15 @@ def _export_inputs(args) -> list[tuple[str, str | Path | None]]:
 
 def _which_step(run_dir: Path, delta) -> str:
     """Which step was exported, and whether the run had finished (a stopped run exports its last checkpoint)."""
-    import yaml
+    from usaf.config import read_yaml
 
     source = delta.info.get("source") or {}
     step = source.get("step")
     try:
-        planned = ((yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}).get("schedule") or {}).get(
-            "max_steps"
-        )
-    except (OSError, yaml.YAMLError, AttributeError):
+        planned = (
+            (read_yaml((run_dir / CONFIG_FILE).read_text(), CONFIG_FILE) or {}).get("schedule") or {}
+        ).get("max_steps")
+    except (OSError, UsafError, AttributeError):
         planned = None
     of = f" of schedule.max_steps={planned}" if planned else ""
     if (delta.info.get("training") or {}).get("steps") == step:

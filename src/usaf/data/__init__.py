@@ -45,7 +45,9 @@ to texts and completions so the model learns to stop. Labels are aligned with in
 expects: the model (or usaf.engine.loss) shifts them, so the target of position t is token t+1. The first label of
 every document is -100: nothing inside the document predicts it, and in a packed row it would otherwise be
 the target of the previous document's last token. Texts over a million characters are tokenized in pieces cut
-before a whitespace (bounded memory; see usaf.data.records). Tokenized rows are cached in the datasets cache (see
+before a whitespace (bounded memory; see usaf.data.records); a record that is truncated has its texts cut before
+tokenizing, past what its first max_seq_len tokens can span (records.TextLimit). Chat templates render within
+bounds of output, time, loops and value sizes (usaf.data.render). Tokenized rows are cached in the datasets cache (see
 usaf.data.tokenize).
 
 Long records (more than max_seq_len tokens), long_documents=split: text and token-id records become windows of

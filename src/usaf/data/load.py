@@ -51,9 +51,11 @@ def load_dataset(
     long_documents: str = "split",
     stride: int = 0,
     num_proc: int | None = None,
+    model_vocabulary: tuple[int, str] | None = None,
 ) -> tuple[TokenizedDataset, TokenizedDataset | None, DataStats]:
     """Read, tokenize, window or truncate, split and pack `paths` (and `eval_paths`); see the module
-    docstring. Paths are files, save_to_disk folders or cached hub ids."""
+    docstring. Paths are files, save_to_disk folders or cached hub ids. model_vocabulary: (the model's
+    vocab_size, its config file), which every token id must be below."""
     if isinstance(paths, str) or isinstance(eval_paths, str):
         raise UsafError("load_dataset: paths and eval_paths must be lists of file names.")
     if not paths:
@@ -81,7 +83,9 @@ def load_dataset(
 
     def read(names):
         sources = [open_source(str(name), split, shown) for name in names]
-        return read_documents(sources, tokenizer, settings, skip_bad_records, stats, num_proc)
+        return read_documents(
+            sources, tokenizer, settings, skip_bad_records, stats, num_proc, model_vocabulary
+        )
 
     pad_id = next(
         (i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0
@@ -126,6 +130,7 @@ def load_run_data(config, tokenizer, pack: bool, files: list[str] | None = None,
     `usaf select` read. files: other files than data.train (eval); held_out=False: no eval split."""
     data = config.data
     use_chat_template(tokenizer, data.chat_template)
+    vocabulary = model_vocabulary(config.model.path)
     return load_dataset(
         list(files if files is not None else data.train),
         tokenizer,
@@ -140,4 +145,23 @@ def load_run_data(config, tokenizer, pack: bool, files: list[str] | None = None,
         long_documents=data.long_documents,
         stride=data.stride,
         num_proc=data.num_proc or None,
+        model_vocabulary=vocabulary,
     )
+
+
+def model_vocabulary(path: str) -> tuple[int, str] | None:
+    """(vocab_size, config file) of a local model folder: the rows of its embedding, which token ids index.
+    None where there is no readable one (a hub id; the model's loader reports a broken config)."""
+    import json
+    from pathlib import Path
+
+    config_file = Path(path).expanduser() / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    size = text.get("vocab_size", config.get("vocab_size"))
+    return (size, str(config_file)) if type(size) is int and size > 0 else None

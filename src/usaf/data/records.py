@@ -6,6 +6,10 @@ supervised). Chat records are encoded in usaf.data.templates.
 
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 from usaf.engine.loss import IGNORE_INDEX
 
 
@@ -38,12 +42,67 @@ def _pieces(text: str) -> list[str]:
     return [*pieces, text[start:]]
 
 
+@dataclass
+class TextLimit:
+    """How much of a record's texts is worth tokenizing when only its first `tokens` tokens are kept (truncation).
+
+    No token covers more characters than the longest entry of the vocabulary (a byte-level entry is spelled with
+    one character a byte: never fewer than the text it covers), so the first `tokens` tokens lie within
+    `tokens` x that many characters; twice that, plus a few tokens' margin for merges across the cut, is cut off
+    before the tokenizer sees the text. A 4 MB line then costs what its first max_seq_len tokens cost, not the
+    ~100 bytes a character of a whole-text encoding. The characters dropped are counted, for the stats."""
+
+    chars: int
+    dropped: int = 0  # characters never tokenized
+    kept: int = 0  # characters tokenized, of the texts that went through `cut`
+
+    @classmethod
+    def of(cls, tokenizer, tokens: int) -> TextLimit:
+        vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        longest = max(map(len, vocabulary), default=0)
+        return cls(chars=2 * (tokens + 8) * max(longest, 16))
+
+    def cut(self, text: str) -> str:
+        if len(text) <= self.chars:
+            self.kept += len(text)
+            return text
+        self.dropped += len(text) - self.chars
+        self.kept += self.chars
+        return text[: self.chars]
+
+    def dropped_tokens(self, tokens: int) -> int:
+        """The tokens the dropped characters would have made, at the rate of those that were tokenized."""
+        return round(self.dropped * tokens / self.kept) if self.dropped and self.kept else 0
+
+
+_LIMIT: contextvars.ContextVar[TextLimit | None] = contextvars.ContextVar("usaf_text_limit", default=None)
+
+
+@contextmanager
+def limited(limit: TextLimit | None):
+    """The encoders called inside cut their texts to `limit` (None: texts whole)."""
+    token = _LIMIT.set(limit)
+    try:
+        yield limit
+    finally:
+        _LIMIT.reset(token)
+
+
+def text_limit() -> TextLimit | None:
+    """The TextLimit of the record being encoded (see `limited`)."""
+    return _LIMIT.get()
+
+
+def _tokenize(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
 def token_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if (limit := text_limit()) is not None:
+        text = limit.cut(text)
     if len(text) <= LONG_TEXT_CHARS:
-        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-    ids = [
-        token for piece in _pieces(text) for token in tokenizer(piece, add_special_tokens=False)["input_ids"]
-    ]
+        return _tokenize(tokenizer, text, add_special_tokens)
+    ids = [token for piece in _pieces(text) for token in _tokenize(tokenizer, piece, False)]
     if add_special_tokens:  # what the tokenizer puts around a text (BOS, and for some EOS), around the whole
         probe = "a"
         plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])

@@ -142,6 +142,10 @@ def _read_json(path: Path, handle) -> Iterator[tuple[str, str, str]]:
         records = json.loads(_decode(path, 1, data))
     except json.JSONDecodeError as error:  # a broken file has no records to skip
         raise UsafError(f"{path}:{error.lineno}: invalid JSON: {error.msg}.") from None
+    except RecursionError:
+        raise UsafError(
+            f"{path}: the JSON is nested too deeply to read (thousands of levels); no data needs that."
+        ) from None
     if isinstance(records, dict) and isinstance(records.get("data"), list):
         records = records["data"]
     if not isinstance(records, list):

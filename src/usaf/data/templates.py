@@ -18,7 +18,8 @@ import re
 import sys
 from pathlib import Path
 
-from usaf.data.records import BadRecord
+from usaf.data.records import BadRecord, TextLimit, text_limit
+from usaf.data.render import RenderBounds, TemplateBoundError, rendering
 from usaf.engine.loss import IGNORE_INDEX
 from usaf.errors import UsafError, first_line
 
@@ -31,6 +32,10 @@ MAX_MESSAGES = 512
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TEMPLATE_ALIASES = {"chatml": "qwen2_5"}  # TRL names ChatML after Qwen2.5, whose template it is
 _MAX_TEMPLATE_BYTES = 1 << 20  # a chat template is a few KB; anything larger is not one
+# A template without generation markers has its assistant turns located by rendering the conversation's prefixes,
+# ~1.5 renders of the whole chat a turn: time grows as turns x length. That work is bounded per record (turns are
+# not rendered incrementally: a template is a function of the whole conversation).
+PREFIX_RENDER_CHARS = 16 << 20
 
 
 # ---- messages ---------------------------------------------------------------------------------------------------
@@ -148,6 +153,14 @@ def check_messages(record: dict) -> tuple[list[dict], list | None]:
     return cleaned, tools or None
 
 
+def _cut_message(message: dict, limit: TextLimit) -> dict:
+    """A message's texts cut to `limit` (only the chat's first max_seq_len tokens are kept: see TextLimit)."""
+    cut = {"content": limit.cut(message["content"])}
+    if "reasoning_content" in message:  # one text under two names (_check_message): cut once
+        cut["reasoning_content"] = cut["thinking"] = limit.cut(message["reasoning_content"])
+    return {**message, **cut}
+
+
 def _fit_roles(messages: list[dict], template: str) -> list[dict]:
     """The developer role where the template has no branch for it (most but gpt-oss's) becomes system: such
     templates would drop the turn silently or fail; OpenAI's developer role is what system was."""
@@ -232,22 +245,35 @@ def use_chat_template(tokenizer, setting: str = "") -> None:
         text = _read_setting(setting)
         _check_compiles(tokenizer, text, setting)
         tokenizer.chat_template = text
+    tokenizer.usaf_template_origin = (
+        f"data.chat_template={setting}"
+        if setting
+        else f"of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}"
+    )
     template = tokenizer.chat_template
     if not template or _GENERATION_MARKER.search(
         template["default"] if isinstance(template, dict) else template
     ):
         return
-    if (variant := _training_variant(tokenizer)) is not None:
+    with rendering(RenderBounds()):  # TRL's checks render the template
+        variant = _training_variant(tokenizer)
+    if variant is not None:
         tokenizer.chat_template = variant
 
 
 def _check_compiles(tokenizer, text: str, setting: str) -> None:
     from jinja2 import TemplateSyntaxError
 
-    try:  # transformers' own sandboxed environment, with its {% generation %} extension
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": "x"}], chat_template=text, tokenize=False, add_generation_prompt=True
-        )
+    try:  # transformers' own sandboxed environment, with its {% generation %} extension, bounded
+        with rendering(RenderBounds()):
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": "x"}],
+                chat_template=text,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+    except TemplateBoundError as error:
+        raise UsafError(f"data.chat_template={setting}: the template {error}; {_BOUND_HINT}.") from None
     except TemplateSyntaxError as error:
         raise UsafError(
             f"data.chat_template={setting}: not a valid Jinja template: line {error.lineno}: {error.message}."
@@ -259,13 +285,49 @@ def _check_compiles(tokenizer, text: str, setting: str) -> None:
 # ---- rendering and spans ------------------------------------------------------------------------------------------
 
 
-def _render(tokenizer, messages: list[dict], tools, add_generation_prompt: bool = False) -> str:
-    try:
+_BOUND_HINT = "a chat template renders a conversation well inside that: fix the template (or use another)"
+
+
+def _input_chars(messages: list[dict], tools) -> int:
+    """The size of what a template is given: its output may be a few times that (RenderBounds)."""
+    texts = sum(
+        len(str(message.get(key, ""))) for message in messages for key in ("content", "reasoning_content")
+    )
+    return texts + (len(json.dumps(tools, default=str)) if tools else 0)
+
+
+def _template_failed(tokenizer, error: Exception) -> BadRecord:
+    if isinstance(error, TemplateBoundError):
+        origin = getattr(tokenizer, "usaf_template_origin", "of the tokenizer")
+        return BadRecord(f"the chat template ({origin}) {error}; {_BOUND_HINT}")
+    return BadRecord(f"the chat template failed: {first_line(error)}")
+
+
+def bounded_render(tokenizer, messages: list[dict], tools, add_generation_prompt: bool = False) -> str:
+    """The chat rendered as text, within RenderBounds (usaf.data.render)."""
+    with rendering(RenderBounds(_input_chars(messages, tools))):
         return tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
-    except Exception as error:  # jinja errors, raise_exception() in templates, ...
-        raise BadRecord(f"the chat template failed: {first_line(error)}") from None
+
+
+def _render(tokenizer, messages: list[dict], tools, add_generation_prompt: bool = False) -> str:
+    try:
+        return bounded_render(tokenizer, messages, tools, add_generation_prompt)
+    except Exception as error:  # jinja errors, raise_exception() in templates, a bound met, ...
+        raise _template_failed(tokenizer, error) from None
+
+
+def _check_prefix_cost(messages: list[dict], full: str, turns: int) -> None:
+    """Locating `turns` turns renders ~1.5 whole chats each: refused up front past PREFIX_RENDER_CHARS."""
+    cost = 3 * turns * len(full) // 2
+    if cost > PREFIX_RENDER_CHARS:
+        raise BadRecord(
+            f"locating its {turns} assistant turns would render ~{cost:,} characters (the chat template has no "
+            f"{{% generation %}} markers, so each turn renders the conversation before it; at most "
+            f"{PREFIX_RENDER_CHARS:,} a record): split the conversation into shorter records, or set "
+            "data.chat_template to a template with {% generation %} markers"
+        )
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -312,6 +374,7 @@ def _assistant_char_spans(tokenizer, messages: list[dict], tools, full: str) -> 
     `_stop_tokens`, as the model stops by emitting it.
     """
     spans = []
+    _check_prefix_cost(messages, full, sum(message["role"] == "assistant" for message in messages))
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -365,16 +428,17 @@ def _marked_char_spans(
     past what the inference prompt supplies (DeepSeek's and gpt-oss's training templates mark the role header);
     and the tokenized chat (input_ids, offset_mapping) they were found in."""
     try:
-        out = tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-            tokenizer_kwargs={"return_offsets_mapping": True},
-        )
-    except Exception as error:  # jinja errors, raise_exception() in templates
-        raise BadRecord(f"the chat template failed: {first_line(error)}") from None
+        with rendering(RenderBounds(_input_chars(messages, tools))):
+            out = tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                tokenizer_kwargs={"return_offsets_mapping": True},
+            )
+    except Exception as error:  # jinja errors, raise_exception() in templates, a bound met
+        raise _template_failed(tokenizer, error) from None
     runs, current = [], None
     for (start, end), marked in zip(out["offset_mapping"], out["assistant_masks"], strict=True):
         if marked and current is not None and start <= current[1]:
@@ -393,6 +457,7 @@ def _marked_char_spans(
         if header.strip() and all(full[:start].endswith(header) for start, _ in runs):
             return [(start, end) for start, end in runs], out
     # a run is one turn's; the prompt of that turn is the last one to end by the run's end
+    _check_prefix_cost(messages, full, len(turns))
     prompt_ends = [_prompt_end(tokenizer, messages, tools, index, full) for index in turns]
     spans = []
     for start, end in runs:
@@ -483,8 +548,12 @@ def _encode(
 
 
 def encode_messages(record: dict, tokenizer, context: int = 0) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of a chat record: the assistant turns after the first `context` messages supervised."""
+    """(input_ids, labels) of a chat record: the assistant turns after the first `context` messages supervised;
+    under a TextLimit (a truncated record: usaf.data.records.limited), each message's text cut to it before the
+    chat is rendered."""
     messages, tools = check_messages(record)
+    if (limit := text_limit()) is not None:
+        messages = [_cut_message(message, limit) for message in messages]
     try:
         template = tokenizer.get_chat_template(tools=tools)
     except Exception as error:  # no template, or no variant for tools

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 
-from usaf.data.records import BadRecord, encode_pretokenized, encode_prompt_completion, encode_text
+from usaf.data.records import (
+    BadRecord,
+    TextLimit,
+    encode_pretokenized,
+    encode_prompt_completion,
+    encode_text,
+    limited,
+)
 from usaf.data.shapes import EXPECTED, RECORD_KEYS, normalize, possible_shapes
 from usaf.data.sources import Source, cache_root, progress_bars
 from usaf.data.templates import check_chat_support, encode_messages
@@ -129,6 +137,33 @@ def fit(ids: list[int], labels: list[int], kind: str, settings: Settings) -> tup
         start = end - overlap
 
 
+# a JSON escape of a UTF-16 surrogate; a lone one decodes to a str no tokenizer (nor UTF-8) can take
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_record(line: str):
+    """One record's JSON, its problems as BadRecord: invalid JSON, nesting deeper than Python's JSON reader goes
+    (a RecursionError), a lone UTF-16 surrogate (paired escapes make one character and are fine)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise BadRecord(f"invalid JSON: {error.msg} (column {error.colno})") from None
+    except RecursionError:
+        raise BadRecord(
+            "the JSON is nested too deeply to read (thousands of levels); no record needs that"
+        ) from None
+    if _SURROGATE_ESCAPE.search(line):
+        try:
+            json.dumps(record, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as error:
+            code = ord(error.object[error.start])
+            raise BadRecord(
+                f"a lone UTF-16 surrogate (\\u{code:04x}) is half of a character, not text; fix the writer of "
+                "this record (it split a surrogate pair), or drop the escape"
+            ) from None
+    return record
+
+
 class Encoder:
     """The function `datasets.map` runs over a source's raw records (batched, with indices): one output row per
     document window, and one row with `error` set per bad record under skip_bad_records (else it raises)."""
@@ -140,6 +175,16 @@ class Encoder:
         self.blank_is_absent = source.blank_is_absent
         self.tokenizer, self.settings, self.skip = tokenizer, settings, skip_bad_records
         self.columns = dict(settings.columns) if source.located else {}  # tables are renamed before
+        self._limit_chars = None
+
+    def text_limit(self, kind: str) -> TextLimit | None:
+        """What of a truncated record's texts is tokenized (TextLimit); None for records split into windows,
+        whose every token is kept, and for token ids."""
+        if kind == "input_ids" or (kind in SPLITTABLE and self.settings.long_documents == "split"):
+            return None
+        if self._limit_chars is None:
+            self._limit_chars = TextLimit.of(self.tokenizer, self.settings.max_seq_len).chars
+        return TextLimit(self._limit_chars)
 
     def record(self, batch: dict, row: int, index: int) -> tuple[str, object]:
         if not self.located:
@@ -151,9 +196,9 @@ class Encoder:
         if batch["bad"][row]:
             raise _Located(where, BadRecord(batch["bad"][row]))
         try:
-            return where, json.loads(batch["json"][row])
-        except json.JSONDecodeError as error:
-            raise _Located(where, BadRecord(f"invalid JSON: {error.msg} (column {error.colno})")) from None
+            return where, parse_record(batch["json"][row])
+        except BadRecord as problem:
+            raise _Located(where, problem) from None
 
     def encode(self, where: str, record: object) -> tuple[list, int, list[str]]:
         kind, record, ignored, shape = normalize(record, self.columns)
@@ -162,9 +207,12 @@ class Encoder:
             raise tokenizer.needs_tokenizer(where, kind)  # a model folder without tokenizer files
         if kind in ("messages", "chat completion"):
             check_chat_support(tokenizer, where)
-        ids, labels = ENCODERS[kind](record, tokenizer)
+        with limited(self.text_limit(kind)) as limit:
+            ids, labels = ENCODERS[kind](record, tokenizer)
         labels[0] = IGNORE_INDEX  # see usaf.data's docstring: never a target within its document
         windows, cut = fit(ids, labels, kind, self.settings)
+        if limit is not None:
+            cut += limit.dropped_tokens(len(ids))
         if not windows or all(label == IGNORE_INDEX for label in windows[0][1]):
             why = f" left after truncation to max_seq_len={self.settings.max_seq_len}" if cut else ""
             raise BadRecord(f"the record has no supervised tokens{why}")
@@ -325,6 +373,29 @@ def _note(ignored: set[str]) -> list[str]:
     return notes
 
 
+def check_vocabulary(table, tokenizer, source: str, vocab_size: int, config_file: str) -> None:
+    """Every token id below the model's vocab_size: a tokenizer larger than the model's embedding (another
+    model's) would otherwise fail at the first forward, with an index error deep inside torch."""
+    import pyarrow.compute as pc
+
+    if not table.num_rows:
+        return
+    largest = pc.max(pc.list_flatten(table["input_ids"])).as_py()
+    if largest is None or largest < vocab_size:
+        return
+    where = next(
+        w
+        for w, ids in zip(table["where"].to_pylist(), table["input_ids"].to_pylist(), strict=True)
+        if ids and max(ids) >= vocab_size
+    )
+    folder = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+    raise UsafError(
+        f"{where}: token id {largest} is outside the model's vocabulary: {config_file} has vocab_size "
+        f"{vocab_size}, and the tokenizer ({folder}, {len(tokenizer)} tokens) makes larger ids; use the model's "
+        "own tokenizer (and pre-tokenized ids below vocab_size)."
+    )
+
+
 def read_documents(
     sources: list[Source],
     tokenizer,
@@ -332,6 +403,7 @@ def read_documents(
     skip_bad_records: bool,
     stats: DataStats,
     num_proc: int | None = None,
+    model_vocabulary: tuple[int, str] | None = None,
 ) -> Documents:
     import pyarrow.compute as pc
 
@@ -362,6 +434,8 @@ def read_documents(
                     f"{source.name}: no usable records ({errors.num_rows} bad records skipped; the first: {first})."
                 )
         good = table.filter(pc.invert(bad))
+        if model_vocabulary is not None:
+            check_vocabulary(good, tokenizer, source.name, *model_vocabulary)
         stats.truncated_records += pc.sum(pc.greater(good["cut"], 0)).as_py() or 0
         stats.truncated_tokens += pc.sum(good["cut"]).as_py() or 0
         stats.split_records += pc.sum(pc.equal(good["window"], 0)).as_py() or 0

@@ -38,7 +38,9 @@ def assets() -> Path:
 
 
 def run_demo(args) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from usaf.model.hf import load_causal_lm, load_tokenizer
 
     root = assets()
     model_dir, data_dir = root / "model", root / "data"
@@ -53,8 +55,8 @@ def run_demo(args) -> int:
     (out / MARKER).write_text(json.dumps({"model": str(model_dir)}))
 
     eval_records = read_jsonl(data_dir / "eval.jsonl")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    base = load_causal_lm(model_dir)
     print(
         f"usaf demo: teach a small pretrained MoE ({sum(p.numel() for p in base.parameters()) / 1e6:.1f} M "
         f"parameters, 8 experts per layer) a new skill, '{NEW_SKILL}', e.g. "
@@ -83,7 +85,9 @@ def run_demo(args) -> int:
         )
         return code
     merged = export_merged(out / "run", out / "model")
-    trained = AutoModelForCausalLM.from_pretrained(merged)  # plain transformers: the result is the model
+    trained = AutoModelForCausalLM.from_pretrained(
+        merged, trust_remote_code=False
+    )  # plain transformers: the result is the model
     after = task_accuracy(trained, tokenizer, eval_records)
 
     print()

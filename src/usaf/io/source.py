@@ -30,6 +30,7 @@ from usaf.model.hf import (
     WeightRenaming,
     conversion_mapping,
     dot_natural_key,
+    load_config,
     rename_source_key,
 )
 
@@ -399,8 +400,6 @@ def check_model_files(path: str) -> None:
     folder = Path(path).expanduser()
     if not folder.is_dir():
         return  # a hub id: transformers downloads and checks it
-    from transformers import AutoConfig
-
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise UsafError(f"{folder} has no config.json; give the folder of a Hugging Face model.")
@@ -409,7 +408,9 @@ def check_model_files(path: str) -> None:
     except (OSError, ValueError, AttributeError) as err:
         raise UsafError(f"{config_file} is not a readable JSON object ({first_line(err)}).") from None
     try:
-        AutoConfig.from_pretrained(folder)
+        load_config(folder)
+    except UsafError:
+        raise
     except (OSError, ValueError, KeyError) as err:
         if "does not recognize this architecture" in str(err) or isinstance(err, KeyError):
             import transformers

@@ -1,12 +1,17 @@
 """The one place that touches transformers' internals: the experts-implementation registry, the checkpoint
-renamings and conversions, the model skeleton and its initialisation, the decoder body. A transformers release
-that moves one of them is mended here alone (tests/test_layers.py keeps the rest of usaf off these names)."""
+renamings and conversions, the model skeleton and its initialisation, the decoder body; and the loaders of a
+model's config, tokenizer and weights (`load_config`, `load_tokenizer`, `load_causal_lm`), which never run code
+that a model folder ships (config.json's `auto_map`). A transformers release that moves one of them is mended here
+alone (tests/test_layers.py keeps the rest of usaf off these names)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     WeightConverter,
@@ -29,12 +34,68 @@ __all__ = [
     "decoder_body",
     "dot_natural_key",
     "gated_activation",
+    "load_causal_lm",
+    "load_config",
+    "load_tokenizer",
     "mark_loaded",
     "quiet_progress_bars",
     "register_experts_implementation",
     "rename_source_key",
     "use_experts_implementation",
 ]
+
+
+# ---- loading: no model code, ever ------------------------------------------------------------------------------
+# A model folder's .py files are code from whoever published it: transformers runs them when config.json's auto_map
+# names them and trust_remote_code allows it (or a prompt on stdin is answered 'y'). usaf passes False everywhere,
+# so a model_type transformers knows is built by transformers' own class and any other is refused in one line.
+
+
+def load_config(path, **kwargs):
+    """AutoConfig.from_pretrained without model code."""
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False, **kwargs)
+    except ValueError as err:
+        raise _custom_code_error(path, err) from None
+
+
+def load_tokenizer(path, **kwargs):
+    """AutoTokenizer.from_pretrained without model code."""
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, **kwargs)
+    except ValueError as err:
+        raise _custom_code_error(path, err) from None
+
+
+def load_causal_lm(path, **kwargs) -> nn.Module:
+    """AutoModelForCausalLM.from_pretrained without model code."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, **kwargs)
+    except ValueError as err:
+        raise _custom_code_error(path, err) from None
+
+
+def _custom_code_error(path, err: ValueError) -> Exception:
+    """transformers' refusal of a model's own code as usaf's one line (UsafError); any other error as it was."""
+    if "trust_remote_code" not in str(err):
+        return err
+    from usaf.errors import UsafError
+
+    folder = Path(path).expanduser()
+    named = f"{folder / 'config.json'}'s auto_map" if folder.is_dir() else f"{path}'s auto_map (config.json)"
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            auto_map = json.loads((folder / name).read_text()).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if auto_map:
+            named = f"{folder / name}'s auto_map ({', '.join(sorted(map(str, auto_map)))})"
+            break
+    return UsafError(
+        f"{named} asks to run the model folder's own Python code, and usaf never runs model code; use a "
+        "model whose model_type transformers knows (upgrade transformers if it is newer), or a copy of the "
+        "model converted to one."
+    )
 
 
 # ---- experts implementations ----------------------------------------------------------------------------------
@@ -81,7 +142,9 @@ def checkpoint_renamings(model: nn.Module) -> list:
 def build_skeleton(config, dtype: torch.dtype | None = None) -> nn.Module:
     """The causal-LM model of `config` on the meta device: no memory, no initialisation cost."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+        model = AutoModelForCausalLM.from_config(
+            config, trust_remote_code=False, **({"dtype": dtype} if dtype is not None else {})
+        )
     return model.eval()
 
 

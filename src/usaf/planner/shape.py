@@ -209,7 +209,7 @@ def _shape_from_skeleton(config: dict, name: str) -> ModelShape:
     hf_config = transformers.AutoConfig.for_model(**fields_)
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
     text = _text_config(config)
     layers = find_moe_layers(model)
     expert_ids, router_ids, matrices = set(), set(), {}

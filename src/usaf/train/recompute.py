@@ -13,10 +13,10 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from usaf import planner
 from usaf.errors import UsafError, first_line
+from usaf.model.hf import load_config
 from usaf.planner.shape import load_model_config
 from usaf.planner.sizes import format_size
 from usaf.train import distributed
@@ -94,7 +94,7 @@ def _model_config(path: str) -> dict:
     if (folder / "config.json").is_file():
         return load_model_config(str(folder))[1]
     # the cache only: a hub id that is not there is the session's to report, at once, not after the hub's retries
-    return AutoConfig.from_pretrained(path, local_files_only=True).to_dict()
+    return load_config(path, local_files_only=True).to_dict()
 
 
 def _activations(p) -> float:

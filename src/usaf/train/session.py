@@ -14,7 +14,6 @@ from urllib.parse import urlparse
 
 import huggingface_hub
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from usaf import kernels
 from usaf.base.load import load_for_training
@@ -26,7 +25,8 @@ from usaf.engine.state import model_state
 from usaf.errors import UsafError, first_line
 from usaf.io.published import checkpoint_method
 from usaf.io.source import cached_model_folder, check_model_files
-from usaf.model.hf import decoder_body
+from usaf.model.hf import decoder_body, load_causal_lm, load_config
+from usaf.model.hf import load_tokenizer as hf_tokenizer
 from usaf.prepare import current_selection, enable_recomputation, prepare_model
 from usaf.selection.choose import resolved_selection
 from usaf.train import distributed, runtime
@@ -74,7 +74,9 @@ def load_tokenizer(path: str):
     if Path(path).expanduser().is_dir() and not has_tokenizer_files(Path(path).expanduser()):
         return model_vocabulary(path)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return hf_tokenizer(path)
+    except UsafError:
+        raise
     except (OSError, ValueError) as err:
         raise UsafError(f"cannot load the tokenizer of {path!r}: {err}") from None
 
@@ -142,7 +144,9 @@ def load_model(
     else:
         check_model_files(path)
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            model = load_causal_lm(path, dtype=dtype)
+        except UsafError:
+            raise
         except (OSError, ValueError) as err:
             raise UsafError(f"cannot load the model at {path!r}: {first_line(err)}") from None
         model.to(device)
@@ -237,7 +241,7 @@ def open_session(
     if (folder := Path(config.model.path).expanduser()).is_dir() and (folder / "config.json").is_file():
         # before the model is loaded and calibrated (its files were checked by load_tokenizer); again below on the
         # loaded model's config for other sources
-        check_positions(AutoConfig.from_pretrained(folder), config, train_data, eval_data)
+        check_positions(load_config(folder), config, train_data, eval_data)
     calibration = None
     if calibrate and train_data is not None:
         calibration = Batches(train_data, config.data.batch_size, seed=config.train.seed + 1)

@@ -21,9 +21,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, processors
-from transformers import AutoConfig, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from usaf.errors import UsafError, first_line
+from usaf.model.hf import load_config
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
@@ -123,7 +124,9 @@ class NoTokenizer:
 def model_vocabulary(folder: str) -> NoTokenizer:
     """The NoTokenizer of a model folder, from its config.json."""
     try:
-        config = AutoConfig.from_pretrained(folder)
+        config = load_config(folder)
+    except UsafError:
+        raise
     except (OSError, ValueError, KeyError) as err:
         raise UsafError(f"cannot read {folder}/config.json: {first_line(err)}") from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
