@@ -12,6 +12,7 @@ entries (a sampled dense-dense product, or a small matmul for whole lines) and n
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import torch
@@ -150,13 +151,20 @@ class ElementEntries(_Entries):
         rest = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing, unexpected, errors)
 
-    def place(self, experts: list[int], per_chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def place(self, experts: list[int], per_chunk: int) -> list[tuple]:
         """(which entries, their flat index in the chunk's [k, A, B] weights) per chunk of `per_chunk` of
         `experts`: for `write_into`, made in a fixed number of ops for every chunk at once."""
+        if (
+            len(experts) == self.shape[0]
+        ):  # every expert routed (the usual case): chunks hold ranges of entries
+            flat = self.flat_indices
+            if per_chunk < len(experts):
+                flat = flat.remainder_(per_chunk * self.per_expert)
+            return _per_chunk(self.segments(), experts, per_chunk, flat)
         picked, slot = entries_of_experts(self.segments(), experts)
         flat = torch.remainder(slot, per_chunk).mul_(self.per_expert)
         flat += self.local_indices.index_select(0, picked)
-        return _per_chunk(self.segments(), experts, per_chunk, picked, flat)
+        return _per_chunk(self.segments(), experts, per_chunk, flat, picked=picked)
 
     @torch.no_grad()
     def write_into(self, weight: torch.Tensor, placement: tuple | None) -> None:
@@ -169,7 +177,7 @@ class ElementEntries(_Entries):
             weight.view(-1).index_copy_(0, self.flat_indices, values)  # index_copy_ beats index_put_ on CPU
             return
         picked, flat = placement
-        weight.view(-1).index_copy_(0, flat, kernels.cast(self.values.index_select(0, picked), weight.dtype))
+        weight.view(-1).index_copy_(0, flat, kernels.cast(_pick(self.values, picked), weight.dtype))
 
     def add_grad(
         self, grad: torch.Tensor | None, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int
@@ -199,15 +207,33 @@ def accumulate(grad: torch.Tensor | None, part: torch.Tensor, k0: int, values: t
     return grad
 
 
-def _per_chunk(entries: Segments, experts: list[int], per_chunk: int, *tensors: torch.Tensor) -> list[tuple]:
-    """Tensors over the entries of `experts` (in their order) split into chunks of `per_chunk` experts: one split
-    each (sizes from the host counts)."""
+def _per_chunk(
+    entries: Segments,
+    experts: list[int],
+    per_chunk: int,
+    *tensors: torch.Tensor,
+    picked: torch.Tensor | None = None,
+) -> list[tuple]:
+    """(the chunk's entries, *tensors' pieces) per chunk of `per_chunk` of `experts`, `tensors` being over the
+    entries of `experts` in their order: one split each (sizes from the host counts). The chunk's entries are
+    `picked`'s piece, or (every expert) a range of the entries."""
     sizes = [
         sum(entries.counts[e] for e in experts[i : i + per_chunk]) for i in range(0, len(experts), per_chunk)
     ]
-    if len(sizes) == 1:
-        return [tensors]
-    return list(zip(*(t.split(sizes) for t in tensors), strict=True))
+    if picked is None:
+        ends = list(itertools.accumulate(sizes))
+        ranges = [slice(end - size, end) for size, end in zip(sizes, ends, strict=True)]
+    else:
+        tensors = (picked, *tensors)
+    pieces = [tensors] if len(sizes) == 1 else list(zip(*(t.split(sizes) for t in tensors), strict=True))
+    return pieces if picked is not None else [(r, *p) for r, p in zip(ranges, pieces, strict=True)]
+
+
+def _pick(values: torch.Tensor, picked: torch.Tensor | slice) -> torch.Tensor:
+    """values of a chunk's entries: an index, or a range (no op for all of them)."""
+    if not isinstance(picked, slice):
+        return values.index_select(0, picked)
+    return values if (picked.start, picked.stop) == (0, values.shape[0]) else values[picked]
 
 
 def entries_of_experts(entries: Segments, expert_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,13 +279,16 @@ class LineEntries(_Entries):
         """Flat indices of every trained entry, in the order of `values.view(-1)`."""
         return line_flat_indices(self.shape, self.axis, self.line_ids)
 
-    def place(self, experts: list[int], per_chunk: int) -> list[tuple[torch.Tensor, ...]]:
+    def place(self, experts: list[int], per_chunk: int) -> list[tuple]:
         """(which lines, their expert's slot in the chunk, the line within it) per chunk of `per_chunk` of
         `experts` (see `ElementEntries.place`)."""
-        segments, _, line = self.grouping()
+        segments, expert, line = self.grouping()
+        if len(experts) == self.shape[0]:  # every expert routed: chunks hold ranges of lines
+            slot = expert if per_chunk >= len(experts) else torch.remainder(expert, per_chunk)
+            return _per_chunk(segments, experts, per_chunk, slot, line)
         picked, slot = entries_of_experts(segments, experts)
         slot = torch.remainder(slot, per_chunk)
-        return _per_chunk(segments, experts, per_chunk, picked, slot, line.index_select(0, picked))
+        return _per_chunk(segments, experts, per_chunk, slot, line.index_select(0, picked), picked=picked)
 
     @torch.no_grad()
     def write_into(self, weight: torch.Tensor, placement: tuple | None) -> None:
@@ -271,7 +300,7 @@ class LineEntries(_Entries):
             values = kernels.cast(self.values, weight.dtype)
         else:
             picked, slot, line = placement
-            values = kernels.cast(self.values.index_select(0, picked), weight.dtype)
+            values = kernels.cast(_pick(self.values, picked), weight.dtype)
         if self.axis == 1:
             weight[slot, line, :] = values
         else:
