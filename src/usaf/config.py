@@ -693,6 +693,8 @@ def _coerce(value, spec, where: str):
             return value
         raise UsafError(f"{where} must be a mapping (e.g. {{key: value}}), got {value!r}.")
     if kind == "str":
+        if isinstance(value, os.PathLike):  # a pathlib.Path from Python
+            return os.fspath(value)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise UsafError(f"{where} must be a string, got {value!r}.")
@@ -709,5 +711,6 @@ def describe() -> str:
             doc = f.metadata.get("doc", "")
             extra = f" (one of {', '.join(_choice_text(c) for c in choices)})" if choices else ""
             extra += f" (allowed: {bounds_text(bounds).removeprefix('in ')})" if bounds else ""
+            extra += f" (at most {f.metadata['most']})" if f.metadata.get("most") else ""
             lines.append(f"{name}.{f.name} = {default!r}  {doc}{extra}")
     return "\n".join(lines)
