@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        _read_arguments(args)
         return int(args.func(args) or 0)
     except UsafError as err:
         print(f"usaf: error: {err}", file=sys.stderr)
@@ -124,6 +125,41 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + signum
+
+
+# options that set a config key: the same key given by --set too would be silently overridden by one of them
+_OPTION_KEYS = {"model": "model.path", "data": "data.train", "eval_data": "data.eval"}
+# arguments that are not paths (the rest are, or are names that no `~` or `$` begins)
+_NOT_PATHS = {"command", "func", "set"}
+
+
+def _read_arguments(args) -> None:
+    """What every command's arguments share: `~` and `$VAR` in paths expanded as in a config file's path options
+    (usaf.config.expand_path), and no two arguments that would silently override one another."""
+    from usaf.config import expand_path
+
+    for name, value in vars(args).items():
+        if name in _NOT_PATHS:
+            continue
+        if isinstance(value, str):
+            setattr(args, name, expand_path(value))
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            setattr(args, name, [expand_path(v) for v in value])
+    prog = f"usaf {args.command}"
+    for name, key in _OPTION_KEYS.items():
+        given = [s for s in getattr(args, "set", None) or [] if s.split("=", 1)[0].strip() == key]
+        if getattr(args, name, None) and given:
+            option = "--" + name.replace("_", "-")
+            raise UsageError(
+                f"{prog}: {option} and --set {key}=... both give {key}; give one of them (the other would be "
+                "ignored)."
+            )
+    resume, out = getattr(args, "resume", None), getattr(args, "out", None)
+    if resume and out and os.path.realpath(resume) != os.path.realpath(out):
+        raise UsageError(
+            f"{prog}: --resume {resume} continues that run in its own folder, so --out {out} would be ignored; "
+            "drop --out (or, for a new run, drop --resume)."
+        )
 
 
 def _as_os_error(err: BaseException) -> OSError | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from usaf.errors import UsafError, first_line
@@ -31,13 +33,30 @@ OPTIMIZER_BUCKET_ENTRIES = 1 << 24
 DEFAULT_WORKSPACE_MB = 256  # select.workspace_mb: one projection's dequantized routed-expert workspace
 
 
-def option(default, doc: str, choices: tuple | None = None, bounds: str | None = None):
-    """A documented config field; `choices` and `bounds` (an interval such as "(0, inf)" or "[0, 1)": a square
-    bracket includes the end, inf is never allowed) are enforced on load and shown by `--list-options`."""
+# the largest integer any option takes (torch, numpy and the files' int64 fields hold no more); options whose size
+# is memory or time declare a smaller `most`
+INT_MOST = (1 << 63) - 1
+# a sequence, a batch or a chunk of tokens this long is a typo, not a request: 1 Mi tokens (the longest contexts)
+TOKENS_MOST = 1 << 20
+
+
+def option(
+    default,
+    doc: str,
+    choices: tuple | None = None,
+    bounds: str | None = None,
+    most: int | None = None,
+    path: bool = False,
+    parse=None,
+):
+    """A documented config field; `choices`, `bounds` (an interval such as "(0, inf)" or "[0, 1)": a square
+    bracket includes the end, inf is never allowed) and `most` (the largest integer allowed; INT_MOST for every
+    integer option) are enforced on load and shown by `--list-options`; `path`: a file or folder, whose `~` and
+    `$VAR` are expanded as a shell would; `parse`: a function that reads the value (raising UsafError)."""
     factory = (lambda d=default: type(d)(d)) if isinstance(default, (list, dict)) else None
     if bounds is not None:
         _parse_bounds(bounds)  # a malformed spec fails at import, not when a user's value is checked
-    meta = {"doc": doc, "choices": choices, "bounds": bounds}
+    meta = {"doc": doc, "choices": choices, "bounds": bounds, "most": most, "path": path, "parse": parse}
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
 
 
@@ -104,7 +123,7 @@ class UsafConfig:
         DEFAULT_DENSITY, "share of the targeted weights' entries to train", bounds="(0, 1]"
     )
     num_entries: int | None = option(
-        None, "global budget of trained entries (split by size); overrides density"
+        None, "global budget of trained entries (split by size); overrides density", bounds="[1, inf)"
     )
     density_ratios: dict = option(
         {},
@@ -124,12 +143,17 @@ class UsafConfig:
         0.5, "strategy=routing: share of routed tokens the chosen experts cover", bounds="(0, 1]"
     )
     calibration_batches: int = option(
-        8, "batches of the training data used to calibrate the selection", bounds="[1, inf)"
+        8,
+        "batches of the training data used to calibrate the selection",
+        bounds="[1, inf)",
+        most=TOKENS_MOST,
     )
     oversample: float = option(
         4.0, "gradient selection: candidate entries scored per trained entry", bounds="[1, inf)"
     )
-    file: str | None = option(None, "strategy=file: a selection.safetensors saved by a run or `usaf select`")
+    file: str | None = option(
+        None, "strategy=file: a selection.safetensors saved by a run or `usaf select`", path=True
+    )
     reselect_every: int = option(
         DEFAULT_RESELECT_EVERY,
         "every N steps drop entries that moved least and grow where gradients are large (0: off; usaf train)",
@@ -155,19 +179,14 @@ class UsafConfig:
         DEFAULT_WORKSPACE_MB,
         "bound (MB) on one projection's dequantized routed-expert workspace",
         bounds="[1, inf)",
+        most=1 << 30,
     )
 
     def __post_init__(self) -> None:
-        if (
-            not isinstance(self.density, (int, float)) or not 0.0 < float(self.density) <= 1.0
-        ):  # NaN fails too
-            raise UsafError(f"UsafConfig.density must be in (0, 1], got {self.density!r}.")
-        if self.num_entries is not None and (not isinstance(self.num_entries, int) or self.num_entries < 1):
-            raise UsafError(
-                f"UsafConfig.num_entries must be a positive integer or None, got {self.num_entries!r}."
-            )
+        for spec in fields(self):  # the declared types, choices and ranges, as a config file's are checked
+            setattr(self, spec.name, check_option(spec, getattr(self, spec.name), f"UsafConfig.{spec.name}"))
         ratios = self.density_ratios
-        if not isinstance(ratios, dict) or any(
+        if any(
             t not in TARGETS
             or t == "routers"
             or isinstance(r, bool)
@@ -179,42 +198,16 @@ class UsafConfig:
                 "UsafConfig.density_ratios must map targets (of "
                 f"{[t for t in TARGETS if t != 'routers']}) to positive numbers, got {ratios!r}."
             )
-        if self.granularity not in GRANULARITIES:
-            raise UsafError(
-                f"UsafConfig.granularity must be one of {GRANULARITIES}, got {self.granularity!r}."
-            )
-        if self.selection not in SELECTIONS:
-            raise UsafError(f"UsafConfig.selection must be one of {SELECTIONS}, got {self.selection!r}.")
-        if self.strategy not in STRATEGIES:
-            raise UsafError(f"UsafConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}.")
         if self.strategy == "file" and not self.file:
             raise UsafError(
                 "UsafConfig.strategy='file' needs `file`: a selection.safetensors saved by a run."
             )
-        if not 0.0 < self.routing_coverage <= 1.0:
-            raise UsafError(f"UsafConfig.routing_coverage must be in (0, 1], got {self.routing_coverage!r}.")
-        if self.calibration_batches < 1 or self.oversample < 1.0:
-            raise UsafError("UsafConfig.calibration_batches must be >= 1 and oversample >= 1.")
-        if (
-            self.reselect_every < 0
-            or not 0.0 <= self.reselect_fraction < 1.0
-            or not 0.0 < self.reselect_until <= 1.0
-        ):
-            raise UsafError(
-                "UsafConfig: reselect_every must be >= 0, reselect_fraction in [0, 1), reselect_until in (0, 1]."
-            )
-        if self.workspace_mb < 1:
-            raise UsafError(f"UsafConfig.workspace_mb must be >= 1, got {self.workspace_mb!r}.")
-        if isinstance(self.targets, str):
-            self.targets = [t.strip() for t in self.targets.split(",") if t.strip()]
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown or not self.targets:
             raise UsafError(
                 f"UsafConfig.targets must be a non-empty list of {list(TARGETS)}, got {self.targets!r}."
             )
         self.targets = [t for t in TARGETS if t in self.targets]  # canonical order
-        if self.layers is not None:
-            self.layers = [int(i) for i in self.layers]
 
     @property
     def trains_routers(self) -> bool:
@@ -239,7 +232,9 @@ class UsafConfig:
 
 @dataclass
 class ModelSection:
-    path: str = option("", "model directory, prepared store, or hub id (the hub needs the network)")
+    path: str = option(
+        "", "model directory, prepared store, or hub id (the hub needs the network)", path=True
+    )
     dtype: str = option("auto", "weights and compute dtype", ("auto", "float32", "bfloat16", "float16"))
     quant: str = option("none", "frozen expert storage", ("none", "nf4", "int8", "int4"))
     residency: str = option("device", "where frozen experts live", RESIDENCIES)
@@ -247,6 +242,7 @@ class ModelSection:
         0,
         "with residency host/mmap: device memory (MB) keeping the most-routed experts resident",
         bounds="[0, inf)",
+        most=1 << 30,
     )
     device: str = option("auto", "compute device: auto, cpu, cuda, cuda:1, mps, xpu ...")
 
@@ -318,16 +314,20 @@ class DataSection:
         "datasets save_to_disk folders or hub dataset ids from the local cache (NAME:SPLIT picks a split); "
         "records: text, messages (OpenAI or sharegpt), prompt/completion (plain or conversational), "
         "prompt/chosen/rejected, alpaca instruction/input/output, input_ids",
+        path=True,
     )
-    eval: list = option([], "held-out data (as train); empty: split eval_fraction off the training data")
+    eval: list = option(
+        [], "held-out data (as train); empty: split eval_fraction off the training data", path=True
+    )
     # two tokens at least: a causal LM learns from next-token pairs
     max_seq_len: int = option(
         512,
         "tokens per sequence; longer records are split into windows or truncated (long_documents), and counted",
         bounds="[2, inf)",
+        most=TOKENS_MOST,
     )
     pack: bool = option(True, "pack short records into full sequences (no attention across records)")
-    batch_size: int = option(4, "sequences per micro-batch", bounds="[1, inf)")
+    batch_size: int = option(4, "sequences per micro-batch", bounds="[1, inf)", most=TOKENS_MOST)
     eval_fraction: float = option(
         0.05, "share of training records held out when no eval file is given (0: none)", bounds="[0, 1)"
     )
@@ -346,15 +346,17 @@ class DataSection:
         0,
         "tokens a window repeats from the one before as context (at least 1; never supervised twice)",
         bounds="[0, inf)",
+        most=TOKENS_MOST,
     )
     num_proc: int = option(
-        0, "processes that tokenize (0: one; the result is cached either way)", bounds="[0, inf)"
+        0, "processes that tokenize (0: one; the result is cached either way)", bounds="[0, inf)", most=1024
     )
     skip_bad_records: bool = option(False, "skip malformed records (and report how many) instead of failing")
     chat_template: str = option(
         "",
         "chat template of 'messages' records: a .jinja file or a name of TRL's templates (qwen3, llama3, chatml, "
         "...); empty: the tokenizer's own (TRL's training variant of it when it has no generation markers)",
+        path=True,
     )
 
 
@@ -396,12 +398,16 @@ class TrainSection:
     memory_limit: str = option(
         "",
         "memory recompute=auto plans against, e.g. 12GB (empty: the GPU's memory, or the machine's RAM on CPU)",
+        parse=lambda text: _size_option(text),
     )
     max_bad_steps: int = option(
         10, "stop after this many steps with NaN/Inf loss or gradients", bounds="[0, inf)"
     )
     logits_chunk_tokens: int = option(
-        DEFAULT_LOGITS_CHUNK, "tokens per chunk of the output layer in the loss", bounds="[1, inf)"
+        DEFAULT_LOGITS_CHUNK,
+        "tokens per chunk of the output layer in the loss",
+        bounds="[1, inf)",
+        most=TOKENS_MOST,
     )
     prefix_cache: str = option(
         "off", "cache hidden states entering the lowest trained layer", ("off", "ram", "disk")
@@ -641,21 +647,7 @@ def _build_section(section_cls, values: dict, where: str):
     unknown = sorted(set(values) - set(known), key=str)
     if unknown:
         raise UsafError(f"{where}: unknown key(s) {unknown}; allowed keys: {sorted(known)}.")
-    checked = {}
-    for name, value in values.items():
-        spec = known[name]
-        default = spec.default if spec.default is not MISSING else spec.default_factory()
-        choices = spec.metadata.get("choices")
-        # a boolean choice of a string-valued option (train.recompute: auto, true or false)
-        if isinstance(value, bool) and choices and any(c is value for c in choices):
-            checked[name] = value
-        else:
-            checked[name] = _coerce(value, default, f"{where}.{name}")
-        if choices and checked[name] not in choices:
-            raise UsafError(
-                f"{where}.{name} = {value!r} is not allowed; allowed values: {_choices_text(choices)}."
-            )
-        check_bounds(checked[name], spec.metadata.get("bounds"), f"{where}.{name}")
+    checked = {name: check_option(known[name], value, f"{where}.{name}") for name, value in values.items()}
     try:
         return section_cls(**checked)
     except UsafError as err:
@@ -664,13 +656,73 @@ def _build_section(section_cls, values: dict, where: str):
 
 def _check_fields(section, where: str) -> None:
     for spec in fields(section):
-        value = getattr(section, spec.name)
-        choices = spec.metadata.get("choices")
-        if choices and not any(c is value if isinstance(c, bool) else c == value for c in choices):
-            raise UsafError(
-                f"{where}.{spec.name} = {value!r} is not allowed; allowed values: {_choices_text(choices)}."
-            )
-        check_bounds(value, spec.metadata.get("bounds"), f"{where}.{spec.name}")
+        setattr(section, spec.name, check_option(spec, getattr(section, spec.name), f"{where}.{spec.name}"))
+
+
+def check_option(spec, value, where: str):
+    """One option's value, read and checked as declared (its type, choices, range, ceiling, path expansion):
+    the value to keep, or a UsafError naming `where`. Every way a config is made (a file, --set, Python) comes
+    here, so each fault has one message."""
+    choices = spec.metadata.get("choices")
+    # a boolean choice of a string-valued option (train.recompute: auto, true or false)
+    if isinstance(value, bool) and choices and any(c is value for c in choices):
+        return value
+    value = _coerce(value, spec, where)
+    if choices and value not in choices:
+        raise UsafError(f"{where} = {value!r} is not allowed; allowed values: {_choices_text(choices)}.")
+    check_bounds(value, spec.metadata.get("bounds"), where)
+    integers = value if isinstance(value, list) else [value]
+    most = spec.metadata.get("most") or INT_MOST
+    for number in integers:
+        if isinstance(number, int) and not isinstance(number, bool) and number > most:
+            raise UsafError(f"{where} must be at most {most}, got {number!r}.")
+    if spec.metadata.get("path") and value:
+        value = [expand_path(v) for v in value] if isinstance(value, list) else expand_path(value)
+    parse = spec.metadata.get("parse")
+    if parse is not None and value not in ("", None):
+        try:
+            parse(value)
+        except UsafError as err:
+            raise UsafError(f"{where}: {err}") from None
+    return value
+
+
+def expand_path(text: str) -> str:
+    """`~` and `$VAR` / `${VAR}` expanded as a shell would, for every path usaf is given (options and command-line
+    arguments); a variable that is not set is left as written, so the error names it."""
+    return os.path.expanduser(os.path.expandvars(text)) if isinstance(text, str) else text
+
+
+def split_paths(text: str) -> list[str]:
+    """Comma-separated paths (`--data a.jsonl,b.jsonl`); a file whose own name holds a comma stays whole: when the
+    whole text names a file or folder and one of its pieces does not, it is that one path."""
+    pieces = [p.strip() for p in text.split(",") if p.strip()]
+    whole = expand_path(text.strip())
+    if len(pieces) > 1 and os.path.exists(whole) and not all(os.path.exists(expand_path(p)) for p in pieces):
+        return [text.strip()]
+    return pieces
+
+
+def _size_option(text: str) -> None:
+    parse_size(text)  # "lots" fails here, when the config is read, not when the planner first needs it
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_FORMS = "a number with an optional unit, e.g. 12GB, 12GiB, 12G, 512MB, 1.5TB, or bytes (12884901888)"
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '12GB', '12GiB', '12G', '512MB', '1.5T', '4096B' or a plain number of bytes (train.memory_limit,
+    `usaf plan --vram`).
+
+    Units are binary (12GB = 12 GiB = 12 * 2**30 bytes), as memory cards and modules are sized.
+    """
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(?:i?b)?|b)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise UsafError(f"Cannot read the size {text!r}; write {_SIZE_FORMS}.")
+    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()])
 
 
 def _choice_text(choice) -> str:
@@ -681,29 +733,79 @@ def _choices_text(choices) -> str:
     return "[" + ", ".join(repr(c) if isinstance(c, str) else _choice_text(c) for c in choices) + "]"
 
 
-def _coerce(value, default, where: str):
-    """Check a value against the type of the field's default (ints accepted for floats, scalars for lists)."""
-    if default is None or value is None:
-        return value
-    if isinstance(default, bool):
+def _declared_type(spec) -> str:
+    """The option's type: its default's, or, for a None default, the annotation's ("int | None" is int)."""
+    default = spec.default if spec.default is not MISSING else spec.default_factory()
+    if default is not None:
+        return "bool" if isinstance(default, bool) else type(default).__name__
+    annotation = str(spec.type).replace(" ", "")
+    return "list[int]" if annotation.startswith("list[int]") else annotation.split("|")[0]
+
+
+def _coerce(value, spec, where: str):
+    """Check a value against the option's declared type (ints accepted for floats, scalars for lists)."""
+    if value is None:
+        default = spec.default if spec.default is not MISSING else spec.default_factory()
+        if default is None:
+            return None
+        raise UsafError(f"{where} needs a value (null is not one).")
+    kind = _declared_type(spec)
+    if kind == "bool":
         if isinstance(value, bool):
             return value
         raise UsafError(f"{where} must be true or false, got {value!r}.")
-    if isinstance(default, int):
+    if kind == "int":
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         raise UsafError(f"{where} must be an integer, got {value!r}.")
-    if isinstance(default, float):
+    if kind == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
-            return float(value)
-        except (TypeError, ValueError):
-            raise UsafError(f"{where} must be a number, got {value!r}.") from None
-    if isinstance(default, list):
-        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+                return float(value)
+            except ValueError:
+                pass
+        raise UsafError(f"{where} must be a number, got {value!r}.")
+    if kind == "list[int]":  # layer numbers: a list, one number, "0,2", or "all" (the same as null)
+        if isinstance(value, str) and value.strip().lower() == "all":
+            return None
+        value = list(value) if isinstance(value, (tuple, range)) else value
+        items = (
+            value if isinstance(value, list) else str(value).split(",") if isinstance(value, str) else [value]
+        )
+        numbers = []
+        for item in items:
+            item = item.strip() if isinstance(item, str) else item
+            if isinstance(item, str) and item.lstrip("-").isdigit():
+                item = int(item)
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise UsafError(
+                    f"{where} must be a list of layer numbers (e.g. [0, 2]), or null (or all) for every layer, "
+                    f"got {value!r}."
+                )
+            numbers.append(item)
+        return numbers
+    if kind == "list":
+        value = list(value) if isinstance(value, (tuple, set)) else value
+        if isinstance(value, list):
+            items = value
+        elif spec.metadata.get("path") and isinstance(value, str):
+            items = split_paths(value)
+        else:
+            items = [v.strip() for v in str(value).split(",") if v.strip()]
+        if isinstance(value, dict) or any(isinstance(v, (list, dict)) or v is None for v in items):
+            raise UsafError(
+                f"{where} must be a list of names or paths (or one, or several comma separated), got {value!r}."
+            )
         return [str(v) for v in items]
-    if isinstance(default, str):
+    if kind == "dict":
+        if isinstance(value, dict):
+            return value
+        raise UsafError(f"{where} must be a mapping (e.g. {{key: value}}), got {value!r}.")
+    if kind == "str":
+        if isinstance(value, os.PathLike):  # a pathlib.Path from Python
+            return os.fspath(value)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise UsafError(f"{where} must be a string, got {value!r}.")
@@ -720,5 +822,6 @@ def describe() -> str:
             doc = f.metadata.get("doc", "")
             extra = f" (one of {', '.join(_choice_text(c) for c in choices)})" if choices else ""
             extra += f" (allowed: {bounds_text(bounds).removeprefix('in ')})" if bounds else ""
+            extra += f" (at most {f.metadata['most']})" if f.metadata.get("most") else ""
             lines.append(f"{name}.{f.name} = {default!r}  {doc}{extra}")
     return "\n".join(lines)

@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from usaf.errors import UsafError
+from usaf.errors import UsafError, first_line
 from usaf.files import METRICS_FILE, ROUTER_LOAD_FILE
 from usaf.io.atomic import atomic_file, atomic_json
 
@@ -59,14 +59,23 @@ def read_metrics(path: str | Path) -> list[dict]:
     """Records of metrics.jsonl in step order; a step logged again (after a resume) keeps its last record.
     Records without a step or unreadable lines (a run killed mid-write) are skipped."""
     by_step: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as f:
+    unread = 0
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is skipped like a torn one
         for line in f:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
+                record = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                unread += 1
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 by_step.setdefault(record["step"], {}).update(record)
+            else:
+                unread += 1
+    if unread and not by_step:
+        raise UsafError(
+            f"{path} holds no metrics ({unread} lines, none a JSON object with a step): it is not the metrics "
+            f"file `usaf train` writes; move it aside to draw only the router loads."
+        )
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -84,11 +93,16 @@ def render_report(run_dir: str | Path) -> list[Path]:
     if loads.exists():
         try:
             data = json.loads(loads.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
             raise UsafError(
-                f"{loads} is not readable JSON ({err}); `usaf train` writes it at the end of a run: finish the run "
+                f"{loads} is not readable JSON ({first_line(err)}); `usaf train` writes it at the end of a run: finish the run "
                 "or delete the file to draw only the curves."
             ) from None
+        if not isinstance(data, dict):
+            raise UsafError(
+                f"{loads} holds a JSON {type(data).__name__}, not the object `usaf train` writes (layers, before, "
+                "after); finish the run or delete the file to draw only the curves."
+            )
         written.append(render_router_load(data, run_dir / ROUTER_LOAD_PNG))
     return written
 

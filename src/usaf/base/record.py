@@ -142,9 +142,15 @@ def read_run_base_record(run_dir: Path) -> dict | None:
     if not path.exists():
         return None  # a run from before base.json, or trained from the hub: nothing recorded
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise UsafError(f"{path} is unreadable ({err}); the run's record of its base is damaged.") from None
+    if not isinstance(record, dict):
+        raise UsafError(
+            f"{path} holds a JSON {type(record).__name__}, not the run's record of its base (an object): it is "
+            "damaged; restore it from a copy of the run."
+        )
+    return record
 
 
 def run_base_dir(run_dir: Path, base_dir: str | Path | None = None) -> Path:

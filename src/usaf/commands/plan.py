@@ -141,15 +141,21 @@ def memory_size(text: str, flag: str) -> int:
 
 
 def _check_numbers(args) -> None:
-    for flag, value, low in (
-        ("--seq", args.seq, 1),
-        ("--batch", args.batch, 1),
-        ("--logits-chunk", args.logits_chunk, 1),
-        ("--workspace-mb", args.workspace_mb, 1),
-        ("--gpus", args.gpus, 1),
+    from usaf.config import TOKENS_MOST
+
+    # the ranges of the run options these flags stand for (usaf.config), so a plan never "fits" what train refuses
+    for flag, value, low, most in (
+        ("--seq", args.seq, 1, TOKENS_MOST),
+        ("--batch", args.batch, 1, TOKENS_MOST),
+        ("--logits-chunk", args.logits_chunk, 1, TOKENS_MOST),
+        ("--workspace-mb", args.workspace_mb, 1, 1 << 30),
+        ("--gpus", args.gpus, 1, 1 << 20),
+        ("--gpus-per-host", args.gpus_per_host, 0, 1 << 20),
     ):
         if value < low:
             raise UsafError(f"{flag} must be at least {low}, got {value}.")
+        if value > most:
+            raise UsafError(f"{flag} must be at most {most}, got {value}.")
     if not 0 < args.density <= 1:
         raise UsafError(f"--density must be in (0, 1], got {args.density:g} (e.g. 0.005 for 0.5 %).")
 

@@ -88,9 +88,10 @@ def run_train(args) -> int:
 
 
 def run_eval(args) -> int:
+    from usaf.config import split_paths
     from usaf.train.evaluate import evaluate_target
 
-    result = evaluate_target(args.target, args.data.split(","), args.set)
+    result = evaluate_target(args.target, split_paths(args.data), args.set)
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0

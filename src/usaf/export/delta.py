@@ -80,7 +80,7 @@ def delta_from_run(run_dir: str | Path) -> Delta:
     summary_file = run_dir / "summary.json"
     info = {
         "source": {"run_dir": str(run_dir.resolve()), "checkpoint": latest.name, "step": saved.get("step")},
-        "training": json.loads(summary_file.read_text()) if summary_file.exists() else None,
+        "training": _read_summary(summary_file) if summary_file.exists() else None,
     }
     return Delta(changes, info, base_record=read_run_base_record(run_dir), origin=f"the run {run_dir}")
 
@@ -105,6 +105,19 @@ def _load_latest(run_dir: Path) -> tuple[Path, dict]:
         "and keeps only the newest, checkpoint.keep_last); nothing is wrong with them: run the export again, or "
         "once the run has finished."
     )
+
+
+def _read_summary(path: Path) -> dict:
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        summary = err
+    if not isinstance(summary, dict):
+        raise UsafError(
+            f"{path} is damaged (not the JSON object `usaf train` writes); delete it and run `usaf train --resume "
+            f"{path.parent}` to rewrite it."
+        )
+    return summary
 
 
 def sorted_change(flat: torch.Tensor, values: torch.Tensor) -> TensorChange:

@@ -20,11 +20,13 @@ from pathlib import Path
 
 import huggingface_hub
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
 from usaf.errors import UsafError, first_line
 from usaf.files import INDEX_FILE
 from usaf.io import published, shards
+from usaf.model.config_json import check_model_config
 from usaf.model.hf import (
     WeightConverter,
     WeightRenaming,
@@ -394,6 +396,12 @@ def cached_model_folder(repo_id: str) -> Path | None:
     return folder if folder is not None and (folder / "config.json").is_file() else None
 
 
+def _strict_reason(err: BaseException) -> str:
+    """huggingface_hub's strict-validation message puts its reason (the expected type) on a later line."""
+    lines = [line.strip() for line in str(err).splitlines()[1:] if line.strip()]
+    return lines[0] if lines else ""
+
+
 def check_model_files(path: str) -> None:
     """A local model folder's config.json and weight files, checked before transformers reads them: an unknown
     model_type or a truncated shard is one line naming the file, not a traceback from deep inside the loader."""
@@ -404,13 +412,17 @@ def check_model_files(path: str) -> None:
     if not config_file.is_file():
         raise UsafError(f"{folder} has no config.json; give the folder of a Hugging Face model.")
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
+        config = json.loads(config_file.read_text())
+        model_type = config.get("model_type")
     except (OSError, ValueError, AttributeError) as err:
         raise UsafError(f"{config_file} is not a readable JSON object ({first_line(err)}).") from None
+    check_model_config(config, str(config_file))
     try:
         load_config(folder)
     except UsafError:
         raise
+    except StrictDataclassError as err:  # a field of the wrong type (huggingface_hub's strict dataclasses)
+        raise UsafError(f"{config_file}: {first_line(err)} {_strict_reason(err)}; correct it.") from None
     except (OSError, ValueError, KeyError) as err:
         if "does not recognize this architecture" in str(err) or isinstance(err, KeyError):
             import transformers

@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from usaf.errors import UsafError, first_line
+from usaf.model.config_json import check_model_config
 from usaf.model.layout import find_moe_layers, intermediate_size
 from usaf.model.targets import DENSE_TARGETS, find_target_weights
 
@@ -40,9 +41,14 @@ def load_model_config(model: str) -> tuple[str, dict]:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UsafError(f"{path} has no config.json.")
-        return path.name, _read_json(path / "config.json")
+        path = path / "config.json"
+        config = _read_json(path)
+        check_model_config(config, str(path))
+        return path.parent.name, config
     if path.is_file():
-        return (path.parent.name if path.name == "config.json" else path.stem), _read_json(path)
+        config = _read_json(path)
+        check_model_config(config, str(path))
+        return (path.parent.name if path.name == "config.json" else path.stem), config
     presets = list_presets()
     for name in presets:
         config = json.loads(_presets_dir().joinpath(f"{name}.json").read_text())

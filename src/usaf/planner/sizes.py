@@ -2,31 +2,10 @@
 
 from __future__ import annotations
 
-import re
-
-from usaf.errors import UsafError
+from usaf.config import parse_size  # noqa: F401  (sizes as people write them: read where options are)
 
 GiB = 1 << 30
 MiB = 1 << 20
-
-
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-_SIZE_FORMS = "a number with an optional unit, e.g. 12GB, 12GiB, 12G, 512MB, 1.5TB, or bytes (12884901888)"
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from '12GB', '12GiB', '12G', '512MB', '1.5T', '4096B' or a plain number of bytes.
-
-    Units are binary (12GB = 12 GiB = 12 * 2**30 bytes), as memory cards and modules are sized.
-    """
-    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
-        return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(?:i?b)?|b)?\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise UsafError(f"Cannot read the size {text!r}; write {_SIZE_FORMS}.")
-    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()])
 
 
 def format_size(num_bytes: float) -> str:

@@ -142,6 +142,12 @@ def load_model(
             config, device, dtype, calibration_batches=calibration_batches, recompute=recompute
         )
     else:
+        if config.model.residency != "device":  # host/mmap keep a quantized store's experts off the device
+            raise UsafError(
+                f"model.residency={config.model.residency} keeps a quantized base's experts in host memory; "
+                "this base is not quantized (model.quant=none): set model.quant=nf4, int8 or int4, or "
+                "model.residency=device."
+            )
         check_model_files(path)
         try:
             model = load_causal_lm(path, dtype=dtype)
