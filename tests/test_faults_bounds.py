@@ -171,8 +171,9 @@ def test_chat_without_markers_is_bounded_in_turns(ws, tmp_path, capsys):
     data = tmp_path / "long-chat.jsonl"
     data.write_text(json.dumps({"messages": turns}) + "\n" + json.dumps({"messages": turns[:6]}) + "\n")
     started = time.monotonic()
+    # the largest max_seq_len config allows: no record is cut short of its turns
     rc = main(["data", f"--model={ws.base}", f"--data={data}", f"--set=data.chat_template={template}",
-               "--set=data.max_seq_len=1048576"])  # fmt: skip  (the most config allows)
+               "--set=data.max_seq_len=1048576"])  # fmt: skip
     elapsed = time.monotonic() - started
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
