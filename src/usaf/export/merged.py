@@ -51,13 +51,19 @@ def export_merged(
 
 
 def apply_delta(
-    base_dir: str | Path, delta_path: str | Path, out_dir: str | Path, *, force: bool = False
+    base_dir: str | Path,
+    delta_path: str | Path,
+    out_dir: str | Path,
+    *,
+    force: bool = False,
+    unchecked_base: bool = False,
 ) -> Path:
-    """`usaf apply BASE_DIR DELTA OUT_DIR`: a merged checkpoint from a base and a delta file made against it."""
+    """`usaf apply BASE_DIR DELTA OUT_DIR`: a merged checkpoint from a base and a delta file made against it
+    (`unchecked_base`: a delta without its base record is applied unchecked)."""
     check_output_dir(Path(out_dir), base_dir, force)
     delta = read_delta(delta_path)
     base = BaseCheckpoint(base_dir)
-    check_base(delta, base)
+    check_base(delta, base, unchecked_base=unchecked_base)
     return write_merged(base, delta, out_dir, force=force)
 
 
