@@ -142,9 +142,6 @@ ROWS = [
     Row("resume-edited-lr-in-config-yaml", ["train", "--resume={run}"], 2,
         ["'optim.lr' is 0.02 there", "to change it on resume, give --set optim.lr=VALUE"],
         run="unfinished", setup=edit_config("optim.lr", "0.02"), keeps=["{run}"]),
-    Row("resume-set-fixed-setting", ["train", "--resume={run}", "--set=optim.beta1=0.8"], 2,
-        ["cannot resume: 'optim.beta1' differs from the original run (0.9 there, 0.8 now)"],
-        run="unfinished", keeps=["{run}"]),
     # ---- deltas with bad content (a checksum recomputed over it passes: the content is what is checked)
     Row("apply-negative-index", APPLY_BAD, 2, [BAD, "has negative indices (e.g. -1)"],
         setup=bad_delta("negative"), absent=["{tmp}/out"]),

@@ -214,7 +214,12 @@ def read_state(path: Path) -> dict:
     state_file, sum_file = path / STATE_FILE, path / STATE_SUM_FILE
     try:
         if sum_file.exists():
-            recorded = sum_file.read_text().strip()
+            recorded = sum_file.read_text(errors="replace").strip()
+            if not re.fullmatch(r"[0-9a-f]{64}", recorded):
+                raise UsafError(
+                    f"Checkpoint file {sum_file} is damaged (not a sha256); delete {path} to fall back to an "
+                    "earlier checkpoint of the run."
+                )
             if file_sha256(state_file) != recorded:
                 raise _damaged(state_file, path)
         meta = json.loads(state_file.read_text())
