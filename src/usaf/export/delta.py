@@ -307,24 +307,24 @@ def check_base(delta: Delta, base: BaseCheckpoint, *, unchecked_base: bool = Fal
     the shard files' sizes. The recorded full sha256 (of the tensors that can hold trained entries) are verified as
     the changed tensors are read. A delta file without its base record is refused unless `unchecked_base`."""
     recorded, delta_path = delta.base_record, delta.origin
+    if recorded is None:
+        if not unchecked_base:
+            check_base_recorded(delta, str(base.dir), UNCHECKED_BASE_FLAG)
+    elif not isinstance(recorded, dict):
+        raise UsafError(f"{delta_path} is corrupted: its base record is not a mapping; export it again.")
+    elif recorded.get("model_type") != (model_type := getattr(base.config, "model_type", None)):
+        raise UsafError(
+            f"{delta_path} was made for a {recorded.get('model_type')} model, but {base.dir} is {model_type}; use "
+            "the model it was trained from."
+        )
     for name, entry in (delta.info.get("changes") or {}).items():
-        if list(base.shape(name)) != entry["shape"]:  # whatever is recorded: indices must fit the target
+        if list(base.shape(name)) != entry["shape"]:  # recorded or not: the indices must fit the target
             raise UsafError(
                 f"{delta_path} changes '{name}' of shape {entry['shape']}, but in {base.dir} it is "
                 f"{list(base.shape(name))}; use the model it was trained from."
             )
     if recorded is None:
-        if not unchecked_base:
-            check_base_recorded(delta, str(base.dir), UNCHECKED_BASE_FLAG)
-        return  # a run from before base.json (or trained from the hub): nothing to compare against
-    if not isinstance(recorded, dict):
-        raise UsafError(f"{delta_path} is corrupted: its base record is not a mapping; export it again.")
-    model_type = getattr(base.config, "model_type", None)
-    if recorded.get("model_type") != model_type:
-        raise UsafError(
-            f"{delta_path} was made for a {recorded.get('model_type')} model, but {base.dir} is {model_type}; use "
-            "the model it was trained from."
-        )
+        return  # a run from before base.json (or trained from the hub), or unchecked: nothing to compare against
     found = structural_difference(recorded, base)
     if found is None:
         return
