@@ -36,6 +36,11 @@ def add_command(sub) -> None:
     a.add_argument("delta", metavar="DELTA")
     a.add_argument("out_dir", metavar="OUT_DIR")
     a.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    a.add_argument(
+        "--unchecked-base",
+        action="store_true",
+        help="apply a delta that has no record of its base (the base cannot be checked)",
+    )
     a.set_defaults(func=run_apply)
 
 
@@ -133,7 +138,9 @@ def run_apply(args) -> int:
     from usaf.io.published import checkpoint_method
 
     with terminate_as_interrupt():  # a SIGTERM removes the partial output, as Ctrl-C does
-        path = apply_delta(args.base_dir, args.delta, args.out_dir, force=args.force)
+        path = apply_delta(
+            args.base_dir, args.delta, args.out_dir, force=args.force, unchecked_base=args.unchecked_base
+        )
     print(f"merged checkpoint: {path}")
     if checkpoint_method(args.base_dir) is not None:
         print(dequantized_note(BaseCheckpoint(args.base_dir), path))

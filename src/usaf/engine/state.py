@@ -130,7 +130,8 @@ def owned_state(module: nn.Module) -> SparseState | None:
 
 def module_state(module: nn.Module) -> SparseState | None:
     """The state `module`'s forward uses: its own, or (a tied output layer) the one it shares."""
-    return module.__dict__.get(_TIED) or owned_state(module)
+    tied = module.__dict__.get(_TIED)  # not `or`: a state without entries yet is an empty (falsy) container
+    return tied if tied is not None else owned_state(module)
 
 
 def share_state(module: nn.Module, state: SparseState) -> None:

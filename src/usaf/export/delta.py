@@ -77,6 +77,11 @@ def delta_from_run(run_dir: str | Path) -> Delta:
                 "resume the run for one step with this version to re-save it."
             )
         changes[key] = TensorChange(None, value.reshape(-1))  # a router (or other dense trainable parameter)
+    for name, layout in (saved.get("selection") or {}).items():
+        check_change(changes[name], name, layout["shape"], f"checkpoint {latest}", "resume the run")
+    for name, change in changes.items():
+        if change.flat_indices is None:
+            check_change(change, name, list(change.values.shape), f"checkpoint {latest}", "resume the run")
     summary_file = run_dir / "summary.json"
     info = {
         "source": {"run_dir": str(run_dir.resolve()), "checkpoint": latest.name, "step": saved.get("step")},
@@ -230,14 +235,61 @@ def read_delta(path: str | Path) -> Delta:
     try:
         for name, entry in info["changes"].items():
             if entry["kind"] == "full":
-                changes[name] = TensorChange(None, tensors[f"{name}:full"].reshape(-1))
+                change = TensorChange(None, tensors[f"{name}:full"].reshape(-1))
             else:
-                changes[name] = TensorChange(
-                    tensors[f"{name}:flat_indices"].to(torch.int64), tensors[f"{name}:values"].reshape(-1)
-                )
-    except KeyError as err:
-        raise UsafError(f"{path} is corrupted: it lacks tensor {err}; export it again.") from None
+                change = TensorChange(tensors[f"{name}:flat_indices"], tensors[f"{name}:values"].reshape(-1))
+            # its content, not only its checksum: a checksum recomputed over bad content passes
+            check_change(
+                change, name, entry.get("shape"), f"Delta file {path}", "export it again from its run"
+            )
+            if change.flat_indices is not None:
+                change = TensorChange(change.flat_indices.to(torch.int64), change.values)
+            changes[name] = change
+    except (KeyError, TypeError, AttributeError) as err:
+        raise UsafError(
+            f"{path} is corrupted: its tensor list is unreadable ({err!r}); export it again."
+        ) from None
     return Delta(changes, info, base_record=info.get("base"), origin=str(path))
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_change(change: TensorChange, name: str, shape, where: str, fix: str) -> None:
+    """The content of one changed tensor, as any reader of a delta or checkpoint must see it before writing it into
+    a model: integer flat indices, each once, inside the tensor's `shape`; as many values, all finite."""
+
+    def bad(what: str) -> UsafError:
+        return UsafError(f"{where}: tensor '{name}' {what}; it cannot be applied ({fix}).")
+
+    if not isinstance(shape, list | tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise bad(f"has no valid shape ({shape!r})")
+    numel = torch.Size(shape).numel()
+    values, indices = change.values, change.flat_indices
+    if not values.is_floating_point():
+        raise bad(f"has values of type {values.dtype}, not floating point")
+    if indices is None:
+        if values.numel() != numel:
+            raise bad(f"holds {values.numel():,} values for its shape {list(shape)} ({numel:,})")
+    else:
+        if indices.dtype not in _INDEX_DTYPES:
+            raise bad(f"has indices of type {indices.dtype}, not int32/int64")
+        indices = indices.reshape(-1)
+        if indices.numel() != values.numel():
+            raise bad(f"has {indices.numel():,} indices for {values.numel():,} values")
+        if indices.numel():
+            low, high = int(indices.min()), int(indices.max())
+            if low < 0:
+                raise bad(f"has negative indices (e.g. {low})")
+            if high >= numel:
+                raise bad(f"has indices beyond its shape {list(shape)} (e.g. {high}, of {numel:,} entries)")
+            ordered = torch.sort(indices.to(torch.int64)).values
+            repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+            if repeated.numel():
+                raise bad(f"lists entry {int(repeated[0])} more than once")
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        raise bad(f"holds {int((~finite).sum()):,} NaN/Inf values")
 
 
 def _payload_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -276,26 +328,33 @@ def run_delta_and_base(
     return delta, base
 
 
-def check_base(delta: Delta, base: BaseCheckpoint) -> None:
+UNCHECKED_BASE_FLAG = "--unchecked-base"
+
+
+def check_base(delta: Delta, base: BaseCheckpoint, *, unchecked_base: bool = False) -> None:
     """Cheap checks that `base` is the model `delta` was made against, for a delta file (`usaf apply`, load_delta)
     and a run (`usaf export`) alike: model type, every recorded tensor's presence, dtype, shape and sampled bytes,
     the shard files' sizes. The recorded full sha256 (of the tensors that can hold trained entries) are verified as
-    the changed tensors are read."""
+    the changed tensors are read. A delta file without its base record is refused unless `unchecked_base`."""
     recorded, delta_path = delta.base_record, delta.origin
     if recorded is None:
-        return  # a run from before base.json (or trained from the hub): nothing to compare against
-    model_type = getattr(base.config, "model_type", None)
-    if recorded.get("model_type") != model_type:
+        if not unchecked_base:
+            check_base_recorded(delta, str(base.dir), UNCHECKED_BASE_FLAG)
+    elif not isinstance(recorded, dict):
+        raise UsafError(f"{delta_path} is corrupted: its base record is not a mapping; export it again.")
+    elif recorded.get("model_type") != (model_type := getattr(base.config, "model_type", None)):
         raise UsafError(
             f"{delta_path} was made for a {recorded.get('model_type')} model, but {base.dir} is {model_type}; use "
             "the model it was trained from."
         )
     for name, entry in (delta.info.get("changes") or {}).items():
-        if list(base.shape(name)) != entry["shape"]:
+        if list(base.shape(name)) != entry["shape"]:  # recorded or not: the indices must fit the target
             raise UsafError(
                 f"{delta_path} changes '{name}' of shape {entry['shape']}, but in {base.dir} it is "
                 f"{list(base.shape(name))}; use the model it was trained from."
             )
+    if recorded is None:
+        return  # a run from before base.json (or trained from the hub), or unchecked: nothing to compare against
     found = structural_difference(recorded, base)
     if found is None:
         return
@@ -317,6 +376,16 @@ def check_base(delta: Delta, base: BaseCheckpoint) -> None:
             f"{base.dir} {'lacks it' if entry is None else 'differs'}. Use the model it was trained from."
         )
     raise UsafError(checksum_message(key, entry.file, delta_path, "its first and last bytes differ"))
+
+
+def check_base_recorded(delta: Delta, target: str, flag: str) -> None:
+    """A delta file stripped of its base record: whatever it is applied to cannot be checked; only `flag` (off by
+    default) applies it unchecked. A run without base.json (trained from the hub) is checked on its own terms."""
+    if delta.base_record is None and delta.info.get("format") == DELTA_FORMAT:
+        raise UsafError(
+            f"{delta.origin} has no record of the base it was trained on (its metadata lacks 'base'), so {target} "
+            f"cannot be checked to be that model; pass {flag} to apply it anyway."
+        )
 
 
 def verify_checksums(delta: Delta, base: BaseCheckpoint) -> None:

@@ -11,31 +11,40 @@ from usaf.base.checkpoint import BaseCheckpoint
 from usaf.engine.installed import sparse_modules
 from usaf.engine.sparse import ElementEntries
 from usaf.errors import UsafError
-from usaf.export.delta import check_base, read_delta, verify_checksums
+from usaf.export.delta import check_base, check_base_recorded, read_delta, verify_checksums
 from usaf.prepare import TensorChange
 
 # ---- applying a delta to a loaded model ----------------------------------------------------------------------------
 
 
 @torch.no_grad()
-def load_delta(model: nn.Module, path: str | Path, base_dir: str | Path | None = None) -> nn.Module:
+def load_delta(
+    model: nn.Module,
+    path: str | Path,
+    base_dir: str | Path | None = None,
+    *,
+    unchecked_base: bool = False,
+) -> nn.Module:
     """Apply a delta file to a loaded transformers model, for inference; returns the model.
 
     A plain model gets the trained values written into its parameters (cast to their dtype). A model prepared by
     `usaf.prepare_model` (quantized base or not) gets them as its trained values: the engine writes them over the
-    frozen base in every forward. base_dir: also verify the checksums of the checkpoint the model was loaded from.
+    frozen base in every forward. base_dir: also verify the checksums of the checkpoint the model was loaded from
+    (a delta without its base record is then refused unless `unchecked_base`). The delta's content is checked as
+    it is read (indices, values: `usaf.export.delta.check_change`).
     """
 
     path = Path(path)
     delta = read_delta(path)
+    if not unchecked_base:
+        check_base_recorded(delta, "this model", "unchecked_base=True")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type is not None and delta.info["base"].get("model_type") not in (None, model_type):
-        raise UsafError(
-            f"{path} was made for a {delta.info['base']['model_type']} model; this model is {model_type}."
-        )
+    made_for = (delta.base_record or {}).get("model_type")
+    if model_type is not None and made_for not in (None, model_type):
+        raise UsafError(f"{path} was made for a {made_for} model; this model is {model_type}.")
     if base_dir is not None:
         base = BaseCheckpoint(base_dir)
-        check_base(delta, base)
+        check_base(delta, base, unchecked_base=unchecked_base)
         verify_checksums(delta, base)
     prepared = dict(sparse_modules(model))
     for name, change in delta.changes.items():

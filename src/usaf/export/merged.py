@@ -53,14 +53,20 @@ def export_merged(
 
 
 def apply_delta(
-    base_dir: str | Path, delta_path: str | Path, out_dir: str | Path, *, force: bool = False
+    base_dir: str | Path,
+    delta_path: str | Path,
+    out_dir: str | Path,
+    *,
+    force: bool = False,
+    unchecked_base: bool = False,
 ) -> Path:
-    """`usaf apply BASE_DIR DELTA OUT_DIR`: a merged checkpoint from a base and a delta file made against it."""
+    """`usaf apply BASE_DIR DELTA OUT_DIR`: a merged checkpoint from a base and a delta file made against it
+    (`unchecked_base`: a delta without its base record is applied unchecked)."""
     inputs = [("the base checkpoint", base_dir), ("the delta file", delta_path)]
     check_output(out_dir, MERGED, flag="OUT_DIR", force=force, inputs=inputs, noun="output directory")
     delta = read_delta(delta_path)
     base = BaseCheckpoint(base_dir)
-    check_base(delta, base)
+    check_base(delta, base, unchecked_base=unchecked_base)
     return write_merged(base, delta, out_dir, force=force, flag="OUT_DIR")
 
 

@@ -2,8 +2,9 @@
 
 Layout: RUN_DIR/checkpoints/step-00000010/{trainable,optimizer,rng}.safetensors + state.json. A checkpoint is
 written into a temporary folder, every file fsynced, and renamed into place: a folder named step-* is always
-complete. Only safetensors and JSON: nothing is unpickled on resume. state.json, written last, records the sha256
-of every other file ("files"); loading verifies them, so a damaged or truncated file is named as such.
+complete. Only safetensors and JSON: nothing is unpickled on resume. state.json records the sha256 of every other
+file ("files") and state.sha256, written last, the sha256 of state.json itself (its data position, counters and
+config are run state too); loading verifies them all, so a damaged or truncated file is named as such.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ from usaf.version import __version__
 PREFIX = "step-"
 _STEP_NAME = re.compile(r"step-(\d+)")
 TENSOR_FILES = ("trainable.safetensors", "optimizer.safetensors", "rng.safetensors", "extra.safetensors")
+STATE_FILE, STATE_SUM_FILE = "state.json", "state.sha256"
+# state.json's copy of the run's settings as its config.yaml states them: what a resume compares config.yaml and
+# its command line with
+RUN_CONFIG_KEY = "run_config"
+# a nested optimizer state (bitsandbytes' 8-bit state keeps its tensors in one dict per parameter) is flattened to
+# "INDEX.OUTER/INNER": torch's own state names never hold a "/"
+_NESTED = "/"
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -148,19 +156,40 @@ def _write(tmp: Path, model, optimizer, scheduler, state: dict, step: int, extra
         "selection": selection_layout(model),
         **state,
     }
-    _written(tmp / "state.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
+    _written(tmp / STATE_FILE, lambda p: p.write_text(json.dumps(meta, indent=1)))
+    _written(tmp / STATE_SUM_FILE, lambda p: p.write_text(file_sha256(tmp / STATE_FILE) + "\n"))
 
 
 def _flatten_optimizer(optimizer) -> tuple[dict, dict]:
     state_dict = optimizer.state_dict()
     tensors, scalars = {}, {}
     for index, per_param in state_dict["state"].items():
-        for key, value in per_param.items():
+        for key, value in _flat_items(per_param):
             if isinstance(value, torch.Tensor):
                 tensors[f"{index}.{key}"] = value.contiguous().cpu()
-            else:
+            elif isinstance(value, bool | int | float | str) or value is None:
                 scalars[f"{index}.{key}"] = value
+            else:
+                raise UsafError(
+                    f"the optimizer's state '{key}' is a {type(value).__name__}, which a checkpoint cannot hold; "
+                    "use the default optimizer (optim.eight_bit=false)."
+                )
     return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def _flat_items(state: dict, prefix: str = ""):
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from _flat_items(value, f"{prefix}{key}{_NESTED}")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _nest(state: dict, name: str, value) -> None:
+    *outer, last = name.split(_NESTED)
+    for key in outer:
+        state = state.setdefault(key, {})
+    state[last] = value
 
 
 def file_sha256(path: Path) -> str:
@@ -169,6 +198,38 @@ def file_sha256(path: Path) -> str:
         while block := f.read(16 << 20):
             hasher.update(block)
     return hasher.hexdigest()
+
+
+def _damaged(file: Path, path: Path) -> UsafError:
+    return UsafError(
+        f"Checkpoint file {file} is damaged: its sha256 differs from the one recorded when it was written "
+        f"({file.stat().st_size:,} bytes now); delete {path} to fall back to an earlier checkpoint of the run."
+    )
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint's state.json, verified against state.sha256 (checkpoints written before usaf recorded it are
+    not checked): its data position, counters and config are trusted by a resume."""
+    path = Path(path)
+    state_file, sum_file = path / STATE_FILE, path / STATE_SUM_FILE
+    try:
+        if sum_file.exists():
+            recorded = sum_file.read_text(errors="replace").strip()
+            if not re.fullmatch(r"[0-9a-f]{64}", recorded):
+                raise UsafError(
+                    f"Checkpoint file {sum_file} is damaged (not a sha256); delete {path} to fall back to an "
+                    "earlier checkpoint of the run."
+                )
+            if file_sha256(state_file) != recorded:
+                raise _damaged(state_file, path)
+        meta = json.loads(state_file.read_text())
+        if not isinstance(meta, dict):
+            raise ValueError("state.json is not a mapping")
+    except (OSError, ValueError) as err:
+        raise UsafError(
+            f"Checkpoint {path} is unreadable ({err}); delete it to resume from an earlier one."
+        ) from None
+    return meta
 
 
 def verify(path: Path, meta: dict) -> None:
@@ -182,19 +243,14 @@ def verify(path: Path, meta: dict) -> None:
                 "checkpoint of the run."
             )
         if file_sha256(file) != digest:
-            raise UsafError(
-                f"Checkpoint file {file} is damaged: its sha256 differs from the one recorded when it was written "
-                f"({file.stat().st_size:,} bytes now); delete {path} to fall back to an earlier checkpoint of the run."
-            )
+            raise _damaged(file, path)
 
 
 def load(path: Path) -> dict:
     """Everything in a checkpoint folder (tensors on CPU), its files verified against their recorded sha256."""
     path = Path(path)
+    meta = read_state(path)
     try:
-        meta = json.loads((path / "state.json").read_text())
-        if not isinstance(meta, dict):
-            raise ValueError("state.json is not a mapping")
         verify(path, meta)
         meta["trainable"] = load_file(str(path / "trainable.safetensors"))
         meta["optimizer_tensors"] = load_file(str(path / "optimizer.safetensors"))
@@ -216,12 +272,9 @@ def load(path: Path) -> dict:
 def restore_optimizer(optimizer, checkpoint: dict) -> None:
     meta = checkpoint["optimizer"]
     state: dict = {}
-    for key, value in checkpoint["optimizer_tensors"].items():
+    for key, value in [*checkpoint["optimizer_tensors"].items(), *meta["scalars"].items()]:
         index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = value
-    for key, value in meta["scalars"].items():
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = value
+        _nest(state.setdefault(int(index), {}), name, value)
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 

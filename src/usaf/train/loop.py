@@ -58,6 +58,8 @@ from usaf.train.run_dir import (
 )
 from usaf.train.session import (
     absolute_paths,
+    check_finite_base,
+    check_trainable_entries,
     open_session,
     selection_summary,
 )
@@ -84,11 +86,13 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
         if not resume and check_new_run(config, run_dir, force) == "dead start":
             remove_run_files(run_dir, keep=set())
         present = set(os.listdir(run_dir))
+        progress = _Progress()
         try:
-            return _train(config, run_dir, resume)
+            return _train(config, run_dir, resume, progress)
         except BaseException:
-            # a start that failed before its first checkpoint leaves nothing that looks like a run
-            if not resume and checkpoint.latest(run_dir) is None:
+            # a start that failed before its first step leaves nothing that looks like a run; once a step is
+            # taken its metrics and data stay (a later start into the folder is told it holds a dead start)
+            if not resume and checkpoint.latest(run_dir) is None and not progress.stepped:
                 with contextlib.suppress(OSError):  # a second error must not hide the first
                     if lock.made_folder:
                         shutil.rmtree(run_dir)
@@ -97,14 +101,20 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
             raise
 
 
-def _train(config: RunConfig, run_dir: Path, resume: bool) -> dict:
+class _Progress:
+    """Whether the run took a step (set by the Trainer): what a failed start may no longer remove."""
+
+    stepped = False
+
+
+def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress | None = None) -> dict:
     config, changes = prepare_run_dir(config, run_dir, resume)
     if resume:
         if (finished := finished_run(run_dir, config)) is not None:
             return finished  # nothing to do, and nothing written: the run's files stay as they are
         if any(c.startswith("model.path ") for c in changes):
             check_moved_base(run_dir, config.model.path)
-    return Trainer(config, run_dir, resume, changes).train()
+    return Trainer(config, run_dir, resume, changes, progress or _Progress()).train()
 
 
 class Trainer:
@@ -112,9 +122,14 @@ class Trainer:
     `train` reads top to bottom; each step is `forward_backward`, `optimizer_step` (with its skip policy) and
     `after_step` (reselection, router health, logging, evaluation, checkpoint)."""
 
-    def __init__(self, config: RunConfig, run_dir: Path, resume: bool, changes: list[str]):
-        self.run_dir, self.notes = run_dir, []
-        resumed_yaml = config.to_yaml()  # as given (a note may turn packing off for this process only)
+    def __init__(
+        self, config: RunConfig, run_dir: Path, resume: bool, changes: list[str], progress: _Progress
+    ):
+        self.run_dir, self.notes, self.progress = run_dir, [], progress
+        # the settings as given (a note may turn packing off for this process only): what config.yaml states and
+        # every checkpoint records, for a resume to compare with
+        self.run_config, self.run_yaml = config.to_dict(), config.to_yaml()
+        self.yaml_pending = False  # config.yaml is rewritten with the next checkpoint, which records the same
         runtime.seed_everything(config.train.seed)
         # decided before loading: calibration recomputes as training does
         device = distributed.local_device(runtime.resolve_device(config.model.device))  # [usaf.distributed]
@@ -133,6 +148,7 @@ class Trainer:
             session.dtype,
         )
         config = self.config
+        check_trainable_entries(self.model, config)
         self.eval_data, self.data_stats = session.eval_data, session.data_stats
         self.notes += session.notes
         self.batches = Batches(session.train_data, config.data.batch_size, seed=config.train.seed)
@@ -169,10 +185,11 @@ class Trainer:
         self.state = TrainState()
         if restored is not None:
             self.restore_loop(restored)
-            # recorded once the checkpoint is restored, so a later resume or export reads them (rank 0 writes)
-            if changes and distributed.is_main():
-                atomic_file(run_dir / CONFIG_FILE, lambda tmp: tmp.write_text(resumed_yaml))
+            if changes:
                 self.notes.append("resumed with " + ", ".join(changes))
+            # config.yaml states the run as resumed (changes, or a --set that put an edit back) from the next
+            # checkpoint on, which records the same settings: the two never disagree for a later resume
+            self.yaml_pending = (run_dir / CONFIG_FILE).read_text(errors="replace") != self.run_yaml
             if distributed.is_main():  # [usaf.distributed]
                 truncate_metrics(run_dir / METRICS_FILE, self.state.step)
         self.entries = trainable_summary(self.model)
@@ -302,6 +319,9 @@ class Trainer:
             if scaler.is_enabled() and math.isfinite(loss):  # fp16 overflow: retry at the lower scale
                 state.overflow_steps += 1
                 return None
+            if state.step == 0 and state.bad_steps == 0:
+                # before any update the learning rate is not the cause: a damaged base is named, not retried
+                check_finite_base(self.model, f"the loss at step 1, before any update, is {loss}")
             state.bad_steps += 1
             self.log.message(f"step {state.step + 1}: loss {loss} / grad norm {grad_norm}: skipped")
             if state.bad_steps > config.train.max_bad_steps:
@@ -321,6 +341,7 @@ class Trainer:
         self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
+        self.progress.stepped = True
         return grad_norm
 
     def after_step(
@@ -407,7 +428,7 @@ class Trainer:
             return None
         if self.prefix_cache is not None:
             self.state.prefix_cache_hits = self.prefix_cache.hits
-        return checkpoint.save(
+        saved = checkpoint.save(
             self.run_dir,
             self.state.step,
             model=self.model,  # the trained values (the forward writes them into resident weights)
@@ -418,6 +439,7 @@ class Trainer:
                 "data": self.batches.state_dict(),
                 "rng": runtime.rng_state(),
                 "config": self.config.to_dict(),
+                checkpoint.RUN_CONFIG_KEY: self.run_config,
                 "router": self.routers.state_dict(),
                 "world_size": distributed.world_size(),  # [usaf.distributed] a resume must match it
             },
@@ -427,6 +449,10 @@ class Trainer:
                 **self.routers.tensor_state(),
             },
         )
+        if self.yaml_pending:
+            atomic_file(self.run_dir / CONFIG_FILE, lambda tmp: tmp.write_text(self.run_yaml))
+            self.yaml_pending = False
+        return saved
 
     def restore_values(self, saved: Path) -> dict:
         """The checkpoint `saved`, with its trained values and router state put back in the model."""

@@ -30,6 +30,7 @@ from usaf.io.guard import check_placement, what_is
 from usaf.train import checkpoint, distributed
 from usaf.train.session import (
     absolute_paths,
+    check_something_to_train,
     is_local_path,
 )
 from usaf.version import __version__
@@ -58,13 +59,17 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[Run
     """The run's config, and (resuming) the changes it makes to the saved one; a new run's folder is marked."""
     saved_config = run_dir / CONFIG_FILE
     if resume:
-        if checkpoint.latest(run_dir) is None:
+        latest = checkpoint.latest(run_dir)
+        if latest is None:
             raise UsafError(
                 f"--resume {run_dir}: the run has no finished checkpoint to resume from; start it again with "
                 f"--out {run_dir}."
             )
-        original = absolute_paths(RunConfig.load(str(saved_config)))
-        return config, check_resumable(original, config)
+        found = absolute_paths(RunConfig.load(str(saved_config))).to_dict()
+        # the settings the run last trained with, from its (checksummed) checkpoint; a checkpoint of a usaf
+        # that did not record them is compared with config.yaml as found
+        recorded = checkpoint.read_state(latest).get(checkpoint.RUN_CONFIG_KEY)
+        return config, check_resumable(recorded or found, config, found, saved_config)
     if not distributed.is_main():  # [usaf.distributed] rank 0 marks and writes the folder
         return config, []
     # the marker first: from here on the folder is usaf's, whatever else fails
@@ -160,6 +165,7 @@ def check_new_run(config: RunConfig, run_dir: Path, force: bool) -> str:
         raise UsafError("no training data: give --data FILE (or data.train in the config file).")
     if not config.model.path:
         raise UsafError("no model: give --model DIR (or model.path in the config file).")
+    check_something_to_train(config)
     if run_dir.is_file():
         raise UsafError(f"--out {run_dir} is a file, not a folder; choose another --out.")
     check_placement(run_dir, "--out", run_inputs(config))
@@ -264,23 +270,53 @@ def finished_run(run_dir: Path, config: RunConfig) -> dict | None:
     return None
 
 
-def check_resumable(original: RunConfig, now: RunConfig) -> list[str]:
-    """The changes a resume makes ("optim.lr 0.01 -> 0.02"); refuses any outside RESUME_MAY_CHANGE."""
-    old, new = original.to_dict(), now.to_dict()
+def may_change_on_resume(key: str) -> bool:
+    return key in RESUME_MAY_CHANGE or key.split(".", 1)[0] in RESUME_MAY_CHANGE
+
+
+def check_resumable(
+    recorded: dict, now: RunConfig, found: dict | None = None, config_file: Path | None = None
+) -> list[str]:
+    """The changes a resume makes ("optim.lr 0.01 -> 0.02") to the settings the run `recorded`; refuses any
+    outside RESUME_MAY_CHANGE, and any edit of the run's config.yaml (`found`) that the command line does not
+    set back: a resume changes settings with --set, so that config.yaml always states the run."""
+    old, new = _plain(recorded), _plain(now.to_dict())
+    found = _plain(found) if found is not None else new
+    allowed = ", ".join(k if "." in k else f"{k}.*" for k in RESUME_MAY_CHANGE)
     changes = []
     for section, values in old.items():
         for name, a in values.items():
-            b, key = new[section][name], f"{section}.{name}"
+            b, key = new.get(section, {}).get(name), f"{section}.{name}"
             if a == b:
                 continue
-            if section not in RESUME_MAY_CHANGE and key not in RESUME_MAY_CHANGE:
-                allowed = ", ".join(k if "." in k else f"{k}.*" for k in RESUME_MAY_CHANGE)
+            edited = found.get(section, {}).get(name, a)
+            if edited != a and edited == b:  # the value comes from config.yaml, not from the command line
+                how = (
+                    f"to change it on resume, give --set {key}=VALUE"
+                    if may_change_on_resume(key)
+                    else f"it is fixed by the checkpoint (a resume may change only {allowed}, with --set)"
+                )
+                raise UsafError(
+                    f"cannot resume: {config_file} was edited: '{key}' is {b!r} there, but the run recorded "
+                    f"{a!r}; put {a!r} back (or resume with --set {key}={_shown(a)}); {how}."
+                )
+            if not may_change_on_resume(key):
                 raise UsafError(
                     f"cannot resume: '{key}' differs from the original run ({a!r} there, {b!r} now). Resume with "
                     f"the original value; a resume may change only {allowed}."
                 )
             changes.append(f"{key} {a!r} -> {b!r}")
     return changes
+
+
+def _plain(config: dict) -> dict:
+    """A config's sections as JSON reads them back (tuples as lists), so a recorded copy compares equal."""
+    return json.loads(json.dumps(config))
+
+
+def _shown(value) -> str:
+    """A value as --set takes it."""
+    return json.dumps(value) if isinstance(value, list | dict | bool) or value is None else str(value)
 
 
 def truncate_metrics(path: Path, step: int) -> None:

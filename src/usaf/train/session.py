@@ -163,6 +163,60 @@ def load_model(
 
 
 @torch.no_grad()
+def check_finite_base(model: torch.nn.Module, seen: str) -> None:
+    """A NaN/Inf `seen` before any update (the first step's loss, the first forward): a base weight with NaN/Inf
+    is named (retrying the step or lowering the learning rate cannot help); read only on that failure."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    # the model's own weights first: usaf's trained values are copies of them
+    for name, tensor in sorted(tensors, key=lambda item: ".usaf." in item[0]):
+        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            raise UsafError(
+                f"the base model has NaN/Inf values in tensor '{name}' ({seen}): training cannot start from it; "
+                "use an intact copy of the model."
+            )
+
+
+def nothing_to_train(config: RunConfig) -> str | None:
+    """Why `select` (targets, layers, train_router) picks no weight at all in any model, or None: known from the
+    config alone, so a run is refused before its folder is made."""
+    select = config.select
+    if select.layers is not None and not select.layers:
+        return (
+            "select.layers is [] (no decoder layer, and with layers named nothing outside them trains): name some "
+            "layers, or leave select.layers unset for all"
+        )
+    in_layers = [t for t in select.targets if t not in ("routers", "embeddings", "lm_head")]
+    if select.trains_routers:
+        in_layers.append("routers")
+    outside = [t for t in select.targets if t in ("embeddings", "lm_head")] if select.layers is None else []
+    if in_layers or outside:
+        return None
+    if select.targets == ["routers"]:
+        return (
+            "select.targets is [routers] with select.train_router=false: set train_router=true or add targets"
+        )
+    return (
+        f"select.targets {select.targets} are outside the decoder layers, and select.layers={select.layers} "
+        "leaves them frozen: add targets inside the layers (e.g. experts), or drop select.layers"
+    )
+
+
+def check_something_to_train(config: RunConfig) -> None:
+    if (why := nothing_to_train(config)) is not None:
+        raise UsafError(f"nothing to train: {why}.")
+
+
+def check_trainable_entries(model, config: RunConfig) -> None:
+    """A prepared model with no trainable entry (targets this model does not have): refused before a step."""
+    if not any(p.requires_grad and p.numel() for p in model.parameters()):
+        raise UsafError(
+            f"nothing to train: select.targets {config.select.targets}"
+            + (f" in select.layers {config.select.layers}" if config.select.layers is not None else "")
+            + f" select no weight of the model at {config.model.path}; choose other targets (e.g. experts)."
+        )
+
+
+@torch.no_grad()
 def packed_documents_are_isolated(model, device) -> bool:
     """Whether the model keeps packed documents apart: the second of two packed documents must give the same
     logits as alone. Six tokens through the model, once per run."""
@@ -172,6 +226,8 @@ def packed_documents_are_isolated(model, device) -> bool:
     body = decoder_body(model)
     packed = body(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[:, 3:]
     alone = body(input_ids=ids[:, 3:], position_ids=positions[:, 3:], use_cache=False).last_hidden_state
+    if not bool(torch.isfinite(packed).all()):
+        check_finite_base(model, "its first forward gives NaN/Inf, before any update")
     return bool(torch.allclose(packed.float(), alone.float(), atol=1e-3, rtol=1e-3))
 
 
