@@ -357,3 +357,18 @@ def test_nothing_of_the_refused_rows_changed_the_workspace(ws):
             "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
         }  # fmt: skip
     assert snapshot(ws.store)
+
+
+def test_a_new_run_forced_into_the_folder_of_its_config_file(ws, tmp_path, capsys):
+    """--config DIR/config.yaml --out DIR --force: the config file is an input, never replaced by the run's."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    config = folder / "config.yaml"
+    config.write_text("optim:\n  lr: 0.001\n")
+    before = snapshot(folder)
+    rc = main(["train", f"--config={config}", f"--model={ws.base}", f"--data={ws.data}", f"--out={folder}",
+               "--force", *SET_ARGS, "--set=schedule.max_steps=1"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--out {folder} holds the config file {config}" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert snapshot(folder) == before

@@ -171,6 +171,8 @@ ROWS = [
          "use an intact copy of the model"], setup=nan_base, absent=["{tmp}/run"]),
     Row("train-no-layers", T(*NEW, "--set=select.layers=[]"), 2,
         ["nothing to train: select.layers is []"], absent=["{tmp}/run"]),
+    Row("select-no-layers", ["select", "--model={ws.base}", "--data={ws.data}", "--out={tmp}/s.safetensors",
+        "--set=select.layers=[]"], 2, ["nothing to train: select.layers is []"], absent=["{tmp}/s.safetensors"]),
     Row("train-routers-only-frozen", T(*NEW, "--set=select.targets=[routers]", "--set=select.train_router=false"),
         2, ["nothing to train: select.targets is [routers] with select.train_router=false"], absent=["{tmp}/run"]),
     Row("train-embeddings-outside-layers",

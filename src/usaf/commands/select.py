@@ -33,11 +33,12 @@ def run_select(args) -> int:
     from usaf.io.guard import SELECTION, check_output, check_placement
     from usaf.prepare import current_selection
     from usaf.selection.choose import save_selection
-    from usaf.train.session import open_session, selection_summary
+    from usaf.train.session import check_something_to_train, open_session, selection_summary
 
     config = effective_config(args)
     if not config.data.train or not config.model.path:
         raise UsafError("usaf select needs --model and --data.")
+    check_something_to_train(config)
     out = Path(args.out)
     if out.suffix != ".safetensors":
         raise UsafError(

@@ -74,6 +74,10 @@ def run_train(args) -> int:
     run_dir = args.resume or args.out
     if not run_dir:
         raise UsafError("give --out RUN_DIR for a new run (or --resume RUN_DIR).")
+    if args.config and not args.resume:  # the run's other inputs are in its config; this one is not
+        from usaf.io.guard import check_placement
+
+        check_placement(Path(run_dir), "--out", [("the config file", args.config)])
     summary = train(config, run_dir, resume=bool(args.resume), force=args.force)
     if summary.get("already_finished"):
         print(
