@@ -142,11 +142,10 @@ def test_resume_refuses_incompatible_config_and_other_base(workspace, tmp_path):
     with pytest.raises(UsafError, match=r"'select\.density' differs"):
         train(config_for(workspace, "schedule.max_steps=4", "select.density=0.2"), run, resume=True)
     other = make_model_dir(tmp_path / "other", seed=7)
-    with pytest.raises(UsafError, match="different base model"):
+    with pytest.raises(UsafError, match="is not the base the run started from"):
         moved = RunConfig.load(str(run / "config.yaml"), [f"model.path={other}", "schedule.max_steps=4"])
         saved = RunConfig.load(str(run / "config.yaml"))
-        saved.model = moved.model  # same settings, other weights behind the path
-        (run / "config.yaml").write_text(saved.to_yaml())
+        saved.model = moved.model  # same settings, other weights behind the path (as --set model.path gives)
         saved.schedule.max_steps = 4  # a finished run would say so before loading anything
         train(saved, run, resume=True)
     with pytest.raises(UsafError, match="already holds a run"):

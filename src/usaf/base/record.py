@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from usaf.base.checkpoint import BaseCheckpoint
+from usaf.config import read_yaml
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE, RUN_BASE_FILE, STORE_FILE
 from usaf.io import shards
@@ -163,8 +164,6 @@ def run_base_dir(run_dir: Path, base_dir: str | Path | None = None) -> Path:
         raise UsafError(
             f"{run_dir} has no config.yaml: is it a usaf run directory? Pass --base MODEL_DIR otherwise."
         )
-    from usaf.config import read_yaml
-
     saved = read_yaml(config_file.read_text(), str(config_file))
     path = ((saved if isinstance(saved, dict) else {}).get("model") or {}).get("path") or ""
     model_path = Path(path)

@@ -31,6 +31,8 @@ from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
+from usaf.model.hf import chat_template_compiler, chat_template_environment
+
 MAX_SECONDS = 5.0
 MAX_ITERATIONS = 2_000_000
 MAX_DEPTH = 64
@@ -252,11 +254,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 @functools.lru_cache(maxsize=16)
 def _compile(chat_template: str):
     """The template compiled in a _BoundedEnvironment that has transformers' extensions, filters and globals."""
-    from transformers.utils import chat_template_utils
-
-    reference = chat_template_utils._cached_compile_jinja_template(
-        ""
-    ).environment  # an empty template: its env
+    reference = chat_template_environment()
     environment = _BoundedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -274,15 +272,11 @@ def _compile(chat_template: str):
 def rendering(bounds: RenderBounds):
     """transformers' chat-template rendering (apply_chat_template, and what TRL calls) bounded by `bounds` for
     the duration; a bound met raises TemplateBoundError."""
-    from transformers.utils import chat_template_utils
-
     token = _BOUNDS.set(bounds)
-    saved = chat_template_utils._compile_jinja_template
-    chat_template_utils._compile_jinja_template = _compile
     try:
-        yield
+        with chat_template_compiler(_compile):
+            yield
     except RecursionError:
         raise TemplateBoundError("recurses too deep (a macro that calls itself without end?)") from None
     finally:
-        chat_template_utils._compile_jinja_template = saved
         _BOUNDS.reset(token)

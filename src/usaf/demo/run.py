@@ -19,6 +19,7 @@ from usaf.errors import UsafError
 from usaf.export.merged import export_merged
 from usaf.files import DEMO_MARKER
 from usaf.io.guard import DEMO, check_output
+from usaf.model.hf import load_causal_lm, load_tokenizer
 from usaf.train.loop import train
 from usaf.train.state import format_summary, stopped_exit_code
 
@@ -38,10 +39,6 @@ def assets() -> Path:
 
 
 def run_demo(args) -> int:
-    from transformers import AutoModelForCausalLM
-
-    from usaf.model.hf import load_causal_lm, load_tokenizer
-
     root = assets()
     model_dir, data_dir = root / "model", root / "data"
     out = Path(args.out or "demo-run")
@@ -85,9 +82,7 @@ def run_demo(args) -> int:
         )
         return code
     merged = export_merged(out / "run", out / "model")
-    trained = AutoModelForCausalLM.from_pretrained(
-        merged, trust_remote_code=False
-    )  # plain transformers: the result is the model
+    trained = load_causal_lm(merged)  # plain transformers: the result is the model
     after = task_accuracy(trained, tokenizer, eval_records)
 
     print()

@@ -7,6 +7,7 @@ alone (tests/test_layers.py keeps the rest of usaf off these names)."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -21,7 +22,9 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 from transformers.integrations.moe import ExpertsInterface
-from transformers.utils import logging
+from transformers.utils import chat_template_utils, logging
+
+from usaf.errors import UsafError
 
 __all__ = [
     "WeightConverter",
@@ -79,8 +82,6 @@ def _custom_code_error(path, err: ValueError) -> Exception:
     """transformers' refusal of a model's own code as usaf's one line (UsafError); any other error as it was."""
     if "trust_remote_code" not in str(err):
         return err
-    from usaf.errors import UsafError
-
     folder = Path(path).expanduser()
     named = f"{folder / 'config.json'}'s auto_map" if folder.is_dir() else f"{path}'s auto_map (config.json)"
     for name in ("config.json", "tokenizer_config.json"):
@@ -173,3 +174,23 @@ def decoder_body(model: nn.Module) -> nn.Module:
 def quiet_progress_bars() -> None:
     """Weight-loading bars would bury usaf's own progress."""
     logging.disable_progress_bar()
+
+
+# ---- chat templates ------------------------------------------------------------------------------------------------
+
+
+def chat_template_environment():
+    """transformers' own Jinja environment for chat templates (its extensions, filters, globals and tests)."""
+    return chat_template_utils._cached_compile_jinja_template("").environment
+
+
+@contextmanager
+def chat_template_compiler(compile_template):
+    """transformers' chat-template compiler replaced by `compile_template` for the duration: transformers has no
+    hook for the environment a template renders in, and usaf renders templates within bounds (usaf.data.render)."""
+    saved = chat_template_utils._compile_jinja_template
+    chat_template_utils._compile_jinja_template = compile_template
+    try:
+        yield
+    finally:
+        chat_template_utils._compile_jinja_template = saved
