@@ -185,16 +185,8 @@ class SparseGroupedLinear(torch.autograd.Function):
         x = kernels.cast(x, proj.store.dtype)
         if proj.store.resident and proj.entries is not None:
             proj.entries.write_into(proj.store.full(), None)
-        chunking = proj.chunking(plan)
-        outputs = [
-            kernels.grouped_matmul(
-                rows, _oriented(proj, proj.weights(chunk, chunking), backward=False), chunk.matmul_rows
-            )
-            for chunk, rows in zip(chunking.chunks, chunking.split(x), strict=True)
-        ]
-        chunking.release()
         out_dim = proj.store.shape[2] if proj.transposed else proj.store.shape[1]
-        out = Chunking.join(outputs, lambda: x.new_zeros(0, out_dim))
+        out = _through_chunks(proj, plan, x, backward=False, empty=lambda: x.new_zeros(0, out_dim))
         if proj.bias_store is not None:
             bias = proj.bias_store.full()
             if proj.bias_entries is not None:
@@ -212,15 +204,7 @@ class SparseGroupedLinear(torch.autograd.Function):
         gy = kernels.cast(grad_out, x.dtype)
         grad_x = grad_values = None
         if need_x:
-            chunking = proj.chunking(plan)
-            parts = [
-                kernels.grouped_matmul(
-                    rows, _oriented(proj, proj.weights(chunk, chunking), backward=True), chunk.matmul_rows
-                )
-                for chunk, rows in zip(chunking.chunks, chunking.split(gy), strict=True)
-            ]
-            chunking.release()
-            grad_x = Chunking.join(parts, lambda: torch.zeros_like(x))
+            grad_x = _through_chunks(proj, plan, gy, backward=True, empty=lambda: torch.zeros_like(x))
         # the trained entries' gradients need no weights: one call over every expert's rows, whatever the chunks
         U, V = (x, gy) if proj.transposed else (gy, x)
         if need_values:
@@ -240,10 +224,20 @@ class SparseGroupedLinear(torch.autograd.Function):
         return grad_x, grad_values, grad_bias, None, None
 
 
-def _oriented(proj: Projection, weight: torch.Tensor, backward: bool) -> torch.Tensor:
-    """A chunk's [k, A, B] weights as the grouped product's right operand: [k, in, out] forward, [k, out, in] for
-    the input gradient."""
-    return weight.transpose(1, 2) if proj.transposed == backward else weight
+def _through_chunks(
+    proj: Projection, plan: RoutingPlan, rows: torch.Tensor, backward: bool, empty
+) -> torch.Tensor:
+    """`rows` (grouped by expert) times each routed expert's effective weights, chunk by chunk: the forward
+    product, or (backward) the input gradient's through the transposed weights; `empty()` when no rows."""
+    chunking = proj.chunking(plan)
+    parts = []
+    for chunk, part in zip(chunking.chunks, chunking.split(rows), strict=True):
+        weight = proj.weights(chunk, chunking)
+        # [k, in, out] forward, [k, out, in] for the input gradient
+        oriented = weight.transpose(1, 2) if proj.transposed == backward else weight
+        parts.append(kernels.grouped_matmul(part, oriented, chunk.matmul_rows))
+    chunking.release()
+    return Chunking.join(parts, empty)
 
 
 class ObserveGradient(torch.autograd.Function):
