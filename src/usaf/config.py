@@ -398,7 +398,7 @@ class TrainSection:
     memory_limit: str = option(
         "",
         "memory recompute=auto plans against, e.g. 12GB (empty: the GPU's memory, or the machine's RAM on CPU)",
-        parse=lambda text: _size_option(text),
+        parse=lambda text: parse_size(text),  # "lots" fails when the config is read, not when planned
     )
     max_bad_steps: int = option(
         10, "stop after this many steps with NaN/Inf loss or gradients", bounds="[0, inf)"
@@ -523,7 +523,7 @@ def read_yaml(stream, source: str):
     try:
         return loader.get_single_data()
     except _YamlRefused as refused:
-        raise UsafError(f"{source}:{refused.line}: {refused}") from None
+        raise YamlRefusedError(f"{source}:{refused.line}: {refused}") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"{source}:{mark.line + 1}" if mark is not None else source
@@ -533,6 +533,10 @@ def read_yaml(stream, source: str):
         raise UsafError(f"{source} is not valid YAML: {first_line(err)}") from None
     finally:
         loader.dispose()
+
+
+class YamlRefusedError(UsafError):
+    """A YAML document refused for its shape (aliases expanding too far, a key given twice), not its syntax."""
 
 
 class _YamlRefused(Exception):
@@ -629,9 +633,9 @@ def apply_override(data: dict, item: str) -> None:
     section, name = key.split(".", 1)
     try:
         value = read_yaml(raw, f"--set {key}") if raw != "" else ""
-    except UsafError as err:
-        if "alias" in str(err) or "twice" in str(err):
-            raise
+    except YamlRefusedError:
+        raise
+    except UsafError:
         value = raw  # not YAML: the text as given
     if data.get(section) is None:  # absent, or an empty `section:` line in the file
         data[section] = {}
@@ -701,10 +705,6 @@ def split_paths(text: str) -> list[str]:
     if len(pieces) > 1 and os.path.exists(whole) and not all(os.path.exists(expand_path(p)) for p in pieces):
         return [text.strip()]
     return pieces
-
-
-def _size_option(text: str) -> None:
-    parse_size(text)  # "lots" fails here, when the config is read, not when the planner first needs it
 
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

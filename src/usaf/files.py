@@ -10,3 +10,4 @@ ROUTER_LOAD_FILE = "router_load.json"  # a run's expert loads per layer, for the
 RUN_MARKER = ".usaf-run"  # written first by every new run: the folder (and its config.yaml) is usaf's
 LOCK_FILE = ".usaf-lock"  # held by the one process writing a run
 DEMO_MARKER = "usaf_demo.json"  # in a `usaf demo` output folder: a later demo may replace the folder
+DELTA_FORMAT = "usaf-delta"  # a delta file's safetensors metadata `format`

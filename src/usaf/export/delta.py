@@ -16,6 +16,7 @@ from usaf.base.checkpoint import BaseCheckpoint
 from usaf.base.record import read_run_base_record, run_base_dir, structural_difference, tensor_facts
 from usaf.engine.sparse import line_flat_indices
 from usaf.errors import UsafError
+from usaf.files import DELTA_FORMAT
 from usaf.io import shards
 from usaf.io.atomic import atomic_file
 from usaf.io.guard import DELTA, check_output
@@ -23,7 +24,6 @@ from usaf.prepare import TensorChange
 from usaf.train import checkpoint
 from usaf.version import __version__
 
-DELTA_FORMAT = "usaf-delta"
 DELTA_FORMAT_VERSION = 1
 _CHUNK_BYTES = 64 << 20
 

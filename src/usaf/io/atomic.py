@@ -73,20 +73,22 @@ def _place(tmp: Path, path: Path, folder: bool) -> Path | None:
     replaced. A symbolic link at `path` is refused."""
     refuse_link(path)
     key = real_path(path, follow=False)
-    if key not in _EXPECTED:
-        if folder:
-            return _move_aside_and_rename(tmp, path)
-        os.replace(tmp, path)
-        return None
-    expected, now = _EXPECTED[key], identity(path)
-    if now is not None and now != expected:
-        raise _appeared(path)
-    if now is not None:  # the earlier output --force replaces
-        if folder:
-            return _move_aside_and_rename(tmp, path)
-        os.replace(tmp, path)
-        return None
-    # nothing there: put it in place only if nothing appears meanwhile (no rename over another's output)
+    if key in _EXPECTED:
+        expected, now = _EXPECTED[key], identity(path)
+        if now is not None and now != expected:
+            raise _appeared(path)
+        if now is None:  # nothing there: put it in place only if nothing appears meanwhile
+            _claim(tmp, path, folder)
+            return None
+    # a run's own file, or the earlier output --force replaces
+    if folder:
+        return _move_aside_and_rename(tmp, path)
+    os.replace(tmp, path)
+    return None
+
+
+def _claim(tmp: Path, path: Path, folder: bool) -> None:
+    """Rename `tmp` to `path` where nothing stands, never over another's output that appeared meanwhile."""
     try:
         if folder:
             os.mkdir(path)  # claims the name; a folder renamed onto an empty folder replaces it
@@ -110,7 +112,6 @@ def _place(tmp: Path, path: Path, folder: bool) -> Path | None:
         if identity(path) is not None:
             raise _appeared(path) from None
         os.replace(tmp, path)
-    return None
 
 
 def _move_aside_and_rename(tmp: Path, path: Path) -> Path | None:

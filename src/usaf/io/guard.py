@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from usaf.errors import UsafError
-from usaf.files import CONFIG_FILE, DEMO_MARKER, MERGED_METADATA_FILE, RUN_MARKER, STORE_FILE
+from usaf.files import CONFIG_FILE, DELTA_FORMAT, DEMO_MARKER, MERGED_METADATA_FILE, RUN_MARKER, STORE_FILE
 from usaf.io.atomic import WEIGHT_SUFFIXES, expect_at, identity, real_path, refuse_link
+from usaf.io.shards import read_header
 
 
 def is_run(folder: Path) -> bool:
@@ -75,18 +76,14 @@ def _is_store_output(folder: Path) -> bool:
 def _safetensors_format(path: Path) -> str | None:
     """The `format` of a safetensors file's metadata; None when it is not one (or unreadable)."""
     try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 0 < size <= 100 << 20:
-                return None
-            header = json.loads(f.read(size))
-        return str((header.get("__metadata__") or {}).get("format"))
-    except (OSError, ValueError, AttributeError):
+        _, metadata = read_header(path)
+    except UsafError:
         return None
+    return str(metadata.get("format"))
 
 
 def _is_delta(path: Path) -> bool:
-    return path.is_file() and _safetensors_format(path) == "usaf-delta"
+    return path.is_file() and _safetensors_format(path) == DELTA_FORMAT
 
 
 def _is_selection(path: Path) -> bool:
