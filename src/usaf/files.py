@@ -11,3 +11,7 @@ RUN_MARKER = ".usaf-run"  # written first by every new run: the folder (and its 
 LOCK_FILE = ".usaf-lock"  # held by the one process writing a run
 DEMO_MARKER = "usaf_demo.json"  # in a `usaf demo` output folder: a later demo may replace the folder
 DELTA_FORMAT = "usaf-delta"  # a delta file's safetensors metadata `format`
+STATE_FILE = (
+    "state.json"  # a checkpoint's run state (data position, counters, settings) and its files' sha256
+)
+STATE_SUM_FILE = "state.sha256"  # written last in a checkpoint: the sha256 of its state.json

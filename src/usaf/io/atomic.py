@@ -60,6 +60,17 @@ def refuse_link(path: Path) -> None:
         )
 
 
+def open_unfollowed(path: Path, flags: int, mode: int = 0o666) -> int:
+    """`os.open` of a file usaf owns (a run's lock, its metrics), never through a symbolic link: one in its place,
+    even one made after any earlier check, is refused in one line."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            refuse_link(path)
+        raise
+
+
 def _appeared(path: Path) -> UsafError:
     return UsafError(
         f"{path} appeared while this command was writing it (another usaf writing the same output?); nothing was "

@@ -21,13 +21,13 @@ from safetensors.torch import load_file, save_file
 
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
+from usaf.files import STATE_FILE, STATE_SUM_FILE
 from usaf.io.atomic import fsync_file, install_dir, make_shareable
 from usaf.version import __version__
 
 PREFIX = "step-"
 _STEP_NAME = re.compile(r"step-(\d+)")
 TENSOR_FILES = ("trainable.safetensors", "optimizer.safetensors", "rng.safetensors", "extra.safetensors")
-STATE_FILE, STATE_SUM_FILE = "state.json", "state.sha256"
 # state.json's copy of the run's settings as its config.yaml states them: what a resume compares config.yaml and
 # its command line with
 RUN_CONFIG_KEY = "run_config"
@@ -47,7 +47,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     found = [  # step-NNN folders only: anything else there (step-foo, a user's copy) is not a checkpoint
         p
         for p in folder.iterdir()
-        if _STEP_NAME.fullmatch(p.name) and p.is_dir() and (p / "state.json").exists()
+        if _STEP_NAME.fullmatch(p.name) and p.is_dir() and (p / STATE_FILE).exists()
     ]
     return sorted(found, key=step_of)
 

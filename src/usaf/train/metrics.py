@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from usaf.files import METRICS_FILE
-from usaf.io.atomic import refuse_link
+from usaf.io.atomic import open_unfollowed
 
 
 class MetricsLog:
@@ -74,11 +73,4 @@ class MetricsLog:
 
 def _open_for_append(path: Path):
     """The run's own metrics file, appended to; a symbolic link in its place is refused, never written through."""
-    refuse_link(path)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-    except OSError as err:
-        if err.errno == errno.ELOOP:  # a link made after the check
-            refuse_link(path)
-        raise
-    return os.fdopen(fd, "a", encoding="utf-8")
+    return os.fdopen(open_unfollowed(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")

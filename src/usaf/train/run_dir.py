@@ -3,7 +3,6 @@ the record of the base a run trains on."""
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -25,7 +24,7 @@ from usaf.files import (
     RUN_MARKER,
     STORE_FILE,
 )
-from usaf.io.atomic import atomic_file, atomic_json, refuse_link
+from usaf.io.atomic import atomic_file, atomic_json, open_unfollowed, refuse_link
 from usaf.io.guard import check_placement, what_is
 from usaf.train import checkpoint, distributed
 from usaf.train.session import (
@@ -220,12 +219,8 @@ class RunLock:
         self.made_folder = not self.run_dir.exists()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            refuse_link(self.run_dir / LOCK_FILE)
-            # never followed: a link made after the check is not truncated through either
-            fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            fd = open_unfollowed(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
-            if err.errno == errno.ELOOP:
-                refuse_link(self.run_dir / LOCK_FILE)
             raise UsafError(
                 f"cannot write into {self.run_dir}: {err.strerror}; choose another --out."
             ) from None
