@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from usaf.errors import UsafError, first_line
-from usaf.model.config_json import check_model_config
+from usaf.model.config_json import EXPERT_COUNTS, check_model_config, text_fields
 from usaf.model.layout import find_moe_layers, intermediate_size
 from usaf.model.targets import DENSE_TARGETS, find_target_weights
 
@@ -57,12 +57,6 @@ def load_model_config(model: str) -> tuple[str, dict]:
     raise UsafError(
         f"Unknown model {model!r}: not a directory, a config.json or a preset. Presets: {', '.join(presets)}."
     )
-
-
-def _text_config(config: dict) -> dict:
-    """The language model's fields: multimodal configs keep them under text_config."""
-    text = config.get("text_config")
-    return {**config, **text} if isinstance(text, dict) else config
 
 
 def _first(config: dict, *names, default=None):
@@ -216,7 +210,7 @@ def _shape_from_skeleton(config: dict, name: str) -> ModelShape:
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         model = transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
-    text = _text_config(config)
+    text = text_fields(config)
     layers = find_moe_layers(model)
     expert_ids, router_ids, matrices = set(), set(), {}
     expert_biases = 0
@@ -286,7 +280,7 @@ def _moe_layer_count(text: dict, layers: int) -> int:
 
 def _shape_from_formulas(config: dict, name: str) -> ModelShape:
     """A standard decoder's counts (gated MLPs; grouped-query or latent attention) from the config's fields."""
-    text = _text_config(config)
+    text = text_fields(config)
     try:
         hidden, layers, vocab = (
             int(text["hidden_size"]),
@@ -295,9 +289,7 @@ def _shape_from_formulas(config: dict, name: str) -> ModelShape:
         )
     except KeyError as err:
         raise UsafError(f"The config of {name} lacks {err.args[0]!r}, which the planner needs.") from err
-    experts = int(
-        _first(text, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", default=0)
-    )
+    experts = int(_first(text, *EXPERT_COUNTS, default=0))
     if not experts:
         raise UsafError(
             f"{name} has no experts in its config (num_experts, num_local_experts or n_routed_experts)."
