@@ -28,6 +28,7 @@ STAGES = [
     ["usaf.data"],
     ["usaf.train"],
     ["usaf.export"],
+    ["usaf.generate"],
     ["usaf.testing"],
     ["usaf.demo"],
     ["usaf", "usaf.cli", "usaf.commands", "usaf.__main__"],

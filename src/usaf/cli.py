@@ -17,7 +17,7 @@ from usaf.errors import UsafError
 from usaf.version import __version__
 
 # Each command lives in its own module exposing `add_command(subparsers)`; add new ones here.
-COMMANDS: tuple[str, ...] = ("plan", "train", "prepare", "export", "report", "select", "data")
+COMMANDS: tuple[str, ...] = ("plan", "train", "prepare", "export", "generate", "report", "select", "data")
 
 
 class UsageError(UsafError):

@@ -101,6 +101,16 @@ def _is_demo(folder: Path) -> bool:
     return (folder / DEMO_MARKER).is_file() and set(os.listdir(folder)) <= {DEMO_MARKER, "run", "model"}
 
 
+def _is_generations(path: Path) -> bool:
+    """A file of `usaf generate`: JSONL whose first row has its prompt's line and a completion."""
+    try:
+        with open(path, "rb") as handle:
+            row = json.loads(handle.readline(1 << 20))
+    except (OSError, ValueError):
+        return False
+    return isinstance(row, dict) and {"line", "prompt", "completion"} <= set(row)
+
+
 @dataclass(frozen=True)
 class Kind:
     name: str  # "a usaf delta file": what an earlier output of this kind is
@@ -114,6 +124,7 @@ MERGED = Kind("a merged checkpoint usaf wrote", "merged checkpoint", True, _is_m
 STORE = Kind("a usaf prepared store", "prepared store", True, _is_store_output)
 SELECTION = Kind("a usaf selection file", "selection", False, _is_selection)
 DEMO = Kind("a previous demo run", "demo", True, _is_demo)
+GENERATIONS = Kind("a usaf generations file", "generations", False, _is_generations)
 
 
 def check_placement(out: Path, flag: str, inputs: Iterable[tuple[str, str | Path | None]]) -> None:

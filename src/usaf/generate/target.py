@@ -1,0 +1,124 @@
+"""What `usaf generate` and `usaf chat` run: a run folder (its latest trained values, without exporting), a
+merged export or any model folder, or a base plus `--delta` (a quantized base too, with `--set model.quant=...`).
+
+A `Target` gives the tuned model and, for `--compare-base`, its base: for a model usaf prepared (a run, a
+quantized base) the same weights with the trained entries switched off (`usaf.engine.base_weights`); for a plain
+base plus a delta the base as loaded, before the delta is written in (so the base is asked first); for a merged
+export, the `--base` model folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from usaf import kernels
+from usaf.config import RunConfig
+from usaf.engine.base_weights import base_weights
+from usaf.engine.installed import sparse_modules
+from usaf.errors import UsafError
+from usaf.export.inference import load_delta
+from usaf.files import CONFIG_FILE
+from usaf.io.guard import is_run
+from usaf.io.source import check_model_files
+from usaf.model.hf import load_causal_lm
+from usaf.train import checkpoint, runtime
+from usaf.train.checkpoint import restore_trainable
+from usaf.train.session import load_model, load_tokenizer, local_model_path
+
+
+class Target:
+    """A model to generate with: `tuned()` the fine-tune, `base()` a context giving its base (see the module)."""
+
+    def __init__(self, config: RunConfig, model, tokenizer, device, label: str, delta=None, base_dir=None):
+        self.config, self.model, self.tokenizer, self.device = config, model, tokenizer, device
+        self.label = label  # what the first line says was loaded
+        self._pending_delta, self._base_dir = delta, base_dir
+
+    @property
+    def prepared(self) -> bool:
+        return any(True for _ in sparse_modules(self.model))
+
+    def tuned(self):
+        """The fine-tuned model (a pending delta is written in now: after this the plain base is gone)."""
+        if self._pending_delta is not None:
+            load_delta(self.model, self._pending_delta, unchecked_base=True)
+            self._pending_delta = None
+        return self.model
+
+    def can_compare(self) -> str | None:
+        """None when a base can be given, else what to add."""
+        if self.prepared or self._pending_delta is not None or self._base_dir is not None:
+            return None
+        return "a merged export or model folder has no base beside it: give --base BASE_DIR to compare with"
+
+    @contextlib.contextmanager
+    def base(self):
+        """The base model, for as long as the block lasts."""
+        if (missing := self.can_compare()) is not None:
+            raise UsafError(f"--compare-base: {missing}.")
+        if self.prepared:
+            with base_weights(self.model) as model:
+                yield model
+        elif self._pending_delta is not None:
+            yield self.model  # nothing written yet: it is the base
+        else:
+            check_model_files(self._base_dir)
+            model = load_causal_lm(self._base_dir, dtype=next(self.model.parameters()).dtype).to(self.device)
+            model.eval()
+            try:
+                yield model
+            finally:
+                del model
+
+
+def _session(config: RunConfig):
+    kernels.use(config.train.kernels)
+    device = runtime.resolve_device(config.model.device)
+    return device, runtime.resolve_dtype(config.model.dtype, device)
+
+
+def open_target(target: str, delta: str | None, base_dir: str | None, overrides: list[str]) -> Target:
+    """Load `target` for generation (see the module); nothing is written anywhere."""
+    folder = Path(target).expanduser()
+    if folder.is_dir() and (is_run(folder) or (folder / CONFIG_FILE).is_file()):
+        if delta is not None:
+            raise UsafError(
+                f"{target} is a run: its trained values are used as they are; --delta goes with a base model."
+            )
+        return _open_run(folder, overrides)
+    config = RunConfig.load(None, [f"model.path={target}", *overrides])
+    config.model.path = local_model_path(config.model.path)
+    device, dtype = _session(config)
+    tokenizer = load_tokenizer(config.model.path)
+    if delta is not None and not Path(delta).expanduser().is_file():
+        raise UsafError(f"--delta {delta} is not a file; give a delta written by `usaf export --delta`.")
+    if config.model.quant != "none":
+        # a quantized base trains (and so generates) through usaf's engine: the delta becomes its trained values
+        model = load_model(config, device, dtype, recompute=False)
+        if delta is not None:
+            load_delta(model, delta, unchecked_base=True)
+        label, pending = f"{target} ({config.model.quant})", None
+    else:
+        check_model_files(config.model.path)
+        model = load_causal_lm(config.model.path, dtype=dtype).to(device)
+        label, pending = target, delta
+    model.eval()
+    label += f" + {delta}" if delta is not None else ""
+    return Target(config, model, tokenizer, device, label, delta=pending, base_dir=base_dir)
+
+
+def _open_run(run_dir: Path, overrides: list[str]) -> Target:
+    config = RunConfig.load(str(run_dir / CONFIG_FILE), overrides)
+    saved = checkpoint.latest(run_dir)
+    if saved is None:
+        raise UsafError(f"{run_dir} has no finished checkpoint yet: train it first (or wait for its first).")
+    config.model.path = local_model_path(config.model.path)
+    device, dtype = _session(config)
+    tokenizer = load_tokenizer(config.model.path)
+    model = load_model(
+        config, device, dtype, selection_file=run_dir / "selection.safetensors", recompute=False
+    )
+    restore_trainable(model, checkpoint.load(saved)["trainable"], saved)
+    model.eval()
+    return Target(config, model, tokenizer, device, f"{run_dir} at {saved.name}")
