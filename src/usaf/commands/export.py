@@ -20,6 +20,16 @@ def add_command(sub) -> None:
     p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="usaf run directory")
     p.add_argument("--delta", metavar="OUT.safetensors", help="write a delta file")
     p.add_argument("--merged", metavar="OUT_DIR", help="write a merged checkpoint directory")
+    p.add_argument(
+        "--gguf",
+        metavar="OUT.gguf",
+        help="also convert the merged checkpoint to GGUF with llama.cpp's convert_hf_to_gguf.py (without --merged, "
+        "a temporary merged folder beside OUT.gguf, removed after)",
+    )
+    p.add_argument("--outtype", default="bf16", help="with --gguf: f16, bf16, q8_0 or f32 (default bf16)")
+    p.add_argument(
+        "--llama-cpp", metavar="DIR", help="with --gguf: a llama.cpp checkout (default: $LLAMA_CPP, PATH)"
+    )
     p.add_argument("--fp32", action="store_true", help="delta values in float32 instead of the base's dtype")
     p.add_argument("--base", metavar="MODEL_DIR", help="the base checkpoint (default: the run's model.path)")
     p.add_argument("--from-trainer", metavar="CKPT_DIR", help="a transformers.Trainer checkpoint-N folder")
@@ -47,13 +57,16 @@ def add_command(sub) -> None:
 def run_export(args) -> int:
     from usaf.base.checkpoint import BaseCheckpoint
     from usaf.export.delta import run_delta_and_base, write_delta
+    from usaf.export.gguf import OUTTYPES, find_converter
     from usaf.export.merged import dequantized_note, write_merged
     from usaf.export.trainer import trainer_checkpoint_delta
     from usaf.io.atomic import terminate_as_interrupt
-    from usaf.io.guard import DELTA, MERGED, check_output
+    from usaf.io.guard import DELTA, GGUF, MERGED, check_output
 
-    if not (args.delta or args.merged):
-        raise UsafError("say what to write: --delta OUT.safetensors and/or --merged OUT_DIR.")
+    if not (args.delta or args.merged or args.gguf):
+        raise UsafError(
+            "say what to write: --delta OUT.safetensors, --merged OUT_DIR and/or --gguf OUT.gguf."
+        )
     # refuse outputs that would replace an input or an earlier output of another kind before any work is done
     inputs = _export_inputs(args)
     if args.delta:
@@ -66,6 +79,12 @@ def run_export(args) -> int:
         check_output(
             args.merged, MERGED, flag="--merged", force=args.force, inputs=inputs, noun="output directory"
         )
+    converter = None
+    if args.gguf:
+        check_output(args.gguf, GGUF, flag="--gguf", force=args.force, inputs=inputs, noun="output file")
+        if args.outtype not in OUTTYPES:
+            raise UsafError(f"--outtype must be one of {', '.join(OUTTYPES)}, not {args.outtype!r}.")
+        converter = find_converter(args.llama_cpp)  # before any work: a missing converter is said at once
     if args.from_trainer:
         if args.run_dir:
             raise UsafError("give either RUN_DIR or --from-trainer CKPT_DIR, not both.")
@@ -88,9 +107,34 @@ def run_export(args) -> int:
             print(f"merged checkpoint: {path}")
             if (note := dequantized_note(base, path)) is not None:
                 print(note)
+        if args.gguf:
+            _write_gguf(args, base, delta, converter)
     if args.run_dir:
         print(_which_step(Path(args.run_dir), delta))
     return 0
+
+
+def _write_gguf(args, base, delta, converter) -> None:
+    """The GGUF from --merged, or from a merged folder written beside it for the conversion and removed after."""
+    import shutil
+
+    from usaf.export.gguf import convert
+    from usaf.export.merged import write_merged
+    from usaf.io.atomic import remove_stale_temporaries, temporary_name
+
+    out = Path(args.gguf)
+    merged = Path(args.merged) if args.merged else None
+    scratch = None
+    if merged is None:
+        remove_stale_temporaries(out)
+        scratch = temporary_name(out)
+        merged = write_merged(base, delta, scratch, flag="--gguf")
+    try:
+        path = convert(merged, out, args.outtype, converter)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print(f"gguf: {path} ({_size(path)}, {args.outtype}, by {converter})")
 
 
 def _export_inputs(args) -> list[tuple[str, str | Path | None]]:

@@ -101,6 +101,14 @@ def _is_demo(folder: Path) -> bool:
     return (folder / DEMO_MARKER).is_file() and set(os.listdir(folder)) <= {DEMO_MARKER, "run", "model"}
 
 
+def _magic(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4)
+    except OSError:
+        return b""
+
+
 def _is_generations(path: Path) -> bool:
     """A file of `usaf generate`: JSONL whose first row has its prompt's line and a completion."""
     try:
@@ -124,6 +132,7 @@ MERGED = Kind("a merged checkpoint usaf wrote", "merged checkpoint", True, _is_m
 STORE = Kind("a usaf prepared store", "prepared store", True, _is_store_output)
 SELECTION = Kind("a usaf selection file", "selection", False, _is_selection)
 DEMO = Kind("a previous demo run", "demo", True, _is_demo)
+GGUF = Kind("a GGUF file", "gguf", False, lambda path: _magic(path) == b"GGUF")
 GENERATIONS = Kind("a usaf generations file", "generations", False, _is_generations)
 
 
