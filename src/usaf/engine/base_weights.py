@@ -70,3 +70,30 @@ def _written(stashed) -> None:
     """Resident stores hold the values written in: write them now, not only at the next forward."""
     for state in {id(s): s for s, _, _ in stashed}.values():
         state.write_resident()
+
+
+class BaseReference(nn.Module):
+    """The base of a prepared `policy` as a model of its own, for a trainer that wants a reference model (TRL's
+    `DPOTrainer(ref_model=...)`): every call runs inside `base_weights(policy)`, so no copy of the weights exists.
+
+    The context is entered in `__call__`, not `forward`, because trainers patch `forward` on the instance (TRL's
+    fused LM head reads the backbone and `lm_head.weight` itself); whatever forward runs, it runs on the base. The
+    policy is not a submodule: moving, `eval()` or preparing the reference must not touch the trained model, and
+    the reference has no parameters of its own for an optimizer or a checkpoint to find."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.__dict__["policy"] = policy  # not registered (see the class)
+
+    def __call__(self, *args, **kwargs):
+        with torch.no_grad(), base_weights(self.policy):
+            return super().__call__(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self.policy(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["policy"], name)  # config, backbone, output embeddings, dtype, ...
