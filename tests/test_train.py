@@ -67,6 +67,16 @@ def test_training_lowers_eval_loss(workspace, tmp_path):
                 "select.reselect_every=4",
             ],
         ),
+        # a schedule of transformers' get_scheduler, its warm-up as a ratio: its step count is what resumes
+        (
+            9,
+            [
+                "checkpoint.every_steps=9",
+                "schedule.name=warmup_stable_decay",
+                "schedule.warmup_ratio=0.2",
+                "schedule.decay_ratio=0.5",
+            ],
+        ),
         # fp16 autocast with dynamic loss scaling: the scale is part of what resumes
         (10, ["checkpoint.every_steps=10", "train.precision=fp16"]),
         # entries in every native target, chosen by gradient, reselected (killed inside a probe window)

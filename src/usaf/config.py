@@ -15,6 +15,8 @@ GUARD_ACTIONS = ("warn", "raise_balance", "freeze_router", "stop")  # see usaf.e
 GRANULARITIES = ("element", "neuron")
 SELECTIONS = ("auto", "random", "magnitude", "gradient")
 STRATEGIES = ("uniform", "routing", "gradient", "file")
+# usaf's own cosine (its warm-up never starts at a rate of 0), then transformers' get_scheduler names
+SCHEDULES = ("cosine", "linear", "constant_with_warmup", "cosine_with_min_lr", "warmup_stable_decay")
 # which native weights may hold trained entries (see usaf.model.targets); routers are trained whole
 TARGETS = ("experts", "routers", "attention", "dense_mlp", "norms", "embeddings", "lm_head")
 # chosen on bench/quality.py (README, "Fine-tunes against LoRA"): routers add forgetting, not adaptation
@@ -301,8 +303,24 @@ class OptimSection:
 class ScheduleSection:
     # at least one step: a run of zero steps would look finished without having trained
     max_steps: int = option(100, "optimizer steps to run", bounds="[1, inf)")
-    warmup_steps: int = option(10, "linear warm-up steps, then cosine decay (0: none)", bounds="[0, inf)")
-    min_lr_ratio: float = option(0.1, "final learning rate as a share of the peak", bounds="[0, 1]")
+    name: str = option(
+        "cosine",
+        "learning-rate schedule after the warm-up: cosine (down to min_lr_ratio; usaf's default), or one of "
+        "transformers' get_scheduler: linear, constant_with_warmup, cosine_with_min_lr, warmup_stable_decay",
+        choices=SCHEDULES,
+    )
+    warmup_steps: int = option(10, "linear warm-up steps (0: none)", bounds="[0, inf)")
+    warmup_ratio: float = option(
+        0.0, "warm-up as a share of max_steps, rounded up; above 0 it replaces warmup_steps", bounds="[0, 1)"
+    )
+    min_lr_ratio: float = option(
+        0.1,
+        "final learning rate as a share of the peak (cosine, cosine_with_min_lr, warmup_stable_decay)",
+        bounds="[0, 1]",
+    )
+    decay_ratio: float = option(
+        0.1, "warmup_stable_decay: the share of max_steps that decays at the end", bounds="[0, 1]"
+    )
     grad_accum: int = option(1, "micro-batches per optimizer step", bounds="[1, inf)")
 
 

@@ -40,6 +40,7 @@ from usaf.train.optim import (
     build_scheduler,
     clip_gradients,
     router_params,
+    schedule_notes,
 )
 from usaf.train.prefix_cache import FrozenPrefixCache
 from usaf.train.recompute import choose_recompute
@@ -175,6 +176,7 @@ class Trainer:
         restored = self.restore_values(checkpoint.latest(run_dir)) if resume else None
         self.optimizer = build_optimizer(self.model, config)
         self.scheduler = build_scheduler(self.optimizer, config)
+        self.notes += schedule_notes(config)
         self.autocast = runtime.autocast(config.train.precision, device, self.dtype)
         self.scaler = runtime.loss_scaler(config.train.precision, device, self.dtype)
         self.reselector = None

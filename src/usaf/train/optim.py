@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers import get_scheduler
 
 from usaf.config import OPTIMIZER_BUCKET_ENTRIES, RunConfig
 from usaf.errors import UsafError
@@ -214,9 +215,39 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
     return CompactAdamW(groups, seed=config.train.seed, foreach=True, **kwargs)
 
 
+def warmup_steps(config: RunConfig) -> int:
+    """The warm-up in steps: schedule.warmup_ratio of max_steps (rounded up, as transformers does) when given."""
+    schedule = config.schedule
+    if schedule.warmup_ratio > 0:
+        return math.ceil(schedule.warmup_ratio * schedule.max_steps)
+    return schedule.warmup_steps
+
+
+def schedule_notes(config: RunConfig) -> list[str]:
+    """What the first lines say about a schedule that cannot do what it is set to (never silently)."""
+    warmup, total = warmup_steps(config), config.schedule.max_steps
+    if warmup >= total:
+        return [
+            f"the warm-up ({warmup} steps) does not end before schedule.max_steps={total}: the learning rate never "
+            f"reaches optim.lr; lower schedule.warmup_steps or use schedule.warmup_ratio (e.g. 0.1)"
+        ]
+    return []
+
+
 def build_scheduler(optimizer, config: RunConfig):
-    warmup, total = config.schedule.warmup_steps, max(1, config.schedule.max_steps)
-    floor = config.schedule.min_lr_ratio
+    """A LambdaLR (its factors are what resume adjusts, see `apply_resumed_schedule`): usaf's cosine, or the one
+    transformers' get_scheduler makes under that name."""
+    schedule = config.schedule
+    warmup, total, floor = warmup_steps(config), max(1, schedule.max_steps), schedule.min_lr_ratio
+    if schedule.name != "cosine":
+        extra = {
+            "cosine_with_min_lr": {"min_lr_rate": floor},
+            "warmup_stable_decay": {
+                "num_decay_steps": round(schedule.decay_ratio * total),
+                "min_lr_ratio": floor,
+            },
+        }.get(schedule.name)
+        return get_scheduler(schedule.name, optimizer, warmup, total, scheduler_specific_kwargs=extra)
 
     def factor(step: int) -> float:
         if step < warmup:
