@@ -395,7 +395,12 @@ class LogSection:
     )
     eval_every_steps: int = option(0, "evaluate every N steps (0: only before and after)", bounds="[0, inf)")
     progress: bool = option(True, "live progress bar")
-    tensorboard: bool = option(True, "TensorBoard event files when tensorboard is installed")
+    report_to: list = option(
+        ["tensorboard"],
+        "experiment trackers, as transformers' report_to: tensorboard, wandb, mlflow (each given the scalars of "
+        "metrics.jsonl and the run's configuration), or none; a tracker that is not installed is an error at start",
+    )
+    tensorboard: bool = option(True, "false leaves tensorboard out of report_to (the older switch for it)")
 
 
 @dataclass

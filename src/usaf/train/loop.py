@@ -65,6 +65,7 @@ from usaf.train.session import (
     selection_summary,
 )
 from usaf.train.state import TrainState, target_entries
+from usaf.train.trackers import check_report_to, report_to
 from usaf.version import __version__
 
 
@@ -73,6 +74,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
     `force`: start a new run in an existing folder that is not a usaf run."""
     run_dir = Path(run_dir)
     config.check()  # a config built or changed in Python gets the same range checks as a file
+    check_report_to(report_to(config))  # a tracker that is not installed is said now, not after loading
     config = absolute_paths(config)  # the run's config.yaml must not depend on the working directory
     # [usaf.distributed] join torchrun's job; a rank > 0 neither checks, locks nor cleans the folder (rank 0 does)
     if distributed.init(config) and not distributed.is_main():
@@ -202,7 +204,12 @@ class Trainer:
         self.announce()
         config, state = self.config, self.state
         self.log = (MetricsLog if distributed.is_main() else distributed.NullLog)(  # [usaf.distributed]
-            self.run_dir, config.schedule.max_steps, state.step, config.log.progress, config.log.tensorboard
+            self.run_dir,
+            config.schedule.max_steps,
+            state.step,
+            config.log.progress,
+            report_to(config),
+            self.run_config,
         )
         stop = _StopRequest()
         try:

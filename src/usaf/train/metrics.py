@@ -1,4 +1,4 @@
-"""What a run shows and keeps: a live progress bar, metrics.jsonl, TensorBoard events when installed."""
+"""What a run shows and keeps: a live progress bar, metrics.jsonl, and the trackers of log.report_to."""
 
 from __future__ import annotations
 
@@ -11,10 +11,19 @@ from tqdm.auto import tqdm
 
 from usaf.files import METRICS_FILE
 from usaf.io.atomic import open_unfollowed
+from usaf.train.trackers import Trackers
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: bool, tensorboard: bool):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        start_step: int,
+        progress: bool,
+        report_to: list[str] = (),
+        run_config: dict | None = None,
+    ):
         self.path = Path(run_dir) / METRICS_FILE
         self.file = _open_for_append(
             self.path
@@ -31,22 +40,12 @@ class MetricsLog:
             if progress
             else None
         )
-        self.writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-            except ImportError:  # tensorboard is optional
-                self.writer = None
+        self.trackers = Trackers(list(report_to), Path(run_dir), run_config or {}, start_step)
 
     def log(self, step: int, record: dict, show: dict | None = None) -> None:
         self.file.write(json.dumps({"step": step, **record}) + "\n")
         self.file.flush()
-        if self.writer is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)):
-                    self.writer.add_scalar(key, value, step)
+        self.trackers.log(step, record)
         if self.bar is not None and show is not None:
             self.bar.set_postfix(show, refresh=False)
 
@@ -66,8 +65,7 @@ class MetricsLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+        self.trackers.close()
         self.file.close()
 
 

@@ -86,6 +86,8 @@ RUN_FILES = (
     RUN_BASE_FILE,
     METRICS_FILE,
     "tensorboard",
+    "wandb",
+    "mlruns",
     "prefix_cache",
     "checkpoints",
     "summary.json",

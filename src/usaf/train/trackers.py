@@ -138,6 +138,14 @@ def register_tracker(tracker: type[Tracker]) -> type[Tracker]:
     return tracker
 
 
+def report_to(config) -> list[str]:
+    """log.report_to, less tensorboard where the older switch log.tensorboard=false says so."""
+    names = list(config.log.report_to)
+    if not config.log.tensorboard:
+        names = [n for n in names if n != TensorBoard.name] or [NONE]
+    return names
+
+
 def check_report_to(names: list[str]) -> list[type[Tracker]]:
     """The trackers of `log.report_to`, each installed; else the one-line error that says what to install."""
     if NONE in names:
