@@ -435,6 +435,15 @@ class TrainSection:
     prefix_cache: str = option(
         "off", "cache hidden states entering the lowest trained layer", ("off", "ram", "disk")
     )
+    objective: str = option(
+        "sft",
+        "sft: next-token loss on the supervised tokens; dpo: preference tuning on prompt/chosen/rejected pairs, the "
+        "base itself the reference (no second model: one extra forward without gradients)",
+        ("sft", "dpo"),
+    )
+    dpo_beta: float = option(
+        0.1, "dpo: the strength of the pull toward the reference (DPO's beta)", bounds="(0, inf)"
+    )
     kernels: str = option(
         "auto",
         "the engine's gradient kernels: auto is Triton on CUDA/ROCm when Triton is installed, else PyTorch; triton "

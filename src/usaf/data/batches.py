@@ -86,7 +86,7 @@ class Batches:
         start = self.position * self.batch_size
         self.last_indices = self._epoch_order(self.epoch)[start : start + self.batch_size]
         self.position += 1
-        return collate([self.dataset[i] for i in self.last_indices], self.dataset.pad_id)
+        return collate(self.dataset.batch_rows(self.last_indices), self.dataset.pad_id)
 
     def state_dict(self) -> dict:
         return {

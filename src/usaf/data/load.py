@@ -7,6 +7,7 @@ import sys
 import numpy as np
 
 from usaf.data.pack import TokenizedDataset
+from usaf.data.pairs import PreferencePairs
 from usaf.data.sources import open_source
 from usaf.data.templates import use_chat_template
 from usaf.data.tokenize import DataStats, Documents, Settings, read_documents
@@ -52,10 +53,12 @@ def load_dataset(
     stride: int = 0,
     num_proc: int | None = None,
     model_vocabulary: tuple[int, str] | None = None,
+    pairs: bool = False,
 ) -> tuple[TokenizedDataset, TokenizedDataset | None, DataStats]:
     """Read, tokenize, window or truncate, split and pack `paths` (and `eval_paths`); see the module
     docstring. Paths are files, save_to_disk folders or cached hub ids. model_vocabulary: (the model's
-    vocab_size, its config file), which every token id must be below."""
+    vocab_size, its config file), which every token id must be below. pairs: preference pairs for DPO
+    (`usaf.data.pairs.PreferencePairs`, never packed)."""
     if isinstance(paths, str) or isinstance(eval_paths, str):
         raise UsafError("load_dataset: paths and eval_paths must be lists of file names.")
     if not paths:
@@ -78,7 +81,8 @@ def load_dataset(
         raise UsafError(
             f"data.columns must map usaf record keys to column names, e.g. {{prompt: question}}, got {columns!r}."
         )
-    settings = Settings(max_seq_len, long_documents, stride, tuple(sorted(columns.items())), split)
+    settings = Settings(max_seq_len, long_documents, stride, tuple(sorted(columns.items())), split, pairs)
+    pack = pack and not pairs
     shown = sys.stderr.isatty()
 
     def read(names):
@@ -114,15 +118,20 @@ def load_dataset(
     else:
         eval_docs = None
 
-    train = TokenizedDataset(train_docs, max_seq_len, pack, pad_id)
+    train = _rows(train_docs, max_seq_len, pack, pad_id, pairs)
     stats.train_documents, stats.train_sequences = train.num_documents, len(train)
     stats.train_supervised_tokens = train.supervised_tokens
     held_out = None
     if eval_docs is not None:
-        held_out = TokenizedDataset(eval_docs, max_seq_len, pack, pad_id)
+        held_out = _rows(eval_docs, max_seq_len, pack, pad_id, pairs)
         stats.eval_documents, stats.eval_sequences = held_out.num_documents, len(held_out)
         stats.eval_supervised_tokens = held_out.supervised_tokens
     return train, held_out, stats
+
+
+def _rows(documents: Documents, max_seq_len: int, pack: bool, pad_id: int, pairs: bool):
+    rows = TokenizedDataset(documents, max_seq_len, pack, pad_id)
+    return PreferencePairs(rows) if pairs else rows
 
 
 def load_run_data(config, tokenizer, pack: bool, files: list[str] | None = None, held_out: bool = True):
@@ -146,6 +155,7 @@ def load_run_data(config, tokenizer, pack: bool, files: list[str] | None = None,
         stride=data.stride,
         num_proc=data.num_proc or None,
         model_vocabulary=vocabulary,
+        pairs=config.train.objective == "dpo",
     )
 
 

@@ -70,6 +70,10 @@ class TokenizedDataset:
             "position_ids": self.position_ids[piece].long(),
         }
 
+    def batch_rows(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The rows of a batch, in order (see `usaf.data.pairs` for a data set whose batch is laid out otherwise)."""
+        return [self[i] for i in indices]
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())

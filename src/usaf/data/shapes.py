@@ -126,6 +126,37 @@ def _tools(record: dict) -> dict:
     return {"tools": tools}
 
 
+def normalize_pair(
+    record: object, columns: dict[str, str] | None = None
+) -> tuple[str, dict, dict, list[str], str]:
+    """A preference pair for DPO (train.objective=dpo): (kind, the chosen record, the rejected record, keys not
+    used, shape), both prompt/completion records of one kind with the same prompt. Without a 'prompt', chosen and
+    rejected conversations that share all turns but their last have it implicitly."""
+    if not isinstance(record, dict):
+        raise BadRecord(f"a record must be a JSON object, got {type(record).__name__}")
+    record = rename(drop_none(record), columns or {})
+    shape, used, optional = shape_of(set(record))
+    if shape != "preference":
+        raise BadRecord(
+            f"train.objective=dpo trains on preference pairs (prompt/chosen/rejected), not {shape} records"
+        )
+    prompt, chosen, rejected = record.get("prompt"), record["chosen"], record["rejected"]
+    if prompt is None and isinstance(chosen, list) and isinstance(rejected, list):
+        if len(chosen) < 2 or len(rejected) < 2 or chosen[:-1] != rejected[:-1]:
+            raise BadRecord(
+                "without a 'prompt', 'chosen' and 'rejected' must be conversations that differ only in their last turn"
+            )
+        prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
+    if prompt is None:
+        raise BadRecord("a preference pair of texts needs its 'prompt'")
+    tools = {"tools": record["tools"]} if "tools" in record else {}
+    pieces = [normalize({"prompt": prompt, "completion": answer, **tools}) for answer in (chosen, rejected)]
+    if pieces[0][0] != pieces[1][0]:
+        raise BadRecord("'chosen' and 'rejected' must both be text or both conversations")
+    ignored = {key for key in record if key not in used | optional} | set(pieces[0][2]) | set(pieces[1][2])
+    return pieces[0][0], pieces[0][1], pieces[1][1], sorted(ignored), shape
+
+
 def normalize(record: object, columns: dict[str, str] | None = None) -> tuple[str, dict, list[str], str]:
     """(kind, record in usaf's keys, keys not used, the shape it came in); raises BadRecord."""
     if not isinstance(record, dict):

@@ -23,7 +23,7 @@ from usaf.data.records import (
     encode_text,
     limited,
 )
-from usaf.data.shapes import EXPECTED, RECORD_KEYS, normalize, possible_shapes
+from usaf.data.shapes import EXPECTED, RECORD_KEYS, normalize, normalize_pair, possible_shapes
 from usaf.data.sources import Source, cache_root, progress_bars
 from usaf.data.templates import check_chat_support, encode_messages
 from usaf.engine.loss import IGNORE_INDEX
@@ -94,6 +94,7 @@ class Settings:
     stride: int = 0
     columns: tuple = ()  # data.columns as sorted (key, column) pairs
     split: str = "train"
+    pairs: bool = False  # train.objective=dpo: each record is a chosen and a rejected document, in that order
 
 
 def encode_chat_completion(record: dict, tokenizer) -> tuple[list[int], list[int]]:
@@ -200,15 +201,39 @@ class Encoder:
         except BadRecord as problem:
             raise _Located(where, problem) from None
 
-    def encode(self, where: str, record: object) -> tuple[list, int, list[str]]:
-        kind, record, ignored, shape = normalize(record, self.columns)
+    def encode_pair(self, where: str, record: object) -> tuple[list, int, list[str]]:
+        """A preference pair: the chosen document, then the rejected one, each truncated (never split)."""
+        kind, chosen, rejected, ignored, shape = normalize_pair(record, self.columns)
+        self._check_tokenizer(where, kind)
+        documents, cut = [], 0
+        for name, part in (("chosen", chosen), ("rejected", rejected)):
+            with limited(self.text_limit(kind)) as limit:
+                ids, labels = ENCODERS[kind](part, self.tokenizer)
+            labels[0] = IGNORE_INDEX
+            (document,), dropped = fit(ids, labels, kind, self.settings)  # a pair's kinds are never split
+            cut += dropped + (limit.dropped_tokens(len(ids)) if limit is not None else 0)
+            if all(label == IGNORE_INDEX for label in document[1]):
+                raise BadRecord(
+                    f"the {name} answer has no tokens left after truncation to max_seq_len="
+                    f"{self.settings.max_seq_len}"
+                )
+            documents.append(document)
+        return documents, cut, [f"{shape}:{key}" for key in sorted({*ignored, *self.unused})]
+
+    def _check_tokenizer(self, where: str, kind: str) -> None:
         tokenizer = self.tokenizer
         if kind != "input_ids" and getattr(tokenizer, "missing", False):
             raise tokenizer.needs_tokenizer(where, kind)  # a model folder without tokenizer files
         if kind in ("messages", "chat completion"):
             check_chat_support(tokenizer, where)
+
+    def encode(self, where: str, record: object) -> tuple[list, int, list[str]]:
+        if self.settings.pairs:
+            return self.encode_pair(where, record)
+        kind, record, ignored, shape = normalize(record, self.columns)
+        self._check_tokenizer(where, kind)
         with limited(self.text_limit(kind)) as limit:
-            ids, labels = ENCODERS[kind](record, tokenizer)
+            ids, labels = ENCODERS[kind](record, self.tokenizer)
         labels[0] = IGNORE_INDEX  # see usaf.data's docstring: never a target within its document
         windows, cut = fit(ids, labels, kind, self.settings)
         if limit is not None:
@@ -246,7 +271,7 @@ class Encoder:
                     ids,
                     labels,
                     cut=cut,
-                    window=number if len(windows) > 1 else -1,
+                    window=number if len(windows) > 1 and not self.settings.pairs else -1,
                     ignored=",".join(ignored),
                 )
         return out

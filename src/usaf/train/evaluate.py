@@ -10,6 +10,7 @@ import torch
 from usaf.config import RunConfig
 from usaf.data import Batches, TokenizedDataset, load_run_data
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
+from usaf.engine.preference import preference_loss
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE
 from usaf.train import checkpoint, runtime
@@ -26,30 +27,60 @@ def evaluate(
     autocast_ctx=None,
     max_batches: int = 0,
     chunk_tokens: int = 1024,
+    dpo_beta: float | None = None,
 ) -> dict:
-    """Mean next-token loss over every supervised token of `dataset` (or its first `max_batches` batches)."""
+    """Mean next-token loss over every supervised token of `dataset` (or its first `max_batches` batches); with
+    `dpo_beta` (preference pairs), the mean DPO loss per pair, the mean reward margin and the share of pairs whose
+    chosen answer is ahead."""
     was_training = model.training
     model.eval()
-    total, tokens = 0.0, 0
+    total, count, margins = 0.0, 0, []
     batches = Batches(dataset, batch_size, shuffle=False, epochs=1)
     for index, batch in enumerate(batches):
         if max_batches and index >= max_batches:
             break
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast_ctx or torch.autocast(device.type, enabled=False):
-            loss_sum = causal_lm_loss(
-                model,
-                batch["input_ids"],
-                batch["labels"],
-                position_ids=batch["position_ids"],
-                chunk_tokens=chunk_tokens,
-                reduction="sum",
-            )
+            if dpo_beta is not None:
+                result = preference_loss(
+                    model,
+                    batch["input_ids"],
+                    batch["labels"],
+                    dpo_beta,
+                    position_ids=batch["position_ids"],
+                    chunk_tokens=chunk_tokens,
+                )
+                loss_sum = result.loss_sum
+                margins.append(result.margins.float().cpu())
+            else:
+                loss_sum = causal_lm_loss(
+                    model,
+                    batch["input_ids"],
+                    batch["labels"],
+                    position_ids=batch["position_ids"],
+                    chunk_tokens=chunk_tokens,
+                    reduction="sum",
+                )
         total += float(loss_sum)
-        tokens += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        count += supervised_units(batch, dpo_beta is not None)
     model.train(was_training)
-    loss = total / max(tokens, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+    loss = total / max(count, 1)
+    if dpo_beta is not None:
+        margin = torch.cat(margins)
+        return {
+            "loss": loss,
+            "margin": float(margin.mean()),
+            "accuracy": float((margin > 0).float().mean()),
+            "pairs": count,
+        }
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+def supervised_units(batch: dict, pairs: bool) -> int:
+    """What a batch's summed loss is divided by: its supervised next tokens, or (preference pairs) its pairs."""
+    if pairs:
+        return batch["input_ids"].shape[0] // 2
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
 def evaluate_target(target: str, data_files: list[str], overrides: list[str]) -> dict:

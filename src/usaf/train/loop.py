@@ -14,9 +14,12 @@ import signal
 import time
 from pathlib import Path
 
+import torch
+
 from usaf.config import RunConfig
 from usaf.data import Batches, collate, load_run_data
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
+from usaf.engine.preference import preference_loss
 from usaf.engine.router import RouterCollapse, RouterTraining
 from usaf.engine.state import streamed_bytes
 from usaf.errors import UsafError
@@ -32,7 +35,7 @@ from usaf.selection.choose import save_selection
 from usaf.selection.reselect import Reselector
 from usaf.train import checkpoint, distributed, runtime
 from usaf.train.checkpoint import restore_trainable
-from usaf.train.evaluate import evaluate
+from usaf.train.evaluate import evaluate, supervised_units
 from usaf.train.metrics import MetricsLog
 from usaf.train.optim import (
     apply_resumed_schedule,
@@ -75,6 +78,8 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
     run_dir = Path(run_dir)
     config.check()  # a config built or changed in Python gets the same range checks as a file
     check_report_to(report_to(config))  # a tracker that is not installed is said now, not after loading
+    if config.train.objective == "dpo" and config.train.prefix_cache != "off":
+        raise UsafError("train.prefix_cache caches one forward per row; train.objective=dpo needs it off.")
     config = absolute_paths(config)  # the run's config.yaml must not depend on the working directory
     # [usaf.distributed] join torchrun's job; a rank > 0 neither checks, locks nor cleans the folder (rank 0 does)
     if distributed.init(config) and not distributed.is_main():
@@ -271,10 +276,11 @@ class Trainer:
         distributed.before_step(reselector)  # [usaf.distributed] rank > 0: reselection statistics from 0
         # [usaf.distributed] rank r of N takes micro-batches r, r+N, ... of the step's N x grad_accum
         micro = distributed.take_micro_batches(self.batches, config.schedule.grad_accum)
-        supervised = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b, _ in micro)
+        dpo = config.train.objective == "dpo"
+        supervised = sum(supervised_units(b, dpo) for b, _ in micro)  # tokens, or (dpo) pairs
         supervised = distributed.sum_scalars(supervised)  # [usaf.distributed] the step's, over all ranks
         steps_micro = distributed.global_count(len(micro))  # [usaf.distributed] micro-batches of all ranks
-        total, tokens = 0.0, 0
+        total, tokens, margins = 0.0, 0, []
         for index, (batch, rows) in enumerate(micro):
             if self.reducer is not None and index == len(micro) - 1:
                 self.reducer.arm()  # [usaf.distributed] the last backward sends gradients as they complete
@@ -288,14 +294,25 @@ class Trainer:
             if reselector is not None:
                 reselector.set_observing(True)
             with self.autocast, routers.capture():
-                loss_sum = causal_lm_loss(
-                    self.model,
-                    batch["input_ids"],
-                    batch["labels"],
-                    position_ids=batch["position_ids"],
-                    chunk_tokens=config.train.logits_chunk_tokens,
-                    reduction="sum",
-                )
+                if dpo:  # the reference forward runs first, without gradients, on the base (base_weights)
+                    result = preference_loss(
+                        self.model,
+                        batch["input_ids"],
+                        batch["labels"],
+                        config.train.dpo_beta,
+                        position_ids=batch["position_ids"],
+                        chunk_tokens=config.train.logits_chunk_tokens,
+                    )
+                    loss_sum, margins = result.loss_sum, [*margins, result.margins]
+                else:
+                    loss_sum = causal_lm_loss(
+                        self.model,
+                        batch["input_ids"],
+                        batch["labels"],
+                        position_ids=batch["position_ids"],
+                        chunk_tokens=config.train.logits_chunk_tokens,
+                        reduction="sum",
+                    )
                 aux = routers.aux_loss(self.state.step)  # balancing + z-loss from this forward's raw logits
             if reselector is not None:
                 reselector.set_observing(False)  # recomputation in backward re-runs forwards: count them once
@@ -311,6 +328,14 @@ class Trainer:
         total, tokens = distributed.sum_scalars(
             total, tokens
         )  # [usaf.distributed] global loss sum and tokens
+        self.preference = None
+        if dpo:  # [usaf.distributed] the step's pairs over all ranks: margin sum and pairs ahead
+            margin = torch.cat(margins).float()
+            margin_sum, ahead = distributed.sum_scalars(float(margin.sum()), float((margin > 0).sum()))
+            self.preference = {
+                "rewards/margins": margin_sum / supervised,
+                "rewards/accuracies": ahead / supervised,
+            }
         return total / max(supervised, 1), tokens
 
     def optimizer_step(self, loss: float) -> float | None:
@@ -385,6 +410,7 @@ class Trainer:
             "streamed_bytes": streamed_bytes(self.model) - streamed_before,
             "skipped_steps": state.bad_steps,
             **({"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}),
+            **(self.preference or {}),
             **(reselected or {}),
             **router_record,
         }
@@ -428,6 +454,7 @@ class Trainer:
             self.autocast,
             config.data.eval_batches,
             config.train.logits_chunk_tokens,
+            config.train.dpo_beta if config.train.objective == "dpo" else None,
         )
 
     def save(self) -> Path | None:

@@ -50,6 +50,13 @@ class TrainState:
             "eval_loss_after": (eval_after or {}).get("loss"),
             "eval_perplexity_before": before.get("perplexity"),
             "eval_perplexity_after": (eval_after or {}).get("perplexity"),
+            # preference pairs (train.objective=dpo): the reward margin and the share of pairs the chosen answer leads
+            **{
+                f"eval_{key}_{when}": side.get(key)
+                for key in ("margin", "accuracy")
+                for when, side in (("before", before), ("after", eval_after or {}))
+                if key in side
+            },
             "trained_expert_entries": entries["expert_entries"],
             "trained_router_weights": entries["routers"],
             "trained_entries_beyond_experts": target_entries(entries),
@@ -84,6 +91,11 @@ def format_summary(summary: dict) -> str:
             "eval perplexity before → after",
             _pair(summary["eval_perplexity_before"], summary["eval_perplexity_after"]),
         ),
+        *[
+            (f"eval {key} before → after", _pair(summary[f"eval_{key}_before"], summary[f"eval_{key}_after"]))
+            for key in ("margin", "accuracy")
+            if f"eval_{key}_before" in summary and f"eval_{key}_after" in summary
+        ],
         ("trained expert entries", f"{summary['trained_expert_entries']:,}"),
         *[
             (f"trained {target.replace('_', ' ')}", f"{n:,}")

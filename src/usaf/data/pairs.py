@@ -1,0 +1,44 @@
+"""Preference pairs (train.objective=dpo): the tokenized documents of a pair data set, chosen then rejected per
+record, held as pairs. A batch of pairs is its chosen rows, then its rejected rows in the same order: the layout
+`usaf.engine.preference` reads."""
+
+from __future__ import annotations
+
+import torch
+
+from usaf.data.pack import TokenizedDataset
+
+
+class PreferencePairs:
+    """`rows` (one document each, never packed) as pairs: pair i is rows 2i (chosen) and 2i + 1 (rejected)."""
+
+    def __init__(self, rows: TokenizedDataset):
+        if rows.packed or len(rows) % 2:
+            raise ValueError("preference pairs need unpacked rows, a chosen and a rejected one per record")
+        self.rows = rows
+        self.pad_id, self.max_seq_len, self.packed = rows.pad_id, rows.max_seq_len, False
+        self.num_documents = rows.num_documents
+
+    def __len__(self) -> int:
+        return len(self.rows) // 2
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """The chosen row of pair `index` (what a probe of the data looks at)."""
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        return self.rows[2 * (index % len(self))]
+
+    def batch_rows(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The chosen rows of the pairs, then their rejected rows."""
+        return [self.rows[2 * i] for i in indices] + [self.rows[2 * i + 1] for i in indices]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.num_tokens
+
+    @property
+    def supervised_tokens(self) -> int:
+        return self.rows.supervised_tokens
+
+    def fingerprint(self) -> str:
+        return "pairs-" + self.rows.fingerprint()
