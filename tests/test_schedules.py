@@ -74,3 +74,30 @@ def test_an_unknown_schedule_is_refused(capsys):
     assert main(["train", "--print-config", "--set=schedule.name=triangular"]) == 2
     err = capsys.readouterr().err
     assert "schedule.name" in err and "cosine" in err and len(err.strip().splitlines()) == 1
+
+
+def test_epochs_set_the_steps_from_the_data_and_a_resume_finds_the_same(tmp_path, capsys):
+    import re
+
+    import yaml
+
+    model, data = make_model_dir(tmp_path / "m"), write_copy_task(tmp_path / "d.jsonl", 40)
+    run = tmp_path / "run"
+    sets = [
+        f"--set={s}" for s in [*FAST_RUN, "schedule.epochs=1.5", "schedule.grad_accum=2", "data.pack=false"]
+    ]
+    assert main(["train", f"--model={model}", f"--data={data}", f"--out={run}", *sets]) == 0
+    out = capsys.readouterr().out
+    found = re.search(
+        r"note: schedule.epochs=1.5: (\d+) steps \((\d+) batches of 4 an epoch, 2 a step\)", out
+    )
+    assert found, out
+    steps, batches = int(found.group(1)), int(found.group(2))
+    assert batches == 10 and steps == math.ceil(
+        1.5 * batches / 2
+    )  # 38 records after the held-out 2, batches of 4
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps
+    assert yaml.safe_load((run / "config.yaml").read_text())["schedule"]["max_steps"] == steps
+    assert main(["train", f"--resume={run}"]) == 0
+    assert f"is finished (step {steps} of schedule.max_steps={steps})" in capsys.readouterr().out

@@ -322,6 +322,12 @@ class ScheduleSection:
         0.1, "warmup_stable_decay: the share of max_steps that decays at the end", bounds="[0, 1]"
     )
     grad_accum: int = option(1, "micro-batches per optimizer step", bounds="[1, inf)")
+    epochs: float = option(
+        0.0,
+        "passes over the training data; above 0 it sets max_steps from the data and the global batch (said on the "
+        "first lines)",
+        bounds="[0, inf)",
+    )
 
 
 @dataclass

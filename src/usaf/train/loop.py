@@ -160,6 +160,8 @@ class Trainer:
         self.eval_data, self.data_stats = session.eval_data, session.data_stats
         self.notes += session.notes
         self.batches = Batches(session.train_data, config.data.batch_size, seed=config.train.seed)
+        if config.schedule.epochs:
+            self._steps_from_epochs(config)
         # [usaf.distributed] (prepare_model made rank 0's selection every rank's) what DDP does not support
         distributed.check_supported(config)
         # [usaf.distributed] gradients summed across ranks, overlapped with the last backward of each step
@@ -202,6 +204,24 @@ class Trainer:
             if distributed.is_main():  # [usaf.distributed]
                 truncate_metrics(run_dir / METRICS_FILE, self.state.step)
         self.entries = trainable_summary(self.model)
+
+    def _steps_from_epochs(self, config: RunConfig) -> None:
+        """schedule.epochs: max_steps from the batches an epoch and the micro-batches a step (all ranks); the run's
+        config.yaml states the steps with the next checkpoint, so that a resume finds the same length."""
+        per_step = distributed.global_count(
+            config.schedule.grad_accum
+        )  # [usaf.distributed] all ranks' batches
+        steps = max(1, math.ceil(config.schedule.epochs * len(self.batches) / per_step))
+        self.notes.append(
+            f"schedule.epochs={config.schedule.epochs:g}: {steps} steps ({len(self.batches)} batches of "
+            f"{config.data.batch_size} an epoch, {per_step} a step)"
+        )
+        if steps != config.schedule.max_steps:
+            config.schedule.max_steps = steps
+            given = RunConfig.from_dict(self.run_config)
+            given.schedule.max_steps = steps
+            self.run_config, self.run_yaml = given.to_dict(), given.to_yaml()
+            self.yaml_pending = True
 
     # ---- the run ----------------------------------------------------------------------------------------------
 
