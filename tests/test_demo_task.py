@@ -89,8 +89,11 @@ def test_examples_are_deterministic_and_well_formed():
 
 def test_bundled_data_is_what_write_demo_data_writes_and_eval_is_held_out(tmp_path):
     paths = write_demo_data(tmp_path)
-    for split in ("train", "eval"):
+    for split in ("train", "eval", "preference_train", "preference_eval"):
         assert paths[split].read_bytes() == (DATA_DIR / f"{split}.jsonl").read_bytes()
+    pairs = read_jsonl(paths["preference_train"])
+    assert len(pairs) == 500 and all(p["chosen"] != p["rejected"] for p in pairs)
+    assert [p["prompt"] for p in pairs] == [r["prompt"] for r in read_jsonl(paths["train"])[:500]]
     train, evaluation = read_jsonl(paths["train"]), read_jsonl(paths["eval"])
     assert len(train) == 2000 and len(evaluation) == 200
     assert all(r["prompt"].startswith(f"{NEW_SKILL}: ") for r in train + evaluation)

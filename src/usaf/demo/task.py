@@ -14,7 +14,9 @@ Kinds
 Public API
   KINDS, PRETRAIN_KINDS, NEW_SKILL
   make_examples(kind, n, seed) -> list of {"prompt", "completion"}   deterministic for (kind, n, seed)
-  write_demo_data(directory, train_size=..., eval_size=...) -> {"train": path, "eval": path}
+  write_demo_data(directory, train_size=..., eval_size=...) -> {"train", "eval", "preference_train",
+                                                                 "preference_eval": path}
+  preference_pairs(records) -> {"prompt", "chosen": the shifted word, "rejected": the copied word}
   read_jsonl(path) -> records
   task_accuracy(model, tokenizer, records, max_new_tokens=None, batch_size=64) -> exact-match share in [0, 1]
 """
@@ -48,6 +50,7 @@ NEW_SKILL = "shift"
 # Seeds of the bundled files; the eval split draws from its own stream and drops any prompt seen in train.
 DEMO_TRAIN_SEED, DEMO_EVAL_SEED = 1, 2
 DEMO_TRAIN_SIZE, DEMO_EVAL_SIZE = 2000, 200
+PREFERENCE_TRAIN_SIZE = 500  # the demo's preference set: a small one, as preference data usually is
 
 
 def prompt_for(kind: str, word: str) -> str:
@@ -95,16 +98,30 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+def preference_pairs(records: list[dict]) -> list[dict]:
+    """The new skill as preferences: the shifted word chosen over the copied one (what the pretrained model does)."""
+    pairs = []
+    for record in records:
+        word = record["prompt"].split(": ", 1)[1].removesuffix(" -> ")
+        pairs.append({"prompt": record["prompt"], "chosen": record["completion"], "rejected": word})
+    return pairs
+
+
 def write_demo_data(
     directory: str | Path, train_size: int = DEMO_TRAIN_SIZE, eval_size: int = DEMO_EVAL_SIZE
 ) -> dict[str, Path]:
-    """Write train.jsonl and eval.jsonl of the new skill into `directory`; returns their paths."""
+    """Write train.jsonl and eval.jsonl of the new skill into `directory`, and the same as preference pairs
+    (preference_train.jsonl, the first PREFERENCE_TRAIN_SIZE, and preference_eval.jsonl); returns their paths."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     train, evaluation = demo_splits(NEW_SKILL, train_size, eval_size)
     return {
         "train": write_jsonl(directory / "train.jsonl", train),
         "eval": write_jsonl(directory / "eval.jsonl", evaluation),
+        "preference_train": write_jsonl(
+            directory / "preference_train.jsonl", preference_pairs(train[:PREFERENCE_TRAIN_SIZE])
+        ),
+        "preference_eval": write_jsonl(directory / "preference_eval.jsonl", preference_pairs(evaluation)),
     }
 
 
