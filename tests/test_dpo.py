@@ -3,6 +3,7 @@ base as its own reference, the preferred answers' margin moving the right way, r
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +144,25 @@ def test_dpo_refuses_the_prefix_cache(inputs, tmp_path, capsys):
     sets = [f"--set={s}" for s in [*FAST_RUN, "train.objective=dpo", "train.prefix_cache=ram"]]
     assert main(["train", f"--model={model}", f"--data={data}", f"--out={tmp_path / 'run'}", *sets]) == 2
     assert "train.objective=dpo needs it off" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_the_planner_counts_the_pairs_rows_and_the_reference_forward(tmp_path, capsys):
+    import re
+
+    import yaml
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "configs" / "olmoe-1b-7b.yaml"
+    config = yaml.safe_load(example.read_text())
+    shown = {}
+    for objective in ("sft", "dpo"):
+        path = tmp_path / f"{objective}.yaml"
+        path.write_text(
+            yaml.safe_dump({**config, "train": {**config.get("train", {}), "objective": objective}})
+        )
+        assert main(["plan", "--config", str(path), "--device", "rtx-3060-12gb", "--ram", "32GB"]) == 0
+        shown[objective] = capsys.readouterr().out
+    batch = config["data"]["batch_size"]
+    assert f"x batch {batch}," in shown["sft"] and f"x batch {2 * batch}," in shown["dpo"]
+    assert "dpo (batch counts the chosen and rejected rows" in shown["dpo"]
+    step = {k: float(re.search(r"step ~ ([\d.]+) s", v).group(1)) for k, v in shown.items()}
+    assert step["dpo"] > 2 * step["sft"]  # twice the rows, and four passes where SFT makes three

@@ -52,7 +52,12 @@ def format_plan(p: Plan) -> str:
         f"{format_count(shape.active_params)} active per token (shapes from the {shape.shapes_from})",
         f"settings: seq {s.seq} x batch {s.batch}, density {s.density:g} ({s.granularity}), experts {s.quant}, "
         f"compute {s.dtype}, residency {s.residency}, recompute {'on' if s.recompute else 'off'}, "
-        f"logits chunk {s.logits_chunk}, {s.optimizer}",
+        f"logits chunk {s.logits_chunk}, {s.optimizer}"
+        + (
+            ", dpo (batch counts the chosen and rejected rows; the reference forward is a fourth pass)"
+            if s.objective == "dpo"
+            else ""
+        ),
     ]
     if s.gpus > 1:
         how = (

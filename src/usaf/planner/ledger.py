@@ -586,14 +586,18 @@ def _step_time(shape: ModelShape, s: PlanSettings, device: Device, residency: st
     sparse_grads = (
         2 * trained_entries(shape, s) * tokens * shape.experts_per_token / max(1, shape.num_experts)
     )
-    flops = 3 * forward + sparse_grads
+    # DPO's reference log-probabilities: one more forward, without gradients, on the same weights
+    passes = 4 if s.objective == "dpo" else 3
+    flops = passes * forward + sparse_grads
     compute_s = flops / (device.tflops * 1e12 * COMPUTE_EFFICIENCY)
     # each pass reads the routed experts' weights: quantized ones are read, written in the dtype and read again
     payload, constants = stored_bytes(shape.expert_matrices, s.quant, d)
     per_weight = ((payload + constants) / shape.expert_weights + 2 * d) if s.quant != "none" else d
     routed = _routed_experts(shape, tokens) / max(1, shape.num_experts) * shape.expert_weights
     memory_s = (
-        3 * (routed * per_weight + shape.dense_matmul * d) / (device.memory_gbps * 1e9 * MEMORY_EFFICIENCY)
+        passes
+        * (routed * per_weight + shape.dense_matmul * d)
+        / (device.memory_gbps * 1e9 * MEMORY_EFFICIENCY)
     )
     streaming_s = 0.0
     if residency in ("host", "mmap") and device.is_gpu:
@@ -602,9 +606,8 @@ def _step_time(shape: ModelShape, s: PlanSettings, device: Device, residency: st
             residency == "mmap" and payload + constants > ram / 2
         ):  # the page cache cannot hold them: disk reads
             rate = min(rate, DISK_GBPS)
-        streaming_s = (
-            2 * (payload + constants) / (rate * 1e9)
-        )  # forward, then backward (recomputation shares it)
+        # forward, then backward (recomputation shares it), and DPO's reference forward
+        streaming_s = (passes - 1) * (payload + constants) / (rate * 1e9)
     return StepTime(compute_s, memory_s, streaming_s, flops)
 
 

@@ -116,6 +116,9 @@ class PlanSettings:
     gpus: int = 1  # processes of a data-parallel (or expert-parallel) job, one GPU each
     expert_parallel: bool = False  # each GPU holds E/gpus experts of every layer; tokens travel all-to-all
     gpus_per_host: int = 0  # ranks sharing one host's RAM (0: min(gpus, 8), one 8-GPU box after another)
+    objective: str = (
+        "sft"  # train.objective; dpo: `batch` counts chosen and rejected rows, and a reference pass
+    )
 
     def __post_init__(self):
 
@@ -181,7 +184,9 @@ def settings_for_run(config: RunConfig, dtype: str) -> PlanSettings:
     sequence, batch, selection, storage, chunking and optimizer state the run will have."""
     return PlanSettings(
         seq=config.data.max_seq_len,
-        batch=config.data.batch_size,
+        # a DPO micro-batch of batch_size pairs is twice as many rows: the chosen and the rejected ones
+        batch=config.data.batch_size * (2 if config.train.objective == "dpo" else 1),
+        objective=config.train.objective,
         density=config.select.density,
         quant=checkpoint_method(config.model.path) or config.model.quant,  # a published one keeps its own
         granularity=config.select.granularity,

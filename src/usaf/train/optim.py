@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import get_scheduler
 
 from usaf.config import OPTIMIZER_BUCKET_ENTRIES, RunConfig
 from usaf.errors import UsafError
@@ -247,6 +246,10 @@ def build_scheduler(optimizer, config: RunConfig):
                 "min_lr_ratio": floor,
             },
         }.get(schedule.name)
+        # imported here: transformers.optimization imports its Trainer's utilities, and with them PEFT and
+        # bitsandbytes (seconds, and a warning on the CPU), which a run on usaf's own schedule never needs
+        from transformers.optimization import get_scheduler
+
         return get_scheduler(schedule.name, optimizer, warmup, total, scheduler_specific_kwargs=extra)
 
     def factor(step: int) -> float:
