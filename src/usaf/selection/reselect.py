@@ -88,8 +88,12 @@ class Reselector:
             state.observing = active
 
     def before_step(self, step: int) -> None:
-        """`step` is the optimizer step about to run (1-based): open the probe window before a reselection."""
+        """`step` is the optimizer step about to run (1-based): open the probe window before a reselection (from
+        the global statistics), then start this rank's share of the step's."""
+        self._open_probe_window(step)
         self._clear_rank_share()
+
+    def _open_probe_window(self, step: int) -> None:
         every = self.config.reselect_every
         if every <= 0:
             return
