@@ -10,6 +10,8 @@
   of steps, and drift from the base model's routing on a fixed probe batch.
 - `CollapseGuard`: thresholds on that health and what to do when they are crossed.
 
+A training run puts them together (and sums them across ranks) in usaf.train.router_training.RouterTraining.
+
 DeepSeek-style sigmoid routers (DeepSeek-V3, GLM-4-MoE) choose experts by `sigmoid(logits) +
 e_score_correction_bias`. That bias is a buffer which usaf never trains or edits, so the router stays consistent
 with the bias the base model was trained with; the losses here use the raw logits (softmax over them for the
@@ -413,7 +415,7 @@ class CollapseGuard:
 
     warn: only report. raise_balance: balancing coefficient x `balance_factor` (from 0: to 0.01), up to
     `balance_cap`. freeze_router: routers stop training (requires_grad False, gradients dropped). stop: raise
-    `RouterCollapse` for the trainer to checkpoint and stop.
+    `RouterCollapse` for the training run to checkpoint and stop.
     A threshold of max_cv <= 0 is off; min_entropy <= 0 and max_dead_share >= 1 can never be crossed.
     """
 
