@@ -320,3 +320,51 @@ def test_usaf_eval_of_a_gpt_oss_run_equals_the_runs_own_final_eval(tmp_path):
     evaluated = evaluate_target(str(tmp_path / "run"), [str(tmp_path / "eval.jsonl")], [])
     assert evaluated["notes"] == [PACKING_OFF]
     assert evaluated["loss"] == pytest.approx(summary["eval_loss_after"], rel=1e-6, abs=1e-6)
+
+
+# ---- the loop's components: each decides its own cadence, and the loop holds no collective --------------------
+
+
+def test_components_decide_their_own_cadence(tmp_path):
+    from types import SimpleNamespace
+
+    from usaf.train.checkpoint import Checkpointer
+    from usaf.train.evaluate import Evaluator
+    from usaf.train.metrics import MetricsLog, NullLog
+
+    written = []
+    checkpointer = Checkpointer(
+        tmp_path, SimpleNamespace(every_steps=3, keep_last=1), lambda: written.append(1) or {}
+    )
+    assert [s for s in range(1, 10) if checkpointer.should_save(s)] == [3, 6, 9]
+    never = Checkpointer(tmp_path, SimpleNamespace(every_steps=0, keep_last=1), dict)
+    assert not any(never.should_save(s) for s in range(1, 10)) and never.save(4) is None and not written
+
+    config = SimpleNamespace(log=SimpleNamespace(eval_every_steps=5))
+    evaluator = Evaluator(None, object(), config, None, None)
+    assert [s for s in range(1, 11) if evaluator.should_evaluate(s)] == [5, 10]
+    assert not Evaluator(None, None, config, None, None).should_evaluate(5)  # no held-out data
+
+    log = MetricsLog(tmp_path, 10, 0, progress=False, every_steps=0)
+    assert not log.should_log(2, {"loss": 1.0}) and log.should_log(2, {"eval/loss": 1.0})
+    log.close()
+    assert NullLog(2).should_log(4, {}) and not NullLog(2).should_log(3, {})
+
+
+def test_the_training_loop_holds_no_collective():
+    """Every sum across ranks lives in the component that owns the state: TrainingRun calls no
+    usaf.train.distributed function but the device choice of its setup."""
+    import ast
+    import inspect
+
+    import usaf.train.loop as loop
+
+    tree = ast.parse(inspect.getsource(loop.TrainingRun))
+    calls = [
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "distributed"
+    ]
+    assert calls == ["local_device"]

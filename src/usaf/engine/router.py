@@ -10,6 +10,8 @@
   of steps, and drift from the base model's routing on a fixed probe batch.
 - `CollapseGuard`: thresholds on that health and what to do when they are crossed.
 
+A training run puts them together (and sums them across ranks) in usaf.train.router_training.RouterTraining.
+
 DeepSeek-style sigmoid routers (DeepSeek-V3, GLM-4-MoE) choose experts by `sigmoid(logits) +
 e_score_correction_bias`. That bias is a buffer which usaf never trains or edits, so the router stays consistent
 with the bias the base model was trained with; the losses here use the raw logits (softmax over them for the
@@ -413,7 +415,7 @@ class CollapseGuard:
 
     warn: only report. raise_balance: balancing coefficient x `balance_factor` (from 0: to 0.01), up to
     `balance_cap`. freeze_router: routers stop training (requires_grad False, gradients dropped). stop: raise
-    `RouterCollapse` for the trainer to checkpoint and stop.
+    `RouterCollapse` for the training run to checkpoint and stop.
     A threshold of max_cv <= 0 is off; min_entropy <= 0 and max_dead_share >= 1 can never be crossed.
     """
 
@@ -496,98 +498,3 @@ class CollapseGuard:
             param.requires_grad_(False)
             param.grad = None
         self.frozen = True
-
-
-# ----------------------------------------------------------------------------------------------------------
-# everything the trainer does with routers, in one place
-# ----------------------------------------------------------------------------------------------------------
-
-
-class RouterTraining:
-    """Probe + losses + health + guard for one run, so the training loop calls four methods:
-    `capture()` around each micro-batch forward, `aux_loss(step)` inside it, `after_micro_batch()` after its
-    backward, and `after_step(step)` after each optimizer step (metrics, health, the guard)."""
-
-    def __init__(self, model: nn.Module, section, router_params: list[nn.Parameter], probe_batch: dict):
-        self.section = section
-        self.model = model
-        self.probe = RouterProbe(model)
-        self.loss = RouterLoss(section.balance_coef, section.z_coef)
-        self.health = RouterHealth(self.probe, section.health_window_steps)
-        self.guard = CollapseGuard.from_config(section, self.loss, router_params)
-        self.router_params = router_params
-        self.probe_batch = probe_batch
-        self.health.record_base(model, probe_batch)
-        self.parts: dict[str, torch.Tensor] = {}  # summed on the device; read once per step
-
-    def capture(self):
-        return self.probe.capture()
-
-    def training_routers(self, step: int) -> bool:
-        """Routers learn from step `freeze_steps` on (0-based count of finished steps) unless the guard froze them."""
-        return bool(self.router_params) and step >= self.section.freeze_steps and not self.guard.frozen
-
-    def aux_loss(self, step: int):
-        """The weighted balancing + z-loss of the current capture (0 while routers do not train)."""
-        if not self.training_routers(step) or (self.loss.balance_coef == 0 and self.loss.z_coef == 0):
-            return 0.0
-        total, parts = self.loss(self.probe)
-        for key, value in parts.items():
-            self.parts[key] = self.parts.get(key, 0.0) + value.detach()
-        return total
-
-    def after_micro_batch(self) -> None:
-        self.health.observe()
-        self.probe.clear()
-
-    def after_step(self, step: int, micro_batches: int) -> tuple[dict, dict, str | None]:
-        """(metrics, progress-bar fields, a message for the log or None). Raises RouterCollapse on 'stop'."""
-        self.health.end_step()
-        record = {f"router/{k}_loss": float(v) / micro_batches for k, v in self.parts.items()}
-        record["router/balance_coef"] = self.loss.balance_coef
-        self.parts = {}
-        show, message = {}, None
-        every = self.section.health_every_steps
-        if every and step % every == 0:
-            self.health.measure_drift(self.model, self.probe_batch)
-            rows = (
-                self.health.per_layer()
-            )  # once: the metrics, the progress bar and the guard read the same rows
-            record.update(self.health.metrics(rows))
-            s = self.health.summary(rows)
-            show = {
-                k: f"{v:.2f}"
-                for k, v in (("cv", s["cv_max"]), ("ent", s["entropy_min"]), ("kl", s["drift"]))
-                if v is not None
-            }
-            show["dead"] = str(s["dead"])
-            message = self.guard.check(self.health, step, rows)
-        return record, show, message
-
-    def state_dict(self) -> dict:
-        return {"balance_coef": self.loss.balance_coef, "frozen": self.guard.frozen}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loss.balance_coef = float(state["balance_coef"])
-        if state["frozen"]:
-            self.guard.freeze()
-
-    def tensor_state(self) -> dict[str, torch.Tensor]:
-        """The health window's per-step counts, so the guard judges the same window after a resume."""
-        window = self.health.window
-        return {"router/health_window": torch.stack(list(window))} if window else {}
-
-    def load_tensor_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        saved = tensors.get("router/health_window")
-        self.health.window.clear()
-        if saved is not None:
-            self.health.window.extend(saved.unbind(0))
-
-    def load_before_after(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Per-layer expert loads on the probe batch: at the start and now (for `usaf report` heatmaps)."""
-        self.health.measure_drift(self.model, self.probe_batch)
-        return (
-            self.health.load_matrix(self.health.base_counts),
-            self.health.load_matrix(self.health.probe_counts),
-            self.health.layer_numbers,
-        )

@@ -166,6 +166,15 @@ def mark_loaded(tensor: torch.Tensor) -> None:
     tensor._is_hf_initialized = True
 
 
+def transformers_scheduler(name: str, optimizer, warmup: int, total: int, extra: dict | None):
+    """transformers' `get_scheduler(name, ...)`, imported when asked: transformers.optimization imports its
+    Trainer's utilities, and with them PEFT and bitsandbytes (seconds, and a warning on the CPU), which a run on
+    usaf's own schedule never needs."""
+    from transformers.optimization import get_scheduler
+
+    return get_scheduler(name, optimizer, warmup, total, scheduler_specific_kwargs=extra)
+
+
 def decoder_body(model: nn.Module) -> nn.Module:
     """The decoder stack under the language-model head (what returns hidden states); a bare decoder is its own."""
     return model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)

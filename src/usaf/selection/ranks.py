@@ -3,7 +3,8 @@
 `prepare_model` ends with `broadcast_trainable`, whoever runs the ranks: usaf's own loop
 (`usaf.train.distributed`, which builds on the rank basics here) or torch's DDP under transformers.Trainer and
 Accelerate, which `selection_buffers` keeps from broadcasting the selection again before every forward. Under a
-launcher the process group must exist before the model is prepared (`check_joined`).
+launcher the process group must exist before the model is prepared (`check_joined`). It also holds the bucketed
+in-place sum (`all_reduce_flat`) that the gradient reducer and the Reselector's statistics share.
 """
 
 from __future__ import annotations
@@ -38,6 +39,41 @@ def comm_device() -> torch.device:
     if active() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+BUCKET_BYTES = 64 * 2**20
+
+
+def buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:
+    """`tensors` cut into buckets of one dtype and device, each closed once it holds `limit` bytes; buckets in the
+    order they were opened (the same on every rank for the same list)."""
+    found: list[list[torch.Tensor]] = []
+    open_buckets: dict[tuple, tuple[list, list[int]]] = {}  # (dtype, device) -> (bucket, [bytes in it])
+    for t in tensors:
+        key = (t.dtype, t.device)
+        if key not in open_buckets:
+            open_buckets[key] = ([], [0])
+            found.append(open_buckets[key][0])
+        bucket, size = open_buckets[key]
+        bucket.append(t)
+        size[0] += t.numel() * t.element_size()
+        if size[0] >= limit:
+            del open_buckets[key]
+    return found
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> int:
+    """Sum `tensors` in place across ranks, bucketed by dtype and device; the bytes moved."""
+    moved = 0
+    for bucket in buckets(tensors, limit):
+        flat = torch.cat([b.reshape(-1) for b in bucket])
+        dist.all_reduce(flat)
+        moved += flat.numel() * flat.element_size()
+        offset = 0
+        for b in bucket:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+    return moved
 
 
 def check_joined() -> None:

@@ -21,12 +21,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from usaf.engine.installed import row_observers, sparse_experts
 from usaf.engine.sparse import LineProbe, line_flat_indices
 from usaf.engine.state import model_state
 from usaf.errors import UsafError
 from usaf.model.layout import find_moe_layers, intermediate_size, neuron_axes
+from usaf.selection import ranks
 from usaf.selection.choose import neuron_line_ids
 
 
@@ -86,7 +88,12 @@ class Reselector:
             state.observing = active
 
     def before_step(self, step: int) -> None:
-        """`step` is the optimizer step about to run (1-based): open the probe window before a reselection."""
+        """`step` is the optimizer step about to run (1-based): open the probe window before a reselection (from
+        the global statistics), then start this rank's share of the step's."""
+        self._open_probe_window(step)
+        self._clear_rank_share()
+
+    def _open_probe_window(self, step: int) -> None:
         every = self.config.reselect_every
         if every <= 0:
             return
@@ -257,6 +264,60 @@ class Reselector:
         return count * sum(
             state.stores[n].shape[3 - a] * (2 if n == "gate_up_proj" else 1) for n, a in axes.items()
         )
+
+    # ------------------------------------------------------------------------------------------ across ranks
+    # The statistics are sums over micro-batches: rank 0 keeps the running sum, the other ranks only their share
+    # since the last step, and `after_backward` sums them, so every rank holds the global statistics and takes
+    # the same decisions (the 1-process ones).
+    def _statistics(self) -> list[tuple[object, str, bool]]:
+        """(holder, attribute, kept) of every summed statistic, in the same order on every rank; `kept`: a probe's
+        score, zeroed rather than dropped."""
+        slots: list[tuple[object, str, bool]] = [(imp, "score", False) for imp in self.importance.values()]
+        slots += [(state, "row_score", False) for state in self.weights.values()]
+        for state in [*self.states.values(), *self.weights.values()]:
+            slots += [(state.probes[name], "score", True) for name in sorted(state.probes)]
+        return slots
+
+    def _clear_rank_share(self) -> None:
+        """Before a step's micro-batches: ranks other than 0 start their statistics from zero."""
+        if not ranks.active() or ranks.is_main():
+            return
+        for holder, attr, kept in self._statistics():
+            value = getattr(holder, attr)
+            if value is not None:
+                if kept:
+                    value.zero_()
+                else:
+                    setattr(holder, attr, None)
+
+    def after_backward(self) -> None:
+        """After a step's backward passes: the statistics summed across ranks. One no rank has stays None; one
+        some ranks lack starts from zeros there."""
+        if not ranks.active():
+            return
+        slots = self._statistics()
+        if not slots:
+            return
+        device = ranks.comm_device()
+        shapes = torch.zeros(len(slots), 5, dtype=torch.int64, device=device)
+        where = None
+        for i, (holder, attr, _) in enumerate(slots):
+            value = getattr(holder, attr)
+            if value is not None:
+                where = value.device
+                shapes[i, 0] = value.dim() + 1
+                shapes[i, 1 : 1 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
+        dist.all_reduce(shapes, op=dist.ReduceOp.MAX)
+        tensors = []
+        for (holder, attr, _), row in zip(slots, shapes.tolist(), strict=True):
+            if row[0] == 0:
+                continue
+            if getattr(holder, attr) is None:
+                if where is None:
+                    where = device if device.type == "cuda" else torch.device("cpu")
+                setattr(holder, attr, torch.zeros(row[1 : row[0]], device=where))
+            tensors.append(getattr(holder, attr))
+        ranks.all_reduce_flat(tensors)
 
     # -------------------------------------------------------------------------------------------- resume
     def _all(self) -> dict:

@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
 from usaf.files import STATE_FILE, STATE_SUM_FILE
-from usaf.io.atomic import fsync_file, install_dir, make_shareable
+from usaf.io.atomic import atomic_file, fsync_file, install_dir, make_shareable
+from usaf.train import distributed
 from usaf.version import __version__
 
 PREFIX = "step-"
@@ -314,3 +315,41 @@ def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor], wh
                         f"checkpoint {where} lacks '{name}': it was made with another configuration."
                     )
                 param.copy_(saved[name])
+
+
+class Checkpointer:
+    """The run's checkpoints. `save(step)` writes one when it is due (every `checkpoint.every_steps`; 0: only
+    when forced: the final one, a stop's, a failure's); `collect()` gives what it holds (model, optimizer,
+    scheduler, state, extra_tensors). Only rank 0 writes, with the world size a resume must match; every rank
+    reads. A file given to `write_with_next` is written after the next checkpoint, which records the same."""
+
+    def __init__(self, run_dir: Path, section, collect):
+        self.run_dir, self.every_steps, self.keep_last = run_dir, section.every_steps, section.keep_last
+        self.collect = collect
+        self.pending: dict[Path, str] = {}
+
+    def should_save(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def save(self, step: int, force: bool = False) -> Path | None:
+        if not (force or self.should_save(step)) or not distributed.is_main():  # [usaf.distributed]
+            return None
+        parts = self.collect()
+        parts["state"]["world_size"] = distributed.world_size()  # a resume must match it
+        saved = save(self.run_dir, step, keep_last=self.keep_last, **parts)
+        for path, text in self.pending.items():
+            atomic_file(path, lambda tmp, text=text: tmp.write_text(text))
+        self.pending.clear()
+        return saved
+
+    def write_with_next(self, path: Path, text: str) -> None:
+        self.pending[path] = text
+
+    def load_latest(self) -> tuple[Path, dict] | None:
+        """The latest checkpoint and what it holds (None: there is none), refused under another world size."""
+        saved = latest(self.run_dir)
+        if saved is None:
+            return None
+        restored = load(saved)
+        distributed.check_world_size(restored.get("world_size"), saved)  # [usaf.distributed]
+        return saved, restored

@@ -7,7 +7,7 @@ trains, up to floating-point reassociation.
   MASTER_ADDR/PORT from torchrun's environment). The backend is NCCL on CUDA (RCCL on ROCm builds, which torch
   also names "nccl") and gloo on CPU; `train.distributed_backend` or USAF_DISTRIBUTED_BACKEND overrides it.
 - Data: every rank walks the same global order (the same seeded `Batches`); an optimizer step takes N*k
-  micro-batches from it and rank r trains micro-batches r, r+N, r+2N, ... of them (`take_micro_batches`), so the
+  micro-batches from it and rank r trains micro-batches r, r+N, r+2N, ... of them (`StepShare`), so the
   data position after a step is the same on every rank and in a 1-process run with accumulation N*k.
 - Loss: each micro-batch's summed loss is divided by the step's supervised tokens over all ranks and the
   auxiliary router loss by the step's N*k micro-batches; the gradients are then summed across ranks, which is
@@ -18,30 +18,33 @@ trains, up to floating-point reassociation.
   trained values are then broadcast (`usaf.selection.ranks.broadcast_trainable`, at the end of `prepare_model`),
   so the selection is the 1-process one whatever N; the same module holds the rank basics used here.
 - Reselection: its statistics (neuron importance, row scores, probe scores) are sums over micro-batches; rank 0
-  keeps the running sum and the other ranks only their share since the last step (`before_step` clears it),
-  and `after_backward` sums them, so every rank holds the global statistics and takes the same decisions.
-- Router health and auxiliary-loss parts are summed before the step's metrics (`reduce_router_stats`); loss,
-  tokens and tokens/s are global (`sum_scalars`). A stop request on any rank stops every rank (`agree_stop`).
+  keeps the running sum and the other ranks only their share since the last step, and the Reselector's
+  `after_backward` sums them, so every rank holds the global statistics and takes the same decisions.
+- Router health and auxiliary-loss parts are summed before the step's metrics (RouterTraining.after_step); loss,
+  tokens and tokens/s are global (`StepShare.total`). A stop request on any rank stops every rank
+  (`StopRequest.agreed`).
+- Each of these lives in the component that owns the state (usaf.train.loop holds no collective): this module
+  holds joining, the data share and the gradient sum.
 - Files: only rank 0 writes (checkpoints, metrics, progress, summary, exports) and only rank 0 prints; every
-  rank reads a checkpoint on resume. Resume needs the world size the run was trained with (`check_world_size`):
+  rank reads a checkpoint on resume. Resume needs the world size the run was trained with (`check_world_size`,
+  from the Checkpointer):
   another one would change the global batch of every later step, so it is refused rather than re-sharded.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 import torch
 import torch.distributed as dist
 
 from usaf.errors import UsafError
-from usaf.selection.ranks import active, comm_device, is_main, rank, world_size
+from usaf.selection.ranks import BUCKET_BYTES, active, all_reduce_flat, buckets, comm_device, rank, world_size
+from usaf.selection.ranks import is_main as is_main  # the rank basics, for the train package
 
 BACKEND_ENV = "USAF_DISTRIBUTED_BACKEND"
 BACKENDS = ("auto", "nccl", "gloo")
-BUCKET_BYTES = 64 * 2**20
 
 # bytes moved by the gradient all-reduce: the latest step's, and the run's total (bench/distributed.py reads them)
 traffic = {"last_step_bytes": 0, "total_bytes": 0, "steps": 0}
@@ -115,14 +118,6 @@ def check_world_size(saved: int | None, where) -> None:
         )
 
 
-def check_supported(config) -> None:
-    """What data-parallel training does not do yet."""
-    if active() and config.train.prefix_cache != "off":
-        raise UsafError(
-            "train.prefix_cache is not supported with more than one process yet; set train.prefix_cache=off."
-        )
-
-
 # ------------------------------------------------------------------------------------------------------ data
 
 
@@ -143,6 +138,21 @@ def global_count(local: int) -> int:
     return local * world_size()
 
 
+class StepShare:
+    """This rank's share of each optimizer step and the step's totals over all ranks, so the loop asks for a
+    step's micro-batches and its sums without knowing how many processes run."""
+
+    def __init__(self, batches, accumulation: int):
+        self.batches, self.accumulation = batches, accumulation
+        self.micro_batches = global_count(accumulation)  # the step's micro-batches over all ranks
+
+    def take(self) -> list[tuple[dict, list[int]]]:
+        return take_micro_batches(self.batches, self.accumulation)
+
+    def total(self, *values):
+        return sum_scalars(*values)
+
+
 def sum_scalars(*values):
     """Each value summed over the ranks (ints stay ints)."""
     if not active():
@@ -156,38 +166,6 @@ def sum_scalars(*values):
 
 
 # ------------------------------------------------------------------------------------------------------ gradients
-
-
-def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """`tensors` cut into buckets of one dtype and device, each closed once it holds BUCKET_BYTES; buckets in the
-    order they were opened (the same on every rank for the same list)."""
-    buckets: list[list[torch.Tensor]] = []
-    open_buckets: dict[tuple, tuple[list, list[int]]] = {}  # (dtype, device) -> (bucket, [bytes in it])
-    for t in tensors:
-        key = (t.dtype, t.device)
-        if key not in open_buckets:
-            open_buckets[key] = ([], [0])
-            buckets.append(open_buckets[key][0])
-        bucket, size = open_buckets[key]
-        bucket.append(t)
-        size[0] += t.numel() * t.element_size()
-        if size[0] >= BUCKET_BYTES:
-            del open_buckets[key]
-    return buckets
-
-
-def _all_reduce_flat(tensors: list[torch.Tensor]) -> int:
-    """Sum `tensors` in place across ranks, bucketed by dtype and device; the bytes moved."""
-    moved = 0
-    for bucket in _buckets(tensors):
-        flat = torch.cat([b.reshape(-1) for b in bucket])
-        dist.all_reduce(flat)
-        moved += flat.numel() * flat.element_size()
-        offset = 0
-        for b in bucket:
-            b.copy_(flat[offset : offset + b.numel()].view_as(b))
-            offset += b.numel()
-    return moved
 
 
 def all_reduce_gradients(model_or_params) -> int:
@@ -209,7 +187,7 @@ def all_reduce_gradients(model_or_params) -> int:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grads.append(param.grad)
-    moved = _all_reduce_flat(grads)
+    moved = all_reduce_flat(grads, BUCKET_BYTES)
     _count_traffic(moved)
     return moved
 
@@ -218,6 +196,21 @@ def _count_traffic(moved: int) -> None:
     traffic["last_step_bytes"] = moved
     traffic["total_bytes"] += moved
     traffic["steps"] += 1
+
+
+def gradient_reducer(model: torch.nn.Module):
+    """The run's gradient sum across ranks: a GradientReducer under data parallelism, else one that does nothing."""
+    return GradientReducer(model) if active() else LocalGradients()
+
+
+class LocalGradients:
+    """GradientReducer's interface for one process: the gradients are already the step's."""
+
+    def arm(self) -> None:
+        pass
+
+    def finish(self) -> int:
+        return 0
 
 
 class GradientReducer:
@@ -234,7 +227,7 @@ class GradientReducer:
 
     def __init__(self, model: torch.nn.Module):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = _buckets(self.params[::-1])
+        self.buckets = buckets(self.params[::-1], BUCKET_BYTES)
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.armed = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._done) for p in self.params]
@@ -296,120 +289,3 @@ class GradientReducer:
         _count_traffic(moved)
         self.sent = []
         return moved
-
-
-# ------------------------------------------------------------------------------------------------------ reselection
-
-
-def _reselection_slots(reselector, with_keep: bool = False) -> list[tuple]:
-    """(holder, attribute) of every statistic reselection sums over micro-batches, in the same order on every rank;
-    `with_keep` adds whether the holder keeps its tensor (a probe's score: zeroed, never dropped)."""
-    slots: list[tuple[object, str, bool]] = [(imp, "score", False) for imp in reselector.importance.values()]
-    slots += [(state, "row_score", False) for state in reselector.weights.values()]
-    for state in [*reselector.states.values(), *reselector.weights.values()]:
-        slots += [(state.probes[name], "score", True) for name in sorted(state.probes)]
-    return slots if with_keep else [(holder, attr) for holder, attr, _ in slots]
-
-
-def before_step(reselector) -> None:
-    """Before a step's micro-batches: ranks other than 0 start their reselection statistics from zero (rank 0 holds
-    the global running sum), so that `after_backward`'s sum is the global one."""
-    if not active() or reselector is None or is_main():
-        return
-    for holder, attr, keep in _reselection_slots(reselector, with_keep=True):
-        value = getattr(holder, attr)
-        if value is not None:
-            if keep:
-                value.zero_()
-            else:
-                setattr(holder, attr, None)
-
-
-def sync_reselection(reselector) -> None:
-    """Sum the reselection statistics across ranks (after `before_step`'s clearing): every rank holds the global
-    ones. A statistic no rank has stays None; one some ranks lack starts from zeros there."""
-    if not active() or reselector is None:
-        return
-    device = comm_device()
-    slots = _reselection_slots(reselector)
-    if not slots:
-        return
-    shapes = torch.zeros(len(slots), 5, dtype=torch.int64, device=device)
-    where = None
-    for i, (holder, attr) in enumerate(slots):
-        value = getattr(holder, attr)
-        if value is not None:
-            where = value.device
-            shapes[i, 0] = value.dim() + 1
-            shapes[i, 1 : 1 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
-    dist.all_reduce(shapes, op=dist.ReduceOp.MAX)
-    tensors = []
-    for (holder, attr), row in zip(slots, shapes.tolist(), strict=True):
-        if row[0] == 0:
-            continue
-        if getattr(holder, attr) is None:
-            if where is None:
-                where = comm_device() if device.type == "cuda" else torch.device("cpu")
-            setattr(holder, attr, torch.zeros(row[1 : row[0]], device=where))
-        tensors.append(getattr(holder, attr))
-    _all_reduce_flat(tensors)
-
-
-def after_backward(reducer: GradientReducer | None, reselector=None) -> None:
-    """After a step's backward passes: gradients and reselection statistics summed over the ranks."""
-    if reducer is not None:
-        reducer.finish()
-    sync_reselection(reselector)
-
-
-# ------------------------------------------------------------------------------------------------------ routers
-
-
-def reduce_router_stats(routers) -> None:
-    """Sum this step's routed counts and auxiliary-loss parts across ranks before the step's metrics."""
-    if not active():
-        return
-    health = routers.health
-    pending = health.pending.to(comm_device())
-    dist.all_reduce(pending)
-    health.pending = pending.to(health.pending.device)
-    keys = sorted(routers.parts)
-    if keys:
-        parts = torch.stack([torch.as_tensor(routers.parts[k]).float().reshape(()) for k in keys])
-        device = parts.device
-        parts = parts.to(comm_device())
-        dist.all_reduce(parts)
-        routers.parts = dict(zip(keys, parts.to(device).unbind(0), strict=True))
-
-
-# ------------------------------------------------------------------------------------------------------ selection
-
-
-def agree_stop(stop) -> bool:
-    """Whether any rank was asked to stop (SIGINT/SIGTERM); every rank then stops after the same step."""
-    if not active():
-        return stop.requested
-    flag = torch.tensor([int(stop.requested)], device=comm_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() and not stop.requested:
-        stop.requested, stop.signal_name, stop.signal_number = True, "SIGTERM (another rank)", signal.SIGTERM
-    return bool(flag.item())
-
-
-class NullLog:
-    """MetricsLog's interface for ranks other than 0: nothing written, nothing shown."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def log(self, *args, **kwargs) -> None:
-        pass
-
-    def message(self, *args, **kwargs) -> None:
-        pass
-
-    def advance(self, *args, **kwargs) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

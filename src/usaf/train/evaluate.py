@@ -18,6 +18,43 @@ from usaf.train.checkpoint import restore_trainable
 from usaf.train.session import open_session
 
 
+class Evaluator:
+    """The run's held-out evaluation: `should_evaluate(step)` every `log.eval_every_steps` when there is held-out
+    data, and `evaluate()` on it (the same batches every time)."""
+
+    def __init__(
+        self, model: torch.nn.Module, dataset: TokenizedDataset | None, config: RunConfig, device, autocast
+    ):
+        self.model, self.dataset, self.config, self.device, self.autocast = (
+            model,
+            dataset,
+            config,
+            device,
+            autocast,
+        )
+
+    @property
+    def available(self) -> bool:
+        return self.dataset is not None
+
+    def should_evaluate(self, step: int) -> bool:
+        every = self.config.log.eval_every_steps
+        return self.available and bool(every) and step % every == 0
+
+    def evaluate(self) -> dict:
+        config = self.config
+        return evaluate(
+            self.model,
+            self.dataset,
+            config.data.batch_size,
+            self.device,
+            self.autocast,
+            config.data.eval_batches,
+            config.train.logits_chunk_tokens,
+            config.train.dpo_beta if config.train.objective == "dpo" else None,
+        )
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,

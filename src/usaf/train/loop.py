@@ -2,6 +2,10 @@
 
 set up the run dir -> load and prepare the model -> load the data -> optimizer and schedule -> (resume) ->
 evaluate -> loop { micro-batches, backward, skip bad steps, clip, step, log, checkpoint } -> evaluate -> summary.
+
+The loop's components decide their own cadence and do their own sync across ranks (the Checkpointer, Evaluator,
+metrics log, RouterTraining, Reselector, prefix cache, gradient reducer, StepShare, StopRequest): nothing below
+calls usaf.train.distributed but joining the job.
 """
 
 from __future__ import annotations
@@ -10,7 +14,6 @@ import contextlib
 import math
 import os
 import shutil
-import signal
 import time
 from pathlib import Path
 
@@ -20,23 +23,17 @@ from usaf.config import RunConfig
 from usaf.data import Batches, collate, load_run_data
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.preference import preference_loss
-from usaf.engine.router import RouterCollapse, RouterTraining
+from usaf.engine.router import RouterCollapse
 from usaf.engine.state import streamed_bytes
 from usaf.errors import UsafError
-from usaf.files import (
-    CONFIG_FILE,
-    METRICS_FILE,
-)
-from usaf.io.atomic import atomic_file, atomic_json
-from usaf.model.layout import find_moe_layers
-from usaf.prepare import current_selection, trainable_summary
-from usaf.report import write_router_load
-from usaf.selection.choose import save_selection
+from usaf.files import CONFIG_FILE
+from usaf.prepare import trainable_summary
 from usaf.selection.reselect import Reselector
 from usaf.train import checkpoint, distributed, runtime
-from usaf.train.checkpoint import restore_trainable
-from usaf.train.evaluate import evaluate, supervised_units
-from usaf.train.metrics import MetricsLog
+from usaf.train.checkpoint import Checkpointer, restore_trainable
+from usaf.train.distributed import StepShare, gradient_reducer
+from usaf.train.evaluate import Evaluator, supervised_units
+from usaf.train.metrics import open_metrics
 from usaf.train.optim import (
     apply_resumed_schedule,
     build_optimizer,
@@ -47,6 +44,7 @@ from usaf.train.optim import (
 )
 from usaf.train.prefix_cache import FrozenPrefixCache
 from usaf.train.recompute import choose_recompute
+from usaf.train.router_training import RouterTraining
 from usaf.train.run_dir import (
     RunLock,
     check_moved_base,
@@ -55,19 +53,18 @@ from usaf.train.run_dir import (
     check_run_paths,
     finished_run,
     prepare_run_dir,
-    record_base,
+    record_start,
     remove_run_files,
-    trained_parameters,
-    truncate_metrics,
+    write_summary,
 )
 from usaf.train.session import (
     absolute_paths,
     check_finite_base,
     check_trainable_entries,
     open_session,
-    selection_summary,
 )
 from usaf.train.state import TrainState, target_entries
+from usaf.train.stop import StopRequest
 from usaf.train.trackers import check_report_to, report_to
 from usaf.version import __version__
 
@@ -77,7 +74,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
     `force`: start a new run in an existing folder that is not a usaf run."""
     run_dir = Path(run_dir)
     config.check()  # a config built or changed in Python gets the same range checks as a file
-    check_report_to(report_to(config))  # a tracker that is not installed is said now, not after loading
+    check_report_to(report_to(config.log))  # a tracker that is not installed is said now, not after loading
     if config.train.objective == "dpo" and config.train.prefix_cache != "off":
         raise UsafError("train.prefix_cache caches one forward per row; train.objective=dpo needs it off.")
     config = absolute_paths(config)  # the run's config.yaml must not depend on the working directory
@@ -110,7 +107,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
 
 
 class _Progress:
-    """Whether the run took a step (set by the Trainer): what a failed start may no longer remove."""
+    """Whether the run took a step (set by the TrainingRun): what a failed start may no longer remove."""
 
     stepped = False
 
@@ -122,25 +119,25 @@ def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress |
             return finished  # nothing to do, and nothing written: the run's files stay as they are
         if any(c.startswith("model.path ") for c in changes):
             check_moved_base(run_dir, config.model.path)
-    return Trainer(config, run_dir, resume, changes, progress or _Progress()).train()
+    return TrainingRun(config, run_dir, resume, changes, progress or _Progress()).train()
 
 
-class Trainer:
-    """One run, built from its folder (new, or resumed from its latest checkpoint) and trained step by step:
-    `train` reads top to bottom; each step is `forward_backward`, `optimizer_step` (with its skip policy) and
-    `after_step` (reselection, router health, logging, evaluation, checkpoint)."""
+class TrainingRun:
+    """One run, built from its folder (new, or resumed from its latest checkpoint) and trained step by step.
+    Building it writes nothing; `train` records a new run's start in the folder, then reads top to bottom; each
+    step is `forward_backward`, `optimizer_step` (with its skip policy) and `after_step` (reselection, router
+    health, logging, evaluation, checkpoint, each at its own cadence)."""
 
     def __init__(
         self, config: RunConfig, run_dir: Path, resume: bool, changes: list[str], progress: _Progress
     ):
-        self.run_dir, self.notes, self.progress = run_dir, [], progress
+        self.run_dir, self.resume, self.notes, self.progress = run_dir, resume, [], progress
         # the settings as given (a note may turn packing off for this process only): what config.yaml states and
         # every checkpoint records, for a resume to compare with
-        self.run_config, self.run_yaml = config.to_dict(), config.to_yaml()
-        self.yaml_pending = False  # config.yaml is rewritten with the next checkpoint, which records the same
+        self.run_config, run_yaml = config.to_dict(), config.to_yaml()
         runtime.seed_everything(config.train.seed)
         # decided before loading: calibration recomputes as training does
-        device = distributed.local_device(runtime.resolve_device(config.model.device))  # [usaf.distributed]
+        device = distributed.local_device(runtime.resolve_device(config.model.device))  # this rank's device
         self.recompute = choose_recompute(config, device, runtime.resolve_dtype(config.model.dtype, device))
         session = open_session(
             config,
@@ -157,37 +154,34 @@ class Trainer:
         )
         config = self.config
         check_trainable_entries(self.model, config)
-        self.eval_data, self.data_stats = session.eval_data, session.data_stats
+        self.data_stats = session.data_stats
         self.notes += session.notes
         self.batches = Batches(session.train_data, config.data.batch_size, seed=config.train.seed)
-        if config.schedule.epochs:
-            self._steps_from_epochs(config)
-        # [usaf.distributed] (prepare_model made rank 0's selection every rank's) what DDP does not support
-        distributed.check_supported(config)
-        # [usaf.distributed] gradients summed across ranks, overlapped with the last backward of each step
-        self.reducer = distributed.GradientReducer(self.model) if distributed.active() else None
-        if not resume and distributed.is_main():  # [usaf.distributed] only rank 0 writes
-            save_selection(
-                run_dir / "selection.safetensors",
-                current_selection(self.model),
-                selection_summary(self.model, config),
-            )
-            if (unrecorded := record_base(config, run_dir, trained_parameters(self.model))) is not None:
-                self.notes.append(unrecorded)
-        self.prefix_cache = _prefix_cache(self.model, config, run_dir)
+        self.share = StepShare(self.batches, config.schedule.grad_accum)
+        self.prefix_cache = FrozenPrefixCache.for_run(self.model, config, run_dir)
+        # gradients summed across ranks, overlapped with the last backward of each step
+        self.reducer = gradient_reducer(self.model)
 
-        probe_rows = self.eval_data if self.eval_data is not None else session.train_data
+        probe_rows = session.eval_data if session.eval_data is not None else session.train_data
         probe = collate([probe_rows[i] for i in range(min(4, len(probe_rows)))], probe_rows.pad_id)
         self.routers = RouterTraining(
-            self.model, config.router, router_params(self.model), {k: v.to(device) for k, v in probe.items()}
+            self.model,
+            config.router,
+            router_params(self.model),
+            {k: v.to(device) for k, v in probe.items()},
+            self.share.micro_batches,
         )
+        self.checkpointer = Checkpointer(run_dir, config.checkpoint, self.checkpoint_parts)
+        if config.schedule.epochs:
+            self._steps_from_epochs(config)
         # a resume restores the trained values and routers first: the optimizer is built on what they now are
-        restored = self.restore_values(checkpoint.latest(run_dir)) if resume else None
+        restored = self.restore_values(*self.checkpointer.load_latest()) if resume else None
         self.optimizer = build_optimizer(self.model, config)
         self.scheduler = build_scheduler(self.optimizer, config)
         self.notes += schedule_notes(config)
         self.autocast = runtime.autocast(config.train.precision, device, self.dtype)
         self.scaler = runtime.loss_scaler(config.train.precision, device, self.dtype)
+        self.evaluator = Evaluator(self.model, session.eval_data, config, self.device, self.autocast)
         self.reselector = None
         if config.select.reselect_every:
             self.reselector = Reselector(
@@ -200,17 +194,14 @@ class Trainer:
                 self.notes.append("resumed with " + ", ".join(changes))
             # config.yaml states the run as resumed (changes, or a --set that put an edit back) from the next
             # checkpoint on, which records the same settings: the two never disagree for a later resume
-            self.yaml_pending = (run_dir / CONFIG_FILE).read_text(errors="replace") != self.run_yaml
-            if distributed.is_main():  # [usaf.distributed]
-                truncate_metrics(run_dir / METRICS_FILE, self.state.step)
+            if (run_dir / CONFIG_FILE).read_text(errors="replace") != run_yaml:
+                self.checkpointer.write_with_next(run_dir / CONFIG_FILE, run_yaml)
         self.entries = trainable_summary(self.model)
 
     def _steps_from_epochs(self, config: RunConfig) -> None:
         """schedule.epochs: max_steps from the batches an epoch and the micro-batches a step (all ranks); the run's
         config.yaml states the steps with the next checkpoint, so that a resume finds the same length."""
-        per_step = distributed.global_count(
-            config.schedule.grad_accum
-        )  # [usaf.distributed] all ranks' batches
+        per_step = self.share.micro_batches
         steps = max(1, math.ceil(config.schedule.epochs * len(self.batches) / per_step))
         self.notes.append(
             f"schedule.epochs={config.schedule.epochs:g}: {steps} steps ({len(self.batches)} batches of "
@@ -220,28 +211,24 @@ class Trainer:
             config.schedule.max_steps = steps
             given = RunConfig.from_dict(self.run_config)
             given.schedule.max_steps = steps
-            self.run_config, self.run_yaml = given.to_dict(), given.to_yaml()
-            self.yaml_pending = True
+            self.run_config = given.to_dict()
+            self.checkpointer.write_with_next(self.run_dir / CONFIG_FILE, given.to_yaml())
 
     # ---- the run ----------------------------------------------------------------------------------------------
 
     def train(self) -> dict:
+        if not self.resume:
+            self.notes += record_start(self.run_dir, self.config, self.model)
         self.announce()
         config, state = self.config, self.state
-        self.log = (MetricsLog if distributed.is_main() else distributed.NullLog)(  # [usaf.distributed]
-            self.run_dir,
-            config.schedule.max_steps,
-            state.step,
-            config.log.progress,
-            report_to(config),
-            self.run_config,
+        self.log = open_metrics(
+            self.run_dir, config.log, config.schedule.max_steps, state.step, self.resume, self.run_config
         )
-        stop = _StopRequest()
+        stop = StopRequest()
         try:
             self.evaluate_before()
             self.model.train()
-            # [usaf.distributed] agree_stop: a stop request on any rank stops all after the same step
-            while state.step < config.schedule.max_steps and not distributed.agree_stop(stop):
+            while state.step < config.schedule.max_steps and not stop.agreed():
                 started, streamed_before = time.perf_counter(), streamed_bytes(self.model)
                 loss, tokens = self.forward_backward()
                 grad_norm = self.optimizer_step(loss)
@@ -252,7 +239,7 @@ class Trainer:
                 ) is not None:
                     return stopped
             if stop.requested:
-                path = self.save()
+                path = self.checkpointer.save(state.step, force=True)
                 self.log.message(
                     f"stopped at step {state.step} ({stop.signal_name}); checkpoint {path}. "
                     f"Resume with: usaf train --resume {self.run_dir}"
@@ -279,12 +266,13 @@ class Trainer:
             print(f"note: {note}", flush=True)
 
     def evaluate_before(self) -> None:
-        if self.eval_data is not None and self.state.eval_before is None:
-            self.state.eval_before = self.evaluate()
+        if self.evaluator.available and self.state.eval_before is None:
+            self.state.eval_before = self.evaluator.evaluate()
             self.log.log(self.state.step, {f"eval/{k}": v for k, v in self.state.eval_before.items()})
 
     def forward_backward(self) -> tuple[float, int]:
-        """Forward and backward over the step's micro-batches; the loss is the mean over all supervised tokens."""
+        """Forward and backward over this rank's micro-batches of the step; the loss is the mean over all
+        supervised tokens of the step (every rank's)."""
         config, routers, reselector, prefix_cache = (
             self.config,
             self.routers,
@@ -293,17 +281,15 @@ class Trainer:
         )
         if reselector is not None:
             reselector.before_step(self.state.step + 1)
-        distributed.before_step(reselector)  # [usaf.distributed] rank > 0: reselection statistics from 0
-        # [usaf.distributed] rank r of N takes micro-batches r, r+N, ... of the step's N x grad_accum
-        micro = distributed.take_micro_batches(self.batches, config.schedule.grad_accum)
+        micro = self.share.take()
         dpo = config.train.objective == "dpo"
-        supervised = sum(supervised_units(b, dpo) for b, _ in micro)  # tokens, or (dpo) pairs
-        supervised = distributed.sum_scalars(supervised)  # [usaf.distributed] the step's, over all ranks
-        steps_micro = distributed.global_count(len(micro))  # [usaf.distributed] micro-batches of all ranks
+        supervised = self.share.total(
+            sum(supervised_units(b, dpo) for b, _ in micro)
+        )  # tokens, or (dpo) pairs
         total, tokens, margins = 0.0, 0, []
         for index, (batch, rows) in enumerate(micro):
-            if self.reducer is not None and index == len(micro) - 1:
-                self.reducer.arm()  # [usaf.distributed] the last backward sends gradients as they complete
+            if index == len(micro) - 1:
+                self.reducer.arm()  # the last backward sends gradients as they complete
             batch = {k: v.to(self.device) for k, v in batch.items()}
             if prefix_cache is not None:
                 lengths = [
@@ -336,22 +322,20 @@ class Trainer:
                 aux = routers.aux_loss(self.state.step)  # balancing + z-loss from this forward's raw logits
             if reselector is not None:
                 reselector.set_observing(False)  # recomputation in backward re-runs forwards: count them once
-            self.scaler.scale(loss_sum / max(supervised, 1) + aux / steps_micro).backward()
+            self.scaler.scale(loss_sum / max(supervised, 1) + aux / self.share.micro_batches).backward()
             routers.after_micro_batch()
             if prefix_cache is not None:
                 prefix_cache.end_batch()
             total += float(loss_sum.detach())
             tokens += batch["input_ids"].numel()
-        distributed.after_backward(
-            self.reducer, reselector
-        )  # [usaf.distributed] sum grads + reselection stats
-        total, tokens = distributed.sum_scalars(
-            total, tokens
-        )  # [usaf.distributed] global loss sum and tokens
+        self.reducer.finish()
+        if reselector is not None:
+            reselector.after_backward()
+        total, tokens = self.share.total(total, tokens)
         self.preference = None
-        if dpo:  # [usaf.distributed] the step's pairs over all ranks: margin sum and pairs ahead
+        if dpo:  # the step's pairs over all ranks: the margin sum and the pairs whose chosen answer leads
             margin = torch.cat(margins).float()
-            margin_sum, ahead = distributed.sum_scalars(float(margin.sum()), float((margin > 0).sum()))
+            margin_sum, ahead = self.share.total(float(margin.sum()), float((margin > 0).sum()))
             self.preference = {
                 "rewards/margins": margin_sum / supervised,
                 "rewards/accuracies": ahead / supervised,
@@ -379,7 +363,7 @@ class Trainer:
             state.bad_steps += 1
             self.log.message(f"step {state.step + 1}: loss {loss} / grad norm {grad_norm}: skipped")
             if state.bad_steps > config.train.max_bad_steps:
-                self.save()
+                self.checkpointer.save(state.step, force=True)
                 raise UsafError(
                     f"{state.bad_steps} steps had NaN/Inf loss or gradients (limit train.max_bad_steps="
                     f"{config.train.max_bad_steps}); stopped with a checkpoint. Lower optim.lr, check the data, "
@@ -403,17 +387,12 @@ class Trainer:
     ) -> dict | None:
         """Reselection, router health, the metrics row, evaluation and checkpoint of the step just taken; a
         summary when the router guard stops the run, else None."""
-        config, state = self.config, self.state
-        reselector, routers = self.reselector, self.routers
+        state, reselector, routers = self.state, self.reselector, self.routers
         reselected = reselector.after_step(state.step, self.optimizer) if reselector is not None else None
-        # [usaf.distributed] routed counts and aux-loss parts summed over ranks; over all micro-batches
-        distributed.reduce_router_stats(routers)
         try:
-            router_record, router_show, router_message = routers.after_step(
-                state.step, distributed.global_count(config.schedule.grad_accum)
-            )
+            router_record, router_show, router_message = routers.after_step(state.step)
         except RouterCollapse as err:
-            self.log.message(f"{err}\ncheckpoint: {self.save()}")
+            self.log.message(f"{err}\ncheckpoint: {self.checkpointer.save(state.step, force=True)}")
             return {"stopped": True, "step": state.step, "reason": "router collapse"}
         if router_message:
             self.log.message(router_message)
@@ -434,11 +413,9 @@ class Trainer:
             **(reselected or {}),
             **router_record,
         }
-        every_eval = config.log.eval_every_steps
-        if self.eval_data is not None and every_eval and state.step % every_eval == 0:
-            record.update({f"eval/{k}": v for k, v in self.evaluate().items()})
-        every_log = config.log.every_steps  # 0: no step rows; evaluations are still written
-        if (every_log and state.step % every_log == 0) or any(k.startswith("eval/") for k in record):
+        if self.evaluator.should_evaluate(state.step):
+            record.update({f"eval/{k}": v for k, v in self.evaluator.evaluate().items()})
+        if self.log.should_log(state.step, record):
             shown = {
                 "loss": f"{loss:.4f}",
                 "lr": f"{record['lr']:.2e}",
@@ -448,79 +425,52 @@ class Trainer:
             }
             self.log.log(state.step, record, shown)
         self.log.advance()
-        every_save = config.checkpoint.every_steps  # 0: only the final (and a signal's) checkpoint
-        if every_save and state.step % every_save == 0:
-            self.save()
+        self.checkpointer.save(state.step)  # when due
         return None
 
     def finish(self) -> dict:
-        eval_after = self.evaluate() if self.eval_data is not None else None
-        self.save()
-        summary = self.state.summary(eval_after, self.entries, self.data_stats)
-        if distributed.is_main():  # [usaf.distributed]
-            write_router_load(self.run_dir, *self.routers.load_before_after())
-            atomic_json(self.run_dir / "summary.json", summary)
-        return summary
-
-    # ---- its parts ------------------------------------------------------------------------------------------
-
-    def evaluate(self) -> dict:
-        config = self.config
-        return evaluate(
-            self.model,
-            self.eval_data,
-            config.data.batch_size,
-            self.device,
-            self.autocast,
-            config.data.eval_batches,
-            config.train.logits_chunk_tokens,
-            config.train.dpo_beta if config.train.objective == "dpo" else None,
-        )
-
-    def save(self) -> Path | None:
-        """A checkpoint of everything a resume needs: the trained values, optimizer, schedule, data position,
-        RNG, the TrainState, router and reselection state. Only rank 0 writes ([usaf.distributed])."""
-        if not distributed.is_main():
-            return None
+        eval_after = self.evaluator.evaluate() if self.evaluator.available else None
+        self.checkpointer.save(self.state.step, force=True)
         if self.prefix_cache is not None:
             self.state.prefix_cache_hits = self.prefix_cache.hits
-        saved = checkpoint.save(
-            self.run_dir,
-            self.state.step,
-            model=self.model,  # the trained values (the forward writes them into resident weights)
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            state={
+        summary = self.state.summary(eval_after, self.entries, self.data_stats)
+        write_summary(self.run_dir, summary, self.routers)
+        return summary
+
+    # ---- its state ------------------------------------------------------------------------------------------
+
+    def checkpoint_parts(self) -> dict:
+        """What a checkpoint holds, everything a resume needs: the trained values, optimizer, schedule, data
+        position, RNG, the TrainState, router, prefix cache and reselection state."""
+        return {
+            "model": self.model,  # the trained values (the forward writes them into resident weights)
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "state": {
                 **self.state.to_dict(),
+                **(self.prefix_cache.state_dict() if self.prefix_cache is not None else {}),
                 "data": self.batches.state_dict(),
                 "rng": runtime.rng_state(),
                 "config": self.config.to_dict(),
                 checkpoint.RUN_CONFIG_KEY: self.run_config,
                 "router": self.routers.state_dict(),
-                "world_size": distributed.world_size(),  # [usaf.distributed] a resume must match it
             },
-            keep_last=self.config.checkpoint.keep_last,
-            extra_tensors={
+            "extra_tensors": {
                 **(self.reselector.state_dict() if self.reselector is not None else {}),
                 **self.routers.tensor_state(),
             },
-        )
-        if self.yaml_pending:
-            atomic_file(self.run_dir / CONFIG_FILE, lambda tmp: tmp.write_text(self.run_yaml))
-            self.yaml_pending = False
-        return saved
+        }
 
-    def restore_values(self, saved: Path) -> dict:
-        """The checkpoint `saved`, with its trained values and router state put back in the model."""
-        restored = checkpoint.load(saved)
-        distributed.check_world_size(restored.get("world_size"), saved)  # [usaf.distributed]
+    def restore_values(self, saved: Path, restored: dict) -> dict:
+        """The checkpoint `saved` (read as `restored`), with its trained values and router state put back in the
+        model."""
         restore_trainable(self.model, restored["trainable"], saved)
         self.routers.load_state_dict(restored["router"])
         self.routers.load_tensor_state(restored["extra"])
         return restored
 
     def restore_loop(self, restored: dict) -> None:
-        """The rest of what `save` wrote: the run continues as if it had never stopped."""
+        """The rest of what a checkpoint holds: the run continues as if it had never stopped."""
         checkpoint.restore_optimizer(self.optimizer, restored)
         self.scheduler.load_state_dict(restored["scheduler"])
         apply_resumed_schedule(self.optimizer, self.scheduler, self.config, restored["config"])
@@ -532,39 +482,4 @@ class Trainer:
         if self.reselector is not None:
             self.reselector.load_state_dict(restored["extra"])
         if self.prefix_cache is not None:
-            self.prefix_cache.hits = self.state.prefix_cache_hits
-
-
-def _prefix_cache(model, config: RunConfig, run_dir: Path) -> FrozenPrefixCache | None:
-    if config.train.prefix_cache == "off":
-        return None
-    trained = config.select.layers
-    lowest = min(trained) if trained else 0
-    if lowest < 1:
-        raise UsafError(
-            "train.prefix_cache needs select.layers to leave the lowest layers frozen (e.g. [2, 3])."
-        )
-    for layer in find_moe_layers(model):
-        if layer.layer_index < lowest and any(p.requires_grad for p in layer.router.parameters()):
-            raise UsafError("train.prefix_cache: a router below the lowest trained layer is trainable.")
-    return FrozenPrefixCache(model, lowest, config.train.prefix_cache, run_dir / "prefix_cache")
-
-
-class _StopRequest:
-    """SIGINT/SIGTERM ask the loop to checkpoint and stop after the current step."""
-
-    def __init__(self):
-        self.requested, self.signal_name, self.signal_number = False, "", 0
-        self.previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(ValueError):  # not the main thread: no handler
-                self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.requested:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        self.requested, self.signal_name, self.signal_number = True, signal.Signals(signum).name, signum
-
-    def restore(self):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+            self.prefix_cache.load_state_dict(restored)

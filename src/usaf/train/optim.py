@@ -18,6 +18,7 @@ import torch
 
 from usaf.config import OPTIMIZER_BUCKET_ENTRIES, RunConfig
 from usaf.errors import UsafError
+from usaf.model.hf import transformers_scheduler
 from usaf.model.layout import find_moe_layers
 
 COMPACT_DTYPE = torch.bfloat16
@@ -246,11 +247,7 @@ def build_scheduler(optimizer, config: RunConfig):
                 "min_lr_ratio": floor,
             },
         }.get(schedule.name)
-        # imported here: transformers.optimization imports its Trainer's utilities, and with them PEFT and
-        # bitsandbytes (seconds, and a warning on the CPU), which a run on usaf's own schedule never needs
-        from transformers.optimization import get_scheduler
-
-        return get_scheduler(schedule.name, optimizer, warmup, total, scheduler_specific_kwargs=extra)
+        return transformers_scheduler(schedule.name, optimizer, warmup, total, extra)
 
     def factor(step: int) -> float:
         if step < warmup:

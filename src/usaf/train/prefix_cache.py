@@ -15,6 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from usaf.errors import UsafError
 from usaf.model.hf import decoder_body
+from usaf.model.layout import find_moe_layers
+from usaf.train import distributed
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -23,6 +25,26 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 class FrozenPrefixCache:
+    @classmethod
+    def for_run(cls, model: torch.nn.Module, config, run_dir: Path) -> FrozenPrefixCache | None:
+        """The run's cache below its lowest trained layer (None: train.prefix_cache=off), or why it cannot be."""
+        if config.train.prefix_cache == "off":
+            return None
+        if distributed.active():  # [usaf.distributed]
+            raise UsafError(
+                "train.prefix_cache is not supported with more than one process yet; set train.prefix_cache=off."
+            )
+        trained = config.select.layers
+        lowest = min(trained) if trained else 0
+        if lowest < 1:
+            raise UsafError(
+                "train.prefix_cache needs select.layers to leave the lowest layers frozen (e.g. [2, 3])."
+            )
+        for layer in find_moe_layers(model):
+            if layer.layer_index < lowest and any(p.requires_grad for p in layer.router.parameters()):
+                raise UsafError("train.prefix_cache: a router below the lowest trained layer is trainable.")
+        return cls(model, lowest, config.train.prefix_cache, run_dir / "prefix_cache")
+
     def __init__(
         self, model: torch.nn.Module, first_trained_layer: int, where: str, folder: Path | None = None
     ):
@@ -41,6 +63,13 @@ class FrozenPrefixCache:
         self.hits = self.misses = 0
         for index, layer in enumerate(self.layers):
             layer.forward = self._wrap(layer.forward, last=index == len(self.layers) - 1)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (at the top of its state, with the run's counters)."""
+        return {"prefix_cache_hits": self.hits}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.hits = int(state.get("prefix_cache_hits", 0))
 
     def _wrap(self, forward, last: bool):
         def cached_forward(hidden_states, *args, **kwargs):

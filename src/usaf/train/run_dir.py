@@ -26,11 +26,15 @@ from usaf.files import (
 )
 from usaf.io.atomic import atomic_file, atomic_json, open_unfollowed, refuse_link
 from usaf.io.guard import check_placement, what_is
+from usaf.prepare import current_selection
+from usaf.report import write_router_load
+from usaf.selection.choose import save_selection
 from usaf.train import checkpoint, distributed
 from usaf.train.session import (
     absolute_paths,
     check_something_to_train,
     is_local_path,
+    selection_summary,
 )
 from usaf.version import __version__
 
@@ -316,26 +320,6 @@ def _shown(value) -> str:
     return json.dumps(value) if isinstance(value, list | dict | bool) or value is None else str(value)
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """A resume continues the log from its checkpoint: rows a killed process wrote after it (steps the resume
-    trains again) are dropped, and so is a torn last line."""
-    if not path.exists():
-        return
-    kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-            keep = int(row["step"]) <= step
-        except (ValueError, KeyError, TypeError):
-            keep = False
-        if keep:
-            kept.append(line)
-        else:
-            dropped += 1
-    if dropped:
-        atomic_file(path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8"))
-
-
 def trained_parameters(model: torch.nn.Module) -> list[str]:
     """The model parameters that can hold trained entries in this run (whatever a reselection moves): the
     tensors with a selection, and the parameters trained whole (routers)."""
@@ -359,3 +343,24 @@ def record_base(config: RunConfig, run_dir: Path, trained: list[str]) -> str | N
         return f"the base's identity was not recorded ({first_line(err)}): usaf export cannot check a --base"
     atomic_json(run_dir / RUN_BASE_FILE, record)
     return None
+
+
+def record_start(run_dir: Path, config: RunConfig, model: torch.nn.Module) -> list[str]:
+    """A new run's writes once its model is prepared (rank 0 only): the selection it starts from
+    (selection.safetensors, which a resume starts from again) and the base's identity (base.json). Notes to show."""
+    if not distributed.is_main():  # [usaf.distributed] only rank 0 writes
+        return []
+    save_selection(
+        run_dir / "selection.safetensors", current_selection(model), selection_summary(model, config)
+    )
+    unrecorded = record_base(config, run_dir, trained_parameters(model))
+    return [unrecorded] if unrecorded is not None else []
+
+
+def write_summary(run_dir: Path, summary: dict, routers) -> None:
+    """A finished run's router-load heatmap data (from RouterTraining, measured here) and summary.json (rank 0
+    only)."""
+    if not distributed.is_main():  # [usaf.distributed] only rank 0 measures and writes
+        return
+    write_router_load(run_dir, *routers.load_before_after())
+    atomic_json(run_dir / "summary.json", summary)

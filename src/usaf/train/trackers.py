@@ -138,10 +138,11 @@ def register_tracker(tracker: type[Tracker]) -> type[Tracker]:
     return tracker
 
 
-def report_to(config) -> list[str]:
-    """log.report_to, less tensorboard where the older switch log.tensorboard=false says so."""
-    names = list(config.log.report_to)
-    if not config.log.tensorboard:
+def report_to(log) -> list[str]:
+    """log.report_to (of the `log` section), less tensorboard where the older switch log.tensorboard=false says
+    so."""
+    names = list(log.report_to)
+    if not log.tensorboard:
         names = [n for n in names if n != TensorBoard.name] or [NONE]
     return names
 
