@@ -5,6 +5,7 @@ from __future__ import annotations
 from usaf.planner.ledger import Plan
 from usaf.planner.search import Verdict
 from usaf.planner.settings import PlanSettings, default_dtype
+from usaf.planner.shape import list_presets, load_model_config
 from usaf.planner.sizes import GiB, MiB, format_count, format_size
 
 
@@ -42,6 +43,64 @@ def command_line(model: str, p: Plan) -> str:
         (s.gpus_per_host > 0, f"--gpus-per-host {s.gpus_per_host}"),
     ]
     return " ".join(parts + [flag for wanted, flag in flags if wanted])
+
+
+_RUN_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def run_config(model: str, p: Plan) -> str:
+    """The settings of plan `p` as a run configuration for `usaf train --config` (YAML): what the planner
+    changed, in the keys a run reads; a published checkpoint's own format needs no model.quant."""
+    s = p.settings
+    if model in list_presets():  # a preset's name is the planner's; a run loads its Hugging Face repository
+        model = load_model_config(model)[1].get("_source", model)
+    optim = {
+        "adamw": {"moments": "bf16"},
+        "adamw-fp32": {"moments": "fp32"},
+        "adamw8bit": {"eight_bit": True},
+    }
+    sections = {
+        "model": {
+            "path": model,
+            **({"quant": s.quant} if s.quant in ("none", "nf4", "int8", "int4") else {}),
+            "residency": s.residency,
+            "dtype": _RUN_DTYPES.get(s.dtype, s.dtype),
+        },
+        "data": {"max_seq_len": s.seq, "batch_size": s.batch // 2 if s.objective == "dpo" else s.batch},
+        "select": {
+            "density": s.density,
+            "granularity": s.granularity,
+            "workspace_mb": s.workspace_mb,
+            "targets": list(s.targets),
+        },
+        "optim": optim[s.optimizer],
+        "train": {
+            "recompute": s.recompute,
+            "logits_chunk_tokens": s.logits_chunk,
+            **({"objective": s.objective} if s.objective != "sft" else {}),
+        },
+    }
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"{section}:")
+        for key, value in values.items():
+            shown = (
+                "[" + ", ".join(value) + "]"
+                if isinstance(value, list)
+                else str(value).lower()
+                if isinstance(value, bool)
+                else f"{value:g}"
+                if isinstance(value, float)
+                else value
+            )
+            lines.append(f"  {key}: {shown}")
+    return "\n".join(lines)
+
+
+def _as_run_config(model: str, p: Plan) -> list[str]:
+    return ["as a run configuration (save it as run.yaml, then usaf train --config run.yaml ...):"] + [
+        "  " + line for line in run_config(model, p).splitlines()
+    ]
 
 
 def format_plan(p: Plan) -> str:
@@ -139,6 +198,7 @@ def format_verdict(model: str, v: Verdict) -> str:
                 f"to fit on the device instead ({format_size(v.on_device.device_peak)}, step "
                 f"~ {v.on_device.step.seconds:.2f} s):\n  {command_line(model, v.on_device)}"
             )
+            lines += _as_run_config(model, v.on_device)
         return "\n".join(lines)
     need = f"{format_size(chosen.device_peak)} of {format_size(chosen.device_budget)}"
     if chosen.device.is_gpu and chosen.host_peak > chosen.ram:
@@ -154,6 +214,7 @@ def format_verdict(model: str, v: Verdict) -> str:
         lines += [
             f"settings that fit ({format_size(sp.device_peak)} on the device, step ~ {sp.step.seconds:.2f} s):",
             f"  {command_line(model, sp)}",
+            *_as_run_config(model, sp),
             "",
             format_plan(sp),
         ]
