@@ -8,7 +8,6 @@ import torch
 from datasets import Dataset
 
 import usaf
-from usaf.engine.base_weights import BaseReference
 from usaf.engine.installed import sparse_modules
 from usaf.testing.tiny import tiny_model
 from usaf.train.tokenizer import char_tokenizer
@@ -59,7 +58,7 @@ def test_dpo_with_the_base_as_reference_equals_an_explicit_reference_copy(tmp_pa
     tokenizer = char_tokenizer()
     policy = prepared(tokenizer)
     start = [e.values.detach().clone() for _, s in sparse_modules(policy) for e in s.values()]
-    own, own_values = dpo(policy, BaseReference(policy), tokenizer, tmp_path / "a")
+    own, own_values = dpo(policy, usaf.BaseReference(policy), tokenizer, tmp_path / "a")
     other = prepared(tokenizer)
     copied = copy.deepcopy(other).eval().requires_grad_(False)
     ref, ref_values = dpo(other, copied, tokenizer, tmp_path / "b")

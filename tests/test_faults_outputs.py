@@ -206,7 +206,7 @@ def test_a_linked_metrics_file_appears_mid_run_and_is_not_written_through(ws, tm
     victim.write_text("someone's file\n")
     (tmp_path / "metrics.jsonl").symlink_to(victim)
     with pytest.raises(Exception, match=r"metrics\.jsonl is a symbolic link"):
-        MetricsLog(tmp_path, 3, 0, progress=False, tensorboard=False)
+        MetricsLog(tmp_path, 3, 0, progress=False)
     assert victim.read_text() == "someone's file\n"
 
 

@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import usaf
 from usaf.base.load import load_prepared
 from usaf.cli import main
-from usaf.engine.base_weights import base_weights
 from usaf.engine.installed import sparse_modules
 from usaf.testing.tiny import tiny_model
 
@@ -195,7 +194,7 @@ def test_base_weights_is_the_base_inside_and_the_fine_tune_after(tmp_path, quant
                 entries.values.add_(torch.randn_like(entries.values))
         tuned = model(ids).logits
         trained = [e.values.clone() for _, s in sparse_modules(model) for e in s.values()]
-        with base_weights(model):
+        with usaf.base_weights(model):
             inside = model(ids).logits
         after = model(ids).logits
     assert not torch.allclose(tuned, start)

@@ -88,10 +88,11 @@ def test_epochs_set_the_steps_from_the_data_and_a_resume_finds_the_same(tmp_path
     ]
     assert main(["train", f"--model={model}", f"--data={data}", f"--out={run}", *sets]) == 0
     out = capsys.readouterr().out
+    first = out.splitlines()[0]
     found = re.search(
-        r"note: schedule.epochs=1.5: (\d+) steps \((\d+) batches of 4 an epoch, 2 a step\)", out
+        r" for (\d+) steps \(schedule.epochs=1.5: (\d+) batches of 4 an epoch, 2 a step\); ", first
     )
-    assert found, out
+    assert found, first
     steps, batches = int(found.group(1)), int(found.group(2))
     assert batches == 10 and steps == math.ceil(
         1.5 * batches / 2

@@ -1,6 +1,7 @@
 """usaf: fine-tune a Mixture-of-Experts model's own expert weights, sparsely, on a frozen base."""
 
 from usaf.config import UsafConfig
+from usaf.engine.base_weights import BaseReference, base_weights
 from usaf.engine.loss import causal_lm_loss, chunked_causal_lm_loss
 from usaf.errors import UsafError
 from usaf.export.inference import load_delta
@@ -10,10 +11,12 @@ from usaf.train.optim import CompactAdamW
 from usaf.version import __version__
 
 __all__ = [
+    "BaseReference",
     "CompactAdamW",
     "UsafConfig",
     "UsafError",
     "__version__",
+    "base_weights",
     "causal_lm_loss",
     "chunked_causal_lm_loss",
     "delta_from_trainer_checkpoint",

@@ -172,6 +172,7 @@ class TrainingRun:
             self.share.micro_batches,
         )
         self.checkpointer = Checkpointer(run_dir, config.checkpoint, self.checkpoint_parts)
+        self.length = f"{config.schedule.max_steps} steps"  # what the first line says (schedule.epochs: how)
         if config.schedule.epochs:
             self._steps_from_epochs(config)
         # a resume restores the trained values and routers first: the optimizer is built on what they now are
@@ -203,8 +204,8 @@ class TrainingRun:
         config.yaml states the steps with the next checkpoint, so that a resume finds the same length."""
         per_step = self.share.micro_batches
         steps = max(1, math.ceil(config.schedule.epochs * len(self.batches) / per_step))
-        self.notes.append(
-            f"schedule.epochs={config.schedule.epochs:g}: {steps} steps ({len(self.batches)} batches of "
+        self.length = (
+            f"{steps} steps (schedule.epochs={config.schedule.epochs:g}: {len(self.batches)} batches of "
             f"{config.data.batch_size} an epoch, {per_step} a step)"
         )
         if steps != config.schedule.max_steps:
@@ -257,7 +258,9 @@ class TrainingRun:
         print(
             f"usaf {__version__}: training {entries['expert_entries']:,} expert entries"
             + "".join(f" + {n:,} {t.replace('_', ' ')}" for t, n in target_entries(entries).items())
-            + f" + {entries['routers']:,} router weights on {self.device} ({self.dtype}); "
+            + f" + {entries['routers']:,} router weights on {self.device} ({self.dtype}) for "
+            + self.length
+            + "; "
             + self.data_stats.summary(),
             flush=True,
         )
