@@ -20,6 +20,7 @@ from usaf.config import RunConfig
 from usaf.errors import UsafError
 from usaf.train import distributed
 from usaf.train.loop import train
+from usaf.version import __version__
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
@@ -92,7 +93,8 @@ def test_two_ranks_train_what_one_process_with_twice_the_accumulation_trains(run
     one_tokens = json.loads((root / "one" / "summary.json").read_text())["tokens"]
     assert json.loads((root / "two" / "summary.json").read_text())["tokens"] == one_tokens  # global
     assert (
-        "usaf 0.1.0: training" in two.stdout and two.stdout.count("usaf 0.1.0: training") == 1
+        f"usaf {__version__}: training" in two.stdout
+        and two.stdout.count(f"usaf {__version__}: training") == 1
     )  # rank 0 prints
 
 

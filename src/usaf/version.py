@@ -1,3 +1,3 @@
 """The package version, importable without the package's public API."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -17,7 +17,6 @@ from usaf.model.hf import WeightRenaming, build_skeleton, load_config
 from usaf.model.layout import expert_weight_names, find_moe_layers
 
 _CHUNK_BYTES = 64 << 20
-_INT32_LIMIT = 2**31 - 1
 
 
 # ---- the base checkpoint ---------------------------------------------------------------------------------------

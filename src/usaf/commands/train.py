@@ -15,7 +15,8 @@ from usaf.files import CONFIG_FILE
 def add_command(sub) -> None:
     p = sub.add_parser(
         "train",
-        help="fine-tune a model's experts and routers on data files",
+        help="fine-tune a model's own weights sparsely (expert entries, attention, embedding and output rows; routers "
+        "if asked) on data files",
         description="Fine-tune sparsely. Every option lives in one configuration: a YAML file (--config) with "
         "--set section.key=value overrides; --print-config shows the effective result, --list-options all keys.",
     )

@@ -16,7 +16,7 @@ from usaf.base.checkpoint import BaseCheckpoint
 from usaf.base.record import read_run_base_record, run_base_dir, structural_difference, tensor_facts
 from usaf.engine.sparse import line_flat_indices
 from usaf.errors import UsafError
-from usaf.files import DELTA_FORMAT
+from usaf.files import DELTA_FORMAT, SUMMARY_FILE
 from usaf.io import shards
 from usaf.io.atomic import atomic_file
 from usaf.io.guard import DELTA, check_output
@@ -82,7 +82,7 @@ def delta_from_run(run_dir: str | Path) -> Delta:
     for name, change in changes.items():
         if change.flat_indices is None:
             check_change(change, name, list(change.values.shape), f"checkpoint {latest}", "resume the run")
-    summary_file = run_dir / "summary.json"
+    summary_file = run_dir / SUMMARY_FILE
     info = {
         "source": {"run_dir": str(run_dir.resolve()), "checkpoint": latest.name, "step": saved.get("step")},
         "training": _read_summary(summary_file) if summary_file.exists() else None,

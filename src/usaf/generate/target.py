@@ -18,7 +18,7 @@ from usaf.engine.base_weights import base_weights
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
 from usaf.export.inference import load_delta
-from usaf.files import CONFIG_FILE
+from usaf.files import CONFIG_FILE, SELECTION_FILE
 from usaf.io.guard import is_run
 from usaf.io.source import check_model_files
 from usaf.model.hf import load_causal_lm
@@ -116,9 +116,7 @@ def _open_run(run_dir: Path, overrides: list[str]) -> Target:
     config.model.path = local_model_path(config.model.path)
     device, dtype = _session(config)
     tokenizer = load_tokenizer(config.model.path)
-    model = load_model(
-        config, device, dtype, selection_file=run_dir / "selection.safetensors", recompute=False
-    )
+    model = load_model(config, device, dtype, selection_file=run_dir / SELECTION_FILE, recompute=False)
     restore_trainable(model, checkpoint.load(saved)["trainable"], saved)
     model.eval()
     return Target(config, model, tokenizer, device, f"{run_dir} at {saved.name}")

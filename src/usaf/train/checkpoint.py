@@ -21,14 +21,14 @@ from safetensors.torch import load_file, save_file
 
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
-from usaf.files import STATE_FILE, STATE_SUM_FILE
+from usaf.files import OPTIMIZER_FILE, STATE_FILE, STATE_SUM_FILE, TRAINABLE_FILE
 from usaf.io.atomic import atomic_file, fsync_file, install_dir, make_shareable
 from usaf.train import distributed
 from usaf.version import __version__
 
 PREFIX = "step-"
 _STEP_NAME = re.compile(r"step-(\d+)")
-TENSOR_FILES = ("trainable.safetensors", "optimizer.safetensors", "rng.safetensors", "extra.safetensors")
+TENSOR_FILES = (TRAINABLE_FILE, OPTIMIZER_FILE, "rng.safetensors", "extra.safetensors")
 # state.json's copy of the run's settings as its config.yaml states them: what a resume compares config.yaml and
 # its command line with
 RUN_CONFIG_KEY = "run_config"
@@ -137,9 +137,9 @@ def remove_stale_temporaries(folder: Path) -> None:
 
 def _write(tmp: Path, model, optimizer, scheduler, state: dict, step: int, extra_tensors) -> None:
     tensors = {k: v.contiguous().cpu() for k, v in trainable_tensors(model).items()}
-    _written(tmp / "trainable.safetensors", lambda p: save_file(tensors, str(p)))
+    _written(tmp / TRAINABLE_FILE, lambda p: save_file(tensors, str(p)))
     opt_tensors, opt_meta = _flatten_optimizer(optimizer)
-    _written(tmp / "optimizer.safetensors", lambda p: save_file(opt_tensors, str(p)))
+    _written(tmp / OPTIMIZER_FILE, lambda p: save_file(opt_tensors, str(p)))
     rng = state.pop("rng")
     rng_tensors = {"torch": rng.pop("torch")}
     for i, t in enumerate(rng.pop("cuda", [])):
@@ -253,8 +253,8 @@ def load(path: Path) -> dict:
     meta = read_state(path)
     try:
         verify(path, meta)
-        meta["trainable"] = load_file(str(path / "trainable.safetensors"))
-        meta["optimizer_tensors"] = load_file(str(path / "optimizer.safetensors"))
+        meta["trainable"] = load_file(str(path / TRAINABLE_FILE))
+        meta["optimizer_tensors"] = load_file(str(path / OPTIMIZER_FILE))
         rng = load_file(str(path / "rng.safetensors"))
         meta["extra"] = load_file(str(path / "extra.safetensors"))
     except UsafError:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from usaf.errors import UsafError
 from usaf.selection.ranks import BUCKET_BYTES, active, all_reduce_flat, buckets, comm_device, rank, world_size
 from usaf.selection.ranks import is_main as is_main  # the rank basics, for the train package
+from usaf.train.runtime import resolve_device
 
 BACKEND_ENV = "USAF_DISTRIBUTED_BACKEND"
 BACKENDS = ("auto", "nccl", "gloo")
@@ -69,9 +70,7 @@ def choose_backend(requested: str | None, device_type: str) -> str:
 
 
 def _wanted_device_type(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name).type
+    return resolve_device(name).type  # the one resolver of model.device
 
 
 def init(config) -> bool:

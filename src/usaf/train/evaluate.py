@@ -12,7 +12,7 @@ from usaf.data import Batches, TokenizedDataset, load_run_data
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.preference import preference_loss
 from usaf.errors import UsafError
-from usaf.files import CONFIG_FILE
+from usaf.files import CONFIG_FILE, SELECTION_FILE
 from usaf.train import checkpoint, runtime
 from usaf.train.checkpoint import restore_trainable
 from usaf.train.session import open_session
@@ -135,7 +135,7 @@ def evaluate_target(target: str, data_files: list[str], overrides: list[str]) ->
         config,
         lambda config, tokenizer, pack: load_run_data(config, tokenizer, pack, data_files, held_out=False),
         calibrate=False,
-        selection_file=run_dir / "selection.safetensors" if is_run else None,
+        selection_file=run_dir / SELECTION_FILE if is_run else None,
         recompute=False,
     )
     model, config, device, data, stats = (

@@ -26,7 +26,7 @@ from usaf.engine.preference import preference_loss
 from usaf.engine.router import RouterCollapse
 from usaf.engine.state import streamed_bytes
 from usaf.errors import UsafError
-from usaf.files import CONFIG_FILE
+from usaf.files import CONFIG_FILE, SELECTION_FILE
 from usaf.prepare import trainable_summary
 from usaf.selection.reselect import Reselector
 from usaf.train import checkpoint, distributed, runtime
@@ -143,7 +143,7 @@ class TrainingRun:
             config,
             load_run_data,
             # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
-            selection_file=run_dir / "selection.safetensors" if resume else None,
+            selection_file=run_dir / SELECTION_FILE if resume else None,
             recompute=self.recompute.recompute,
         )
         self.config, self.model, self.device, self.dtype = (

@@ -22,7 +22,10 @@ from usaf.files import (
     ROUTER_LOAD_FILE,
     RUN_BASE_FILE,
     RUN_MARKER,
+    SELECTION_AXES_FILE,
+    SELECTION_FILE,
     STORE_FILE,
+    SUMMARY_FILE,
 )
 from usaf.io.atomic import atomic_file, atomic_json, open_unfollowed, refuse_link
 from usaf.io.guard import check_placement, what_is
@@ -85,8 +88,8 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[Run
 RUN_FILES = (
     RUN_MARKER,
     CONFIG_FILE,
-    "selection.safetensors",
-    "selection.json",
+    SELECTION_FILE,
+    SELECTION_AXES_FILE,
     RUN_BASE_FILE,
     METRICS_FILE,
     "tensorboard",
@@ -94,7 +97,7 @@ RUN_FILES = (
     "mlruns",
     "prefix_cache",
     "checkpoints",
-    "summary.json",
+    SUMMARY_FILE,
     ROUTER_LOAD_FILE,
     "report.png",
     "router_load.png",
@@ -145,7 +148,7 @@ def check_resume_folder(run_dir: Path) -> None:
 def refuse_links_in_run(run_dir: Path) -> None:
     """Every file a run writes, appends to or rewrites (and its lock, and its checkpoints) is its own: a symbolic
     link in its place is refused, never written through."""
-    for name in (*RUN_FILES, LOCK_FILE, "selection.json"):
+    for name in (*RUN_FILES, LOCK_FILE, SELECTION_AXES_FILE):
         refuse_link(run_dir / name)
     checkpoints = run_dir / "checkpoints"
     if checkpoints.is_dir():
@@ -253,7 +256,7 @@ def finished_run(run_dir: Path, config: RunConfig) -> dict | None:
     written its summary; None when there is training (or the summary) left to do."""
     step = checkpoint.step_of(checkpoint.latest(run_dir))
     max_steps = config.schedule.max_steps
-    summary_path = run_dir / "summary.json"
+    summary_path = run_dir / SUMMARY_FILE
     if step >= max_steps and summary_path.exists():
         try:
             summary = json.loads(summary_path.read_text())
@@ -350,9 +353,7 @@ def record_start(run_dir: Path, config: RunConfig, model: torch.nn.Module) -> li
     (selection.safetensors, which a resume starts from again) and the base's identity (base.json). Notes to show."""
     if not distributed.is_main():  # [usaf.distributed] only rank 0 writes
         return []
-    save_selection(
-        run_dir / "selection.safetensors", current_selection(model), selection_summary(model, config)
-    )
+    save_selection(run_dir / SELECTION_FILE, current_selection(model), selection_summary(model, config))
     unrecorded = record_base(config, run_dir, trained_parameters(model))
     return [unrecorded] if unrecorded is not None else []
 
@@ -363,4 +364,4 @@ def write_summary(run_dir: Path, summary: dict, routers) -> None:
     if not distributed.is_main():  # [usaf.distributed] only rank 0 measures and writes
         return
     write_router_load(run_dir, *routers.load_before_after())
-    atomic_json(run_dir / "summary.json", summary)
+    atomic_json(run_dir / SUMMARY_FILE, summary)
