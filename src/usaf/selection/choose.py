@@ -21,6 +21,7 @@ from usaf.errors import UsafError
 from usaf.io.atomic import atomic_file, atomic_json
 from usaf.model.layout import entries_per_neuron, intermediate_size, neuron_axes
 from usaf.selection import calibrate
+from usaf.selection.strategies import needs_gradient, needs_routing
 
 
 def generator_for(seed: int, name: str) -> torch.Generator:
@@ -235,17 +236,17 @@ def choose(
         TensorUnit(key, None, "weight", store, int(torch.Size(store.shape).numel()), target)
         for key, (target, store) in (weight_stores or {}).items()
     ]
-    needs_routing = config.strategy == "routing" and bool(experts)
-    needs_gradient = config.strategy == "gradient" or config.selection == "gradient"
+    with_routing = needs_routing(config) and bool(experts)
+    with_gradients = needs_gradient(config)
     calibration = None
-    if needs_routing or needs_gradient:
+    if with_routing or with_gradients:
         if batches is None or model is None:
             raise UsafError(
                 f"strategy={config.strategy!r} / selection={config.selection!r} needs calibration data: pass "
                 "calibration_batches to prepare_model (usaf train does this from the training data)."
             )
         batches = list(itertools.islice(iter(batches), config.calibration_batches))
-        calibration = calibrate.calibrate(model, batches, len(batches), with_gradients=needs_gradient)
+        calibration = calibrate.calibrate(model, batches, len(batches), with_gradients=with_gradients)
 
     if config.granularity == "neuron":
         # whole neurons in the experts; the other weights train elements at the same density (or their share of
@@ -293,7 +294,7 @@ def _choose_elements(weights, config, calibration, batches, model) -> dict[str, 
 
     picked: dict[str, list[torch.Tensor]] = {u.key: [] for u in weights}
     domains = _domains(weights, config, calibration)
-    if config.selection == "gradient" or config.strategy == "gradient":
+    if needs_gradient(config):
         candidates = _candidate_lines(domains, config, calibration)
         scores = calibrate.probe_lines(model, candidates, batches, len(batches))
         for tensors, experts, count in domains:
@@ -412,7 +413,7 @@ def _choose_neurons(layers, stores, config, calibration) -> dict[str, Chosen]:
 
     def score_of(path):
         layer, axes, size, layer_stores, _, _ = per_layer[path]
-        if config.selection == "gradient" or config.strategy == "gradient":
+        if needs_gradient(config):
             return calibration.neuron_score.get(path, torch.zeros(layer.num_experts, size)).cpu()
         if config.selection == "magnitude":
             return magnitude_neuron_scores(layer.experts, layer_stores, axes)
