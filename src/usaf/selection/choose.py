@@ -389,6 +389,17 @@ def _candidate_lines(domains, config, calibration) -> dict[str, tuple[int, torch
     return {key: (axes[key], torch.unique(torch.cat(ids))) for key, ids in lines.items()}
 
 
+class _NeuronLayer(NamedTuple):
+    """One expert layer's neuron facts for _choose_neurons."""
+
+    layer: object
+    axes: dict
+    size: int  # neurons per expert
+    stores: dict
+    numel: int  # entries of its gate/up/down tensors
+    entries_per_neuron: int
+
+
 def _choose_neurons(layers, stores, config, calibration) -> dict[str, Chosen]:
     """Whole neurons: budgets per layer (or per hot expert, or global) in neurons, then lines per tensor."""
     per_layer = {}
@@ -397,7 +408,7 @@ def _choose_neurons(layers, stores, config, calibration) -> dict[str, Chosen]:
         size = intermediate_size(layer.experts)
         layer_stores = stores[layer.experts_name]
         numel = sum(int(torch.Size(layer_stores[n].shape).numel()) for n in axes)
-        per_layer[layer.experts_name] = (
+        per_layer[layer.experts_name] = _NeuronLayer(
             layer,
             axes,
             size,
@@ -406,10 +417,13 @@ def _choose_neurons(layers, stores, config, calibration) -> dict[str, Chosen]:
             entries_per_neuron(layer_stores, axes),
         )
     if config.num_entries is not None:
-        entry_budget = split_budget(config.num_entries, {k: v[4] for k, v in per_layer.items()})
+        entry_budget = split_budget(config.num_entries, {k: v.numel for k, v in per_layer.items()})
     else:
-        entry_budget = {k: round(config.density * v[4]) for k, v in per_layer.items()}
-    neurons = {k: min(v[0].num_experts * v[2], max(1, entry_budget[k] // v[5])) for k, v in per_layer.items()}
+        entry_budget = {k: round(config.density * v.numel) for k, v in per_layer.items()}
+    neurons = {
+        k: min(v.layer.num_experts * v.size, max(1, entry_budget[k] // v.entries_per_neuron))
+        for k, v in per_layer.items()
+    }
 
     def score_of(path):
         layer, axes, size, layer_stores, _, _ = per_layer[path]
