@@ -21,6 +21,7 @@ from usaf.errors import UsafError
 from usaf.io.atomic import atomic_file, atomic_json
 from usaf.model.layout import entries_per_neuron, intermediate_size, neuron_axes
 from usaf.selection import calibrate
+from usaf.selection.strategies import needs_gradient, needs_routing
 
 
 def generator_for(seed: int, name: str) -> torch.Generator:
@@ -235,17 +236,17 @@ def choose(
         TensorUnit(key, None, "weight", store, int(torch.Size(store.shape).numel()), target)
         for key, (target, store) in (weight_stores or {}).items()
     ]
-    needs_routing = config.strategy == "routing" and bool(experts)
-    needs_gradient = config.strategy == "gradient" or config.selection == "gradient"
+    with_routing = needs_routing(config) and bool(experts)
+    with_gradients = needs_gradient(config)
     calibration = None
-    if needs_routing or needs_gradient:
+    if with_routing or with_gradients:
         if batches is None or model is None:
             raise UsafError(
                 f"strategy={config.strategy!r} / selection={config.selection!r} needs calibration data: pass "
                 "calibration_batches to prepare_model (usaf train does this from the training data)."
             )
         batches = list(itertools.islice(iter(batches), config.calibration_batches))
-        calibration = calibrate.calibrate(model, batches, len(batches), with_gradients=needs_gradient)
+        calibration = calibrate.calibrate(model, batches, len(batches), with_gradients=with_gradients)
 
     if config.granularity == "neuron":
         # whole neurons in the experts; the other weights train elements at the same density (or their share of
@@ -293,7 +294,7 @@ def _choose_elements(weights, config, calibration, batches, model) -> dict[str, 
 
     picked: dict[str, list[torch.Tensor]] = {u.key: [] for u in weights}
     domains = _domains(weights, config, calibration)
-    if config.selection == "gradient" or config.strategy == "gradient":
+    if needs_gradient(config):
         candidates = _candidate_lines(domains, config, calibration)
         scores = calibrate.probe_lines(model, candidates, batches, len(batches))
         for tensors, experts, count in domains:
@@ -388,6 +389,17 @@ def _candidate_lines(domains, config, calibration) -> dict[str, tuple[int, torch
     return {key: (axes[key], torch.unique(torch.cat(ids))) for key, ids in lines.items()}
 
 
+class _NeuronLayer(NamedTuple):
+    """One expert layer's neuron facts for _choose_neurons."""
+
+    layer: object
+    axes: dict
+    size: int  # neurons per expert
+    stores: dict
+    numel: int  # entries of its gate/up/down tensors
+    entries_per_neuron: int
+
+
 def _choose_neurons(layers, stores, config, calibration) -> dict[str, Chosen]:
     """Whole neurons: budgets per layer (or per hot expert, or global) in neurons, then lines per tensor."""
     per_layer = {}
@@ -396,7 +408,7 @@ def _choose_neurons(layers, stores, config, calibration) -> dict[str, Chosen]:
         size = intermediate_size(layer.experts)
         layer_stores = stores[layer.experts_name]
         numel = sum(int(torch.Size(layer_stores[n].shape).numel()) for n in axes)
-        per_layer[layer.experts_name] = (
+        per_layer[layer.experts_name] = _NeuronLayer(
             layer,
             axes,
             size,
@@ -405,14 +417,17 @@ def _choose_neurons(layers, stores, config, calibration) -> dict[str, Chosen]:
             entries_per_neuron(layer_stores, axes),
         )
     if config.num_entries is not None:
-        entry_budget = split_budget(config.num_entries, {k: v[4] for k, v in per_layer.items()})
+        entry_budget = split_budget(config.num_entries, {k: v.numel for k, v in per_layer.items()})
     else:
-        entry_budget = {k: round(config.density * v[4]) for k, v in per_layer.items()}
-    neurons = {k: min(v[0].num_experts * v[2], max(1, entry_budget[k] // v[5])) for k, v in per_layer.items()}
+        entry_budget = {k: round(config.density * v.numel) for k, v in per_layer.items()}
+    neurons = {
+        k: min(v.layer.num_experts * v.size, max(1, entry_budget[k] // v.entries_per_neuron))
+        for k, v in per_layer.items()
+    }
 
     def score_of(path):
         layer, axes, size, layer_stores, _, _ = per_layer[path]
-        if config.selection == "gradient" or config.strategy == "gradient":
+        if needs_gradient(config):
             return calibration.neuron_score.get(path, torch.zeros(layer.num_experts, size)).cpu()
         if config.selection == "magnitude":
             return magnitude_neuron_scores(layer.experts, layer_stores, axes)
