@@ -303,25 +303,9 @@ class TrainingRun:
             if reselector is not None:
                 reselector.set_observing(True)
             with self.autocast, routers.capture():
-                if dpo:  # the reference forward runs first, without gradients, on the base (base_weights)
-                    result = preference_loss(
-                        self.model,
-                        batch["input_ids"],
-                        batch["labels"],
-                        config.train.dpo_beta,
-                        position_ids=batch["position_ids"],
-                        chunk_tokens=config.train.logits_chunk_tokens,
-                    )
-                    loss_sum, margins = result.loss_sum, [*margins, result.margins]
-                else:
-                    loss_sum = causal_lm_loss(
-                        self.model,
-                        batch["input_ids"],
-                        batch["labels"],
-                        position_ids=batch["position_ids"],
-                        chunk_tokens=config.train.logits_chunk_tokens,
-                        reduction="sum",
-                    )
+                loss_sum, margin = self.loss_sum(batch)
+                if margin is not None:
+                    margins.append(margin)
                 aux = routers.aux_loss(self.state.step)  # balancing + z-loss from this forward's raw logits
             if reselector is not None:
                 reselector.set_observing(False)  # recomputation in backward re-runs forwards: count them once
@@ -344,6 +328,31 @@ class TrainingRun:
                 "rewards/accuracies": ahead / supervised,
             }
         return total / max(supervised, 1), tokens
+
+    def loss_sum(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A micro-batch's summed loss under the run's objective, and (dpo) its pairs' reward margins: next-token
+        cross entropy over the supervised tokens, or DPO over the pairs, whose reference forward runs first,
+        without gradients, on the base (`usaf.base_weights`)."""
+        config = self.config
+        if config.train.objective == "dpo":
+            result = preference_loss(
+                self.model,
+                batch["input_ids"],
+                batch["labels"],
+                config.train.dpo_beta,
+                position_ids=batch["position_ids"],
+                chunk_tokens=config.train.logits_chunk_tokens,
+            )
+            return result.loss_sum, result.margins
+        loss = causal_lm_loss(
+            self.model,
+            batch["input_ids"],
+            batch["labels"],
+            position_ids=batch["position_ids"],
+            chunk_tokens=config.train.logits_chunk_tokens,
+            reduction="sum",
+        )
+        return loss, None
 
     def optimizer_step(self, loss: float) -> float | None:
         """Unscale, clip and step; the gradient norm, or None for a skipped step: a NaN/Inf loss or gradient is
