@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Collection
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from usaf.errors import UsafError, first_line
+from usaf.quant import FORMATS
 
 RESIDENCIES = ("device", "host", "mmap")  # where a quantized base's experts live (see usaf.store.offload)
 GUARD_ACTIONS = ("warn", "raise_balance", "freeze_router", "stop")  # see usaf.engine.router.CollapseGuard
@@ -43,13 +45,13 @@ TOKENS_MOST = 1 << 20
 def option(
     default,
     doc: str,
-    choices: tuple | None = None,
+    choices: Collection | None = None,
     bounds: str | None = None,
     most: int | None = None,
     path: bool = False,
     parse=None,
 ):
-    """A documented config field; `choices`, `bounds` (an interval such as "(0, inf)" or "[0, 1)": a square
+    """A documented config field; `choices` (a tuple, or a registry's live `keys()`), `bounds` (an interval such as "(0, inf)" or "[0, 1)": a square
     bracket includes the end, inf is never allowed) and `most` (the largest integer allowed; INT_MOST for every
     integer option) are enforced on load and shown by `--list-options`; `path`: a file or folder, whose `~` and
     `$VAR` are expanded as a shell would; `parse`: a function that reads the value (raising UsafError)."""
@@ -236,7 +238,8 @@ class ModelSection:
         "", "model directory, prepared store, or hub id (the hub needs the network)", path=True
     )
     dtype: str = option("auto", "weights and compute dtype", ("auto", "float32", "bfloat16", "float16"))
-    quant: str = option("none", "frozen expert storage", ("none", "nf4", "int8", "int4"))
+    # a live view of the registry: a format registered later (usaf.quant.register_format) is a choice too
+    quant: str = option("none", "frozen expert storage", FORMATS.keys())
     residency: str = option("device", "where frozen experts live", RESIDENCIES)
     cache_mb: int = option(
         0,

@@ -56,7 +56,9 @@ def add_command(subparsers) -> None:
         default=",".join(DEFAULT_TARGETS),
         help=f"weights that hold trained entries, comma-separated (select.targets; default {','.join(DEFAULT_TARGETS)})",
     )
-    p.add_argument("--quant", default="nf4", choices=list(planner.QUANTS), help="frozen experts' format")
+    p.add_argument(
+        "--quant", default="nf4", choices=list(planner.quant_formats()), help="frozen experts' format"
+    )
     p.add_argument(
         "--quant-dense",
         action="store_true",

@@ -39,20 +39,18 @@ from usaf.planner.settings import (
     CPU_IMPORTS,
     CPU_WARMUP,
     CUDA_CONTEXT,
-    DEQUANT_TEMPORARIES,
     DISK_GBPS,
     DTYPE_BYTES,
     GPU_ALLOCATOR_SLACK,
     GPU_HOST_FRAMEWORK,
     MEMORY_EFFICIENCY,
-    QUANTS,
     VALUE_MOMENT_BYTES,
     Device,
     PlanSettings,
 )
 from usaf.planner.shape import ModelShape
 from usaf.planner.sizes import GiB, MiB, format_count, format_size
-from usaf.quant import get_format
+from usaf.quant import descriptor, get_format
 
 # ---- the ledger -----------------------------------------------------------------------------------------------
 
@@ -268,7 +266,7 @@ def _frozen_weights(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residen
     )
     experts_detail = (
         f"{shape.num_moe_layers} layers x {held}, {format_count(shape.expert_weights * share)} "
-        f"weights, {QUANTS[s.quant]} ({bits:.2f} bits/weight)"
+        f"weights, {descriptor(s.quant).summary} ({bits:.2f} bits/weight)"
     )
     if residency == "mmap":
         ledger.add(
@@ -281,7 +279,9 @@ def _frozen_weights(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residen
         pinned = ", pinned host memory" if where == "host" else ""
         ledger.add("frozen experts", payload, experts_detail + pinned, where)
         if constants:
-            ledger.add("quantization constants", constants, QUANTS[s.quant].split(", ", 1)[1], where)
+            ledger.add(
+                "quantization constants", constants, descriptor(s.quant).summary.split(", ", 1)[1], where
+            )
 
     dense_detail = (
         f"{format_count(shape.dense_params + shape.router_params)} attention/embedding/norm/shared parameters "
@@ -411,7 +411,7 @@ def _workspace(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: s
         elements = chunk_bytes / d
         ledger.add(
             "dequant workspace",
-            elements * (2 * d + DEQUANT_TEMPORARIES[s.quant]),
+            elements * (2 * d + descriptor(s.quant).temporaries),
             f"routed experts of one projection in chunks of <= {s.workspace_mb} MB: the chunk being built with its "
             "temporaries while the last is alive",
             phases=frozenset({LAYER}),

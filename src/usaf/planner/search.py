@@ -8,9 +8,10 @@ from usaf.config import (
     RESIDENCIES,
 )
 from usaf.planner.ledger import Plan, plan, stored_bytes
-from usaf.planner.settings import DEVICES, DTYPE_BYTES, QUANT_ORDER, Device, PlanSettings, default_dtype
+from usaf.planner.settings import DEVICES, DTYPE_BYTES, Device, PlanSettings, default_dtype
 from usaf.planner.shape import ModelShape
 from usaf.planner.sizes import format_size
+from usaf.quant import by_precision
 
 
 @dataclass
@@ -76,11 +77,8 @@ def search(
     if not device.is_gpu:
         residencies = tuple(r for r in residencies if r != "host") or ("device",)
     # a published checkpoint's experts are what it publishes: never re-quantized
-    quants = (
-        QUANT_ORDER[QUANT_ORDER.index(settings.quant) :]
-        if settings.quant in QUANT_ORDER
-        else (settings.quant,)
-    )
+    order = by_precision()
+    quants = order[order.index(settings.quant) :] if settings.quant in order else (settings.quant,)
     best, best_key = None, None
     for r_cost, residency in enumerate(residencies):
         for q_cost, quant in enumerate(quants):

@@ -19,7 +19,7 @@ from usaf.config import (
 from usaf.errors import UsafError
 from usaf.io.published import checkpoint_method
 from usaf.planner.sizes import GiB, MiB
-from usaf.quant import FORMATS, PUBLISHED
+from usaf.quant import PUBLISHED, by_precision
 
 
 @dataclass(frozen=True)
@@ -73,16 +73,10 @@ CPU_WARMUP = 85 * MiB
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-QUANT_ORDER = ("none", "int8", "nf4", "int4")  # most to least precise; a published format is kept as it is
-
-
-# the frozen experts' formats, as each one's descriptor (`usaf.quant`) says: usaf's own, then the published ones
-_DESCRIPTORS = {name: (FORMATS | PUBLISHED)[name].DESCRIPTOR for name in (*QUANT_ORDER, *PUBLISHED)}
-QUANTS = {name: d.summary for name, d in _DESCRIPTORS.items()}
-
-
-# Bytes per element a dequantization holds besides its output
-DEQUANT_TEMPORARIES = {name: d.temporaries for name, d in _DESCRIPTORS.items()}
+def quant_formats() -> tuple[str, ...]:
+    """The frozen experts' formats a plan knows (`usaf.quant`'s registry): usaf's own, most to least precise, then
+    the published ones (kept as they are)."""
+    return (*by_precision(), *PUBLISHED)
 
 
 OPTIMIZERS = {
@@ -127,7 +121,10 @@ class PlanSettings:
             (self.seq >= 2, f"--seq must be at least 2, got {self.seq}"),
             (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
             (0 < self.density <= 1, f"--density must be in (0, 1], got {self.density}"),
-            (self.quant in QUANTS, f"--quant must be one of {', '.join(QUANTS)}, got {self.quant!r}"),
+            (
+                self.quant in quant_formats(),
+                f"--quant must be one of {', '.join(quant_formats())}, got {self.quant!r}",
+            ),
             (
                 self.granularity in ("element", "neuron"),
                 f"--granularity must be element or neuron, got {self.granularity!r}",
