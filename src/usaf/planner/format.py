@@ -31,6 +31,8 @@ def command_line(model: str, p: Plan) -> str:
         f"--logits-chunk {s.logits_chunk}",
     ]
     flags = [
+        (s.num_entries is not None, f"--num-entries {s.num_entries}"),
+        (s.layers is not None, f"--layers {','.join(map(str, s.layers or []))}"),
         (s.granularity != defaults.granularity, f"--granularity {s.granularity}"),
         (s.quant_dense, "--quant-dense"),
         (not s.recompute, "--no-recompute"),
@@ -44,13 +46,19 @@ def command_line(model: str, p: Plan) -> str:
     return " ".join(parts + [flag for wanted, flag in flags if wanted])
 
 
+def _budget(s) -> str:
+    """The trained entries' budget as the run gives it, and the layers it trains when they are named."""
+    budget = f"density {s.density:g}" if s.num_entries is None else f"{format_count(s.num_entries)} entries"
+    return budget if s.layers is None else f"{budget} in layers {s.layers}"
+
+
 def format_plan(p: Plan) -> str:
     """The ledger as a table: device and host columns (one memory column on the CPU), peak marks, totals."""
     shape, s, gpu = p.shape, p.settings, p.device.is_gpu
     out = [
         f"{shape.name} ({shape.model_type}): {format_count(shape.total_params)} parameters, "
         f"{format_count(shape.active_params)} active per token (shapes from the {shape.shapes_from})",
-        f"settings: seq {s.seq} x batch {s.batch}, density {s.density:g} ({s.granularity}), experts {s.quant}, "
+        f"settings: seq {s.seq} x batch {s.batch}, {_budget(s)} ({s.granularity}), experts {s.quant}, "
         f"compute {s.dtype}, residency {s.residency}, recompute {'on' if s.recompute else 'off'}, "
         f"logits chunk {s.logits_chunk}, {s.optimizer}",
     ]

@@ -84,7 +84,7 @@ def search(
         for q_cost, quant in enumerate(quants):
             for b_cost, batch in enumerate(_halvings(settings.batch, 1)):
                 for s_cost, seq in enumerate(_halvings(settings.seq, 128)):
-                    for d_cost, density in enumerate(settings.density / 2**n for n in range(8)):
+                    for d_cost, budget in enumerate(_budgets(settings)):
                         for c_cost, chunk in enumerate(_halvings(settings.logits_chunk, 64)):
                             cost = (
                                 COSTS["residency"] * r_cost
@@ -101,7 +101,7 @@ def search(
                                 quant=quant,
                                 batch=batch,
                                 seq=seq,
-                                density=density,
+                                **budget,
                                 logits_chunk=chunk,
                             )
                             p = plan(shape, candidate, device, vram, ram)
@@ -112,6 +112,13 @@ def search(
 
 
 SMALL_CARD = "rtx-3060-12gb"
+
+
+def _budgets(settings: PlanSettings) -> list[dict]:
+    """Smaller budgets of trained entries to try: the density halved, or `num_entries` where the run sets it."""
+    if settings.num_entries is not None:
+        return [{"num_entries": max(1, settings.num_entries >> n)} for n in range(8)]
+    return [{"density": settings.density / 2**n} for n in range(8)]
 
 
 def published_line(shape: ModelShape, settings: PlanSettings, device: Device, ram, residency: str) -> str:
