@@ -75,19 +75,14 @@ def test_a_runs_continuations_are_transformers_generate_on_its_merged_export(tri
     assert "tuned: " in shown and "base: " in shown and f"wrote 3 rows to {out}" in shown
 
 
-def test_a_base_plus_its_delta_generates_as_the_merged_export(tried, tmp_path):
+@pytest.mark.parametrize("given", ["a base plus its delta", "a merged export and its base"])
+def test_a_fine_tune_and_its_base_generate_as_transformers_does(tried, tmp_path, given):
     ws, merged, prompts = tried
+    target = (
+        [ws.base, "--delta", ws.delta] if given == "a base plus its delta" else [merged, "--base", ws.base]
+    )
     out = tmp_path / "rows.jsonl"
-    assert generate(ws.base, "--delta", ws.delta, "--prompts", prompts, "--out", out, "--compare-base") == 0
-    rows = rows_of(out)
-    assert [r["completion"] for r in rows] == transformers_generate(merged, PROMPTS)
-    assert [r["base_completion"] for r in rows] == transformers_generate(ws.base, PROMPTS)
-
-
-def test_a_merged_export_compares_with_the_base_it_is_given(tried, tmp_path):
-    ws, merged, prompts = tried
-    out = tmp_path / "rows.jsonl"
-    assert generate(merged, "--prompts", prompts, "--out", out, "--compare-base", "--base", ws.base) == 0
+    assert generate(*target, "--prompts", prompts, "--out", out, "--compare-base") == 0
     rows = rows_of(out)
     assert [r["completion"] for r in rows] == transformers_generate(merged, PROMPTS)
     assert [r["base_completion"] for r in rows] == transformers_generate(ws.base, PROMPTS)

@@ -12,7 +12,7 @@ import pytest
 from helpers import FAST_RUN, make_model_dir, start_usaf, wait_for_rows, write_copy_task
 
 from usaf.cli import main
-from usaf.config import SECTIONS, RunConfig
+from usaf.config import SECTIONS, DataSection, ModelSection, OptimSection, RunConfig, UsafConfig
 from usaf.errors import UsafError
 from usaf.train.loop import train
 
@@ -83,6 +83,37 @@ def test_an_option_out_of_range_in_a_file_names_the_file(tmp_path):
     path.write_text("optim:\n  lr: -0.01\n")
     with pytest.raises(UsafError, match=r"run\.yaml: optim\.lr must be > 0, got -0\.01"):
         RunConfig.load(str(path))
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: OptimSection(lr=0), "optim.lr must be > 0, got 0.0"),
+        (lambda: ModelSection(quant="gptq"), "model.quant = 'gptq' is not allowed"),
+        (lambda: DataSection(batch_size="four"), "data.batch_size must be an integer, got 'four'"),
+        (
+            lambda: UsafConfig(density_ratios={"attention": -1}),
+            "UsafConfig.density_ratios['attention'] must be > 0",
+        ),
+        (lambda: UsafConfig(targets=[]), "UsafConfig.targets must be a non-empty list of"),
+    ],
+)
+def test_every_section_made_in_python_is_checked_when_made(make, message):
+    """Each section checks its options' declarations (type, choices, range) on construction, not first at
+    `RunConfig.check()`; a file's values get the same checks under its YAML keys."""
+    with pytest.raises(UsafError) as err:
+        make()
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_train_router_is_a_deprecated_alias_of_routers_in_targets(tmp_path):
+    """A 0.1.x config's `train_router: false` takes routers out of `targets`, the one place that says what trains."""
+    path = tmp_path / "old.yaml"
+    path.write_text("select:\n  targets: [experts, routers]\n  train_router: false\n")
+    select = RunConfig.load(str(path)).select
+    assert select.targets == ["experts"] and not select.trains_routers
+    assert UsafConfig(targets=["routers", "experts"]).trains_routers  # train_router's default changes nothing
+    assert RunConfig.load(str(path), ["select.train_router=true"]).select.targets == ["experts", "routers"]
 
 
 def test_the_cli_refuses_a_bad_range_before_making_the_run_folder(workspace, tmp_path, capsys):

@@ -560,3 +560,67 @@ def test_ranks_on_one_host_share_its_ram():
     assert two.ram == 16 << 30 and two.host_ram == 32 << 30 and not two.fits
     assert apart.ram == 32 << 30 and apart.fits
     assert "--ram 32GB" in planner.command_line("qwen3-30b-a3b", two)
+
+
+# ---- one model of a run --------------------------------------------------------------------------------------
+
+
+def test_the_planner_reads_the_runs_own_configuration():
+    """PlanSettings is a view of a RunConfig: its settings are the run's options, and flags set those options."""
+    from usaf.config import RunConfig
+
+    run = RunConfig.from_dict(
+        {
+            "data": {"max_seq_len": 1024},
+            "select": {"density": 0.02, "reselect_every": 0},
+            "optim": {"eight_bit": True},
+        }
+    )
+    settings = planner.settings_for_run(run, "bf16")
+    assert (settings.seq, settings.density, settings.reselect, settings.optimizer) == (
+        1024,
+        0.02,
+        False,
+        "adamw8bit",
+    )
+    assert settings.run.select.density == 0.02
+    flagged = planner.PlanSettings(seq=4096, num_entries=1000, layers="0,2")
+    assert flagged.run.data.max_seq_len == 4096 and flagged.run.select.layers == [0, 2]
+    assert flagged.run.select.num_entries == 1000 and flagged.quant == "nf4"
+    with pytest.raises(UsafError, match=r"--num-entries must be >= 1, got 0"):
+        planner.PlanSettings(num_entries=0)
+
+
+def test_num_entries_is_the_budget_split_by_size_and_layers_train_their_share():
+    shape = shape_of("qwen3-30b-a3b")
+    targets = ("experts", "attention", "embeddings")
+    budget = planner.PlanSettings(num_entries=5_000_000, targets=targets)
+    assert planner.trained_entries(shape, budget) == pytest.approx(5_000_000, abs=2)
+    # split by size: the experts get their share of the eligible entries, as usaf.prepare spreads it
+    experts_only = planner.trained_entries(shape, budget.replace(targets=("experts",)))
+    assert experts_only == 5_000_000
+    everything = planner.PlanSettings(density=0.01, targets=targets)
+    half = everything.replace(layers=list(range(shape.num_moe_layers // 2)))
+    experts = planner.trained_entries(shape, everything.replace(targets=("experts",)))
+    assert planner.trained_entries(shape, half.replace(targets=("experts",))) == pytest.approx(
+        experts / 2, rel=1e-6
+    )
+    # with layers named, the embedding (outside the decoder layers) stays frozen
+    assert planner.trained_entries(shape, half.replace(targets=("embeddings",))) == 0
+    assert (
+        planner.trained_router_params(shape, half.replace(targets=("routers",))) == shape.router_params // 2
+    )
+
+
+def test_plan_config_plans_num_entries_and_layers(capsys, tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        "model:\n  path: qwen3-30b-a3b\n  quant: nf4\nselect:\n  num_entries: 2000000\n  layers: [0, 1]\n"
+    )
+    code, out, _ = run_cli(capsys, "--config", str(run), "--vram", "24GB", "--ram", "64GB")
+    assert code in (0, 1) and "2.00 M entries in layers [0, 1]" in out
+    code_flags, flags, _ = run_cli(
+        capsys, "--model", "qwen3-30b-a3b", "--num-entries", "2000000", "--layers", "0,1", "--seq", "512",
+        "--batch", "4", "--vram", "24GB", "--ram", "64GB",
+    )  # fmt: skip
+    assert (code_flags, flags) == (code, out)

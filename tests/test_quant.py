@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from usaf.errors import UsafError
-from usaf.quant import FORMATS, get_format, resolve_format
+from usaf.quant import FORMATS, get_format, register_format, resolve_format
+from usaf.quant.descriptor import Descriptor
 from usaf.store.offload import ExpertCache, LayerStreamer, ResidentParts, StreamedParts
 from usaf.store.quantized import QuantizedStore
 
@@ -178,3 +179,70 @@ def test_quantizing_in_pieces_gives_the_parts_of_the_whole(name):
     for part, value in whole.items():
         joined = torch.cat([p[part].reshape(-1) for p in pieces])
         assert torch.equal(joined, value.reshape(-1)), part
+
+
+# ---- a format defined outside the package ---------------------------------------------------------------------
+
+
+class Toy8:
+    """int8 with one fp32 scale per matrix: a storage format written here, not in usaf.quant."""
+
+    DESCRIPTOR = Descriptor("toy8", "toy int8, one fp32 scale per matrix", 8, 4)
+
+    @staticmethod
+    def layout(rows, cols, source_dtype):
+        return {"data": (torch.int8, (rows, cols)), "scale": (torch.float32, (1,))}
+
+    @staticmethod
+    def pieces(weight, max_elements):
+        yield weight  # one scale for the whole matrix: it is quantized whole
+
+    @staticmethod
+    def quantize(weight):
+        scale = (weight.float().abs().amax() / 127).clamp_min(1e-12).reshape(1)
+        return {"data": torch.round(weight.float() / scale).clamp_(-127, 127).to(torch.int8), "scale": scale}
+
+    @staticmethod
+    def dequantize(parts, rows, cols, dtype):
+        data = parts["data"].reshape(-1, rows, cols).float()
+        return (data * parts["scale"].reshape(-1, 1, 1)).to(dtype)
+
+
+@pytest.fixture
+def toy8():
+    register_format(Toy8)
+    yield Toy8
+    FORMATS.pop("toy8")
+
+
+def test_a_format_registered_from_outside_is_a_config_choice_planned_and_stored(toy8, tmp_path):
+    from usaf import planner
+    from usaf.base.load import load_prepared, prepare_store, read_store_metadata
+    from usaf.config import RunConfig, UsafConfig
+    from usaf.testing.tiny import tiny_model
+
+    assert RunConfig.from_dict({"model": {"quant": "toy8"}}).model.quant == "toy8"
+    assert "toy8" in planner.quant_formats()
+    # the planner counts its bytes from its layout and its temporaries from its descriptor
+    name, config = planner.load_model_config("qwen3-30b-a3b")
+    shape = planner.model_shape(config, name)
+    ledger = {
+        line.name: line
+        for line in planner.plan(
+            shape, planner.PlanSettings(quant="toy8"), planner.DEVICES["h100"], ram=256 << 30
+        ).lines
+    }
+    assert ledger["frozen experts"].device == shape.expert_weights
+    assert "toy int8" in ledger["frozen experts"].detail
+    matrices = sum(count for count, _, _ in shape.expert_matrices)
+    assert ledger["quantization constants"].device == 4 * matrices
+    # a prepared store quantizes into it, and the model loaded from it computes what its dequantized weights do
+    src, out = tmp_path / "src", tmp_path / "out"
+    reference = tiny_model("qwen3_moe")
+    reference.save_pretrained(src)
+    prepare_store(src, out, "toy8")
+    assert read_store_metadata(out)["quant"] == "toy8"
+    model = load_prepared(out, src, UsafConfig(targets=["experts"]), device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(ids).logits - reference(ids).logits).abs().max() < 0.05

@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Collection
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import ClassVar
 
 from usaf.errors import UsafError, first_line
+from usaf.quant import FORMATS
 
 RESIDENCIES = ("device", "host", "mmap")  # where a quantized base's experts live (see usaf.store.offload)
 GUARD_ACTIONS = ("warn", "raise_balance", "freeze_router", "stop")  # see usaf.engine.router.CollapseGuard
@@ -21,6 +24,7 @@ SCHEDULES = ("cosine", "linear", "constant_with_warmup", "cosine_with_min_lr", "
 TARGETS = ("experts", "routers", "attention", "dense_mlp", "norms", "embeddings", "lm_head")
 # chosen on bench/quality.py (README, "Fine-tunes against LoRA"): routers add forgetting, not adaptation
 DEFAULT_TARGETS = ("experts", "attention", "embeddings", "lm_head")
+RATIO_TARGETS = tuple(t for t in TARGETS if t != "routers")  # routers train whole: no density to weigh
 # 1 % with reselection every 10 steps at lr 5e-3: the best practical point of bench/quality.py (README, "Fine-tunes
 # against LoRA"); at 16 bytes an entry its state fits Qwen3-30B-A3B on a 12 GB card
 # (`usaf plan --model qwen3-30b-a3b --vram 12GB --ram 32GB`)
@@ -45,13 +49,13 @@ TOKENS_MOST = 1 << 20
 def option(
     default,
     doc: str,
-    choices: tuple | None = None,
+    choices: Collection | None = None,
     bounds: str | None = None,
     most: int | None = None,
     path: bool = False,
     parse=None,
 ):
-    """A documented config field; `choices`, `bounds` (an interval such as "(0, inf)" or "[0, 1)": a square
+    """A documented config field; `choices` (a tuple, or a registry's live `keys()`), `bounds` (an interval such as "(0, inf)" or "[0, 1)": a square
     bracket includes the end, inf is never allowed) and `most` (the largest integer allowed; INT_MOST for every
     integer option) are enforced on load and shown by `--list-options`; `path`: a file or folder, whose `~` and
     `$VAR` are expanded as a shell would; `parse`: a function that reads the value (raising UsafError)."""
@@ -90,8 +94,26 @@ def check_bounds(value, spec: str | None, where: str) -> None:
         raise UsafError(f"{where} must be {bounds_text(spec)}, got {value!r}.")
 
 
+class Section:
+    """A config section: every option is read and checked as its `option()` declares (type, choices, range) when
+    the section is made, from Python or a file, and again by `RunConfig.check` after changes made in Python."""
+
+    NAME: ClassVar[str]  # what messages call the section made in Python; a file's messages name its YAML key
+
+    def __post_init__(self) -> None:
+        self.validate(self.NAME)
+
+    def validate(self, where: str) -> None:
+        for spec in fields(self):
+            setattr(self, spec.name, check_option(spec, getattr(self, spec.name), f"{where}.{spec.name}"))
+        self.check_together(where)
+
+    def check_together(self, where: str) -> None:
+        """Rules between options, which no single declaration states (none by default)."""
+
+
 @dataclass
-class UsafConfig:
+class UsafConfig(Section):
     """What `prepare_model` makes trainable.
 
     density: share of each expert tensor's entries to train, in (0, 1].
@@ -114,7 +136,8 @@ class UsafConfig:
         `density` (or `num_entries`, split by size) applies to every targeted weight alike unless
         `density_ratios` weighs targets against each other (the total stays the same); with
         strategy="gradient" one global top-k over all of them decides where the budget goes.
-    train_router: routers' weights (and real biases) become trainable (with "routers" in `targets`).
+    train_router: deprecated (0.1.x configs): routers' weights (and real biases) train when "routers" is in
+        `targets`; false takes "routers" out of `targets` when the config is made.
     train_biases: expert biases (gpt-oss) get trainable entries at the same density.
     layers: numbers of the MoE decoder layers to train (None: all, and the weights outside the decoder layers:
         embedding, final norm, output layer); the others stay frozen.
@@ -131,6 +154,8 @@ class UsafConfig:
         {},
         "per-target density relative to the others' (e.g. {attention: 10}); the total stays density x the "
         "eligible entries (or num_entries)",
+        RATIO_TARGETS,
+        bounds="(0, inf)",
     )
     granularity: str = option("element", "expert entries: arbitrary elements or whole neurons", GRANULARITIES)
     strategy: str = option(
@@ -170,9 +195,11 @@ class UsafConfig:
     )
     seed: int = option(0, "seed of random selection", bounds="[0, inf)")
     targets: list = option(
-        list(DEFAULT_TARGETS), "weights that hold trained entries, some of: " + ", ".join(TARGETS)
+        list(DEFAULT_TARGETS), "weights that hold trained entries (some of the names)", TARGETS
     )
-    train_router: bool = option(True, "routers are trainable (with routers in targets)")
+    train_router: bool = option(
+        True, "deprecated: routers train when 'routers' is in targets; false takes them out of targets"
+    )
     train_biases: bool = option(True, "expert biases (gpt-oss) get entries at the same density")
     layers: list[int] | None = option(
         None, "decoder layer numbers to train (None: all, with the embedding and output layer)"
@@ -184,36 +211,23 @@ class UsafConfig:
         most=1 << 30,
     )
 
-    def __post_init__(self) -> None:
-        for spec in fields(self):  # the declared types, choices and ranges, as a config file's are checked
-            setattr(self, spec.name, check_option(spec, getattr(self, spec.name), f"UsafConfig.{spec.name}"))
-        ratios = self.density_ratios
-        if any(
-            t not in TARGETS
-            or t == "routers"
-            or isinstance(r, bool)
-            or not isinstance(r, (int, float))
-            or not 0.0 < float(r) < float("inf")
-            for t, r in ratios.items()
-        ):
-            raise UsafError(
-                "UsafConfig.density_ratios must map targets (of "
-                f"{[t for t in TARGETS if t != 'routers']}) to positive numbers, got {ratios!r}."
-            )
+    NAME = "UsafConfig"
+
+    def check_together(self, where: str) -> None:
         if self.strategy == "file" and not self.file:
-            raise UsafError(
-                "UsafConfig.strategy='file' needs `file`: a selection.safetensors saved by a run."
-            )
-        unknown = [t for t in self.targets if t not in TARGETS]
-        if unknown or not self.targets:
-            raise UsafError(
-                f"UsafConfig.targets must be a non-empty list of {list(TARGETS)}, got {self.targets!r}."
-            )
-        self.targets = [t for t in TARGETS if t in self.targets]  # canonical order
+            raise UsafError(f"{where}.strategy='file' needs `file`: a selection.safetensors saved by a run.")
+        # the deprecated alias (0.1.x configs): train_router=false takes routers out of the targets
+        if not self.train_router and "routers" in self.targets:
+            if self.targets == ["routers"]:
+                raise UsafError(
+                    f"{where}: nothing to train: select.targets is [routers] with select.train_router=false: set "
+                    "train_router=true or add targets."
+                )
+            self.targets = [t for t in self.targets if t != "routers"]
 
     @property
     def trains_routers(self) -> bool:
-        return self.train_router and "routers" in self.targets
+        return "routers" in self.targets
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -233,12 +247,15 @@ class UsafConfig:
 
 
 @dataclass
-class ModelSection:
+class ModelSection(Section):
+    NAME = "model"
+
     path: str = option(
         "", "model directory, prepared store, or hub id (the hub needs the network)", path=True
     )
     dtype: str = option("auto", "weights and compute dtype", ("auto", "float32", "bfloat16", "float16"))
-    quant: str = option("none", "frozen expert storage", ("none", "nf4", "int8", "int4"))
+    # a live view of the registry: a format registered later (usaf.quant.register_format) is a choice too
+    quant: str = option("none", "frozen expert storage", FORMATS.keys())
     residency: str = option("device", "where frozen experts live", RESIDENCIES)
     cache_mb: int = option(
         0,
@@ -250,7 +267,9 @@ class ModelSection:
 
 
 @dataclass
-class RouterSection:
+class RouterSection(Section):
+    NAME = "router"
+
     lr_multiplier: float = option(
         0.1, "router learning rate = optim.lr x this (with routers in select.targets)", bounds="[0, inf)"
     )
@@ -279,7 +298,9 @@ class RouterSection:
 
 
 @dataclass
-class OptimSection:
+class OptimSection(Section):
+    NAME = "optim"
+
     # lr > 0: a zero or negative rate would silently not train, or climb the loss
     lr: float = option(
         5e-3, "peak learning rate of trained values (sparse entries move far from few)", bounds="(0, inf)"
@@ -300,7 +321,9 @@ class OptimSection:
 
 
 @dataclass
-class ScheduleSection:
+class ScheduleSection(Section):
+    NAME = "schedule"
+
     # at least one step: a run of zero steps would look finished without having trained
     max_steps: int = option(100, "optimizer steps to run", bounds="[1, inf)")
     name: str = option(
@@ -331,7 +354,9 @@ class ScheduleSection:
 
 
 @dataclass
-class DataSection:
+class DataSection(Section):
+    NAME = "data"
+
     train: list = option(
         [],
         "training data: files (jsonl, json, csv, tsv, parquet, arrow, txt, md; also .gz/.bz2/.xz/.zst), "
@@ -385,7 +410,9 @@ class DataSection:
 
 
 @dataclass
-class CheckpointSection:
+class CheckpointSection(Section):
+    NAME = "checkpoint"
+
     every_steps: int = option(
         50,
         "save a checkpoint every N optimizer steps (0: off; the last step and SIGINT/SIGTERM always save)",
@@ -395,7 +422,9 @@ class CheckpointSection:
 
 
 @dataclass
-class LogSection:
+class LogSection(Section):
+    NAME = "log"
+
     every_steps: int = option(
         1, "write metrics every N steps (0: off; evaluations are still written)", bounds="[0, inf)"
     )
@@ -410,7 +439,9 @@ class LogSection:
 
 
 @dataclass
-class TrainSection:
+class TrainSection(Section):
+    NAME = "train"
+
     seed: int = option(
         0,
         "seed of the data order, the eval split, calibration batches, the optimizer's stochastic rounding and "
@@ -514,9 +545,9 @@ class RunConfig:
         return cls(**built)
 
     def check(self, source: str = "config") -> None:
-        """Every option's choices and range (for configs built or changed in Python, not read from a file)."""
+        """Every option's choices and range, and the rules between them (for configs changed in Python)."""
         for name in SECTIONS:
-            _check_fields(getattr(self, name), f"{source}: {name}")
+            getattr(self, name).validate(f"{source}: {name}")
 
     @classmethod
     def load(cls, path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -683,22 +714,18 @@ def apply_override(data: dict, item: str) -> None:
 
 
 def _build_section(section_cls, values: dict, where: str):
+    """A section from a file's values, its messages naming the file and the YAML keys (`run.yaml: optim.lr`)."""
     if not isinstance(values, dict):
         raise UsafError(f"{where} must be a mapping of keys to values.")
-    known = {f.name: f for f in fields(section_cls)}
-    unknown = sorted(set(values) - set(known), key=str)
+    known = {f.name for f in fields(section_cls)}
+    unknown = sorted(set(values) - known, key=str)
     if unknown:
         raise UsafError(f"{where}: unknown key(s) {unknown}; allowed keys: {sorted(known)}.")
-    checked = {name: check_option(known[name], value, f"{where}.{name}") for name, value in values.items()}
-    try:
-        return section_cls(**checked)
-    except UsafError as err:
-        raise UsafError(f"{where}: {err}") from None
-
-
-def _check_fields(section, where: str) -> None:
-    for spec in fields(section):
-        setattr(section, spec.name, check_option(spec, getattr(section, spec.name), f"{where}.{spec.name}"))
+    section = section_cls()  # the defaults, then the file's values, checked together under the file's names
+    for name, value in values.items():
+        setattr(section, name, value)
+    section.validate(where)
+    return section
 
 
 def check_option(spec, value, where: str):
@@ -710,6 +737,8 @@ def check_option(spec, value, where: str):
     if isinstance(value, bool) and choices and any(c is value for c in choices):
         return value
     value = _coerce(value, spec, where)
+    if isinstance(value, (list, dict)) and (choices or spec.metadata.get("bounds")):
+        return _check_collection(value, choices, spec.metadata.get("bounds"), where)
     if choices and value not in choices:
         raise UsafError(f"{where} = {value!r} is not allowed; allowed values: {_choices_text(choices)}.")
     check_bounds(value, spec.metadata.get("bounds"), where)
@@ -726,6 +755,23 @@ def check_option(spec, value, where: str):
             parse(value)
         except UsafError as err:
             raise UsafError(f"{where}: {err}") from None
+    return value
+
+
+def _check_collection(value, choices, bounds: str | None, where: str):
+    """A list option with choices is some of them (kept in their order); a dict option maps some of them to
+    numbers in `bounds` (select.targets, select.density_ratios)."""
+    if isinstance(value, list):
+        if not value or any(item not in choices for item in value):
+            raise UsafError(f"{where} must be a non-empty list of {_choices_text(choices)}, got {value!r}.")
+        return [c for c in choices if c in value]
+    numbers = all(not isinstance(v, bool) and isinstance(v, (int, float)) for v in value.values())
+    if not numbers or any(key not in choices for key in value):
+        raise UsafError(
+            f"{where} must map some of {_choices_text(choices)} to numbers {bounds_text(bounds)}, got {value!r}."
+        )
+    for key, number in value.items():
+        check_bounds(number, bounds, f"{where}[{key!r}]")
     return value
 
 

@@ -44,10 +44,8 @@ from usaf.io.source import SourceCheckpoint
 from usaf.model.hf import build_skeleton, compute_missing_buffers, load_config, mark_loaded
 from usaf.model.layout import expert_weight_names, find_moe_layers
 from usaf.prepare import enable_recomputation, prepare_model
-from usaf.quant import PUBLISHED, default_device, get_format, resolve_format
-from usaf.quant import int4 as int4_format
+from usaf.quant import FORMATS, PUBLISHED, default_device, format_constants, get_format, resolve_format
 from usaf.quant import int8 as int8_format
-from usaf.quant import nf4 as nf4_format
 from usaf.store.dense import StoredExpertTensor
 from usaf.store.offload import LayerStreamer, ResidentParts, StreamedParts, host_copy
 from usaf.store.quantized import QuantizedStore
@@ -106,7 +104,8 @@ def prepare_store(
     if method is None and quant in published.METHODS:
         raise UsafError(
             f"{model_dir} is not a published {quant} checkpoint (its config.json has no quantization_config "
-            f"{quant}); usaf reads {quant} as published and never quantizes into it: choose nf4, int8, int4 or none."
+            f"{quant}); usaf reads {quant} as published and never quantizes into it: choose one of "
+            f"{', '.join(FORMATS)}."
         )
     fmt_name = method or resolve_format(quant, device)
     skeleton = build_skeleton(config)
@@ -357,10 +356,7 @@ def _metadata(model_dir, source, tensors, checksums, requested, fmt, quant_dense
         "quant": fmt,
         "requested_quant": requested,
         "quant_dense": quant_dense,
-        "format_constants": {
-            "nf4_block_size": nf4_format.BLOCK_SIZE,
-            "int4_group_size": int4_format.GROUP_SIZE,
-        },
+        "format_constants": format_constants(),
         "source": {
             "dir": str(model_dir.resolve()),
             "files": {name: _file_stamp(model_dir / name) for name in sorted(source_files)},

@@ -43,8 +43,9 @@ def add_command(subparsers) -> None:
     )
     p.add_argument("--vram", default=None, help="device memory, e.g. 12GB (default: the device preset's)")
     p.add_argument("--ram", default=None, help="host RAM, e.g. 32GB (default: this machine's)")
-    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    seq, batch, quant = (planner.PLAN_DEFAULTS[key] for key in ("seq", "batch", "quant"))
+    p.add_argument("--seq", type=int, default=seq, help=f"tokens per sequence (default {seq})")
+    p.add_argument("--batch", type=int, default=batch, help=f"sequences per step (default {batch})")
     p.add_argument(
         "--density",
         type=float,
@@ -52,11 +53,25 @@ def add_command(subparsers) -> None:
         help=f"share of each targeted weight's entries trained (default {DEFAULT_DENSITY})",
     )
     p.add_argument(
+        "--num-entries",
+        type=int,
+        default=None,
+        help="a global budget of trained entries, split by size; overrides --density (select.num_entries)",
+    )
+    p.add_argument(
+        "--layers",
+        default=None,
+        help="decoder layer numbers to train, e.g. 0,2 (select.layers; default: all, with the embedding and "
+        "output layer)",
+    )
+    p.add_argument(
         "--targets",
         default=",".join(DEFAULT_TARGETS),
         help=f"weights that hold trained entries, comma-separated (select.targets; default {','.join(DEFAULT_TARGETS)})",
     )
-    p.add_argument("--quant", default="nf4", choices=list(planner.QUANTS), help="frozen experts' format")
+    p.add_argument(
+        "--quant", default=quant, choices=list(planner.quant_formats()), help="frozen experts' format"
+    )
     p.add_argument(
         "--quant-dense",
         action="store_true",
@@ -195,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype or planner.default_dtype(device),
         workspace_mb=args.workspace_mb,
         targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()),
+        num_entries=args.num_entries,
+        layers=args.layers,
         gpus=args.gpus,
         expert_parallel=args.expert_parallel,
         gpus_per_host=args.gpus_per_host,
@@ -230,6 +247,8 @@ _FLAG_FIELDS = {
     "optimizer": "optimizer",
     "workspace_mb": "workspace_mb",
     "targets": "targets",
+    "num_entries": "num_entries",
+    "layers": "layers",
     "no_recompute": "recompute",
     "no_reselect": "reselect",
     "gpus": "gpus",

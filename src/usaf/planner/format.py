@@ -32,6 +32,8 @@ def command_line(model: str, p: Plan) -> str:
         f"--logits-chunk {s.logits_chunk}",
     ]
     flags = [
+        (s.num_entries is not None, f"--num-entries {s.num_entries}"),
+        (s.layers is not None, f"--layers {','.join(map(str, s.layers or []))}"),
         (s.granularity != defaults.granularity, f"--granularity {s.granularity}"),
         (s.quant_dense, "--quant-dense"),
         (not s.recompute, "--no-recompute"),
@@ -66,9 +68,11 @@ def run_config(model: str, p: Plan) -> str:
             "residency": s.residency,
             "dtype": _RUN_DTYPES.get(s.dtype, s.dtype),
         },
-        "data": {"max_seq_len": s.seq, "batch_size": s.batch // 2 if s.objective == "dpo" else s.batch},
+        "data": {"max_seq_len": s.seq, "batch_size": s.run.data.batch_size},
         "select": {
             "density": s.density,
+            **({"num_entries": s.num_entries} if s.num_entries is not None else {}),
+            **({"layers": list(map(str, s.layers))} if s.layers is not None else {}),
             "granularity": s.granularity,
             "workspace_mb": s.workspace_mb,
             "targets": list(s.targets),
@@ -103,13 +107,19 @@ def _as_run_config(model: str, p: Plan) -> list[str]:
     ]
 
 
+def _budget(s) -> str:
+    """The trained entries' budget as the run gives it, and the layers it trains when they are named."""
+    budget = f"density {s.density:g}" if s.num_entries is None else f"{format_count(s.num_entries)} entries"
+    return budget if s.layers is None else f"{budget} in layers {s.layers}"
+
+
 def format_plan(p: Plan) -> str:
     """The ledger as a table: device and host columns (one memory column on the CPU), peak marks, totals."""
     shape, s, gpu = p.shape, p.settings, p.device.is_gpu
     out = [
         f"{shape.name} ({shape.model_type}): {format_count(shape.total_params)} parameters, "
         f"{format_count(shape.active_params)} active per token (shapes from the {shape.shapes_from})",
-        f"settings: seq {s.seq} x batch {s.batch}, density {s.density:g} ({s.granularity}), experts {s.quant}, "
+        f"settings: seq {s.seq} x batch {s.batch}, {_budget(s)} ({s.granularity}), experts {s.quant}, "
         f"compute {s.dtype}, residency {s.residency}, recompute {'on' if s.recompute else 'off'}, "
         f"logits chunk {s.logits_chunk}, {s.optimizer}"
         + (

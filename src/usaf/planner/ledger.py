@@ -28,10 +28,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from usaf.config import (
-    OPTIMIZER_BUCKET_ENTRIES,
-    UsafConfig,
-)
+from usaf.config import OPTIMIZER_BUCKET_ENTRIES
 from usaf.errors import UsafError
 from usaf.kernels.torch_path import MIN_PADDED_ROWS, PADDING_FACTOR
 from usaf.planner.settings import (
@@ -39,20 +36,18 @@ from usaf.planner.settings import (
     CPU_IMPORTS,
     CPU_WARMUP,
     CUDA_CONTEXT,
-    DEQUANT_TEMPORARIES,
     DISK_GBPS,
     DTYPE_BYTES,
     GPU_ALLOCATOR_SLACK,
     GPU_HOST_FRAMEWORK,
     MEMORY_EFFICIENCY,
-    QUANTS,
     VALUE_MOMENT_BYTES,
     Device,
     PlanSettings,
 )
 from usaf.planner.shape import ModelShape
 from usaf.planner.sizes import GiB, MiB, format_count, format_size
-from usaf.quant import get_format
+from usaf.quant import descriptor, get_format
 
 # ---- the ledger -----------------------------------------------------------------------------------------------
 
@@ -179,15 +174,41 @@ def stored_bytes(matrices, quant: str, dtype_bytes: int) -> tuple[float, float]:
 
 
 def trained_entries(shape: ModelShape, settings: PlanSettings) -> int:
-    """Trained entries in the targeted weights (neuron granularity rounds each layer's expert budget to whole
-    neurons: about the same)."""
-    experts = shape.expert_weights + shape.expert_biases if "experts" in settings.targets else 0
-    others = sum(n for t, n in shape.target_params.items() if t in settings.targets)
-    return round(settings.density * experts) + round(settings.density * others)
+    """Trained entries in the targeted weights of the trained layers (neuron granularity rounds each layer's expert
+    budget to whole neurons: about the same)."""
+    return sum(_entries_by_kind(shape, settings))
+
+
+def _entries_by_kind(shape: ModelShape, s: PlanSettings) -> tuple[int, int]:
+    """(expert entries, entries of the other targets): `density` of each, or `num_entries` split by size (as
+    `usaf.prepare` spreads a global budget), over the layers `layers` names."""
+    moe_share, decoder_share = _layer_shares(shape, s)
+    experts = (shape.expert_weights + shape.expert_biases) * moe_share if "experts" in s.targets else 0
+    others = 0.0
+    for target, params in shape.target_params.items():
+        if target in s.targets:
+            # the embedding and the output layer lie outside the decoder layers: frozen when layers are named
+            outside = target in ("embeddings", "lm_head")
+            others += params * (
+                0.0 if outside and s.layers is not None else 1.0 if outside else decoder_share
+            )
+    eligible = experts + others
+    density = s.density if s.num_entries is None else min(1.0, s.num_entries / eligible) if eligible else 0.0
+    return round(density * experts), round(density * others)
+
+
+def _layer_shares(shape: ModelShape, s: PlanSettings) -> tuple[float, float]:
+    """The shares of the MoE layers and of all decoder layers that `layers` trains (both 1 when unset)."""
+    if s.layers is None:
+        return 1.0, 1.0
+    named = len({i for i in s.layers if 0 <= i < shape.num_layers})  # usaf train refuses non-MoE numbers
+    return min(1.0, named / max(1, shape.num_moe_layers)), named / max(1, shape.num_layers)
 
 
 def trained_router_params(shape: ModelShape, settings: PlanSettings) -> int:
-    return shape.router_params if "routers" in settings.targets else 0
+    if "routers" not in settings.targets:
+        return 0
+    return round(shape.router_params * _layer_shares(shape, settings)[0])
 
 
 class _Ledger:
@@ -268,7 +289,7 @@ def _frozen_weights(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residen
     )
     experts_detail = (
         f"{shape.num_moe_layers} layers x {held}, {format_count(shape.expert_weights * share)} "
-        f"weights, {QUANTS[s.quant]} ({bits:.2f} bits/weight)"
+        f"weights, {descriptor(s.quant).summary} ({bits:.2f} bits/weight)"
     )
     if residency == "mmap":
         ledger.add(
@@ -281,7 +302,9 @@ def _frozen_weights(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residen
         pinned = ", pinned host memory" if where == "host" else ""
         ledger.add("frozen experts", payload, experts_detail + pinned, where)
         if constants:
-            ledger.add("quantization constants", constants, QUANTS[s.quant].split(", ", 1)[1], where)
+            ledger.add(
+                "quantization constants", constants, descriptor(s.quant).summary.split(", ", 1)[1], where
+            )
 
     dense_detail = (
         f"{format_count(shape.dense_params + shape.router_params)} attention/embedding/norm/shared parameters "
@@ -307,21 +330,19 @@ class _Trained:
 def _sparse_state(ledger: _Ledger, shape: ModelShape, s: PlanSettings) -> _Trained:
     """The trained values with their indices, gradients and moments; reselection's probes; the routers."""
     d = DTYPE_BYTES[s.dtype]
-    entries = trained_entries(shape, s)
+    entries, beyond = _entries_by_kind(shape, s)
     moments = VALUE_MOMENT_BYTES[s.optimizer]
-    beyond = trained_entries(
-        shape, s.replace(targets=tuple(t for t in s.targets if t != "experts") or ("routers",))
-    )
     if beyond:  # entries of attention, embeddings, ...: elements of resident weights, which keep their base
         element_bytes = 4 + 4 + 4 + moments + d
-        targets = ", ".join(t for t in s.targets if t not in ("experts", "routers"))
+        frozen = ("experts", "routers") + (("embeddings", "lm_head") if s.layers is not None else ())
+        targets = ", ".join(t for t in s.targets if t not in frozen)
         ledger.add(
             "sparse state beyond the experts",
             beyond * element_bytes,
             f"{format_count(beyond)} entries of {targets} x {element_bytes} B (value 4, index 4, grad 4, "
             f"moments {moments}, base {d}: resident weights are written into)",
         )
-    entries = (entries - beyond) * _expert_share(s)  # expert entries live with their experts
+    entries = entries * _expert_share(s)  # expert entries live with their experts
     base = (
         d if s.quant == "none" else 0
     )  # a quantized store gives the base back; a resident one is overwritten
@@ -346,8 +367,7 @@ def _sparse_state(ledger: _Ledger, shape: ModelShape, s: PlanSettings) -> _Train
     if s.reselect:
         # a probe window (select.reselect_probe_steps before each reselection) sums |gradient| over candidate
         # lines: oversample x the share regrown x the entries, fp32, largest at the first reselection
-        select = UsafConfig.__dataclass_fields__
-        share = select["oversample"].default * select["reselect_fraction"].default
+        share = s.run.select.oversample * s.run.select.reselect_fraction
         ledger.add(
             "reselection probes",
             int(4 * share * (entries + beyond)),
@@ -411,7 +431,7 @@ def _workspace(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: s
         elements = chunk_bytes / d
         ledger.add(
             "dequant workspace",
-            elements * (2 * d + DEQUANT_TEMPORARIES[s.quant]),
+            elements * (2 * d + descriptor(s.quant).temporaries),
             f"routed experts of one projection in chunks of <= {s.workspace_mb} MB: the chunk being built with its "
             "temporaries while the last is alive",
             phases=frozenset({LAYER}),

@@ -8,9 +8,10 @@ from usaf.config import (
     RESIDENCIES,
 )
 from usaf.planner.ledger import Plan, plan, stored_bytes
-from usaf.planner.settings import DEVICES, DTYPE_BYTES, QUANT_ORDER, Device, PlanSettings, default_dtype
+from usaf.planner.settings import DEVICES, DTYPE_BYTES, Device, PlanSettings, default_dtype
 from usaf.planner.shape import ModelShape
 from usaf.planner.sizes import format_size
+from usaf.quant import by_precision
 
 
 @dataclass
@@ -76,17 +77,14 @@ def search(
     if not device.is_gpu:
         residencies = tuple(r for r in residencies if r != "host") or ("device",)
     # a published checkpoint's experts are what it publishes: never re-quantized
-    quants = (
-        QUANT_ORDER[QUANT_ORDER.index(settings.quant) :]
-        if settings.quant in QUANT_ORDER
-        else (settings.quant,)
-    )
+    order = by_precision()
+    quants = order[order.index(settings.quant) :] if settings.quant in order else (settings.quant,)
     best, best_key = None, None
     for r_cost, residency in enumerate(residencies):
         for q_cost, quant in enumerate(quants):
             for b_cost, batch in enumerate(_halvings(settings.batch, 1)):
                 for s_cost, seq in enumerate(_halvings(settings.seq, 128)):
-                    for d_cost, density in enumerate(settings.density / 2**n for n in range(8)):
+                    for d_cost, budget in enumerate(_budgets(settings)):
                         for c_cost, chunk in enumerate(_halvings(settings.logits_chunk, 64)):
                             cost = (
                                 COSTS["residency"] * r_cost
@@ -103,7 +101,7 @@ def search(
                                 quant=quant,
                                 batch=batch,
                                 seq=seq,
-                                density=density,
+                                **budget,
                                 logits_chunk=chunk,
                             )
                             p = plan(shape, candidate, device, vram, ram)
@@ -114,6 +112,13 @@ def search(
 
 
 SMALL_CARD = "rtx-3060-12gb"
+
+
+def _budgets(settings: PlanSettings) -> list[dict]:
+    """Smaller budgets of trained entries to try: the density halved, or `num_entries` where the run sets it."""
+    if settings.num_entries is not None:
+        return [{"num_entries": max(1, settings.num_entries >> n)} for n in range(8)]
+    return [{"density": settings.density / 2**n} for n in range(8)]
 
 
 def published_line(shape: ModelShape, settings: PlanSettings, device: Device, ram, residency: str) -> str:

@@ -6,20 +6,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from usaf.config import (
-    DEFAULT_DENSITY,
-    DEFAULT_LOGITS_CHUNK,
-    DEFAULT_RESELECT_EVERY,
-    DEFAULT_TARGETS,
-    DEFAULT_WORKSPACE_MB,
-    RESIDENCIES,
-    TARGETS,
-    RunConfig,
-)
+from usaf.config import DEFAULT_RESELECT_EVERY, SECTIONS, RunConfig, check_option
 from usaf.errors import UsafError
 from usaf.io.published import checkpoint_method
 from usaf.planner.sizes import GiB, MiB
-from usaf.quant import FORMATS, PUBLISHED
+from usaf.quant import PUBLISHED, by_precision
 
 
 @dataclass(frozen=True)
@@ -73,16 +64,10 @@ CPU_WARMUP = 85 * MiB
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-QUANT_ORDER = ("none", "int8", "nf4", "int4")  # most to least precise; a published format is kept as it is
-
-
-# the frozen experts' formats, as each one's descriptor (`usaf.quant`) says: usaf's own, then the published ones
-_DESCRIPTORS = {name: (FORMATS | PUBLISHED)[name].DESCRIPTOR for name in (*QUANT_ORDER, *PUBLISHED)}
-QUANTS = {name: d.summary for name, d in _DESCRIPTORS.items()}
-
-
-# Bytes per element a dequantization holds besides its output
-DEQUANT_TEMPORARIES = {name: d.temporaries for name, d in _DESCRIPTORS.items()}
+def quant_formats() -> tuple[str, ...]:
+    """The frozen experts' formats a plan knows (`usaf.quant`'s registry): usaf's own, most to least precise, then
+    the published ones (kept as they are)."""
+    return (*by_precision(), *PUBLISHED)
 
 
 OPTIMIZERS = {
@@ -95,60 +80,80 @@ OPTIMIZERS = {
 VALUE_MOMENT_BYTES = {"adamw": 4, "adamw-fp32": 8, "adamw8bit": 2}
 
 
-@dataclass(frozen=True)
+# usaf plan's defaults where they differ from a run's: one long sequence at a time, NF4 experts
+PLAN_DEFAULTS = {"seq": 2048, "batch": 1, "quant": "nf4", "recompute": True}
+
+# the run options (section, key) that a plan's settings of the same meaning read and set
+RUN_OPTIONS = {
+    "seq": ("data", "max_seq_len"),
+    "batch": ("data", "batch_size"),
+    "density": ("select", "density"),
+    "num_entries": ("select", "num_entries"),
+    "layers": ("select", "layers"),
+    "granularity": ("select", "granularity"),
+    "targets": ("select", "targets"),
+    "workspace_mb": ("select", "workspace_mb"),
+    "residency": ("model", "residency"),
+    "logits_chunk": ("train", "logits_chunk_tokens"),
+    "recompute": ("train", "recompute"),
+}
+
+
+def _run_option(name: str) -> property:
+    """A plan setting that is the run option RUN_OPTIONS names, read from the run."""
+    section, key = RUN_OPTIONS[name]
+    return property(lambda self: getattr(getattr(self.run, section), key), doc=f"the run's {section}.{key}")
+
+
+@dataclass(frozen=True, init=False)
 class PlanSettings:
-    seq: int = 2048
-    batch: int = 1
-    density: float = DEFAULT_DENSITY
-    quant: str = "nf4"
-    quant_dense: bool = False
-    granularity: str = "element"
-    residency: str = "device"  # device | host | mmap
-    recompute: bool = True
-    reselect: bool = (
-        DEFAULT_RESELECT_EVERY > 0
-    )  # select.reselect_every: probe windows hold candidates' gradients
-    logits_chunk: int = DEFAULT_LOGITS_CHUNK  # train.logits_chunk_tokens
-    optimizer: str = "adamw"
+    """A run as the planner sees it: the run's own configuration (`RunConfig`, the one model of a run, read through
+    the properties below) and what only a plan is told: the compute dtype, a published checkpoint's format, the
+    GPUs, --quant-dense.
+
+    `PlanSettings(run)` plans a run's configuration; `PlanSettings(seq=4096, quant="int4", ...)` sets the run
+    options those flags stand for on a run with `usaf plan`'s defaults (PLAN_DEFAULTS)."""
+
+    run: RunConfig
     dtype: str = "bf16"
-    workspace_mb: int = DEFAULT_WORKSPACE_MB  # select.workspace_mb
-    targets: tuple = DEFAULT_TARGETS  # select.targets: which weights hold trained entries
+    published: str | None = None  # a published checkpoint's expert format (mxfp4, fp8), kept as published
+    quant_dense: bool = False
     gpus: int = 1  # processes of a data-parallel (or expert-parallel) job, one GPU each
     expert_parallel: bool = False  # each GPU holds E/gpus experts of every layer; tokens travel all-to-all
     gpus_per_host: int = 0  # ranks sharing one host's RAM (0: min(gpus, 8), one 8-GPU box after another)
-    objective: str = (
-        "sft"  # train.objective; dpo: `batch` counts chosen and rejected rows, and a reference pass
-    )
 
-    def __post_init__(self):
+    def __init__(
+        self,
+        run: RunConfig | None = None,
+        *,
+        dtype: str = "bf16",
+        published: str | None = None,
+        quant_dense: bool = False,
+        gpus: int = 1,
+        expert_parallel: bool = False,
+        gpus_per_host: int = 0,
+        **options,
+    ):
+        if run is None:
+            run, options = RunConfig(), {**PLAN_DEFAULTS, **options}
+        if "quant" in options:
+            quant = options.pop("quant")
+            if quant not in quant_formats():
+                raise UsafError(f"--quant must be one of {', '.join(quant_formats())}, got {quant!r}.")
+            published = quant if quant in PUBLISHED else None
+            options["model_quant"] = run.model.quant if published else quant
+        own = {"dtype": dtype, "published": published, "quant_dense": quant_dense, "gpus": gpus}
+        own |= {"expert_parallel": expert_parallel, "gpus_per_host": gpus_per_host}
+        for name, value in {"run": _with_options(run, options), **own}.items():
+            object.__setattr__(self, name, value)
+        self._check()
 
+    def _check(self) -> None:
         checks = [
-            (
-                bool(self.targets) and all(t in TARGETS for t in self.targets),
-                f"--targets must name some of {', '.join(TARGETS)}, got {','.join(self.targets)!r}",
-            ),
-            (self.seq >= 2, f"--seq must be at least 2, got {self.seq}"),
-            (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
-            (0 < self.density <= 1, f"--density must be in (0, 1], got {self.density}"),
-            (self.quant in QUANTS, f"--quant must be one of {', '.join(QUANTS)}, got {self.quant!r}"),
-            (
-                self.granularity in ("element", "neuron"),
-                f"--granularity must be element or neuron, got {self.granularity!r}",
-            ),
-            (
-                self.residency in RESIDENCIES,
-                f"--residency must be one of {', '.join(RESIDENCIES)}, got {self.residency!r}",
-            ),
-            (self.logits_chunk >= 1, f"--logits-chunk must be at least 1, got {self.logits_chunk}"),
-            (
-                self.optimizer in OPTIMIZERS,
-                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}",
-            ),
             (
                 self.dtype in DTYPE_BYTES,
                 f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}",
             ),
-            (self.workspace_mb >= 1, f"--workspace-mb must be at least 1, got {self.workspace_mb}"),
             (self.gpus >= 1, f"--gpus must be at least 1, got {self.gpus}"),
             (
                 self.gpus_per_host >= 0,
@@ -163,12 +168,80 @@ class PlanSettings:
             if not ok:
                 raise UsafError(message + ".")
 
+    # ---- the run's options, as the ledger reads them ----
+
+    seq = _run_option("seq")
+    density = _run_option("density")
+    num_entries = _run_option("num_entries")
+    layers = _run_option("layers")
+    granularity = _run_option("granularity")
+    workspace_mb = _run_option("workspace_mb")
+    residency = _run_option("residency")
+    logits_chunk = _run_option("logits_chunk")
+
+    @property
+    def objective(self) -> str:
+        return self.run.train.objective  # dpo: a reference forward more, and pairs of rows
+
+    @property
+    def batch(self) -> int:
+        """Rows per micro-batch: data.batch_size, twice over for DPO's pairs (a chosen and a rejected row each)."""
+        return self.run.data.batch_size * (2 if self.objective == "dpo" else 1)
+
+    @property
+    def targets(self) -> tuple:
+        return tuple(self.run.select.targets)
+
+    @property
+    def recompute(self) -> bool:
+        return self.run.train.recompute is not False  # auto recomputes where the ledger says it must
+
+    @property
+    def reselect(self) -> bool:
+        return self.run.select.reselect_every > 0  # probe windows hold candidates' gradients
+
+    @property
+    def quant(self) -> str:
+        return self.published or self.run.model.quant
+
+    @property
+    def optimizer(self) -> str:
+        return run_optimizer(self.run)
+
     @property
     def ranks_per_host(self) -> int:
         return min(self.gpus, self.gpus_per_host or 8)
 
     def replace(self, **changes) -> PlanSettings:
-        return dataclasses.replace(self, **changes)
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "run"}
+        if "quant" in changes:
+            own.pop("published")
+        return PlanSettings(self.run, **{**own, **changes})
+
+
+def _with_options(run: RunConfig, options: dict) -> RunConfig:
+    """A copy of `run` with plan settings set on the run options they stand for (each checked as that option
+    declares, under its flag's name: --density, --logits-chunk); sections nothing changes are shared."""
+    changes: dict[str, dict] = {}
+    for name, value in options.items():
+        if name == "reselect":  # on: the run's own interval, or the default one
+            every = run.select.reselect_every or DEFAULT_RESELECT_EVERY
+            changes.setdefault("select", {})["reselect_every"] = every if value else 0
+        elif name == "optimizer":
+            if value not in OPTIMIZERS:
+                raise UsafError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {value!r}.")
+            moments = "fp32" if value == "adamw-fp32" else "bf16"
+            changes.setdefault("optim", {}).update(eight_bit=value == "adamw8bit", moments=moments)
+        elif name == "model_quant":
+            changes.setdefault("model", {})["quant"] = value
+        elif name in RUN_OPTIONS:
+            section, key = RUN_OPTIONS[name]
+            spec = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[key]
+            changes.setdefault(section, {})[key] = check_option(spec, value, "--" + name.replace("_", "-"))
+        else:
+            raise TypeError(f"PlanSettings has no setting {name!r}")
+    sections = {name: dataclasses.replace(getattr(run, name), **kw) for name, kw in changes.items()}
+    return dataclasses.replace(run, **sections)
 
 
 def default_dtype(device: Device) -> str:
@@ -181,24 +254,9 @@ def default_dtype(device: Device) -> str:
 
 def settings_for_run(config: RunConfig, dtype: str) -> PlanSettings:
     """The plan of a run's configuration (`usaf plan --config run.yaml`, and `train.recompute=auto`): the same
-    sequence, batch, selection, storage, chunking and optimizer state the run will have."""
-    return PlanSettings(
-        seq=config.data.max_seq_len,
-        # a DPO micro-batch of batch_size pairs is twice as many rows: the chosen and the rejected ones
-        batch=config.data.batch_size * (2 if config.train.objective == "dpo" else 1),
-        objective=config.train.objective,
-        density=config.select.density,
-        quant=checkpoint_method(config.model.path) or config.model.quant,  # a published one keeps its own
-        granularity=config.select.granularity,
-        residency=config.model.residency,
-        recompute=config.train.recompute is not False,
-        logits_chunk=config.train.logits_chunk_tokens,
-        optimizer=run_optimizer(config),
-        reselect=config.select.reselect_every > 0,
-        dtype=dtype,
-        workspace_mb=config.select.workspace_mb,
-        targets=tuple(config.select.targets),
-    )
+    sequence, batch, selection, storage, chunking and optimizer state the run will have; a published checkpoint's
+    experts keep their own format."""
+    return PlanSettings(config, dtype=dtype, published=checkpoint_method(config.model.path))
 
 
 def run_optimizer(config: RunConfig) -> str:

@@ -1,4 +1,4 @@
-"""What the planner needs to know of a frozen storage format, in one place per format."""
+"""What the config, the prepared store and the planner need to know of a frozen storage format, one per format."""
 
 from __future__ import annotations
 
