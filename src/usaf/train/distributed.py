@@ -271,6 +271,9 @@ class GradientReducer:
             for p, (grad, version) in zip(bucket, recorded, strict=True)
         )
         if sum_scalars(int(stale)):  # some rank's gradient moved after it left: sum again, all ranks together
+            # the sent buckets' work handles go now: kept until the process exits, gloo's handle outlived its
+            # process group and aborted the process ("terminate called without an active exception")
+            self.sent = []
             return all_reduce_gradients(self.params)
         moved = 0
         for bucket, (flat, _, _) in zip(self.buckets, self.sent, strict=True):
