@@ -21,8 +21,6 @@ from usaf.engine.base_weights import base_weights
 from usaf.engine.loss import IGNORE_INDEX, output_head
 from usaf.model.hf import decoder_body
 
-OBJECTIVES = ("sft", "dpo")
-
 
 def _token_logps(hidden: torch.Tensor, targets: torch.Tensor, head: Callable) -> torch.Tensor:
     logits = head(hidden)

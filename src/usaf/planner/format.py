@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import yaml
+
 from usaf.planner.ledger import Plan
 from usaf.planner.search import Verdict
 from usaf.planner.settings import PlanSettings, default_dtype
@@ -51,54 +53,33 @@ _RUN_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def run_config(model: str, p: Plan) -> str:
-    """The settings of plan `p` as a run configuration for `usaf train --config` (YAML): what the planner
-    changed, in the keys a run reads; a published checkpoint's own format needs no model.quant."""
-    s = p.settings
+    """The settings of plan `p` as a run configuration for `usaf train --config` (YAML): the options of the run the
+    plan wraps (`PlanSettings.run`) that a plan decides, in the keys a run reads."""
+    run = p.settings.run
     if model in list_presets():  # a preset's name is the planner's; a run loads its Hugging Face repository
         model = load_model_config(model)[1].get("_source", model)
-    optim = {
-        "adamw": {"moments": "bf16"},
-        "adamw-fp32": {"moments": "fp32"},
-        "adamw8bit": {"eight_bit": True},
-    }
+    select = run.select
     sections = {
         "model": {
             "path": model,
-            **({"quant": s.quant} if s.quant in ("none", "nf4", "int8", "int4") else {}),
-            "residency": s.residency,
-            "dtype": _RUN_DTYPES.get(s.dtype, s.dtype),
+            "quant": run.model.quant,
+            "residency": run.model.residency,
+            "dtype": _RUN_DTYPES.get(p.settings.dtype, p.settings.dtype),
         },
-        "data": {"max_seq_len": s.seq, "batch_size": s.run.data.batch_size},
+        "data": {"max_seq_len": run.data.max_seq_len, "batch_size": run.data.batch_size},
         "select": {
-            "density": s.density,
-            **({"num_entries": s.num_entries} if s.num_entries is not None else {}),
-            **({"layers": list(map(str, s.layers))} if s.layers is not None else {}),
-            "granularity": s.granularity,
-            "workspace_mb": s.workspace_mb,
-            "targets": list(s.targets),
+            key: getattr(select, key)
+            for key in ("density", "num_entries", "layers", "granularity", "workspace_mb", "targets")
+            if getattr(select, key) is not None
         },
-        "optim": optim[s.optimizer],
+        "optim": {"moments": run.optim.moments, "eight_bit": run.optim.eight_bit},
         "train": {
-            "recompute": s.recompute,
-            "logits_chunk_tokens": s.logits_chunk,
-            **({"objective": s.objective} if s.objective != "sft" else {}),
+            "recompute": p.settings.recompute,  # what the plan planned (auto resolved)
+            "logits_chunk_tokens": run.train.logits_chunk_tokens,
+            "objective": run.train.objective,
         },
     }
-    lines = []
-    for section, values in sections.items():
-        lines.append(f"{section}:")
-        for key, value in values.items():
-            shown = (
-                "[" + ", ".join(value) + "]"
-                if isinstance(value, list)
-                else str(value).lower()
-                if isinstance(value, bool)
-                else f"{value:g}"
-                if isinstance(value, float)
-                else value
-            )
-            lines.append(f"  {key}: {shown}")
-    return "\n".join(lines)
+    return yaml.safe_dump(sections, sort_keys=False, default_flow_style=False).rstrip()
 
 
 def _as_run_config(model: str, p: Plan) -> list[str]:
