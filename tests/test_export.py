@@ -268,7 +268,7 @@ def test_usaf_train_run_exports_with_its_summary(tmp_path):
 
 
 def test_nf4_trained_run_merges_into_the_original_precision(tmp_path):
-    from usaf.base import load
+    from usaf.base import writer as load
 
     base = model_dir(tmp_path / "base", "qwen3_moe", dtype=torch.bfloat16)
     store = load.prepare_store(base, tmp_path / "store", quant="nf4", device="cpu")

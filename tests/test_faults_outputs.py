@@ -274,7 +274,7 @@ def test_two_export_processes_into_one_folder(ws, tmp_path):
 # `python -c TERMINATE ARGS...`: usaf's command line, sent SIGTERM by itself in the middle of writing its output
 TERMINATE = """
 import os, signal, sys
-import usaf.base.load as load
+import usaf.base.writer as load
 import usaf.export.merged as merged
 from usaf.cli import main
 write_shard, write_tensors = merged._write_shard, load._write_tensors

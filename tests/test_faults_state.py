@@ -220,7 +220,7 @@ def test_a_set_of_a_changeable_setting_is_recorded_with_the_checkpoint(ws, tmp_p
 def test_load_delta_validates_content_and_the_base_record(ws, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from usaf.export.inference import load_delta
+    from usaf.export.apply_delta import load_delta
 
     for how, says in (
         ("negative", "negative indices"),

@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # The pipeline, in order: a module may import its own stage and the stages above it, never one below.
 STAGES = [
-    ["usaf.version", "usaf.errors", "usaf.files"],
+    ["usaf.version", "usaf.errors", "usaf.files", "usaf.registry"],
     ["usaf.quant"],  # before the config: `model.quant`'s choices are the formats' registry
     ["usaf.config"],
     ["usaf.kernels"],

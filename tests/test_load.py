@@ -15,7 +15,8 @@ from helpers import reselecting_step
 from safetensors.torch import load_file, save_file
 
 import usaf
-from usaf.base.load import load_prepared, prepare_store, read_store_metadata
+from usaf.base.load import load_prepared, read_store_metadata
+from usaf.base.writer import prepare_store
 from usaf.cli import main as cli_main
 from usaf.engine.loss import causal_lm_loss
 from usaf.engine.state import model_state
@@ -253,7 +254,7 @@ def test_prepare_streams_a_multi_shard_checkpoint_within_bounded_memory(tmp_path
         import json, torch
         from transformers import AutoConfig
         from usaf.model.hf import build_skeleton
-        from usaf.base.load import prepare_store
+        from usaf.base.writer import prepare_store
         from usaf.quant import nf4
         torch.set_num_threads(2)
         build_skeleton(AutoConfig.from_pretrained({str(src)!r}))  # imports everything preparing needs

@@ -14,7 +14,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import usaf
 from usaf.base.checkpoint import BaseCheckpoint
-from usaf.base.load import load_prepared, prepare_store, read_store_metadata
+from usaf.base.load import load_prepared, read_store_metadata
+from usaf.base.writer import prepare_store
 from usaf.cli import main
 from usaf.errors import UsafError
 from usaf.export.delta import read_delta

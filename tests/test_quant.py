@@ -217,7 +217,8 @@ def toy8():
 
 def test_a_format_registered_from_outside_is_a_config_choice_planned_and_stored(toy8, tmp_path):
     from usaf import planner
-    from usaf.base.load import load_prepared, prepare_store, read_store_metadata
+    from usaf.base.load import load_prepared, read_store_metadata
+    from usaf.base.writer import prepare_store
     from usaf.config import RunConfig, UsafConfig
     from usaf.testing.tiny import tiny_model
 

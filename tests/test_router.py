@@ -11,20 +11,22 @@ from helpers import EXPERTS_AND_ROUTERS
 import usaf
 from usaf.config import RunConfig
 from usaf.engine.router import (
-    CollapseGuard,
-    RouterCollapse,
-    RouterHealth,
+    RouterCapture,
     RouterLoss,
-    RouterProbe,
     load_balancing_loss,
-    load_statistics,
     make_routers_fp32,
     router_z_loss,
-    routing_drift,
 )
 from usaf.errors import UsafError
 from usaf.model.layout import find_moe_layers
 from usaf.testing.tiny import tiny_model
+from usaf.train.router_health import (
+    CollapseGuard,
+    RouterCollapse,
+    RouterHealth,
+    load_statistics,
+    routing_drift,
+)
 
 IDS = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(1))
 
@@ -104,7 +106,7 @@ def test_router_loss_averages_layers_and_weights_by_coefficients():
 def test_loss_gradients_reach_the_router_weights():
     model = _prepared()
     model.train()
-    probe = RouterProbe(model)
+    probe = RouterCapture(model)
     inputs = []
     hooks = [
         layer.router.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for layer in probe.layers
@@ -147,7 +149,7 @@ def _independent_raw_logits(router, x):
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gemma4_text", "deepseek_v3"])
 def test_probe_captures_raw_logits_and_routed_ids(family):
     model = _prepared(family)
-    probe = RouterProbe(model)
+    probe = RouterCapture(model)
     seen = []
 
     def keep(module, args, output):
@@ -174,7 +176,7 @@ def test_probe_captures_raw_logits_and_routed_ids(family):
 
 def test_probe_token_mask_and_nothing_captured_outside():
     model = _prepared()
-    probe = RouterProbe(model)
+    probe = RouterCapture(model)
     with torch.no_grad():
         model(input_ids=IDS, use_cache=False)
     assert probe.logits(0) is None and probe.routed(0) is None
@@ -191,7 +193,7 @@ def _step_grads(recompute: bool, capture_backward: bool = False):
     if recompute:
         usaf.enable_recomputation(model)
     model.train()
-    probe = RouterProbe(model)
+    probe = RouterCapture(model)
     with probe.capture():
         out = model(input_ids=IDS, labels=IDS, use_cache=False)
         total, _ = RouterLoss(balance_coef=1.0, z_coef=0.1)(probe)
@@ -339,7 +341,7 @@ def test_routing_drift_is_the_kl_of_gate_distributions():
 def test_drift_from_base_on_a_fixed_probe_batch():
     model = _prepared()
     model.train()
-    probe = RouterProbe(model)
+    probe = RouterCapture(model)
     health = RouterHealth(probe, window_steps=4)
     batch = {"input_ids": IDS, "labels": IDS}
     health.record_base(model, batch)
@@ -427,7 +429,7 @@ def _train_routers_on_narrow_data(balance_coef: float, guard: CollapseGuard, ste
     model = tiny_model("qwen3_moe", num_experts=16, num_local_experts=16)  # all on 2 of 16 experts: cv 2.65
     usaf.prepare_model(model, usaf.UsafConfig(targets=EXPERTS_AND_ROUTERS, density=0.001, train_router=True))
     model.train()
-    probe = RouterProbe(model)
+    probe = RouterCapture(model)
     generator = torch.Generator().manual_seed(0)
     shared = torch.randn(32, generator=generator)
     shared /= shared.norm()

@@ -9,7 +9,7 @@ from usaf.engine.state import model_state
 from usaf.model.layout import find_moe_layers
 from usaf.prepare import current_selection
 from usaf.selection.calibrate import calibrate
-from usaf.selection.choose import load_selection, save_selection
+from usaf.selection.saved import load_selection, save_selection
 from usaf.testing.tiny import tiny_model
 
 

@@ -6,7 +6,7 @@ from usaf.config import RunConfig, UsafConfig
 from usaf.engine.base_weights import BaseReference, base_weights
 from usaf.engine.loss import causal_lm_loss, chunked_causal_lm_loss
 from usaf.errors import UsafError
-from usaf.export.inference import load_delta
+from usaf.export.apply_delta import load_delta
 from usaf.export.live import save_delta
 from usaf.export.trainer import delta_from_trainer_checkpoint
 from usaf.prepare import enable_recomputation, get_delta, prepare_model, trainable_summary

@@ -11,20 +11,29 @@ from typing import ClassVar
 
 from usaf.errors import UsafError, first_line
 from usaf.quant import FORMATS
+from usaf.registry import SCORERS, TARGET_KINDS, Choices
+from usaf.registry import STRATEGIES as STRATEGY_REGISTRY
 
 RESIDENCIES = ("device", "host", "mmap")  # where a quantized base's experts live (see usaf.store.offload)
-GUARD_ACTIONS = ("warn", "raise_balance", "freeze_router", "stop")  # see usaf.engine.router.CollapseGuard
+GUARD_ACTIONS = (
+    "warn",
+    "raise_balance",
+    "freeze_router",
+    "stop",
+)  # see usaf.train.router_health.CollapseGuard
 
 GRANULARITIES = ("element", "neuron")
-SELECTIONS = ("auto", "random", "magnitude", "gradient")
-STRATEGIES = ("uniform", "routing", "gradient", "file")
+# the plug-ins' registries (usaf.selection.strategies and .scorers register the built-ins; users may add theirs)
+SELECTIONS = SCORERS.choices("auto")
+STRATEGIES = STRATEGY_REGISTRY.choices()
 # usaf's own cosine (its warm-up never starts at a rate of 0), then transformers' get_scheduler names
 SCHEDULES = ("cosine", "linear", "constant_with_warmup", "cosine_with_min_lr", "warmup_stable_decay")
-# which native weights may hold trained entries (see usaf.model.targets); routers are trained whole
-TARGETS = ("experts", "routers", "attention", "dense_mlp", "norms", "embeddings", "lm_head")
+# which native weights may hold trained entries: the experts, the routers (trained whole), and the roles of
+# weights beyond them that usaf.model.targets registers (attention, dense_mlp, norms, embeddings, lm_head)
+TARGETS = TARGET_KINDS.choices("experts", "routers")
 # chosen on bench/quality.py (README, "Fine-tunes against LoRA"): routers add forgetting, not adaptation
 DEFAULT_TARGETS = ("experts", "attention", "embeddings", "lm_head")
-RATIO_TARGETS = tuple(t for t in TARGETS if t != "routers")  # routers train whole: no density to weigh
+RATIO_TARGETS = TARGET_KINDS.choices("experts")  # routers train whole: no density to weigh
 # 1 % with reselection every 10 steps at lr 5e-3: the best practical point of bench/quality.py (README, "Fine-tunes
 # against LoRA"); at 16 bytes an entry its state fits Qwen3-30B-A3B on a 12 GB card
 # (`usaf plan --model qwen3-30b-a3b --vram 12GB --ram 32GB`)
@@ -121,10 +130,12 @@ class UsafConfig(Section):
     granularity: "element" (arbitrary entries) or "neuron" (row j of gate and up, column j of down).
     strategy: how the budget is spread: "uniform" (every expert tensor alike), "routing" (experts covering
         `routing_coverage` of the task's routed tokens, in proportion to their share; cold experts get nothing),
-        "gradient" (global top-k by gradient importance across layers), or "file" (a saved selection, `file`).
+        "gradient" (global top-k by gradient importance across layers), or "file" (a saved selection, `file`);
+        or a strategy registered from Python (`usaf.selection.strategies`), by name or as the object.
     selection: how entries are chosen inside the budget: "random", "magnitude" (largest |w|), "gradient"
         (importance from calibration batches), or "auto": gradient when calibration batches are given (usaf train
-        always gives them), else magnitude; seeded by `seed`.
+        always gives them), else magnitude; seeded by `seed`; or a scorer registered from Python
+        (`usaf.selection.scorers`), by name or as the object.
     calibration_batches: batches of the task used by "routing", "gradient" (and selection="gradient").
     oversample: candidate entries scored exactly per trained entry (gradient selection), >= 1.
     reselect_every: every K optimizer steps drop the entries that moved least and grow where the gradient is
@@ -736,6 +747,12 @@ def check_option(spec, value, where: str):
     # a boolean choice of a string-valued option (train.recompute: auto, true or false)
     if isinstance(value, bool) and choices and any(c is value for c in choices):
         return value
+    if isinstance(choices, Choices) and not isinstance(value, (str, list, dict, tuple, type(None))):
+        # a plug-in object given from Python (a strategy or scorer): registered under its name, which is kept
+        try:
+            value = choices.registry.register(value).name
+        except UsafError as err:
+            raise UsafError(f"{where}: {err}") from None
     value = _coerce(value, spec, where)
     if isinstance(value, (list, dict)) and (choices or spec.metadata.get("bounds")):
         return _check_collection(value, choices, spec.metadata.get("bounds"), where)

@@ -19,7 +19,8 @@ from usaf.errors import UsafError
 from usaf.model.hf import apply_renamings, checkpoint_renamings, use_experts_implementation
 from usaf.model.layout import MoELayer, find_moe_layers
 from usaf.model.targets import find_target_weights, tied_output_layer
-from usaf.selection import choose, ranks
+from usaf.selection import across_ranks, choose
+from usaf.selection.saved import Chosen
 from usaf.store.dense import DenseStore
 
 
@@ -58,7 +59,7 @@ def prepare_model(
     """
     config = config or UsafConfig()
     stores = stores or {}
-    ranks.check_joined()
+    across_ranks.check_joined()
     if model_state(model) is not None or any(isinstance(m, SparseState) for m in model.modules()):
         raise UsafError(
             "This model was already prepared by usaf.prepare_model; prepare a fresh model instead."
@@ -110,8 +111,8 @@ def prepare_model(
     set_model_state(model, ModelState(config, calibration=calibration, original_values=original_values))
     # data parallel (usaf's loop, or DDP under transformers.Trainer): every rank trains rank 0's selection, and
     # DDP (which reads this attribute when it wraps the model) leaves the selection's buffers alone
-    ranks.broadcast_trainable(model)
-    model._ddp_params_and_buffers_to_ignore = ranks.selection_buffers(model)
+    across_ranks.broadcast_trainable(model)
+    model._ddp_params_and_buffers_to_ignore = across_ranks.selection_buffers(model)
     return model
 
 
@@ -180,9 +181,9 @@ def install_selection(model: nn.Module, chosen: dict, original_values=None) -> N
 
 
 def current_selection(model: nn.Module) -> dict:
-    """The selection a prepared model trains, as `usaf.selection.choose.Chosen` per tensor key (for saving and reuse)."""
+    """The selection a prepared model trains, as `usaf.selection.saved.Chosen` per tensor key (for saving and reuse)."""
     return {
-        f"{path}.{name}": choose.Chosen(getattr(e, "axis", None), getattr(e, e.selection_name).detach().cpu())
+        f"{path}.{name}": Chosen(getattr(e, "axis", None), getattr(e, e.selection_name).detach().cpu())
         for path, state in sparse_modules(model)
         for name, e in state.items()
     }

@@ -74,7 +74,7 @@ def _sampling(args):
 
 def run_generate(args) -> int:
     from usaf.errors import UsafError
-    from usaf.generate.generation import decode, generate_ids, prepare_tokenizer, prompt_ids
+    from usaf.generate.generation import decode, generate_ids, prompt_ids, tokenizer_for_generation
     from usaf.generate.prompts import read_prompts
     from usaf.generate.target import open_target
     from usaf.io.atomic import atomic_file
@@ -98,7 +98,7 @@ def run_generate(args) -> int:
     if args.compare_base and (missing := target.can_compare()) is not None:
         raise UsafError(f"--compare-base: {missing}.")
     tokenizer = target.tokenizer
-    prepare_tokenizer(tokenizer, target.config.data.chat_template)
+    tokenizer_for_generation(tokenizer, target.config.data.chat_template)
     encoded = [prompt_ids(tokenizer, p, f"{args.prompts}:{p.line}") for p in prompts]
     print(f"usaf generate: {len(prompts)} prompts with {target.label}", flush=True)
 
@@ -155,14 +155,14 @@ def run_chat(args) -> int:
     from transformers import TextStreamer
 
     from usaf.errors import UsafError
-    from usaf.generate.generation import generate_ids, has_chat_template, prepare_tokenizer, prompt_ids
+    from usaf.generate.generation import generate_ids, has_chat_template, prompt_ids, tokenizer_for_generation
     from usaf.generate.prompts import Prompt
     from usaf.generate.target import open_target
 
     sampling = _sampling(args)
     target = open_target(args.target, args.delta, None, args.set)
     tokenizer = target.tokenizer
-    prepare_tokenizer(tokenizer, target.config.data.chat_template)
+    tokenizer_for_generation(tokenizer, target.config.data.chat_template)
     if not has_chat_template(tokenizer):
         raise UsafError(
             f"{args.target} has no chat template; give one with --set data.chat_template=FILE.jinja, or use "

@@ -41,7 +41,8 @@ def add_command(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from usaf.base.load import prepare_store, read_store_metadata
+    from usaf.base.load import read_store_metadata
+    from usaf.base.writer import prepare_store
     from usaf.io.atomic import terminate_as_interrupt
     from usaf.io.guard import STORE, check_output
     from usaf.planner.sizes import format_size

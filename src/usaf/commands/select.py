@@ -32,7 +32,7 @@ def run_select(args) -> int:
     from usaf.io.atomic import expect_at, identity, terminate_as_interrupt
     from usaf.io.guard import SELECTION, check_output, check_placement
     from usaf.prepare import current_selection
-    from usaf.selection.choose import save_selection
+    from usaf.selection.saved import save_selection
     from usaf.train.session import check_something_to_train, open_session, selection_summary
 
     config = effective_config(args)

@@ -129,7 +129,7 @@ class _SparseRows(torch.autograd.Function):
         state.effective_weight()
         ctx.state, ctx.module, ctx.observing = state, module, state.observing
         ctx.save_for_backward(ids)
-        return module._usaf_original_forward(ids)
+        return family_forward(module)(ids)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -207,7 +207,7 @@ class _FamilyForward(nn.Module):
         self.module = module
 
     def forward(self, args, kwargs):
-        return type(self.module)._usaf_original_forward(self.module, *args, **kwargs)
+        return family_forward(self.module)(*args, **kwargs)
 
 
 def _vector_forward(self, *args, **kwargs):
@@ -219,7 +219,7 @@ def _vector_forward(self, *args, **kwargs):
     entries, probe = state.entries, state.probes.get("weight")
     if (entries is None and probe is None) or not torch.is_grad_enabled():
         state.write_resident()
-        return self._usaf_original_forward(*args, **kwargs)
+        return family_forward(self)(*args, **kwargs)
     weight = state.stores["weight"].tensor  # the module's own parameter
     if entries is not None:
         flat = entries.flat_indices
@@ -237,29 +237,33 @@ def _vector_forward(self, *args, **kwargs):
     )
 
 
+# the forward of each kind of weight (`usaf.model.targets.TargetKind.kind`); a new kind registers here
 FORWARDS = {"linear": _linear_forward, "rows": _rows_forward, "vector": _vector_forward}
+# swapped subclass -> (the family's class, kind); made once per (class, kind), so no attribute marks a class
+_SWAPPED: dict[type, tuple[type, str]] = {}
 _SUBCLASSES: dict[tuple[type, str], type] = {}
+
+
+def family_forward(module: nn.Module):
+    """The family's own forward of a prepared module, bound to it (what its class did before the swap)."""
+    family = _SWAPPED.get(type(module), (type(module), None))[0]
+    return family.forward.__get__(module)
 
 
 def _swap_class(module: nn.Module, kind: str) -> None:
     """Give `module` the forward of `kind`: its class becomes a subclass of the same name and module (so it keeps its
     family's behaviour, `isinstance` checks and checkpoint naming), created once per (class, kind)."""
-    cls = type(module)
-    if getattr(cls, "_usaf_kind", None) == kind:
+    family, current = _SWAPPED.get(type(module), (type(module), None))
+    if current == kind:
         return
-    key = (cls, kind)
+    key = (family, kind)
     if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(
-            cls.__name__,
-            (cls,),
-            {
-                "forward": FORWARDS[kind],
-                "_usaf_original_forward": cls.forward,
-                "_usaf_kind": kind,
-                "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__,
-            },
+        sub = type(
+            family.__name__,
+            (family,),
+            {"forward": FORWARDS[kind], "__module__": family.__module__, "__qualname__": family.__qualname__},
         )
+        _SUBCLASSES[key], _SWAPPED[sub] = sub, (family, kind)
     module.__class__ = _SUBCLASSES[key]
 
 

@@ -60,7 +60,8 @@ class Sampling:
         }
 
 
-def prepare_tokenizer(tokenizer, chat_template_setting: str = "") -> None:
+def tokenizer_for_generation(tokenizer, chat_template_setting: str = "") -> None:
+    """Check that `tokenizer` can read prompts and write text, and give it the run's chat template."""
     if getattr(tokenizer, "missing", False):
         raise UsafError(
             "this model folder has no tokenizer files: usaf generate needs the tokenizer to read prompts and "

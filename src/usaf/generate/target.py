@@ -17,7 +17,7 @@ from usaf.config import RunConfig
 from usaf.engine.base_weights import base_weights
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
-from usaf.export.inference import load_delta
+from usaf.export.apply_delta import load_delta
 from usaf.files import CONFIG_FILE, SELECTION_FILE
 from usaf.io.guard import is_run
 from usaf.io.source import check_model_files

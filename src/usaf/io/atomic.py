@@ -178,9 +178,17 @@ def temporary_name(destination: Path) -> Path:
 
 def remove_stale_temporaries(destination: Path) -> None:
     """Temporary files and folders of interrupted writes to `destination` (their process is gone)."""
-    for path in destination.parent.glob(f".{destination.name}.usaf-tmp-*"):
+    remove_dead_writers(
+        destination.parent, f".{destination.name}.usaf-tmp-*", lambda name: name.split("-")[-2]
+    )
+
+
+def remove_dead_writers(folder: Path, pattern: str, pid_of) -> None:
+    """Files and folders in `folder` matching `pattern` whose writer, the process `pid_of(name)` names, is gone
+    (killed mid-write); a name without a pid, or a writer still alive (or not ours to signal), is left."""
+    for path in folder.glob(pattern):
         try:
-            os.kill(int(path.name.split("-")[-2]), 0)
+            os.kill(int(pid_of(path.name)), 0)
         except ProcessLookupError:
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)

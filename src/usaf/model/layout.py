@@ -61,15 +61,81 @@ def intermediate_size(experts: nn.Module) -> int:
 
 def neuron_axes(experts: nn.Module) -> dict[str, int]:
     """The axis of each expert weight along which a neuron is one line (row j of gate/up, column j of down)."""
-    return {
-        input_projection(experts): 2 if experts.is_transposed else 1,
-        "down_proj": 1 if experts.is_transposed else 2,
-    }
+    return ExpertGeometry.of(experts).axes
 
 
 def entries_per_neuron(stores: dict, axes: dict) -> int:
     """Entries of one neuron over the expert's weights (gate and up both, in a fused gate_up_proj)."""
-    return sum(stores[n].shape[3 - axis] * (2 if n == "gate_up_proj" else 1) for n, axis in axes.items())
+    return sum(stores[n].shape[3 - axis] * lines_per_neuron(n) for n, axis in axes.items())
+
+
+def lines_per_neuron(name: str) -> int:
+    """A neuron is two lines of a fused gate_up_proj (its gate and its up line), one line of any other tensor."""
+    return 2 if name == "gate_up_proj" else 1
+
+
+@dataclass(frozen=True)
+class ExpertGeometry:
+    """Where a neuron's lines lie in an experts module's tensors: every gate/up and neuron fact in one place.
+
+    Neuron j of an expert is row j of up (and of gate), column j of down (transposed layouts swap rows and
+    columns). A fused gate_up_proj holds gate and up either concatenated (gate lines 0..I-1, up lines I..2I-1) or
+    interleaved (gate 2j, up 2j+1). Line ids count lines across experts: expert * lines_per_expert + line."""
+
+    input_name: str  # gate_up_proj (gated) or up_proj
+    concatenated: bool
+    transposed: bool
+    intermediate: int  # neurons per expert
+
+    @classmethod
+    def of(cls, experts: nn.Module) -> ExpertGeometry:
+        return cls(
+            input_projection(experts),
+            bool(getattr(experts, "is_concatenated", False)),
+            bool(experts.is_transposed),
+            intermediate_size(experts),
+        )
+
+    @property
+    def axes(self) -> dict[str, int]:
+        """{tensor: the axis along which one of its lines belongs to one neuron}."""
+        return {self.input_name: 2 if self.transposed else 1, "down_proj": 1 if self.transposed else 2}
+
+    def lines_of(self, name: str, neurons: torch.Tensor) -> torch.Tensor:
+        """Line indices within an expert of neurons j (< I) in tensor `name`: gate and up lines of a fused
+        gate_up_proj (gate lines first), else j itself."""
+        if name != "gate_up_proj":
+            return neurons
+        if self.concatenated:
+            return torch.cat([neurons, neurons + self.intermediate])
+        return torch.cat([2 * neurons, 2 * neurons + 1])
+
+    def line_ids(self, name: str, neurons: torch.Tensor, lines_per_expert: int) -> torch.Tensor:
+        """Sorted line ids of neurons (expert * I + j) in tensor `name`."""
+        expert, j = neurons // self.intermediate, neurons % self.intermediate
+        lines = self.lines_of(name, j)
+        owners = torch.cat([expert] * lines_per_neuron(name))
+        return (owners * lines_per_expert + lines).sort().values
+
+    def owners(self, name: str, line_ids: torch.Tensor, lines_per_expert: int) -> torch.Tensor:
+        """The neuron (expert * I + j) owning each line id of tensor `name` (the inverse of `line_ids`)."""
+        expert, line = line_ids // lines_per_expert, line_ids % lines_per_expert
+        if name == "gate_up_proj":
+            line = line % self.intermediate if self.concatenated else line // 2
+        return expert * self.intermediate + line
+
+    def per_neuron(self, name: str, per_line: torch.Tensor) -> torch.Tensor:
+        """[..., lines] of one expert's tensor `name` summed into [..., I]: gate and up lines added together."""
+        if name != "gate_up_proj":
+            return per_line
+        size = self.intermediate
+        if self.concatenated:
+            return per_line[..., :size] + per_line[..., size:]
+        return per_line[..., 0::2] + per_line[..., 1::2]
+
+    def entries_per_line_group(self, name: str, store_shape) -> int:
+        """Entries of one neuron in tensor `name` (`store_shape` [E, A, B]): a line's length times its lines."""
+        return store_shape[3 - self.axes[name]] * lines_per_neuron(name)
 
 
 def is_fused_experts(module: nn.Module) -> bool:

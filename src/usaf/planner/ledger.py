@@ -48,6 +48,7 @@ from usaf.planner.settings import (
 from usaf.planner.shape import ModelShape
 from usaf.planner.sizes import GiB, MiB, format_count, format_size
 from usaf.quant import descriptor, get_format
+from usaf.registry import TARGET_KINDS
 
 # ---- the ledger -----------------------------------------------------------------------------------------------
 
@@ -188,7 +189,7 @@ def _entries_by_kind(shape: ModelShape, s: PlanSettings) -> tuple[int, int]:
     for target, params in shape.target_params.items():
         if target in s.targets:
             # the embedding and the output layer lie outside the decoder layers: frozen when layers are named
-            outside = target in ("embeddings", "lm_head")
+            outside = TARGET_KINDS[target].outside_layers
             others += params * (
                 0.0 if outside and s.layers is not None else 1.0 if outside else decoder_share
             )
@@ -334,8 +335,11 @@ def _sparse_state(ledger: _Ledger, shape: ModelShape, s: PlanSettings) -> _Train
     moments = VALUE_MOMENT_BYTES[s.optimizer]
     if beyond:  # entries of attention, embeddings, ...: elements of resident weights, which keep their base
         element_bytes = 4 + 4 + 4 + moments + d
-        frozen = ("experts", "routers") + (("embeddings", "lm_head") if s.layers is not None else ())
-        targets = ", ".join(t for t in s.targets if t not in frozen)
+        targets = ", ".join(
+            t
+            for t in s.targets
+            if t in TARGET_KINDS and not (s.layers is not None and TARGET_KINDS[t].outside_layers)
+        )
         ledger.add(
             "sparse state beyond the experts",
             beyond * element_bytes,

@@ -13,7 +13,8 @@ from pathlib import Path
 from usaf.errors import UsafError, first_line
 from usaf.model.config_json import EXPERT_COUNTS, check_model_config, text_fields
 from usaf.model.layout import find_moe_layers, intermediate_size
-from usaf.model.targets import DENSE_TARGETS, find_target_weights
+from usaf.model.targets import find_target_weights
+from usaf.registry import TARGET_KINDS
 
 
 def _presets_dir():
@@ -236,7 +237,7 @@ def _shape_from_skeleton(config: dict, name: str) -> ModelShape:
     qk_norm = any(n.endswith(("q_norm", "k_norm")) for n, _ in model.named_modules())
     head = model.get_output_embeddings()
     roles = [
-        t for t in DENSE_TARGETS if not (head is not None and head.weight is embedding and t == "lm_head")
+        t for t in TARGET_KINDS if not (head is not None and head.weight is embedding and t == "lm_head")
     ]
     target_params: dict[str, int] = {}
     for weight in find_target_weights(
@@ -267,6 +268,18 @@ def _shape_from_skeleton(config: dict, name: str) -> ModelShape:
         target_params=target_params,
         **_geometry(text),
     )
+
+
+def _target_params(counts: dict) -> dict[str, int]:
+    """Parameters of each registered target role from a config's counts (its `formula`; roles without one, or
+    counting nothing, are left out)."""
+    found = {}
+    for name in TARGET_KINDS:
+        formula = TARGET_KINDS[name].formula
+        count = formula(counts) if formula is not None else 0
+        if count:
+            found[name] = count
+    return found
 
 
 def _moe_layer_count(text: dict, layers: int) -> int:
@@ -329,12 +342,15 @@ def _shape_from_formulas(config: dict, name: str) -> ModelShape:
         dense_matmul=matmul,
         embedding_params=vocab * hidden,
         qk_norm=False,
-        target_params={
-            "attention": layers * attention,
-            "dense_mlp": mlp,
-            "norms": (2 * layers + 1) * hidden,
-            "embeddings": vocab * hidden,
-            **({} if tied else {"lm_head": vocab * hidden}),
-        },
+        target_params=_target_params(
+            {
+                "layers": layers,
+                "hidden": hidden,
+                "vocab": vocab,
+                "attention": attention,
+                "mlp": mlp,
+                "tied": tied,
+            }
+        ),
         **geo,
     )

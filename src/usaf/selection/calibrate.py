@@ -19,6 +19,7 @@ import torch
 from usaf.engine.installed import row_observers, sparse_experts, sparse_modules
 from usaf.engine.loss import causal_lm_loss
 from usaf.engine.sparse import LineProbe
+from usaf.selection.candidates import NeuronImportance
 
 
 @dataclass
@@ -50,15 +51,29 @@ class Calibration:
         }
 
 
-class _Observer:
-    """Routing counts and neuron importance of one experts module, only while `active` (so that activation
-    recomputation in backward, which re-runs forwards, does not count twice)."""
+class _Observer(NeuronImportance):
+    """Routing counts of one experts module and (with gradients) the importance of its neurons, kept in the
+    calibration, only while `active` (so that activation recomputation in backward, which re-runs forwards,
+    does not count twice)."""
 
     def __init__(self, calibration: Calibration, path: str, num_experts: int, with_gradients: bool):
         self.calibration, self.path, self.with_gradients = calibration, path, with_gradients
-        self.active = False
+        self.active = (
+            False  # not NeuronImportance.__init__: its score lives in the calibration, kept as it is
+        )
         calibration.tokens.setdefault(path, torch.zeros(num_experts, dtype=torch.float64))
         calibration.gate_weight.setdefault(path, torch.zeros(num_experts, dtype=torch.float64))
+
+    @property
+    def score(self) -> torch.Tensor | None:
+        return self.calibration.neuron_score.get(self.path)
+
+    @score.setter
+    def score(self, value: torch.Tensor | None) -> None:
+        if value is None:
+            self.calibration.neuron_score.pop(self.path, None)
+        else:
+            self.calibration.neuron_score[self.path] = value
 
     def __call__(self, state, plan, top_k_weights, h):
         if not self.active:
@@ -67,20 +82,7 @@ class _Observer:
         cal.tokens[self.path] += torch.tensor(plan.rows.counts, dtype=torch.float64)
         gates = top_k_weights.detach().reshape(-1)[plan.order].double().cpu()
         cal.gate_weight[self.path].index_add_(0, plan.expert_of_row.cpu(), gates)
-        if not (self.with_gradients and h.requires_grad):
-            return None
-        experts = plan.expert_of_row
-
-        def accumulate(
-            values, grad_h
-        ):  # in backward, with the activation autograd saved (see usaf.engine.experts)
-            taylor = (values.detach() * grad_h).float().pow(2)
-            score = cal.neuron_score.setdefault(
-                self.path, torch.zeros(state.num_experts, values.shape[1], device=values.device)
-            )
-            score.index_add_(0, experts, taylor)
-
-        return accumulate
+        return super().__call__(state, plan, top_k_weights, h) if self.with_gradients else None
 
 
 class _RowObserver:

@@ -27,31 +27,9 @@ from usaf.engine.installed import row_observers, sparse_experts
 from usaf.engine.sparse import LineProbe, line_flat_indices
 from usaf.engine.state import model_state
 from usaf.errors import UsafError
-from usaf.model.layout import find_moe_layers, intermediate_size, neuron_axes
-from usaf.selection import ranks
-from usaf.selection.choose import neuron_line_ids
-
-
-class _NeuronImportance:
-    """Observer accumulating (h * dL/dh)^2 per expert neuron while `active` (forward only, not recompute)."""
-
-    def __init__(self):
-        self.active = False
-        self.score: torch.Tensor | None = None
-
-    def __call__(self, state, plan, top_k_weights, h):
-        if not (self.active and h.requires_grad):
-            return None
-        experts = plan.expert_of_row
-
-        # called in backward with the activation autograd saved (recomputed with its layer under recomputation):
-        # nothing here holds `h` from the forward to the backward
-        def accumulate(values, grad_h):
-            if self.score is None:
-                self.score = torch.zeros(state.num_experts, values.shape[1], device=values.device)
-            self.score.index_add_(0, experts, (values.detach() * grad_h).float().pow(2))
-
-        return accumulate
+from usaf.model.layout import ExpertGeometry, find_moe_layers
+from usaf.selection import across_ranks
+from usaf.selection.candidates import NeuronImportance, best_neurons, best_rows, lines_wanted
 
 
 class Reselector:
@@ -63,8 +41,10 @@ class Reselector:
         # the other targets' weights: entries (never neurons) reselected the same way, rows ranked by
         # SparseWeight.row_score; an output layer tied to the embedding is the embedding's state
         self.weights = row_observers(model)
-        self.layers = {layer.experts_name: layer for layer in _layers(model)}
-        self.importance = {path: _NeuronImportance() for path in self.states}
+        self.geometry = {
+            layer.experts_name: ExpertGeometry.of(layer.experts) for layer in find_moe_layers(model)
+        }
+        self.importance = {path: NeuronImportance() for path in self.states}
         for path, state in self.states.items():
             state.observers.append(self.importance[path])
         self.reselections = 0
@@ -132,24 +112,23 @@ class Reselector:
 
     # ------------------------------------------------------------------------------------------- element
     def _install_probes(self, step: int) -> None:
-        fraction = self.fraction(step)
+        """Probes on the candidate lines of every tensor (`usaf.selection.candidates`) for the reselection at
+        `step`: `oversample` x the entries it will grow."""
+        fraction, oversample = self.fraction(step), self.config.oversample
         for path, state in self.states.items():
-            layer = self.layers[path]
-            score = self.importance[path].score
+            geometry, score = self.geometry[path], self.importance[path].score
             if score is None:
                 continue
-            for name, axis in neuron_axes(layer.experts).items():
+            for name, axis in geometry.axes.items():
                 entries = state[name] if name in state else None  # noqa: SIM401 (ModuleDict has no .get)
                 if entries is None or entries.numel() == 0:
                     continue
+                store = state.stores[name]
                 grow = max(1, round(fraction * entries.numel()))
-                line_len = state.stores[name].shape[3 - axis] * (2 if name == "gate_up_proj" else 1)
-                wanted = min(score.numel(), math.ceil(self.config.oversample * grow / line_len) + 1)
-                neurons = torch.topk(score.reshape(-1).cpu(), wanted, sorted=False).indices
-                lines = neuron_line_ids(layer.experts, name, neurons, state.stores[name].shape[axis])
-                state.probes[name] = LineProbe(
-                    state.stores[name].shape, axis, lines.to(state.stores[name].device)
-                )
+                line_length = geometry.entries_per_line_group(name, store.shape)
+                neurons = best_neurons(score, lines_wanted(oversample, grow, line_length, score.numel()))
+                lines = geometry.line_ids(name, neurons, store.shape[axis])
+                state.probes[name] = LineProbe(store.shape, axis, lines.to(store.device))
         for state in self.weights.values():
             entries, store = state.entries, state.stores["weight"]
             if entries is None or entries.numel() == 0:
@@ -161,8 +140,7 @@ class Reselector:
                 continue
             else:
                 grow = max(1, round(fraction * entries.numel()))
-                wanted = min(rows, math.ceil(self.config.oversample * grow / width) + 1)
-                lines = torch.topk(state.row_score.cpu(), wanted, sorted=False).indices.sort().values
+                lines = best_rows(state.row_score, rows, lines_wanted(oversample, grow, width, rows))
             state.probes["weight"] = LineProbe(store.shape, 1, lines.to(store.device))
 
     def _reselect_elements(self, state, name, entries, fraction, optimizer) -> int:
@@ -211,21 +189,20 @@ class Reselector:
 
     # -------------------------------------------------------------------------------------------- neuron
     def _reselect_neurons(self, path, state, fraction, optimizer) -> int:
-        layer = self.layers[path]
-        axes = neuron_axes(layer.experts)
-        size = intermediate_size(layer.experts)
+        geometry = self.geometry[path]
+        axes = geometry.axes
         score = self.importance[path].score
         if score is None or any(name not in state for name in axes):
             return 0
         # a neuron's movement: summed |value - base| over its lines in every tensor
         first = next(iter(axes))
         lines_first = state.stores[first].shape[axes[first]]
-        neurons = torch.unique(_line_owners(layer.experts, first, state[first].line_ids, lines_first, size))
+        neurons = torch.unique(geometry.owners(first, state[first].line_ids, lines_first))
         movement = torch.zeros(neurons.numel(), device=score.device)
         for name in axes:
             e = state[name]
             per_line = (e.values.detach() - e.base_values.float()).abs().sum(1)
-            owner = _line_owners(layer.experts, name, e.line_ids, state.stores[name].shape[axes[name]], size)
+            owner = geometry.owners(name, e.line_ids, state.stores[name].shape[axes[name]])
             movement.index_add_(0, torch.searchsorted(neurons, owner), per_line.to(movement.device))
         count = min(round(fraction * neurons.numel()), neurons.numel())
         flat_score = score.reshape(-1).clone()
@@ -238,7 +215,7 @@ class Reselector:
         new_neurons = torch.cat([neurons[~torch.isin(neurons, drop)], grow]).sort().values
         for name, axis in axes.items():
             e, store = state[name], state.stores[name]
-            lines = neuron_line_ids(layer.experts, name, new_neurons, store.shape[axis])
+            lines = geometry.line_ids(name, new_neurons, store.shape[axis])
             old = e.line_ids
             kept = torch.isin(lines, old)
             old_position = torch.full_like(lines, -1)
@@ -261,9 +238,7 @@ class Reselector:
             values[~kept], base[~kept] = grow_base.float(), grow_base.to(base.dtype)
             _remap_optimizer_state(optimizer, e.values, old_position)
             e.set_selection(lines, base, values)
-        return count * sum(
-            state.stores[n].shape[3 - a] * (2 if n == "gate_up_proj" else 1) for n, a in axes.items()
-        )
+        return count * sum(geometry.entries_per_line_group(n, state.stores[n].shape) for n in axes)
 
     # ------------------------------------------------------------------------------------------ across ranks
     # The statistics are sums over micro-batches: rank 0 keeps the running sum, the other ranks only their share
@@ -280,7 +255,7 @@ class Reselector:
 
     def _clear_rank_share(self) -> None:
         """Before a step's micro-batches: ranks other than 0 start their statistics from zero."""
-        if not ranks.active() or ranks.is_main():
+        if not across_ranks.active() or across_ranks.is_main():
             return
         for holder, attr, kept in self._statistics():
             value = getattr(holder, attr)
@@ -293,12 +268,12 @@ class Reselector:
     def after_backward(self) -> None:
         """After a step's backward passes: the statistics summed across ranks. One no rank has stays None; one
         some ranks lack starts from zeros there."""
-        if not ranks.active():
+        if not across_ranks.active():
             return
         slots = self._statistics()
         if not slots:
             return
-        device = ranks.comm_device()
+        device = across_ranks.comm_device()
         shapes = torch.zeros(len(slots), 5, dtype=torch.int64, device=device)
         where = None
         for i, (holder, attr, _) in enumerate(slots):
@@ -317,7 +292,7 @@ class Reselector:
                     where = device if device.type == "cuda" else torch.device("cpu")
                 setattr(holder, attr, torch.zeros(row[1 : row[0]], device=where))
             tensors.append(getattr(holder, attr))
-        ranks.all_reduce_flat(tensors)
+        across_ranks.all_reduce_flat(tensors)
 
     # -------------------------------------------------------------------------------------------- resume
     def _all(self) -> dict:
@@ -352,19 +327,6 @@ class Reselector:
                 probe = LineProbe(store.shape, axis, value.to(store.device))
                 probe.score.copy_(tensors[f"probe/{path}/{name}/score"])
                 self._all()[path].probes[name] = probe
-
-
-def _layers(model):
-
-    return find_moe_layers(model)
-
-
-def _line_owners(experts, name, line_ids, lines_per_expert, size) -> torch.Tensor:
-    """The neuron (expert * I + j) owning each line (lines of gate_up come in pairs)."""
-    expert, line = line_ids // lines_per_expert, line_ids % lines_per_expert
-    if name == "gate_up_proj":
-        line = line % size if experts.is_concatenated else line // 2
-    return expert * size + line
 
 
 def _remap_optimizer_state(optimizer, param: torch.nn.Parameter, old_position: torch.Tensor) -> None:

@@ -1,9 +1,31 @@
-"""What each selection strategy (how the budget is spread) and scorer (how entries are chosen inside it) needs
-from calibration, declared once so choose() asks here instead of repeating `strategy == ... or selection == ...`."""
+"""Selection strategies: how a budget of trained entries (or neurons) is spread over the targeted tensors.
+
+A strategy turns the units of a selection (a weight tensor's entries, or an experts layer's neurons) and each
+unit's budget into `Domain`s: shares of the budget that a scorer (`usaf.selection.scorers`) then fills with the
+best entries of the share. The protocol, for a strategy written outside usaf:
+
+    class MyStrategy:
+        name = "mine"                       # select.strategy's value
+        needs = Needs(routing=True)         # the calibration statistics `domains` reads
+        def domains(self, units, budgets, context) -> list[Domain]: ...
+        # optional: a complete selection that replaces choosing (a saved file), else None
+        def load(self, context) -> dict[str, Chosen] | None: ...
+
+    usaf.registry.STRATEGIES.register(MyStrategy())   # or UsafConfig(strategy=MyStrategy())
+
+A unit has `key` (the tensor's or layer's name), `layer` (its `MoELayer`; None for a weight beyond the experts),
+`per_expert` (the budget one expert can hold) and `num_experts`; `context.calibration` holds the statistics asked
+for (`Calibration.share(path)`: each expert's share of the routed tokens).
+"""
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from usaf.errors import UsafError
+from usaf.registry import STRATEGIES
+from usaf.selection.budget import hot_experts, split_capped
+from usaf.selection.saved import load_selection
 
 
 class Needs(NamedTuple):
@@ -13,25 +35,64 @@ class Needs(NamedTuple):
     gradient: bool = False
 
 
-# name -> what it needs; the names are config.py's STRATEGIES and SELECTIONS ("auto" is resolved before lookup)
-STRATEGY_NEEDS: dict[str, Needs] = {
-    "uniform": Needs(),
-    "routing": Needs(routing=True),
-    "gradient": Needs(gradient=True),
-    "file": Needs(),
-}
-SCORER_NEEDS: dict[str, Needs] = {
-    "random": Needs(),
-    "magnitude": Needs(),
-    "gradient": Needs(gradient=True),
-}
+class Domain(NamedTuple):
+    """One share of the budget: `count` entries (neurons) among `units`, restricted to `experts` (None: all)."""
+
+    units: list
+    experts: list[int] | None
+    count: int
 
 
-def needs_gradient(config) -> bool:
-    """Whether the chosen strategy or scorer reads gradient importance (config.selection already resolved)."""
-    return STRATEGY_NEEDS[config.strategy].gradient or SCORER_NEEDS[config.selection].gradient
+class Uniform:
+    """Every tensor (layer) keeps its own budget, spread over all its experts."""
+
+    name, needs = "uniform", Needs()
+
+    def domains(self, units, budgets, context) -> list[Domain]:
+        return [Domain([u], None, budgets[u.key]) for u in units]
 
 
-def needs_routing(config) -> bool:
-    """Whether the chosen strategy or scorer reads per-expert routing counts."""
-    return STRATEGY_NEEDS[config.strategy].routing or SCORER_NEEDS[config.selection].routing
+class Routing:
+    """Experts covering `routing_coverage` of the task's routed tokens share their layer's budget in proportion
+    to their share (cold experts get nothing); weights beyond the experts keep their own budget."""
+
+    name, needs = "routing", Needs(routing=True)
+
+    def domains(self, units, budgets, context) -> list[Domain]:
+        out = []
+        for u in units:
+            if u.layer is None:  # a native weight beyond the experts: no routing to follow
+                out.append(Domain([u], None, budgets[u.key]))
+                continue
+            share = context.calibration.share(u.layer.experts_name)
+            hot = hot_experts(share, context.config.routing_coverage, budgets[u.key], u.per_expert)
+            counts = split_capped(
+                budgets[u.key], {e: float(share[e]) for e in hot}, dict.fromkeys(hot, u.per_expert)
+            )
+            out += [Domain([u], [e], n) for e, n in counts.items() if n]
+        return out
+
+
+class GlobalGradient:
+    """One global top-k by gradient importance across every unit decides where the budget goes."""
+
+    name, needs = "gradient", Needs(gradient=True)
+
+    def domains(self, units, budgets, context) -> list[Domain]:
+        return [Domain(list(units), None, sum(budgets[u.key] for u in units))]
+
+
+class SavedFile:
+    """A selection saved by a run or `usaf select` (select.file), used as it is."""
+
+    name, needs = "file", Needs()
+
+    def domains(self, units, budgets, context) -> list[Domain]:
+        raise UsafError("strategy='file' loads a saved selection; it spreads no budget.")
+
+    def load(self, context):
+        return load_selection(context.config.file)
+
+
+for _strategy in (Uniform(), Routing(), GlobalGradient(), SavedFile()):
+    STRATEGIES.register(_strategy)

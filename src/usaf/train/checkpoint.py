@@ -21,14 +21,14 @@ from safetensors.torch import load_file, save_file
 
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
-from usaf.files import OPTIMIZER_FILE, STATE_FILE, STATE_SUM_FILE, TRAINABLE_FILE
-from usaf.io.atomic import atomic_file, fsync_file, install_dir, make_shareable
+from usaf.files import EXTRA_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STATE_SUM_FILE, TRAINABLE_FILE
+from usaf.io.atomic import atomic_file, fsync_file, install_dir, make_shareable, remove_dead_writers
 from usaf.train import distributed
 from usaf.version import __version__
 
 PREFIX = "step-"
 _STEP_NAME = re.compile(r"step-(\d+)")
-TENSOR_FILES = (TRAINABLE_FILE, OPTIMIZER_FILE, "rng.safetensors", "extra.safetensors")
+TENSOR_FILES = (TRAINABLE_FILE, OPTIMIZER_FILE, RNG_FILE, EXTRA_FILE)
 # state.json's copy of the run's settings as its config.yaml states them: what a resume compares config.yaml and
 # its command line with
 RUN_CONFIG_KEY = "run_config"
@@ -126,13 +126,7 @@ def save(
 
 def remove_stale_temporaries(folder: Path) -> None:
     """.tmp-step-N-PID folders of checkpoints whose writer is gone (killed mid-save)."""
-    for path in folder.glob(".tmp-*"):
-        try:
-            os.kill(int(path.name.rsplit("-", 1)[1]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except (ValueError, IndexError, PermissionError):
-            continue
+    remove_dead_writers(folder, ".tmp-*", lambda name: name.rsplit("-", 1)[1])
 
 
 def _write(tmp: Path, model, optimizer, scheduler, state: dict, step: int, extra_tensors) -> None:
@@ -144,9 +138,9 @@ def _write(tmp: Path, model, optimizer, scheduler, state: dict, step: int, extra
     rng_tensors = {"torch": rng.pop("torch")}
     for i, t in enumerate(rng.pop("cuda", [])):
         rng_tensors[f"cuda.{i}"] = t
-    _written(tmp / "rng.safetensors", lambda p: save_file(rng_tensors, str(p)))
+    _written(tmp / RNG_FILE, lambda p: save_file(rng_tensors, str(p)))
     extra = {k: v.contiguous().cpu() for k, v in (extra_tensors or {}).items()}
-    _written(tmp / "extra.safetensors", lambda p: save_file(extra, str(p)))
+    _written(tmp / EXTRA_FILE, lambda p: save_file(extra, str(p)))
     meta = {
         "usaf_version": __version__,
         "step": step,
@@ -255,8 +249,8 @@ def load(path: Path) -> dict:
         verify(path, meta)
         meta["trainable"] = load_file(str(path / TRAINABLE_FILE))
         meta["optimizer_tensors"] = load_file(str(path / OPTIMIZER_FILE))
-        rng = load_file(str(path / "rng.safetensors"))
-        meta["extra"] = load_file(str(path / "extra.safetensors"))
+        rng = load_file(str(path / RNG_FILE))
+        meta["extra"] = load_file(str(path / EXTRA_FILE))
     except UsafError:
         raise
     except (OSError, ValueError) as err:

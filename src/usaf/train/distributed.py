@@ -15,7 +15,7 @@ trains, up to floating-point reassociation.
   backward has completed its gradients, overlapping the all-reduce with the rest of that backward.
   Only trainable tensors (sparse values, routers) have gradients, so that is all that moves.
 - Selection: every rank calibrates on the same (whole) calibration stream, and rank 0's selection and
-  trained values are then broadcast (`usaf.selection.ranks.broadcast_trainable`, at the end of `prepare_model`),
+  trained values are then broadcast (`usaf.selection.across_ranks.broadcast_trainable`, at the end of `prepare_model`),
   so the selection is the 1-process one whatever N; the same module holds the rank basics used here.
 - Reselection: its statistics (neuron importance, row scores, probe scores) are sums over micro-batches; rank 0
   keeps the running sum and the other ranks only their share since the last step, and the Reselector's
@@ -40,8 +40,16 @@ import torch
 import torch.distributed as dist
 
 from usaf.errors import UsafError
-from usaf.selection.ranks import BUCKET_BYTES, active, all_reduce_flat, buckets, comm_device, rank, world_size
-from usaf.selection.ranks import is_main as is_main  # the rank basics, for the train package
+from usaf.selection.across_ranks import (
+    BUCKET_BYTES,
+    active,
+    all_reduce_flat,
+    buckets,
+    comm_device,
+    rank,
+    world_size,
+)
+from usaf.selection.across_ranks import is_main as is_main  # the rank basics, for the train package
 from usaf.train.runtime import resolve_device
 
 BACKEND_ENV = "USAF_DISTRIBUTED_BACKEND"

@@ -23,7 +23,6 @@ from usaf.config import RunConfig
 from usaf.data import Batches, collate, load_run_data
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.preference import preference_loss
-from usaf.engine.router import RouterCollapse
 from usaf.engine.state import streamed_bytes
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE, SELECTION_FILE
@@ -44,6 +43,7 @@ from usaf.train.optim import (
 )
 from usaf.train.prefix_cache import FrozenPrefixCache
 from usaf.train.recompute import choose_recompute
+from usaf.train.router_health import RouterCollapse
 from usaf.train.router_training import RouterTraining
 from usaf.train.run_dir import (
     RunLock,
@@ -52,7 +52,7 @@ from usaf.train.run_dir import (
     check_resume_folder,
     check_run_paths,
     finished_run,
-    prepare_run_dir,
+    open_run_dir,
     record_start,
     remove_run_files,
     write_summary,
@@ -113,7 +113,7 @@ class _Progress:
 
 
 def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress | None = None) -> dict:
-    config, changes = prepare_run_dir(config, run_dir, resume)
+    config, changes = open_run_dir(config, run_dir, resume)
     if resume:
         if (finished := finished_run(run_dir, config)) is not None:
             return finished  # nothing to do, and nothing written: the run's files stay as they are
@@ -162,13 +162,16 @@ class TrainingRun:
         # gradients summed across ranks, overlapped with the last backward of each step
         self.reducer = gradient_reducer(self.model)
 
-        probe_rows = session.eval_data if session.eval_data is not None else session.train_data
-        probe = collate([probe_rows[i] for i in range(min(4, len(probe_rows)))], probe_rows.pad_id)
+        # the routers' drift is measured on a fixed reference batch: the first rows of the eval data (else train)
+        reference_rows = session.eval_data if session.eval_data is not None else session.train_data
+        reference = collate(
+            [reference_rows[i] for i in range(min(4, len(reference_rows)))], reference_rows.pad_id
+        )
         self.routers = RouterTraining(
             self.model,
             config.router,
             router_params(self.model),
-            {k: v.to(device) for k, v in probe.items()},
+            {k: v.to(device) for k, v in reference.items()},
             self.share.micro_batches,
         )
         self.checkpointer = Checkpointer(run_dir, config.checkpoint, self.checkpoint_parts)

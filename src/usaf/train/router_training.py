@@ -1,4 +1,4 @@
-"""Everything a training run does with routers, in one place: probe, auxiliary losses, health, the collapse guard
+"""Everything a training run does with routers, in one place: capture, auxiliary losses, health, the collapse guard
 (usaf.engine.router's parts), their sum across ranks, and the progress bar's router fields."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from usaf.engine.router import CollapseGuard, RouterHealth, RouterLoss, RouterProbe
-from usaf.selection.ranks import active, comm_device
+from usaf.engine.router import RouterCapture, RouterLoss
+from usaf.selection.across_ranks import active, comm_device
+from usaf.train.router_health import CollapseGuard, RouterHealth
 
 
 def progress_fields(summary: dict) -> dict[str, str]:
@@ -32,23 +33,23 @@ class RouterTraining:
         model: nn.Module,
         section,
         router_params: list[nn.Parameter],
-        probe_batch: dict,
+        reference_batch: dict,
         micro_batches: int = 1,
     ):
         self.section = section
         self.micro_batches = micro_batches  # a step's micro-batches over all ranks: the aux-loss parts' mean
         self.model = model
-        self.probe = RouterProbe(model)
+        self.captured = RouterCapture(model)
         self.loss = RouterLoss(section.balance_coef, section.z_coef)
-        self.health = RouterHealth(self.probe, section.health_window_steps)
+        self.health = RouterHealth(self.captured, section.health_window_steps)
         self.guard = CollapseGuard.from_config(section, self.loss, router_params)
         self.router_params = router_params
-        self.probe_batch = probe_batch
-        self.health.record_base(model, probe_batch)
+        self.reference_batch = reference_batch
+        self.health.record_base(model, reference_batch)
         self.parts: dict[str, torch.Tensor] = {}  # summed on the device; read once per step
 
     def capture(self):
-        return self.probe.capture()
+        return self.captured.capture()
 
     def training_routers(self, step: int) -> bool:
         """Routers learn from step `freeze_steps` on (0-based count of finished steps) unless the guard froze them."""
@@ -58,14 +59,14 @@ class RouterTraining:
         """The weighted balancing + z-loss of the current capture (0 while routers do not train)."""
         if not self.training_routers(step) or (self.loss.balance_coef == 0 and self.loss.z_coef == 0):
             return 0.0
-        total, parts = self.loss(self.probe)
+        total, parts = self.loss(self.captured)
         for key, value in parts.items():
             self.parts[key] = self.parts.get(key, 0.0) + value.detach()
         return total
 
     def after_micro_batch(self) -> None:
         self.health.observe()
-        self.probe.clear()
+        self.captured.clear()
 
     def after_step(self, step: int) -> tuple[dict, dict, str | None]:
         """(metrics, progress-bar fields, a message for the log or None), over all ranks. Raises RouterCollapse on
@@ -78,7 +79,7 @@ class RouterTraining:
         show, message = {}, None
         every = self.section.health_every_steps
         if every and step % every == 0:
-            self.health.measure_drift(self.model, self.probe_batch)
+            self.health.measure_drift(self.model, self.reference_batch)
             rows = (
                 self.health.per_layer()
             )  # once: the metrics, the progress bar and the guard read the same rows
@@ -123,10 +124,10 @@ class RouterTraining:
             self.health.window.extend(saved.unbind(0))
 
     def load_before_after(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Per-layer expert loads on the probe batch: at the start and now (for `usaf report` heatmaps)."""
-        self.health.measure_drift(self.model, self.probe_batch)
+        """Per-layer expert loads on the reference batch: at the start and now (for `usaf report` heatmaps)."""
+        self.health.measure_drift(self.model, self.reference_batch)
         return (
             self.health.load_matrix(self.health.base_counts),
-            self.health.load_matrix(self.health.probe_counts),
+            self.health.load_matrix(self.health.reference_counts),
             self.health.layer_numbers,
         )

@@ -31,7 +31,7 @@ from usaf.io.atomic import atomic_file, atomic_json, open_unfollowed, refuse_lin
 from usaf.io.guard import check_placement, what_is
 from usaf.prepare import current_selection
 from usaf.report import write_router_load
-from usaf.selection.choose import save_selection
+from usaf.selection.saved import save_selection
 from usaf.train import checkpoint, distributed
 from usaf.train.session import (
     absolute_paths,
@@ -61,7 +61,7 @@ RESUME_MAY_CHANGE = (
 )
 
 
-def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[RunConfig, list[str]]:
+def open_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[RunConfig, list[str]]:
     """The run's config, and (resuming) the changes it makes to the saved one; a new run's folder is marked."""
     saved_config = run_dir / CONFIG_FILE
     if resume:

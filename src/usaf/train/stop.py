@@ -8,7 +8,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from usaf.selection.ranks import active, comm_device
+from usaf.selection.across_ranks import active, comm_device
 
 
 class StopRequest:
