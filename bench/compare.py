@@ -20,7 +20,7 @@ How it measures
   cosine to 10 % of the peak learning rate, the same recomputation setting (off unless --recompute).
 - The baselines (LoRA, full fine-tuning, experts+routers, routers only, inference) run transformers' stock
   `grouped_mm` experts implementation; usaf runs its own. "nf4" methods use a usaf prepared store
-  (`usaf.base.load.prepare_store` / `load_prepared`), whose inference row is usaf's engine with nothing trained.
+  (`usaf.base.writer.prepare_store` / `usaf.base.load.load_prepared`), whose inference row is usaf's engine with nothing trained.
 - Learning rates, one per method (ROUTER AND VALUE LRs EQUAL), chosen on the demo task (see LEARNING_RATES).
 """
 
@@ -624,7 +624,7 @@ def prepare_model_dir(run: Run, workdir: Path, device: str, smoke: bool, threads
     the demo assets are missing."""
     import torch
 
-    from usaf.base.load import prepare_store
+    from usaf.base.writer import prepare_store
 
     torch.set_num_threads(threads)
     root = workdir / run.model

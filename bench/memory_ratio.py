@@ -166,7 +166,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import machine, write_results
 
-    from usaf.base.load import prepare_store, read_store_metadata
+    from usaf.base.load import read_store_metadata
+    from usaf.base.writer import prepare_store
     from usaf.testing.tiny import tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

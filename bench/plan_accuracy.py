@@ -113,7 +113,7 @@ CASES = [
 def prepare(case: dict, workdir: str) -> str:
     """Save the case's model as a checkpoint and prepare a store in the case's format (its own process, so that
     neither the saving nor the quantization warms up or fills the measured one); returns the store's path."""
-    from usaf.base.load import prepare_store
+    from usaf.base.writer import prepare_store
     from usaf.testing.tiny import tiny_model
 
     source = Path(workdir) / "source"

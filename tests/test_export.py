@@ -268,10 +268,11 @@ def test_usaf_train_run_exports_with_its_summary(tmp_path):
 
 
 def test_nf4_trained_run_merges_into_the_original_precision(tmp_path):
-    from usaf.base import writer as load
+    from usaf.base import load
+    from usaf.base.writer import prepare_store
 
     base = model_dir(tmp_path / "base", "qwen3_moe", dtype=torch.bfloat16)
-    store = load.prepare_store(base, tmp_path / "store", quant="nf4", device="cpu")
+    store = prepare_store(base, tmp_path / "store", quant="nf4", device="cpu")
     quant = load.read_store_metadata(store)["quant"]
     model = load.load_prepared(store, base, usaf.UsafConfig(density=0.1), device="cpu")
     input_ids = torch.randint(8, 100, (2, 10))

@@ -121,6 +121,17 @@ def order_violations(trees: dict[str, ast.Module]) -> list[str]:
     return bad
 
 
+def test_every_module_is_placed_in_a_stage():
+    """Modules that import nothing of usaf too (a new package must be placed in the pipeline to be checked)."""
+    unplaced = []
+    for name in modules():
+        try:
+            stage_of(name)
+        except AssertionError:
+            unplaced.append(name)
+    assert unplaced == [], f"{unplaced} belong to no stage: add them to STAGES"
+
+
 def test_stages_import_only_earlier_stages():
     assert order_violations(modules()) == []
 

@@ -70,6 +70,27 @@ def prepare_model(
         param.requires_grad_(False)
 
     # the engine goes in first, with nothing trained: calibration runs through it
+    layer_stores = _install_experts(model, layers, stores, config)
+    weight_stores = _install_weights(model, layers, config)
+    chosen, calibration = choose.choose(
+        trained, layer_stores, config, calibration_batches, model, weight_stores
+    )
+    install_selection(model, chosen, original_values)
+    if config.trains_routers:
+        _train_routers(model, trained)
+    model.register_load_state_dict_pre_hook(_accept_checkpoint_names)
+    # calibration: what the selection was calibrated on (None: no calibration)
+    set_model_state(model, ModelState(config, calibration=calibration, original_values=original_values))
+    # data parallel (usaf's loop, or DDP under transformers.Trainer): every rank trains rank 0's selection, and
+    # DDP (which reads this attribute when it wraps the model) leaves the selection's buffers alone
+    across_ranks.broadcast_trainable(model)
+    model._ddp_params_and_buffers_to_ignore = across_ranks.selection_buffers(model)
+    return model
+
+
+def _install_experts(model: nn.Module, layers: list[MoELayer], stores: dict, config: UsafConfig) -> dict:
+    """usaf's experts implementation on every MoE layer, with nothing trained yet: {experts path: {tensor name:
+    its frozen store}} (a given store, else the module's own parameter)."""
     layer_stores = {}
     for layer in layers:
         experts = layer.experts
@@ -84,6 +105,12 @@ def prepare_model(
             workspace_bytes=config.workspace_mb << 20,
         )
     _switch_implementation(model, layers)
+    return layer_stores
+
+
+def _install_weights(model: nn.Module, layers: list[MoELayer], config: UsafConfig) -> dict:
+    """usaf's state on every targeted weight beyond the experts (a tied output layer shares the embedding's):
+    {"<module path>.weight": (target, its store)}."""
     weights = [
         w
         for w in find_target_weights(model, layers, config.targets)
@@ -95,25 +122,14 @@ def prepare_model(
     embedding_key = next((w.key for w in weights if w.target == "embeddings"), None)
     if tied_head is not None and embedding_key is not None:
         tie(tied_head, states[embedding_key])
-    weight_stores = {w.key: (w.target, states[w.key].stores["weight"]) for w in weights}
+    return {w.key: (w.target, states[w.key].stores["weight"]) for w in weights}
 
-    chosen, calibration = choose.choose(
-        trained, layer_stores, config, calibration_batches, model, weight_stores
-    )
-    install_selection(model, chosen, original_values)
-    if config.trains_routers:
-        for layer in trained:
-            for param in layer.router.parameters() if layer.router is not None else ():
-                param.requires_grad_(True)
-        make_routers_fp32(model)  # bf16/fp16 routers: fp32 master weights, or small updates round away
-    model.register_load_state_dict_pre_hook(_accept_checkpoint_names)
-    # calibration: what the selection was calibrated on (None: no calibration)
-    set_model_state(model, ModelState(config, calibration=calibration, original_values=original_values))
-    # data parallel (usaf's loop, or DDP under transformers.Trainer): every rank trains rank 0's selection, and
-    # DDP (which reads this attribute when it wraps the model) leaves the selection's buffers alone
-    across_ranks.broadcast_trainable(model)
-    model._ddp_params_and_buffers_to_ignore = across_ranks.selection_buffers(model)
-    return model
+
+def _train_routers(model: nn.Module, trained: list[MoELayer]) -> None:
+    for layer in trained:
+        for param in layer.router.parameters() if layer.router is not None else ():
+            param.requires_grad_(True)
+    make_routers_fp32(model)  # bf16/fp16 routers: fp32 master weights, or small updates round away
 
 
 def model_renamings(model: nn.Module) -> list:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from usaf.base.writer import STORE_FORMAT_VERSION, ensure_prepared, file_stamp, source_files
+from usaf.base.writer import STORE_FORMAT_VERSION, ensure_prepared, file_stamp, files_of_entry
 from usaf.config import RESIDENCIES, UsafConfig
 from usaf.engine.state import PreparedStore, model_state
 from usaf.errors import UsafError
@@ -144,34 +144,9 @@ def load_prepared(
         raise UsafError(f"The store in {prepared_dir} has no expert tensor '{missing[0]}'; prepare it again.")
     source = _open_source(Path(source_dir), metadata, model, experts) if source_dir is not None else None
 
-    owned = dict(model.named_parameters())
-    owned.update(model.named_buffers())
-    for name, info in tensors.items():
-        if info["kind"] == "dense":
-            value = _read_dense(entries, name, info)
-            _set_tensor(model, name, value.to(device=device, dtype=owned[name].dtype))
-
+    _load_dense(model, entries, tensors, device)
     streamer = LayerStreamer(device, cache_mb << 20) if residency != "device" else None
-    stores = {}
-    for name, layer in experts.items():
-        info = tensors[name]
-        parts = {key.rsplit(":", 1)[1]: entries[key] for key in info["stored"]}
-        loaded = {part: _read_part(entry, residency, device) for part, entry in parts.items()}
-        holder = ResidentParts(loaded) if streamer is None else StreamedParts(loaded, streamer, layer)
-        module_path, _, attr = name.rpartition(".")
-        experts_module = model.get_submodule(module_path)
-        store = QuantizedStore(
-            info["format"],
-            holder,
-            tuple(info["shape"]),
-            getattr(experts_module, attr).dtype,
-            info.get("constants"),
-        )
-        del experts_module._parameters[
-            attr
-        ]  # the meta parameter goes: nothing can compute with it by accident
-        setattr(experts_module, attr, StoredExpertTensor(store, name))
-        stores[name] = store
+    stores = _install_expert_stores(model, experts, entries, tensors, residency, device, streamer)
 
     model.tie_weights()
     compute_missing_buffers(model)
@@ -194,6 +169,44 @@ def load_prepared(
         source.verify_partial_reads()
     model_state(model).store = PreparedStore(str(prepared_dir.resolve()), metadata, streamer)
     return model
+
+
+def _load_dense(model: nn.Module, entries: dict, tensors: dict, device: torch.device) -> None:
+    """The dense weights and buffers the store holds, read into the skeleton on `device` in their own dtype."""
+    owned = dict(model.named_parameters())
+    owned.update(model.named_buffers())
+    for name, info in tensors.items():
+        if info["kind"] == "dense":
+            value = _read_dense(entries, name, info)
+            _set_tensor(model, name, value.to(device=device, dtype=owned[name].dtype))
+
+
+def _install_expert_stores(
+    model, experts: dict, entries: dict, tensors: dict, residency, device, streamer
+) -> dict:
+    """Every expert tensor of the skeleton replaced by a `QuantizedStore` over its parts (resident, or streamed
+    by `streamer`): {tensor name: store}."""
+    stores = {}
+    for name, layer in experts.items():
+        info = tensors[name]
+        parts = {key.rsplit(":", 1)[1]: entries[key] for key in info["stored"]}
+        loaded = {part: _read_part(entry, residency, device) for part, entry in parts.items()}
+        holder = ResidentParts(loaded) if streamer is None else StreamedParts(loaded, streamer, layer)
+        module_path, _, attr = name.rpartition(".")
+        experts_module = model.get_submodule(module_path)
+        store = QuantizedStore(
+            info["format"],
+            holder,
+            tuple(info["shape"]),
+            getattr(experts_module, attr).dtype,
+            info.get("constants"),
+        )
+        del experts_module._parameters[
+            attr
+        ]  # the meta parameter goes: nothing can compute with it by accident
+        setattr(experts_module, attr, StoredExpertTensor(store, name))
+        stores[name] = store
+    return stores
 
 
 def _checkpoint_dtype(tensors: dict) -> torch.dtype:
@@ -276,6 +289,6 @@ def _open_source(source_dir: Path, metadata: dict, model: nn.Module, experts: di
         if not (source_dir / name).exists() or file_stamp(source_dir / name) != stamp
     }
     for key, info in recorded.items():
-        if {info["file"], *(f.name for f in source_files(source.entries[key]))} & changed:
+        if {info["file"], *(f.name for f in files_of_entry(source.entries[key]))} & changed:
             source.verify(key)
     return source

@@ -14,7 +14,6 @@ import ctypes
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
 from collections import Counter
@@ -27,11 +26,8 @@ from usaf.errors import UsafError
 from usaf.files import STORE_FILE
 from usaf.io import published, shards
 from usaf.io.atomic import (
+    atomic_dir,
     copy_side_files,
-    fsync_dir,
-    install_dir,
-    remove_stale_temporaries,
-    temporary_name,
     write_json,
 )
 from usaf.io.source import SourceCheckpoint
@@ -89,15 +85,8 @@ def prepare_store(
     if not (model_dir / "config.json").exists():
         raise UsafError(f"{model_dir} has no config.json; pass a Hugging Face model directory.")
     config = load_config(model_dir)
-    # a published MXFP4/FP8 checkpoint keeps its experts as published: the store holds their own bytes
     method = published.checkpoint_method(model_dir)
-    if method is None and quant in published.METHODS:
-        raise UsafError(
-            f"{model_dir} is not a published {quant} checkpoint (its config.json has no quantization_config "
-            f"{quant}); usaf reads {quant} as published and never quantizes into it: choose one of "
-            f"{', '.join(FORMATS)}."
-        )
-    fmt_name = method or resolve_format(quant, device)
+    fmt_name = _store_format(model_dir, method, quant, device)
     skeleton = build_skeleton(config)
     experts = expert_weight_names(find_moe_layers(skeleton))
     source = SourceCheckpoint(model_dir, skeleton, set(experts))
@@ -110,39 +99,49 @@ def prepare_store(
                 info["constants"] = constants
     files = _assign_files(tensors, max_file_bytes)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out_dir)
-    tmp = temporary_name(out_dir)
-    tmp.mkdir()
-    writers: dict[str, shards.StreamingWriter] = {}
-    try:
-        for file, names in files.items():
-            planned = [
-                shards.PlannedTensor(key, dtype, shape)
-                for name in names
-                for key, (dtype, shape) in tensors[name]["stored"].items()
-            ]
-            writers[file] = shards.StreamingWriter(tmp / file, planned, {"format": "usaf-store"})
-            for name in names:
-                tensors[name]["file"] = file
-        _write_tensors(source, tensors, writers, device, progress)
+    with atomic_dir(out_dir) as tmp:
+        writers: dict[str, shards.StreamingWriter] = {}
+        try:
+            _open_writers(tmp, files, tensors, writers)
+            _write_tensors(source, tensors, writers, device, progress)
+        except BaseException:  # the files closed before their folder is removed
+            for writer in writers.values():
+                with contextlib.suppress(Exception):
+                    writer.file.close()
+            raise
         for writer in writers.values():
             writer.close()
-        writers.clear()
         used = sorted({key for info in tensors.values() for key in info["sources"]})
         checksums = source.finish_checksums(used)
         copy_side_files(model_dir, tmp, keep_shard_index=False)
         metadata = _metadata(model_dir, source, tensors, checksums, quant, fmt_name, quant_dense, tmp)
         write_json(tmp / STORE_FILE, metadata)
-        fsync_dir(tmp)
-        install_dir(tmp, out_dir)
-    except BaseException:
-        for writer in writers.values():
-            with contextlib.suppress(Exception):
-                writer.file.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
+
+
+def _open_writers(tmp: Path, files: dict, tensors: dict, writers: dict) -> None:
+    """A streaming writer per file of the store, its tensors planned (and each tensor told its file)."""
+    for file, names in files.items():
+        planned = [
+            shards.PlannedTensor(key, dtype, shape)
+            for name in names
+            for key, (dtype, shape) in tensors[name]["stored"].items()
+        ]
+        writers[file] = shards.StreamingWriter(tmp / file, planned, {"format": "usaf-store"})
+        for name in names:
+            tensors[name]["file"] = file
+
+
+def _store_format(model_dir: Path, method: str | None, quant: str, device: torch.device) -> str:
+    """The experts' format in the store: a published MXFP4/FP8 checkpoint keeps its own (the store holds their
+    bytes as published); otherwise `quant`, resolved for `device`, which a published format never is."""
+    if method is None and quant in published.METHODS:
+        raise UsafError(
+            f"{model_dir} is not a published {quant} checkpoint (its config.json has no quantization_config "
+            f"{quant}); usaf reads {quant} as published and never quantizes into it: choose one of "
+            f"{', '.join(FORMATS)}."
+        )
+    return method or resolve_format(quant, device)
 
 
 def _check_output(model_dir: Path, out_dir: Path, force: bool) -> None:
@@ -336,7 +335,10 @@ def _metadata(model_dir, source, tensors, checksums, requested, fmt, quant_dense
     for info in tensors.values():
         files.setdefault(info["file"], {"size": (tmp / info["file"]).stat().st_size})
     source_files = {
-        file.name for key, entry in source.entries.items() if key in checksums for file in source_files(entry)
+        file.name
+        for key, entry in source.entries.items()
+        if key in checksums
+        for file in files_of_entry(entry)
     }
     return {
         "format": "usaf-store",
@@ -407,6 +409,6 @@ def ensure_prepared(
     return prepare_store(model_dir, out_dir, quant, quant_dense, force=out_dir.exists(), **kwargs)
 
 
-def source_files(entry: shards.TensorEntry) -> list[Path]:
+def files_of_entry(entry: shards.TensorEntry) -> list[Path]:
     """The files a checkpoint tensor is read from (a published weight's parts may lie in several)."""
     return [part.file for part in entry.parts] if isinstance(entry, shards.DerivedEntry) else [entry.file]

@@ -23,6 +23,16 @@ def add_command(subparsers) -> None:
         help="memory ledger, verdict and step-time estimate for a model, from its config alone",
         description="Plan a sparse fine-tune: where memory goes, whether it fits, and settings that would.",
     )
+    # the help lists the options in these groups
+    _machine_options(p.add_argument_group("the model and the machine"), planner)
+    _run_options(p.add_argument_group("the run"), planner)
+    _storage_options(p.add_argument_group("the frozen base"), planner)
+    _parallel_options(p.add_argument_group("several GPUs"))
+    p.set_defaults(func=run)
+
+
+def _machine_options(p, planner) -> None:
+    """What is planned, on what: the model, a run's configuration, the device and the host."""
     p.add_argument(
         "--model",
         default=None,
@@ -43,7 +53,11 @@ def add_command(subparsers) -> None:
     )
     p.add_argument("--vram", default=None, help="device memory, e.g. 12GB (default: the device preset's)")
     p.add_argument("--ram", default=None, help="host RAM, e.g. 32GB (default: this machine's)")
-    seq, batch, quant = (planner.PLAN_DEFAULTS[key] for key in ("seq", "batch", "quant"))
+
+
+def _run_options(p, planner) -> None:
+    """The run's shape: sequences, what is trained and how, the loss's chunks, the optimizer and the dtype."""
+    seq, batch = planner.PLAN_DEFAULTS["seq"], planner.PLAN_DEFAULTS["batch"]
     p.add_argument("--seq", type=int, default=seq, help=f"tokens per sequence (default {seq})")
     p.add_argument("--batch", type=int, default=batch, help=f"sequences per step (default {batch})")
     p.add_argument(
@@ -69,22 +83,7 @@ def add_command(subparsers) -> None:
         default=",".join(DEFAULT_TARGETS),
         help=f"weights that hold trained entries, comma-separated (select.targets; default {','.join(DEFAULT_TARGETS)})",
     )
-    p.add_argument(
-        "--quant", default=quant, choices=list(planner.quant_formats()), help="frozen experts' format"
-    )
-    p.add_argument(
-        "--quant-dense",
-        action="store_true",
-        help="store dense linear layers as int8 too (on disk: loading dequantizes them)",
-    )
     p.add_argument("--granularity", default="element", choices=["element", "neuron"])
-    p.add_argument(
-        "--residency",
-        default="auto",
-        choices=["auto", *planner.RESIDENCIES],
-        help="where the frozen experts live (auto: the device if they fit, else pinned host memory, "
-        "else memory-mapped)",
-    )
     p.add_argument(
         "--no-recompute", action="store_true", help="keep every layer's activations (no recomputation)"
     )
@@ -112,12 +111,36 @@ def add_command(subparsers) -> None:
         choices=list(planner.DTYPE_BYTES),
         help="compute and dense-weight dtype (default bf16 on GPUs, fp32 on the CPU)",
     )
+
+
+def _storage_options(p, planner) -> None:
+    """Where the frozen base lives and in what format."""
+    quant = planner.PLAN_DEFAULTS["quant"]
+    p.add_argument(
+        "--quant", default=quant, choices=list(planner.quant_formats()), help="frozen experts' format"
+    )
+    p.add_argument(
+        "--quant-dense",
+        action="store_true",
+        help="store dense linear layers as int8 too (on disk: loading dequantizes them)",
+    )
+    p.add_argument(
+        "--residency",
+        default="auto",
+        choices=["auto", *planner.RESIDENCIES],
+        help="where the frozen experts live (auto: the device if they fit, else pinned host memory, "
+        "else memory-mapped)",
+    )
     p.add_argument(
         "--workspace-mb",
         type=int,
         default=DEFAULT_WORKSPACE_MB,
         help=f"dequantized routed-expert workspace bound (default {DEFAULT_WORKSPACE_MB}, as select.workspace_mb)",
     )
+
+
+def _parallel_options(p) -> None:
+    """A torchrun job's GPUs and how the model is spread over them."""
     p.add_argument(
         "--gpus",
         type=int,
@@ -137,7 +160,6 @@ def add_command(subparsers) -> None:
         default=0,
         help="with --gpus: ranks on one host, sharing its --ram (default: up to 8)",
     )
-    p.set_defaults(func=run)
 
 
 def memory_size(text: str, flag: str) -> int:

@@ -59,28 +59,8 @@ def load_dataset(
     docstring. Paths are files, save_to_disk folders or cached hub ids. model_vocabulary: (the model's
     vocab_size, its config file), which every token id must be below. pairs: preference pairs for DPO
     (`usaf.data.pairs.PreferencePairs`, never packed)."""
-    if isinstance(paths, str) or isinstance(eval_paths, str):
-        raise UsafError("load_dataset: paths and eval_paths must be lists of file names.")
-    if not paths:
-        raise UsafError("no training data files were given.")
-    if not isinstance(max_seq_len, int) or max_seq_len < 2:
-        raise UsafError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}.")
-    if not 0.0 <= eval_fraction < 1.0:
-        raise UsafError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}.")
-    if long_documents not in LONG_DOCUMENTS:
-        raise UsafError(f"long_documents must be one of {', '.join(LONG_DOCUMENTS)}, got {long_documents!r}.")
-    if not isinstance(stride, int) or not 0 <= stride < max_seq_len - 1:
-        raise UsafError(
-            f"data.stride={stride!r} must be in [0, max_seq_len - 1) = [0, {max_seq_len - 1}): each window needs a "
-            "new token to learn."
-        )
     columns = columns or {}
-    if not isinstance(columns, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in columns.items()
-    ):
-        raise UsafError(
-            f"data.columns must map usaf record keys to column names, e.g. {{prompt: question}}, got {columns!r}."
-        )
+    _check_arguments(paths, eval_paths, max_seq_len, eval_fraction, long_documents, stride, columns)
     settings = Settings(max_seq_len, long_documents, stride, tuple(sorted(columns.items())), split, pairs)
     pack = pack and not pairs
     shown = sys.stderr.isatty()
@@ -107,17 +87,7 @@ def load_dataset(
             )
             + "."
         )
-    if eval_paths:
-        eval_docs = read(eval_paths)
-        if not eval_docs.ids:
-            raise UsafError(
-                f"the eval data set is empty: no usable records in {', '.join(map(str, eval_paths))}."
-            )
-    elif eval_fraction > 0:
-        train_docs, eval_docs = split_documents(train_docs, eval_fraction, seed)
-    else:
-        eval_docs = None
-
+    train_docs, eval_docs = _held_out(train_docs, eval_paths, eval_fraction, seed, read)
     train = _rows(train_docs, max_seq_len, pack, pad_id, pairs)
     stats.train_documents, stats.train_sequences = train.num_documents, len(train)
     stats.train_supervised_tokens = train.supervised_tokens
@@ -127,6 +97,46 @@ def load_dataset(
         stats.eval_documents, stats.eval_sequences = held_out.num_documents, len(held_out)
         stats.eval_supervised_tokens = held_out.supervised_tokens
     return train, held_out, stats
+
+
+def _check_arguments(paths, eval_paths, max_seq_len, eval_fraction, long_documents, stride, columns) -> None:
+    """load_dataset's arguments, each fault one clear error naming the setting."""
+    if isinstance(paths, str) or isinstance(eval_paths, str):
+        raise UsafError("load_dataset: paths and eval_paths must be lists of file names.")
+    if not paths:
+        raise UsafError("no training data files were given.")
+    if not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise UsafError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}.")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise UsafError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}.")
+    if long_documents not in LONG_DOCUMENTS:
+        raise UsafError(f"long_documents must be one of {', '.join(LONG_DOCUMENTS)}, got {long_documents!r}.")
+    if not isinstance(stride, int) or not 0 <= stride < max_seq_len - 1:
+        raise UsafError(
+            f"data.stride={stride!r} must be in [0, max_seq_len - 1) = [0, {max_seq_len - 1}): each window needs a "
+            "new token to learn."
+        )
+    if not isinstance(columns, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in columns.items()
+    ):
+        raise UsafError(
+            f"data.columns must map usaf record keys to column names, e.g. {{prompt: question}}, got {columns!r}."
+        )
+
+
+def _held_out(train_docs: Documents, eval_paths, eval_fraction: float, seed: int, read):
+    """(training documents, evaluation documents or None): the eval files' when given, else a seeded share of
+    the training documents, else none."""
+    if eval_paths:
+        eval_docs = read(eval_paths)
+        if not eval_docs.ids:
+            raise UsafError(
+                f"the eval data set is empty: no usable records in {', '.join(map(str, eval_paths))}."
+            )
+        return train_docs, eval_docs
+    if eval_fraction > 0:
+        return split_documents(train_docs, eval_fraction, seed)
+    return train_docs, None
 
 
 def _rows(documents: Documents, max_seq_len: int, pack: bool, pad_id: int, pairs: bool):

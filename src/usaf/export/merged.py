@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -28,11 +27,8 @@ from usaf.export.delta import (
 from usaf.files import INDEX_FILE, MERGED_METADATA_FILE
 from usaf.io import shards
 from usaf.io.atomic import (
+    atomic_dir,
     copy_side_files,
-    fsync_dir,
-    install_dir,
-    remove_stale_temporaries,
-    temporary_name,
     write_json,
 )
 from usaf.io.guard import MERGED, check_output
@@ -91,11 +87,7 @@ def write_merged(
     check_output(out_dir, MERGED, flag=flag, force=force, inputs=inputs, noun="output directory")
     edits = _edits_by_checkpoint_key(base, delta)
     expected = (delta.base_record or {}).get("tensors")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out_dir)
-    tmp = temporary_name(out_dir)
-    tmp.mkdir()
-    try:
+    with atomic_dir(out_dir) as tmp:
         report: dict[str, dict] = {}
         derived = base.source.published is not None
         for file in base.shard_files():
@@ -123,11 +115,6 @@ def write_merged(
         }
         # written last, so that a folder holding it is complete
         write_json(tmp / MERGED_METADATA_FILE, metadata)
-        fsync_dir(tmp)
-        install_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

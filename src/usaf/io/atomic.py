@@ -253,6 +253,26 @@ def atomic_json(path: Path, data: dict) -> None:
     atomic_file(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
 
 
+@contextlib.contextmanager
+def atomic_dir(out_dir: Path, tmp: Path | None = None):
+    """A folder written under a temporary name beside `out_dir` (`tmp`, else a fresh one, the temporaries of dead
+    writers removed first): the block writes into the yielded path; when it ends the folder is synced and renamed
+    into place, and when it raises (a full disk, Ctrl-C, SIGTERM under `terminate_as_interrupt`) it is removed."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if tmp is None:
+        remove_stale_temporaries(out_dir)
+        tmp = temporary_name(out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_dir(tmp)
+        install_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def install_dir(tmp: Path, out_dir: Path) -> None:
     """Rename a finished temporary folder into place; an existing one (--force) is moved aside first, then removed
     (for an output `usaf.io.guard` checked: only the one it found there; another's output is refused)."""

@@ -172,6 +172,17 @@ def _index(values: torch.Tensor, device) -> torch.Tensor:
     return values.to(device=device, dtype=torch.int64).contiguous()
 
 
+def _segment_operands(a, b, rows, picked, entries) -> tuple:
+    """What both kernels take first: the two row-grouped operands, the rows' and the entries' segment offsets
+    around the picked entries (or lines) as int64 on the operands' device."""
+    device = a.device
+    return a, b, _index(rows.offsets, device), _index(picked, device), _index(entries.offsets, device)
+
+
+def _strides(a, b) -> tuple[int, int, int, int]:
+    return a.stride(0), a.stride(1), b.stride(0), b.stride(1)
+
+
 def sampled_dots(U, V, rows, local, entries, width):
     """See `usaf.kernels.sampled_dots`."""
     require()
@@ -182,19 +193,12 @@ def sampled_dots(U, V, rows, local, entries, width):
     E = entries.offsets.shape[0] - 1
     grid = (triton.cdiv(K, ENTRY_BLOCK),)
     _sampled_dots_kernel[grid](
-        U,
-        V,
-        _index(rows.offsets, U.device),
-        _index(local, U.device),
-        _index(entries.offsets, U.device),
+        *_segment_operands(U, V, rows, local, entries),
         out,
         K,
         E,
         width,
-        U.stride(0),
-        U.stride(1),
-        V.stride(0),
-        V.stride(1),
+        *_strides(U, V),
         STEPS=_steps(E),
         BLOCK_K=ENTRY_BLOCK,
         BLOCK_T=ROW_BLOCK,
@@ -216,19 +220,12 @@ def line_dots(fixed, spanning, rows, lines, entries):
     as_fp32 = not (fixed.dtype == spanning.dtype and fixed.dtype in halves)
     grid = (triton.cdiv(L, LINE_BLOCK), triton.cdiv(W, COLUMN_BLOCK))
     _line_dots_kernel[grid](
-        fixed,
-        spanning,
-        _index(rows.offsets, fixed.device),
-        _index(lines, fixed.device),
-        _index(entries.offsets, fixed.device),
+        *_segment_operands(fixed, spanning, rows, lines, entries),
         out,
         L,
         E,
         W,
-        fixed.stride(0),
-        fixed.stride(1),
-        spanning.stride(0),
-        spanning.stride(1),
+        *_strides(fixed, spanning),
         STEPS=_steps(E),
         AS_FP32=as_fp32,
         BLOCK_L=LINE_BLOCK,

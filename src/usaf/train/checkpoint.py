@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
 from usaf.files import EXTRA_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STATE_SUM_FILE, TRAINABLE_FILE
-from usaf.io.atomic import atomic_file, fsync_file, install_dir, make_shareable, remove_dead_writers
+from usaf.io.atomic import atomic_dir, atomic_file, fsync_file, make_shareable, remove_dead_writers
 from usaf.train import distributed
 from usaf.version import __version__
 
@@ -110,15 +110,9 @@ def save(
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"{PREFIX}{step:08d}"
     remove_stale_temporaries(folder)
-    tmp = folder / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    # a full disk, a second Ctrl-C: nothing half-written stays behind
+    with atomic_dir(final, tmp=folder / f".tmp-{final.name}-{os.getpid()}") as tmp:
         _write(tmp, model, optimizer, scheduler, state, step, extra_tensors)
-    except BaseException:  # a full disk, a second Ctrl-C: nothing half-written stays behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    install_dir(tmp, final)
     for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -122,6 +122,20 @@ def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress |
     return TrainingRun(config, run_dir, resume, changes, progress or _Progress()).train()
 
 
+def _router_training(model, config: RunConfig, session, device, micro_batches: int) -> RouterTraining:
+    """The routers' losses, health and guard; their drift is measured on a fixed reference batch, the first rows
+    of the eval data (else of the training data)."""
+    rows = session.eval_data if session.eval_data is not None else session.train_data
+    reference = collate([rows[i] for i in range(min(4, len(rows)))], rows.pad_id)
+    return RouterTraining(
+        model,
+        config.router,
+        router_params(model),
+        {k: v.to(device) for k, v in reference.items()},
+        micro_batches,
+    )
+
+
 class TrainingRun:
     """One run, built from its folder (new, or resumed from its latest checkpoint) and trained step by step.
     Building it writes nothing; `train` records a new run's start in the folder, then reads top to bottom; each
@@ -162,18 +176,7 @@ class TrainingRun:
         # gradients summed across ranks, overlapped with the last backward of each step
         self.reducer = gradient_reducer(self.model)
 
-        # the routers' drift is measured on a fixed reference batch: the first rows of the eval data (else train)
-        reference_rows = session.eval_data if session.eval_data is not None else session.train_data
-        reference = collate(
-            [reference_rows[i] for i in range(min(4, len(reference_rows)))], reference_rows.pad_id
-        )
-        self.routers = RouterTraining(
-            self.model,
-            config.router,
-            router_params(self.model),
-            {k: v.to(device) for k, v in reference.items()},
-            self.share.micro_batches,
-        )
+        self.routers = _router_training(self.model, config, session, device, self.share.micro_batches)
         self.checkpointer = Checkpointer(run_dir, config.checkpoint, self.checkpoint_parts)
         self.length = f"{config.schedule.max_steps} steps"  # what the first line says (schedule.epochs: how)
         if config.schedule.epochs:
@@ -193,14 +196,18 @@ class TrainingRun:
             )
         self.state = TrainState()
         if restored is not None:
-            self.restore_loop(restored)
-            if changes:
-                self.notes.append("resumed with " + ", ".join(changes))
-            # config.yaml states the run as resumed (changes, or a --set that put an edit back) from the next
-            # checkpoint on, which records the same settings: the two never disagree for a later resume
-            if (run_dir / CONFIG_FILE).read_text(errors="replace") != run_yaml:
-                self.checkpointer.write_with_next(run_dir / CONFIG_FILE, run_yaml)
+            self._resume_from(restored, changes, run_yaml)
         self.entries = trainable_summary(self.model)
+
+    def _resume_from(self, restored, changes: list[str], run_yaml: str) -> None:
+        """The loop's state from the latest checkpoint; config.yaml states the run as resumed (changes, or a --set
+        that put an edit back) from the next checkpoint on, which records the same settings: the two never
+        disagree for a later resume."""
+        self.restore_loop(restored)
+        if changes:
+            self.notes.append("resumed with " + ", ".join(changes))
+        if (self.run_dir / CONFIG_FILE).read_text(errors="replace") != run_yaml:
+            self.checkpointer.write_with_next(self.run_dir / CONFIG_FILE, run_yaml)
 
     def _steps_from_epochs(self, config: RunConfig) -> None:
         """schedule.epochs: max_steps from the batches an epoch and the micro-batches a step (all ranks); the run's
