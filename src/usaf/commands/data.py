@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from usaf.commands import add_set_option
+from usaf.commands import add_run_inputs, add_set_option
 from usaf.commands.train import effective_config
 from usaf.errors import UsafError
 
@@ -25,9 +25,7 @@ def add_command(sub) -> None:
         'one {"input_ids": [...], "labels": [...]} per line (labels -100 where not supervised), the summary '
         "on stderr.",
     )
-    p.add_argument("--model", help="model directory or hub id (model.path); only its tokenizer is read")
-    p.add_argument("--data", help="data files, comma separated (data.train)")
-    p.add_argument("--config", help="YAML run configuration")
+    add_run_inputs(p, model="model directory or hub id (model.path); only its tokenizer is read")
     p.add_argument(
         "--show", type=int, default=3, metavar="N", help="records to print (default 3; 0: summary only)"
     )

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from usaf.commands import add_set_option
+from usaf.commands import add_run_inputs, add_set_option
 from usaf.commands.train import effective_config
 from usaf.errors import UsafError
 
@@ -18,9 +18,7 @@ def add_command(sub) -> None:
         description="Runs the selection of `usaf train` (strategy, selection, budget from the config) on "
         "calibration batches of the data and writes OUT (.safetensors) plus OUT.json with a summary.",
     )
-    p.add_argument("--model", help="model directory (model.path)")
-    p.add_argument("--data", help="data files, comma separated (data.train)")
-    p.add_argument("--config", help="YAML run configuration")
+    add_run_inputs(p, model="model directory (model.path)")
     p.add_argument("--out", required=True, help="selection file to write (.safetensors)")
     p.add_argument("--force", action="store_true", help="replace an earlier selection file at --out")
     add_set_option(p)

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from usaf.commands import add_set_option
+from usaf.commands import add_run_inputs, add_set_option
 from usaf.config import RunConfig, describe
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE
@@ -20,10 +20,8 @@ def add_command(sub) -> None:
         description="Fine-tune sparsely. Every option lives in one configuration: a YAML file (--config) with "
         "--set section.key=value overrides; --print-config shows the effective result, --list-options all keys.",
     )
-    p.add_argument("--model", help="model directory or hub id (model.path)")
-    p.add_argument("--data", help="training files, comma separated (data.train)")
+    add_run_inputs(p, data="training files, comma separated (data.train)")
     p.add_argument("--eval-data", help="held-out files, comma separated (data.eval)")
-    p.add_argument("--config", help="YAML run configuration")
     p.add_argument("--out", help="run directory (checkpoints, metrics, summary)")
     p.add_argument(
         "--force", action="store_true", help="start the run in an existing folder that is not a usaf run"
