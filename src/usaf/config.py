@@ -850,67 +850,93 @@ def _coerce(value, spec, where: str):
         if default is None:
             return None
         raise UsafError(f"{where} needs a value (null is not one).")
-    kind = _declared_type(spec)
-    if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        raise UsafError(f"{where} must be true or false, got {value!r}.")
-    if kind == "int":
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise UsafError(f"{where} must be an integer, got {value!r}.")
-    if kind == "float":
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+    coerce = _COERCERS.get(_declared_type(spec))
+    return coerce(value, spec, where) if coerce is not None else value
+
+
+def _as_bool(value, spec, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise UsafError(f"{where} must be true or false, got {value!r}.")
+
+
+def _as_int(value, spec, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise UsafError(f"{where} must be an integer, got {value!r}.")
+
+
+def _as_float(value, spec, where: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
             return float(value)
-        if isinstance(value, str):
-            try:  # YAML 1.1 reads "3e-4" (no dot) as a string
-                return float(value)
-            except ValueError:
-                pass
-        raise UsafError(f"{where} must be a number, got {value!r}.")
-    if kind == "list[int]":  # layer numbers: a list, one number, "0,2", or "all" (the same as null)
-        if isinstance(value, str) and value.strip().lower() == "all":
-            return None
-        value = list(value) if isinstance(value, (tuple, range)) else value
-        items = (
-            value if isinstance(value, list) else str(value).split(",") if isinstance(value, str) else [value]
-        )
-        numbers = []
-        for item in items:
-            item = item.strip() if isinstance(item, str) else item
-            if isinstance(item, str) and item.lstrip("-").isdigit():
-                item = int(item)
-            if isinstance(item, bool) or not isinstance(item, int):
-                raise UsafError(
-                    f"{where} must be a list of layer numbers (e.g. [0, 2]), or null (or all) for every layer, "
-                    f"got {value!r}."
-                )
-            numbers.append(item)
-        return numbers
-    if kind == "list":
-        value = list(value) if isinstance(value, (tuple, set)) else value
-        if isinstance(value, list):
-            items = value
-        elif spec.metadata.get("path") and isinstance(value, str):
-            items = split_paths(value)
-        else:
-            items = [v.strip() for v in str(value).split(",") if v.strip()]
-        if isinstance(value, dict) or any(isinstance(v, (list, dict)) or v is None for v in items):
+        except ValueError:
+            pass
+    raise UsafError(f"{where} must be a number, got {value!r}.")
+
+
+def _as_layer_numbers(value, spec, where: str) -> list[int] | None:
+    """Layer numbers: a list, one number, "0,2", or "all" (the same as null)."""
+    if isinstance(value, str) and value.strip().lower() == "all":
+        return None
+    value = list(value) if isinstance(value, (tuple, range)) else value
+    items = value if isinstance(value, list) else str(value).split(",") if isinstance(value, str) else [value]
+    numbers = []
+    for item in items:
+        item = item.strip() if isinstance(item, str) else item
+        if isinstance(item, str) and item.lstrip("-").isdigit():
+            item = int(item)
+        if isinstance(item, bool) or not isinstance(item, int):
             raise UsafError(
-                f"{where} must be a list of names or paths (or one, or several comma separated), got {value!r}."
+                f"{where} must be a list of layer numbers (e.g. [0, 2]), or null (or all) for every layer, "
+                f"got {value!r}."
             )
-        return [str(v) for v in items]
-    if kind == "dict":
-        if isinstance(value, dict):
-            return value
-        raise UsafError(f"{where} must be a mapping (e.g. {{key: value}}), got {value!r}.")
-    if kind == "str":
-        if isinstance(value, os.PathLike):  # a pathlib.Path from Python
-            return os.fspath(value)
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise UsafError(f"{where} must be a string, got {value!r}.")
-    return value
+        numbers.append(item)
+    return numbers
+
+
+def _as_names(value, spec, where: str) -> list[str]:
+    """Names or paths: a list, one, or several comma separated (a path option's own commas kept)."""
+    value = list(value) if isinstance(value, (tuple, set)) else value
+    if isinstance(value, list):
+        items = value
+    elif spec.metadata.get("path") and isinstance(value, str):
+        items = split_paths(value)
+    else:
+        items = [v.strip() for v in str(value).split(",") if v.strip()]
+    if isinstance(value, dict) or any(isinstance(v, (list, dict)) or v is None for v in items):
+        raise UsafError(
+            f"{where} must be a list of names or paths (or one, or several comma separated), got {value!r}."
+        )
+    return [str(v) for v in items]
+
+
+def _as_mapping(value, spec, where: str) -> dict:
+    if isinstance(value, dict):
+        return value
+    raise UsafError(f"{where} must be a mapping (e.g. {{key: value}}), got {value!r}.")
+
+
+def _as_text(value, spec, where: str) -> str:
+    if isinstance(value, os.PathLike):  # a pathlib.Path from Python
+        return os.fspath(value)
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise UsafError(f"{where} must be a string, got {value!r}.")
+
+
+# an option's declared type (`_declared_type`) -> what reads a value of it
+_COERCERS = {
+    "bool": _as_bool,
+    "int": _as_int,
+    "float": _as_float,
+    "list[int]": _as_layer_numbers,
+    "list": _as_names,
+    "dict": _as_mapping,
+    "str": _as_text,
+}
 
 
 def describe() -> str:

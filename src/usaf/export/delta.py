@@ -145,41 +145,9 @@ def write_delta(
     described: dict[str, dict] = {}
     checksums: dict[str, dict] = {}
     for name in sorted(delta.changes):
-        change = delta.changes[name]
-        shape, base_dtype = base.shape(name), base.dtype(name)
-        numel = torch.Size(shape).numel()
-        values_dtype = torch.float32 if fp32 else base_dtype
-        flat = change.flat_indices if change.flat_indices is not None else torch.arange(numel)
-        if change.count != flat.numel() or (flat.numel() and int(flat.max()) >= numel):
-            raise UsafError(
-                f"The trained entries of '{name}' do not fit its shape {list(shape)} in {base.dir}."
-            )
-        entry = {"kind": "full" if change.flat_indices is None else "entries", "shape": list(shape)}
-        if change.flat_indices is None:
-            tensors[f"{name}:full"] = change.values.to(values_dtype).reshape(shape).contiguous()
-        else:
-            index_dtype = torch.int32 if numel <= _INT32_LIMIT else torch.int64
-            tensors[f"{name}:flat_indices"] = change.flat_indices.to(index_dtype).contiguous()
-            tensors[f"{name}:values"] = change.values.to(values_dtype).contiguous()
-            entry["index_dtype"] = shards.DTYPE_NAMES[index_dtype]
-        entry.update(
-            count=change.count,
-            base_dtype=shards.DTYPE_NAMES[base_dtype],
-            values_dtype=shards.DTYPE_NAMES[values_dtype],
-        )
-        entry["source_tensors"] = sorted({key for key, _, _ in base.locate(name, flat)})
-        described[name] = entry
-        for key in entry["source_tensors"]:
-            source_entry = base.source.entries[key]
-            checksums[key] = {
-                "file": source_entry.file.name,
-                "dtype": shards.DTYPE_NAMES[source_entry.dtype],
-                "shape": list(source_entry.shape),
-                "sha256": base.sha256(key),
-            }
-            want = ((delta.base_record or {}).get("tensors") or {}).get(key, {}).get("sha256")
-            if want is not None and checksums[key]["sha256"] != want:
-                raise UsafError(checksum_message(key, source_entry.file, delta.origin))
+        described[name] = _put_change(name, delta.changes[name], base, fp32, tensors)
+        for key in described[name]["source_tensors"]:
+            checksums[key] = _checked_source(key, base, delta)
     # the other tensors by their cheap facts, so that `usaf apply` refuses another model with the same shapes
     # even where the delta changes nothing
     facts = {key: tensor_facts(entry) for key, entry in sorted(base.source.entries.items())}
@@ -201,6 +169,48 @@ def write_delta(
     metadata = {"format": DELTA_FORMAT, "format_version": str(DELTA_FORMAT_VERSION), "usaf": json.dumps(info)}
     atomic_file(out_path, lambda tmp: safetensors.torch.save_file(tensors, str(tmp), metadata=metadata))
     return out_path
+
+
+def _put_change(name: str, change, base: BaseCheckpoint, fp32: bool, tensors: dict) -> dict:
+    """One changed parameter's tensors into `tensors` (its indices and values, or the whole tensor); what the
+    metadata says of it."""
+    shape, base_dtype = base.shape(name), base.dtype(name)
+    numel = torch.Size(shape).numel()
+    values_dtype = torch.float32 if fp32 else base_dtype
+    flat = change.flat_indices if change.flat_indices is not None else torch.arange(numel)
+    if change.count != flat.numel() or (flat.numel() and int(flat.max()) >= numel):
+        raise UsafError(f"The trained entries of '{name}' do not fit its shape {list(shape)} in {base.dir}.")
+    entry = {"kind": "full" if change.flat_indices is None else "entries", "shape": list(shape)}
+    if change.flat_indices is None:
+        tensors[f"{name}:full"] = change.values.to(values_dtype).reshape(shape).contiguous()
+    else:
+        index_dtype = torch.int32 if numel <= _INT32_LIMIT else torch.int64
+        tensors[f"{name}:flat_indices"] = change.flat_indices.to(index_dtype).contiguous()
+        tensors[f"{name}:values"] = change.values.to(values_dtype).contiguous()
+        entry["index_dtype"] = shards.DTYPE_NAMES[index_dtype]
+    entry.update(
+        count=change.count,
+        base_dtype=shards.DTYPE_NAMES[base_dtype],
+        values_dtype=shards.DTYPE_NAMES[values_dtype],
+    )
+    entry["source_tensors"] = sorted({key for key, _, _ in base.locate(name, flat)})
+    return entry
+
+
+def _checked_source(key: str, base: BaseCheckpoint, delta: Delta) -> dict:
+    """A source tensor the delta changes, by its facts and checksum; refused when it is not the tensor the run
+    trained on (the base record's checksum)."""
+    source_entry = base.source.entries[key]
+    facts = {
+        "file": source_entry.file.name,
+        "dtype": shards.DTYPE_NAMES[source_entry.dtype],
+        "shape": list(source_entry.shape),
+        "sha256": base.sha256(key),
+    }
+    want = ((delta.base_record or {}).get("tensors") or {}).get(key, {}).get("sha256")
+    if want is not None and facts["sha256"] != want:
+        raise UsafError(checksum_message(key, source_entry.file, delta.origin))
+    return facts
 
 
 def read_delta(path: str | Path) -> Delta:

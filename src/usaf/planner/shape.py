@@ -200,32 +200,10 @@ def _experts_per_token(text: dict) -> int:
 
 
 def _shape_from_skeleton(config: dict, name: str) -> ModelShape:
-    import torch
-    import transformers
-
-    # The published fields only: a quantization_config would ask transformers for quantizer kernels.
-    fields_ = {k: v for k, v in config.items() if not k.startswith("_") and k != "quantization_config"}
-    if "model_type" not in fields_:
-        raise ValueError("the config has no model_type")
-    hf_config = transformers.AutoConfig.for_model(**fields_)
-    with warnings.catch_warnings(), torch.device("meta"):
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
+    model = _meta_skeleton(config)
     text = text_fields(config)
     layers = find_moe_layers(model)
-    expert_ids, router_ids, matrices = set(), set(), {}
-    expert_biases = 0
-    for layer in layers:
-        for t in layer.tensors:
-            tensor = getattr(layer.experts, t.name)
-            expert_ids.add(id(tensor))
-            if t.is_bias:
-                expert_biases += tensor.numel()
-            else:
-                key = tuple(tensor.shape[1:])
-                matrices[key] = matrices.get(key, 0) + tensor.shape[0]
-        if layer.router is not None:
-            router_ids.update(id(p) for p in layer.router.parameters())
+    expert_ids, router_ids, matrices, expert_biases = _expert_tensors(layers)
     embedding = model.get_input_embeddings().weight
     router = dense = 0
     for param in model.parameters():  # tied parameters count once
@@ -235,18 +213,7 @@ def _shape_from_skeleton(config: dict, name: str) -> ModelShape:
             dense += param.numel()
     first = layers[0]
     qk_norm = any(n.endswith(("q_norm", "k_norm")) for n, _ in model.named_modules())
-    head = model.get_output_embeddings()
-    roles = [
-        t for t in TARGET_KINDS if not (head is not None and head.weight is embedding and t == "lm_head")
-    ]
-    target_params: dict[str, int] = {}
-    for weight in find_target_weights(
-        model, layers, [r for r in roles if r not in ("embeddings", "lm_head")]
-    ):
-        target_params[weight.target] = target_params.get(weight.target, 0) + weight.module.weight.numel()
-    target_params["embeddings"] = embedding.numel()
-    if "lm_head" in roles and head is not None:
-        target_params["lm_head"] = head.weight.numel()
+    target_params = _skeleton_target_params(model, layers)
     return ModelShape(
         name=name,
         model_type=str(config.get("model_type")),
@@ -268,6 +235,56 @@ def _shape_from_skeleton(config: dict, name: str) -> ModelShape:
         target_params=target_params,
         **_geometry(text),
     )
+
+
+def _meta_skeleton(config: dict):
+    """The model of `config` on the meta device (shapes, no memory)."""
+    import torch
+    import transformers
+
+    # The published fields only: a quantization_config would ask transformers for quantizer kernels.
+    fields_ = {k: v for k, v in config.items() if not k.startswith("_") and k != "quantization_config"}
+    if "model_type" not in fields_:
+        raise ValueError("the config has no model_type")
+    hf_config = transformers.AutoConfig.for_model(**fields_)
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
+
+
+def _expert_tensors(layers) -> tuple[set, set, dict, int]:
+    """(ids of the expert tensors, ids of the routers' parameters, {(rows, cols): matrices}, expert bias
+    entries) over the MoE layers."""
+    expert_ids, router_ids, matrices, expert_biases = set(), set(), {}, 0
+    for layer in layers:
+        for t in layer.tensors:
+            tensor = getattr(layer.experts, t.name)
+            expert_ids.add(id(tensor))
+            if t.is_bias:
+                expert_biases += tensor.numel()
+            else:
+                key = tuple(tensor.shape[1:])
+                matrices[key] = matrices.get(key, 0) + tensor.shape[0]
+        if layer.router is not None:
+            router_ids.update(id(p) for p in layer.router.parameters())
+    return expert_ids, router_ids, matrices, expert_biases
+
+
+def _skeleton_target_params(model, layers) -> dict[str, int]:
+    """Parameters of each registered target role in the skeleton; a tied output layer counts as the embedding."""
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    roles = [
+        t for t in TARGET_KINDS if not (head is not None and head.weight is embedding and t == "lm_head")
+    ]
+    target_params: dict[str, int] = {}
+    for weight in find_target_weights(
+        model, layers, [r for r in roles if r not in ("embeddings", "lm_head")]
+    ):
+        target_params[weight.target] = target_params.get(weight.target, 0) + weight.module.weight.numel()
+    target_params["embeddings"] = embedding.numel()
+    if "lm_head" in roles and head is not None:
+        target_params["lm_head"] = head.weight.numel()
+    return target_params
 
 
 def _target_params(counts: dict) -> dict[str, int]:
