@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import machine, write_results
+from harness import machine, write_results
 
 SHAPE = dict(  # ~8 M parameters, 6 M of them in experts: the CPU's size, the real models' proportions
     hidden_size=256,
@@ -54,7 +54,7 @@ def _free_port() -> int:
 
 
 def _model(method: str, shape: dict, device: torch.device):
-    from compare import stock_baseline
+    from recipe import stock_baseline
 
     import usaf
     from usaf.testing.tiny import tiny_model

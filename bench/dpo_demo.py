@@ -27,7 +27,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "src"))
 
-from common import RESULTS, machine  # noqa: E402
+from harness import RESULTS, machine  # noqa: E402
 
 
 def run(args, out: Path, name: str, data: Path, eval_data: Path, extra: list[str]) -> dict:

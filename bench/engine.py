@@ -16,7 +16,7 @@ from transformers import AutoConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import harness
 
 import usaf
 
@@ -75,7 +75,7 @@ def main() -> None:
         with torch.no_grad():
             frozen(x)
 
-    results = common.interleaved_medians(
+    results = harness.interleaved_medians(
         {
             "forward_only (grouped_mm, no grad)": forward_only,
             "dense train step (grouped_mm, all experts trainable)": train_step(dense),
@@ -95,7 +95,7 @@ def main() -> None:
             f"| {r['vs_forward']:.2f}x | {r['vs_dense_train']:.2f}x |"
         )
     shape = vars(args)
-    machine = common.machine()
+    machine = harness.machine()
     md = "\n".join(
         [
             f"# Engine benchmark ({machine['date']})",
@@ -113,7 +113,7 @@ def main() -> None:
             "",
         ]
     )
-    json_path, md_path = common.write_results(
+    json_path, md_path = harness.write_results(
         "engine", {"machine": machine, "shape": shape, "results": results}, md
     )
     print(md)

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_results
+from harness import machine, write_results
 
 import usaf
 from usaf.errors import UsafError

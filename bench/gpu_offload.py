@@ -41,7 +41,7 @@ from usaf.store.offload import LayerStreamer, StreamedParts
 from usaf.store.quantized import QuantizedStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import harness
 
 # The shipped planner preset (the published config.json), without its bookkeeping fields.
 QWEN3_30B_A3B = {
@@ -175,14 +175,14 @@ def train(model, streamer, device, batch: int, seq: int, steps: int, warmup: int
         ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
         clock.reset()
         before = streamer.bytes_streamed
-        common.sync()
+        harness.sync()
         began = time.perf_counter()
         loss = usaf.causal_lm_loss(model, ids, ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        common.sync()
+        harness.sync()
         elapsed = time.perf_counter() - began
         losses.append(float(loss.detach()))
         if step >= warmup:
@@ -217,7 +217,7 @@ def run(args) -> dict:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     shape = TINY if args.dry_run else QWEN3_30B_A3B
     result = {
-        "machine": common.machine(),
+        "machine": harness.machine(),
         "device": str(device),
         "dry_run": args.dry_run,
         "shape": shape,
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         print(result["error"], file=sys.stderr)
     text = f"# offload run failed\n\n```\n{result['error']}\n```\n" if "error" in result else markdown(result)
     stem = f"offload{'-dry-run' if args.dry_run else ''}"
-    json_path, _ = common.write_results(stem, result, text, out_dir=args.out)
+    json_path, _ = harness.write_results(stem, result, text, out_dir=args.out)
     if "error" not in result:
         print(text)
     print(f"wrote {json_path}", flush=True)

@@ -148,7 +148,7 @@ def _timed(fn, device: torch.device, steps: int) -> float:
 
 
 def speed(args) -> list[dict]:
-    import compare
+    import recipe
 
     device = torch.device(args.device)
     experts = 8 if args.quick else args.speed_experts
@@ -160,7 +160,7 @@ def speed(args) -> list[dict]:
     rows = []
 
     def lora_step(model):
-        model = compare.stock_baseline(model, "lora")
+        model = recipe.stock_baseline(model, "lora")
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
@@ -173,7 +173,7 @@ def speed(args) -> list[dict]:
         return step
 
     def inference(model):
-        model = compare.stock_baseline(model, "inference")
+        model = recipe.stock_baseline(model, "inference")
 
         def forward():
             with torch.no_grad():
@@ -184,7 +184,7 @@ def speed(args) -> list[dict]:
     methods = {
         "usaf step": lambda model: usaf_step(model, None, args.speed_density / 100, ids),
         "inference forward (grouped_mm, no grad)": inference,
-        f"PEFT LoRA r={compare.LORA_RANK} step (grouped_mm)": lora_step,
+        f"PEFT LoRA r={recipe.LORA_RANK} step (grouped_mm)": lora_step,
     }
     wanted = [m for m in args.speed_methods.split(",") if m]
     for dtype_name in args.speed_dtype.split(","):  # side by side: fp32 and bf16 steps in one run
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    import common
+    import harness
 
     if args.quick:
         args.experts = "8" if args.experts == parser.get_default("experts") else args.experts
@@ -376,7 +376,7 @@ def main(argv=None) -> int:
     ]
     payload = {
         "command": shlex.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
-        "machine": common.machine(),
+        "machine": harness.machine(),
         "device": args.device,
         "seq": args.seq,
         "batch": args.batch,
@@ -400,7 +400,7 @@ def main(argv=None) -> int:
     def write():
         payload["verdicts"] = verdicts([r for r in payload["rows"] if "error" not in r], top)
         kw = {"out_dir": Path(args.out)} if args.out else {}
-        return common.write_results(args.stem, payload, markdown(payload), **kw)
+        return harness.write_results(args.stem, payload, markdown(payload), **kw)
 
     if args.speed:  # first: a grid stopped by a time limit must not lose it
         payload["speed"] = speed(args)

@@ -49,7 +49,7 @@ def child(args) -> None:
     from usaf.model.hf import build_skeleton
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import TensorPeak, proc_status_bytes, reset_peak_rss
+    from harness import TensorPeak, proc_status_bytes, reset_peak_rss
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -164,7 +164,7 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import machine, write_results
+    from harness import machine, write_results
 
     from usaf.base.load import prepare_store, read_store_metadata
     from usaf.testing.tiny import tiny_model

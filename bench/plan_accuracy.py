@@ -124,7 +124,7 @@ def prepare(case: dict, workdir: str) -> str:
 def child(case: dict, store: str | None) -> dict:
     """Train one case and report the peak RSS above the post-import baseline (runs in its own process)."""
     import torch
-    from common import lifetime_peak_rss, proc_status_bytes, reset_peak_rss
+    from harness import lifetime_peak_rss, proc_status_bytes, reset_peak_rss
 
     import usaf
     from usaf.base.load import load_prepared
@@ -222,7 +222,7 @@ def main() -> int:
     if args.prepare:
         print(json.dumps(prepare(json.loads(args.prepare), args.store)))
         return 0
-    from common import machine, write_results
+    from harness import machine, write_results
 
     rows = []
     workdir = tempfile.TemporaryDirectory()

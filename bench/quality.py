@@ -23,7 +23,7 @@ How it measures
   transformers, peft and usaf once; `--jobs` of them run at once (default 2, 1 torch thread each: on a shared
   2-core CPU, 2-thread processes stall on OpenMP barriers). Peak memory: the resident set's peak above the
   process's baseline (VmHWM, reset after the model is built), and the live-tensor peak of one more training step
-  (bench/common.py's TensorPeak: what a GPU allocator's peak would count).
+  (bench/harness.py's TensorPeak: what a GPU allocator's peak would count).
 - Every training run: the same batches in the same order for a given seed, the same number of steps,
   `usaf.causal_lm_loss`, AdamW (betas 0.9/0.999, no weight decay), clipping at 1.0, linear warm-up over 10 % of the
   steps then cosine to 10 % of the peak learning rate. Baselines run transformers' `grouped_mm` experts.
@@ -45,7 +45,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -53,14 +52,19 @@ REPO = BENCH.parent
 RESULTS = BENCH / "results"
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "scripts"))
-from compare import (  # noqa: E402  (the same schedule and LoRA as the speed comparison)
-    LORA_ALPHA,
-    LORA_ATTENTION,
-    LORA_EXPERTS,
-    LORA_RANK,
-    _lr_factor,
+from harness import (  # noqa: E402
+    PeakMemory,
+    TensorPeak,
+    call_in_fork,
+    fmt,
+    library_versions,
+    machine,
+    map_in_forks,
+    own_mapped_weights,
+    params_label,
+    write_results,
 )
-from forked import call_in_fork  # noqa: E402
+from recipe import LORA_ALPHA, LORA_ATTENTION, LORA_EXPERTS, LORA_RANK, lr_factor, stock_baseline  # noqa: E402
 
 # ============================================================================================================
 # usaf configurations: EXTEND HERE (or pass --usaf-spec JSON on the command line, repeatable).
@@ -328,13 +332,12 @@ def _safetensors(model_dir: Path) -> dict:
 def _build(method: dict, model_dir: str, calibration: list):
     """The model of one method, with exactly its trainable parameters; and the optimizer's parameter groups."""
     import torch
-    from compare import _own_weights, stock_baseline
     from transformers import AutoModelForCausalLM
 
     import usaf
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    _own_weights(model)
+    own_mapped_weights(model)
     kind, lr = method["kind"], method["lr"]
     if kind == "usaf":
         from usaf.train.optim import router_params as _router_params
@@ -389,8 +392,6 @@ class _Evaluator:
 def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
     """Train one method on one task with one seed; evaluations along the way; its own process's memory."""
     import torch
-    from common import TensorPeak
-    from compare import PeakMemory
 
     import usaf
 
@@ -426,7 +427,7 @@ def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
         optimizer = CompactAdamW(groups, seed=seed, betas=(0.9, 0.999), weight_decay=0.0)
     else:
         optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999), weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(steps))
     reselector = None
     if config is not None and getattr(config, "reselect_every", 0):
         from usaf.selection.reselect import Reselector
@@ -476,10 +477,7 @@ def environment(threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    import common
-    from compare import _versions
-
-    return {"machine": common.machine(), "versions": _versions()}
+    return {"machine": machine(), "versions": library_versions()}
 
 
 # ---- aggregation -----------------------------------------------------------------------------------------------
@@ -579,16 +577,8 @@ def aggregate(task: str, methods: list[dict], runs: dict, errors: dict) -> dict:
 # ---- reporting -------------------------------------------------------------------------------------------------
 
 
-def _f(value, pattern="{:.3f}") -> str:
-    return "–" if value is None else pattern.format(value)
-
-
 def _metric(task: str, value) -> str:
-    return _f(value, "{:.1%}" if TASKS[task]["higher_is_better"] else "{:.3f}")
-
-
-def _params(n: int) -> str:
-    return f"{n / 1e6:.2f} M" if n >= 1e5 else f"{n / 1e3:.1f} k"
+    return fmt(value, "{:.1%}" if TASKS[task]["higher_is_better"] else "{:.3f}")
 
 
 def _yes(value) -> str:
@@ -664,11 +654,11 @@ def markdown(payload: dict) -> str:
                 f" (routers ×{r['router_lr_multiplier']:g})" if r["kind"] == "usaf" else ""
             )
             lines.append(
-                f"| {r['label']} | {lr if r['kind'] != 'inference' else '–'} | {_params(r['trainable_params'])} "
+                f"| {r['label']} | {lr if r['kind'] != 'inference' else '–'} | {params_label(r['trainable_params'])} "
                 f"| {_metric(task, r['before']['new'])} → {_metric(task, r['after']['new'])} [{per_new}] "
                 f"| {_metric(task, r['before']['old'])} → {_metric(task, r['after']['old'])} [{per_old}] "
-                f"| {_f(r['step_ms'], '{:.0f}')} | {_f(r['train_s'], '{:.0f}')} | {_f(r['peak_mb'], '{:.0f}')} "
-                f"| {_f(r['tensor_peak_mb'], '{:.0f}')} |"
+                f"| {fmt(r['step_ms'], '{:.0f}')} | {fmt(r['train_s'], '{:.0f}')} | {fmt(r['peak_mb'], '{:.0f}')} "
+                f"| {fmt(r['tensor_peak_mb'], '{:.0f}')} |"
             )
         for key, error in data["errors"].items():
             lines.append(f"| {key} | FAILED: {error.strip().splitlines()[-1][:150]} | | | | | | | |")
@@ -735,8 +725,8 @@ def markdown(payload: dict) -> str:
                 best = min(within, key=lambda x: sign * x["after"]["new"])
                 lines.append(
                     f"| {r['label']} | {r['lr']:g} | {r['peak_mb']:.0f} "
-                    f"| {_f(r['peak_mb'] / lora_peak if lora_peak else None, '{:.2f}')} "
-                    f"| {_f(r['tensor_peak_mb'], '{:.0f}')} | {_metric(task, r['after']['new'])} "
+                    f"| {fmt(r['peak_mb'] / lora_peak if lora_peak else None, '{:.2f}')} "
+                    f"| {fmt(r['tensor_peak_mb'], '{:.0f}')} | {_metric(task, r['after']['new'])} "
                     f"| {_metric(task, r['after']['old'])} | {_metric(task, best['after']['new'])} "
                     f"({best['label']} @ {best['lr']:g}) |"
                 )
@@ -899,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
 
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(
-        ["torch", "transformers", "peft", "usaf", "usaf.demo.task", "compare", "common"]
+        ["torch", "transformers", "peft", "usaf", "usaf.demo.task", "recipe", "harness"]
     )
     started = time.perf_counter()
     env = call_in_fork(context, "quality", "environment", threads=args.threads)
@@ -950,35 +940,28 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list] = {k: v for (t, k), v in reused.items() if t == task}
             errors: dict[str, str] = {}
 
-            def one(method, seed, task=task, job=job):
-                began = time.perf_counter()
-                try:
-                    result = call_in_fork(
-                        context, "quality", "run_method", task=task, method=method, seed=seed, job=job
-                    )
-                except RuntimeError as err:
-                    return method, seed, None, str(err), time.perf_counter() - began
-                return method, seed, result, None, time.perf_counter() - began
-
-            todo = [(m, s) for m in methods for s in seeds if m["key"] not in runs]
-            with ThreadPoolExecutor(max_workers=jobs) as pool:
-                for method, seed, result, error, took in pool.map(lambda ms: one(*ms), todo):
-                    if error is not None:
-                        errors[f"{method['key']} seed {seed}"] = error
-                        print(f"   {method['key']:<60} seed {seed}: FAILED\n{error}", flush=True)
-                        continue
-                    runs.setdefault(method["key"], []).append(result)
-                    last, first = result["curve"][-1], result["curve"][0]
-                    print(
-                        f"   {method['key']:<60} seed {seed}: new {first['new']:.4f} -> {last['new']:.4f}  "
-                        f"old {first['old']:.4f} -> {last['old']:.4f}  ({took:.0f} s)",
-                        flush=True,
-                    )
+            todo = [
+                {"task": task, "method": m, "seed": seed, "job": job}
+                for m in methods
+                for seed in seeds
+                if m["key"] not in runs
+            ]
+            for call, result, error, took in map_in_forks(context, "quality", "run_method", todo, jobs):
+                method, seed = call["method"], call["seed"]
+                if error is not None:
+                    errors[f"{method['key']} seed {seed}"] = error
+                    print(f"   {method['key']:<60} seed {seed}: FAILED\n{error}", flush=True)
+                    continue
+                runs.setdefault(method["key"], []).append(result)
+                last, first = result["curve"][-1], result["curve"][0]
+                print(
+                    f"   {method['key']:<60} seed {seed}: new {first['new']:.4f} -> {last['new']:.4f}  "
+                    f"old {first['old']:.4f} -> {last['old']:.4f}  ({took:.0f} s)",
+                    flush=True,
+                )
             payload["tasks"][task] = {**aggregate(task, methods, runs, errors), "facts": prepared["facts"]}
             gc.collect()
     payload["wall_s"] = time.perf_counter() - started
-    from common import write_results
-
     text = markdown(payload)
     json_path, md_path = write_results(stem, payload, text, out_dir=args.out)
     png = json_path.with_suffix(".png")

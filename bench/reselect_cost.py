@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, sync, write_results
+from harness import machine, sync, write_results
 
 import usaf
 from usaf.engine.loss import causal_lm_loss

@@ -3,7 +3,7 @@
 A random Qwen3-MoE-shaped model (fp32, 1 % element entries, gradient selection calibrated on 4 batches) trains for
 a number of steps in a fresh subprocess per configuration, with and without `select.reselect_every`, with and
 without per-layer recomputation. Each child reports:
-- live-tensor peaks (bench/common.py's TensorPeak: what a GPU allocator's peak counts) of the calibration and of
+- live-tensor peaks (bench/harness.py's TensorPeak: what a GPU allocator's peak counts) of the calibration and of
   every training step, the reselection steps and the probe steps before them included;
 - the process's peak RSS (VmHWM, reset after imports and a warm-up) over calibration and over training.
 A reselected run must peak within 10 % of the same run without reselection, however many reselections it makes,
@@ -42,7 +42,7 @@ def child(args) -> None:
     import torch
 
     sys.path.insert(0, str(BENCH))
-    from common import TensorPeak, proc_status_bytes, reset_peak_rss
+    from harness import TensorPeak, proc_status_bytes, reset_peak_rss
 
     import usaf
     from usaf.selection.reselect import Reselector
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.steps, args.seq = min(args.steps, 6), min(args.seq, 32)
     sys.path.insert(0, str(BENCH))
-    from common import machine, write_results
+    from harness import machine, write_results
 
     everies = (0, 10, 5) if not args.smoke else (0, 2)
     rows = []

@@ -188,7 +188,7 @@ def _bytes_per_entry(p) -> float:
 
 
 def child(args) -> dict:
-    import common
+    import harness
 
     import usaf
     from usaf.config import DEFAULT_LOGITS_CHUNK
@@ -205,8 +205,8 @@ def child(args) -> dict:
         result["device_name"] = torch.cuda.get_device_name(device)
     import gpu_offload
 
-    can_reset = common.reset_peak_rss()  # after the imports: the planner's imports line stands for them
-    result["baseline_host_bytes"] = common.proc_status_bytes("VmRSS")
+    can_reset = harness.reset_peak_rss()  # after the imports: the planner's imports line stands for them
+    result["baseline_host_bytes"] = harness.proc_status_bytes("VmRSS")
     result["peak_source"] = "VmHWM after clear_refs" if can_reset else "ru_maxrss"
     shape = shape_for(args.layers, args.dry_run)
     began = time.perf_counter()
@@ -250,10 +250,10 @@ def child(args) -> dict:
     times, streamed, losses = [], [], []
     for i in range(args.warmup + args.steps):
         before = streamer.bytes_streamed
-        common.sync()
+        harness.sync()
         began = time.perf_counter()
         losses.append(step())
-        common.sync()
+        harness.sync()
         elapsed = time.perf_counter() - began
         if i >= args.warmup:
             times.append(elapsed)
@@ -261,7 +261,7 @@ def child(args) -> dict:
         print(
             f"step {i}: {elapsed:.2f} s, loss {losses[-1]:.3f}, streamed {format_size(streamer.bytes_streamed - before)}"
         )
-    peak = common.proc_status_bytes("VmHWM") if can_reset else common.lifetime_peak_rss()
+    peak = harness.proc_status_bytes("VmHWM") if can_reset else harness.lifetime_peak_rss()
     # the same step with every layer copied whole (what streaming cost before routed-only backward)
     streamer.routed_only = False
     before = streamer.bytes_streamed
@@ -525,12 +525,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "cpu" and not torch.cuda.is_available():
         print("no CUDA/ROCm device: run with --device cpu or --dry-run", file=sys.stderr)
         return 2
-    import common
+    import harness
 
     torch.set_num_threads(args.threads)
     command = "python bench/scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {
-        "machine": common.machine(),
+        "machine": harness.machine(),
         "dry_run": args.dry_run,
         "threads": args.threads,
         "command": command,
@@ -594,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     text = (
         markdown(result) if rows else "# scale run failed\n\n```\n" + json.dumps(errors, indent=1) + "\n```\n"
     )
-    json_path, _ = common.write_results(stem, result, text, out_dir=args.out)
+    json_path, _ = harness.write_results(stem, result, text, out_dir=args.out)
     print(f"wrote {json_path}", flush=True)
     ok = bool(rows) and not errors and result.get("correctness", {"ok": True})["ok"]
     return 0 if ok else 1

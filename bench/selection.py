@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, machine, write_results
+from harness import RESULTS, machine, write_results
 
 STRATEGIES = {  # label -> (strategy, selection inside the budget)
     "random": ("uniform", "random"),
