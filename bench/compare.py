@@ -51,6 +51,7 @@ from harness import (  # noqa: E402
     machine,
     own_mapped_weights,
     params_label,
+    table,
     write_results,
 )
 from recipe import LORA_ALPHA, LORA_ATTENTION, LORA_EXPERTS, LORA_RANK, lr_factor, stock_baseline  # noqa: E402
@@ -908,35 +909,55 @@ def markdown(payload: dict) -> str:
             f"{data['tokens_per_step']} tokens per step, {run['steps']} steps in {run['rounds']} rounds "
             f"({run['warmup']} warm-up steps not timed)",
             "",
-            "| method | lr | trainable | step ms (IQR) | forward ms | step ÷ own fwd | step ÷ inference fwd | step ÷ LoRA "
-            f"| peak MB | ÷ LoRA | train ÷ inference mem | live-tensor peak MB | train ÷ inference, live tensors "
-            f"| held-out loss | accuracy{accuracy_steps} |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
+        rows = []
         for row in data["methods"].values():
             step = row["step"]
             step_text = f"{_ms(step)} ({step['q1_s'] * 1000:.0f}–{step['q3_s'] * 1000:.0f})" if step else "–"
             label = row["label"] + (
                 f" [{row['quant_format']}]" if row["quant_format"] not in (None, "nf4") else ""
             )
-            lines.append(
-                f"| {label} | {fmt(row['lr'], '{:g}')} | {params_label(row['trainable_params'])} | {step_text} "
-                f"| {_ms(row['forward'])} | {fmt(row.get('step_over_own_forward'))} "
-                f"| {fmt(row.get('step_over_inference_forward'))} | {fmt(row.get('step_over_lora'))} "
-                f"| {_mb(row['peak_bytes'])} | {fmt(row.get('memory_over_lora'))} "
-                f"| {fmt(row.get('train_over_inference_memory'))} | {_mb(row.get('tensor_peak_bytes'))} "
-                f"| {fmt(row.get('train_over_inference_tensors'))} | {row['eval_loss']:.3f} "
-                f"| {_curve(row)} |"
+            rows.append(
+                [
+                    label,
+                    fmt(row["lr"], "{:g}"),
+                    params_label(row["trainable_params"]),
+                    step_text,
+                    _ms(row["forward"]),
+                    fmt(row.get("step_over_own_forward")),
+                    fmt(row.get("step_over_inference_forward")),
+                    fmt(row.get("step_over_lora")),
+                    _mb(row["peak_bytes"]),
+                    fmt(row.get("memory_over_lora")),
+                    fmt(row.get("train_over_inference_memory")),
+                    _mb(row.get("tensor_peak_bytes")),
+                    fmt(row.get("train_over_inference_tensors")),
+                    f"{row['eval_loss']:.3f}",
+                    _curve(row),
+                ]
             )
         for key, error in data["errors"].items():
-            lines.append(f"| {BY_KEY[key].label} | FAILED: {error.strip().splitlines()[-1][:120]} |")
+            rows.append([BY_KEY[key].label, f"FAILED: {error.strip().splitlines()[-1][:120]}"])
+        header = [
+            "method",
+            "lr",
+            "trainable",
+            "step ms (IQR)",
+            "forward ms",
+            "step ÷ own fwd",
+            "step ÷ inference fwd",
+            "step ÷ LoRA",
+            "peak MB",
+            "÷ LoRA",
+            "train ÷ inference mem",
+            "live-tensor peak MB",
+            "train ÷ inference, live tensors",
+            "held-out loss",
+            f"accuracy{accuracy_steps}",
+        ]
+        lines += table(header, rows, align="ll" + "r" * 13)
         lines.append("")
-    lines += [
-        "## Targets",
-        "",
-        "| target | model | measured | bound | verdict | detail |",
-        "|---|---|---:|---:|---|---|",
-    ]
+    rows = []
     for t in payload["targets"]:
         verdict = "–" if t["met"] is None else ("met" if t["met"] else "MISSED")
         bound = (
@@ -944,9 +965,12 @@ def markdown(payload: dict) -> str:
             if t["target"].startswith("demo")
             else f"{t['comparison']} {t['bound']}"
         )
-        lines.append(
-            f"| {t['target']} | {t['model']} | {fmt(t['value'])} | {bound} | {verdict} | {t['detail']} |"
-        )
+        rows.append([t["target"], t["model"], fmt(t["value"]), bound, verdict, t["detail"]])
+    lines += [
+        "## Targets",
+        "",
+        *table(["target", "model", "measured", "bound", "verdict", "detail"], rows, "llrr"),
+    ]
     lines.append("")
     return "\n".join(lines)
 

@@ -241,11 +241,10 @@ def params_label(n: int) -> str:
     return f"{n / 1e6:.2f} M" if n >= 1e5 else f"{n / 1e3:.1f} k"
 
 
-def table(header: list[str], rows: list[list], align: str | None = None) -> list[str]:
-    """A markdown table's lines: the header, its rule (`align`: one of l, r, c per column; plain rules if None),
-    then one line per row of cells (str() of each)."""
-    rules = {"l": ":---", "r": "---:", "c": ":---:"}
-    rule = [rules[a] for a in align] if align else ["---"] * len(header)
+def table(header: list[str], rows: list[list], align: str = "") -> list[str]:
+    """A markdown table's lines: the header, its rule (`align`: one letter a column, "l" left or "r" right; left
+    where it runs out), then a line a row (str() of each cell; a row may have fewer cells than the header)."""
+    rule = ["---:" if a == "r" else "---" for a in align.ljust(len(header), "l")]
     return [
         "| " + " | ".join(header) + " |",
         "|" + "|".join(rule) + "|",
