@@ -243,13 +243,14 @@ def params_label(n: int) -> str:
 
 def table(header: list[str], rows: list[list], align: str = "") -> list[str]:
     """A markdown table's lines: the header, its rule (`align`: one letter a column, "l" left or "r" right; left
-    where it runs out), then a line a row (str() of each cell; a row may have fewer cells than the header)."""
+    where it runs out), then a line a row: str() of each cell, None for a blank one (a row may have fewer cells
+    than the header)."""
     rule = ["---:" if a == "r" else "---" for a in align.ljust(len(header), "l")]
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join(rule) + "|",
-        *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows),
-    ]
+
+    def line(cells) -> str:
+        return "|" + "|".join(" " if cell is None else f" {cell} " for cell in cells) + "|"
+
+    return [line(header), "|" + "|".join(rule) + "|", *map(line, rows)]
 
 
 def write_results(stem: str, payload: dict, markdown: str, out_dir: Path = RESULTS) -> tuple[Path, Path]:

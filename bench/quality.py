@@ -62,6 +62,7 @@ from harness import (  # noqa: E402
     map_in_forks,
     own_mapped_weights,
     params_label,
+    table,
     write_results,
 )
 from recipe import LORA_ALPHA, LORA_ATTENTION, LORA_EXPERTS, LORA_RANK, lr_factor, stock_baseline  # noqa: E402
@@ -643,25 +644,41 @@ def markdown(payload: dict) -> str:
             "",
             f"{payload['steps'][task]} steps. New: {info['new']}; old: {info['old']} ({info['metric']}, {arrow}).",
             "",
-            "| method | lr | trainable | new before → after [per seed] | old before → after [per seed] | step ms "
-            "| train s | peak MB | live MB |",
-            "|---|---:|---:|---|---|---:|---:|---:|---:|",
         ]
+        table_rows = []
         for r in rows.values():
             per_new = " / ".join(_metric(task, s["new"]) for s in r["per_seed_after"])
             per_old = " / ".join(_metric(task, s["old"]) for s in r["per_seed_after"])
             lr = f"{r['lr']:g}" + (
                 f" (routers ×{r['router_lr_multiplier']:g})" if r["kind"] == "usaf" else ""
             )
-            lines.append(
-                f"| {r['label']} | {lr if r['kind'] != 'inference' else '–'} | {params_label(r['trainable_params'])} "
-                f"| {_metric(task, r['before']['new'])} → {_metric(task, r['after']['new'])} [{per_new}] "
-                f"| {_metric(task, r['before']['old'])} → {_metric(task, r['after']['old'])} [{per_old}] "
-                f"| {fmt(r['step_ms'], '{:.0f}')} | {fmt(r['train_s'], '{:.0f}')} | {fmt(r['peak_mb'], '{:.0f}')} "
-                f"| {fmt(r['tensor_peak_mb'], '{:.0f}')} |"
+            table_rows.append(
+                [
+                    r["label"],
+                    lr if r["kind"] != "inference" else "–",
+                    params_label(r["trainable_params"]),
+                    f"{_metric(task, r['before']['new'])} → {_metric(task, r['after']['new'])} [{per_new}]",
+                    f"{_metric(task, r['before']['old'])} → {_metric(task, r['after']['old'])} [{per_old}]",
+                    fmt(r["step_ms"], "{:.0f}"),
+                    fmt(r["train_s"], "{:.0f}"),
+                    fmt(r["peak_mb"], "{:.0f}"),
+                    fmt(r["tensor_peak_mb"], "{:.0f}"),
+                ]
             )
         for key, error in data["errors"].items():
-            lines.append(f"| {key} | FAILED: {error.strip().splitlines()[-1][:150]} | | | | | | | |")
+            table_rows.append([key, f"FAILED: {error.strip().splitlines()[-1][:150]}", *[None] * 7])
+        header = [
+            "method",
+            "lr",
+            "trainable",
+            "new before → after [per seed]",
+            "old before → after [per seed]",
+            "step ms",
+            "train s",
+            "peak MB",
+            "live MB",
+        ]
+        lines += table(header, table_rows, align="lrrllrrrr")
         if task == "demo":
             lines += [
                 "",
@@ -681,15 +698,16 @@ def markdown(payload: dict) -> str:
                 "",
                 "### At equal steps: new / old along the run (means over seeds; training seconds in brackets)",
                 "",
-                "| method | lr | " + " | ".join(f"step {s}" for s in steps) + " |",
-                "|---|---:|" + "---|" * len(steps),
             ]
-            for r in trained:
-                cells = [
+            curves = [
+                [r["label"], f"{r['lr']:g}"]
+                + [
                     f"{_metric(task, p['new'])} / {_metric(task, p['old'])} ({p['elapsed_s']:.0f} s)"
                     for p in r["curve"]
                 ]
-                lines.append(f"| {r['label']} | {r['lr']:g} | " + " | ".join(cells) + " |")
+                for r in trained
+            ]
+            lines += table(["method", "lr", *(f"step {s}" for s in steps)], curves, align="lr")
         if data.get("wall_reference_s"):
             wall = data["wall_reference_s"]
             lines += [
@@ -697,18 +715,16 @@ def markdown(payload: dict) -> str:
                 f"### At equal wall-clock: {wall:.0f} training seconds (LoRA at lr {data['lora_mid']['lr']:g}, its "
                 "whole run); a method that finished sooner shows its final values",
                 "",
-                "| method | lr | new | old | note |",
-                "|---|---:|---:|---:|---|",
             ]
+            at_wall = []
             for r in rows.values():
                 w = r.get("at_lora_wall")
                 if not w:
                     continue
                 note = "finished sooner" if w["finished"] and r["kind"] != "inference" else ""
                 lr = f"{r['lr']:g}" if r["kind"] != "inference" else "–"
-                lines.append(
-                    f"| {r['label']} | {lr} | {_metric(task, w['new'])} | {_metric(task, w['old'])} | {note} |"
-                )
+                at_wall.append([r["label"], lr, _metric(task, w["new"]), _metric(task, w["old"]), note])
+            lines += table(["method", "lr", "new", "old", "note"], at_wall, align="lrrr")
         measured = [r for r in rows.values() if r["peak_mb"] is not None]
         lora_peak = _mean([r["peak_mb"] for r in rows.values() if r["kind"] == "lora"])
         if measured:
@@ -716,20 +732,26 @@ def markdown(payload: dict) -> str:
                 "",
                 "### At equal peak memory: methods by peak RSS; best new-domain result within each budget",
                 "",
-                "| method | lr | peak MB | ÷ LoRA | live MB | new | old | best new within this peak (method) |",
-                "|---|---:|---:|---:|---:|---:|---:|---|",
             ]
             sign = -1 if info["higher_is_better"] else 1
+            by_peak = []
             for r in sorted(measured, key=lambda r: r["peak_mb"]):
                 within = [x for x in measured if x["peak_mb"] <= r["peak_mb"]]
                 best = min(within, key=lambda x: sign * x["after"]["new"])
-                lines.append(
-                    f"| {r['label']} | {r['lr']:g} | {r['peak_mb']:.0f} "
-                    f"| {fmt(r['peak_mb'] / lora_peak if lora_peak else None, '{:.2f}')} "
-                    f"| {fmt(r['tensor_peak_mb'], '{:.0f}')} | {_metric(task, r['after']['new'])} "
-                    f"| {_metric(task, r['after']['old'])} | {_metric(task, best['after']['new'])} "
-                    f"({best['label']} @ {best['lr']:g}) |"
+                by_peak.append(
+                    [
+                        r["label"],
+                        f"{r['lr']:g}",
+                        f"{r['peak_mb']:.0f}",
+                        fmt(r["peak_mb"] / lora_peak if lora_peak else None, "{:.2f}"),
+                        fmt(r["tensor_peak_mb"], "{:.0f}"),
+                        _metric(task, r["after"]["new"]),
+                        _metric(task, r["after"]["old"]),
+                        f"{_metric(task, best['after']['new'])} ({best['label']} @ {best['lr']:g})",
+                    ]
                 )
+            header = ["method", "lr", "peak MB", "÷ LoRA", "live MB", "new", "old"]
+            lines += table([*header, "best new within this peak (method)"], by_peak, align="lrrrrrr")
         usaf_rows = [r for r in rows.values() if r["kind"] == "usaf"]
         if usaf_rows and data.get("lora_mid"):
             mid = rows[data["lora_mid"]["key"]]
@@ -743,19 +765,24 @@ def markdown(payload: dict) -> str:
                 "value lies outside LoRA's range. Reaches full fine-tuning's frontier: old no worse than full "
                 "fine-tuning's (linear between its learning rates) at the same new value.",
                 "",
-                "| usaf | lr | new | old | dominates LoRA mid | LoRA frontier's old at same new | ahead of frontier "
-                "| full FT frontier's old at same new | reaches full FT frontier |",
-                "|---|---:|---:|---:|---|---:|---|---:|---|",
             ]
-            for r in usaf_rows:
-                lines.append(
-                    f"| {r['label']} | {r['lr']:g} | {_metric(task, r['after']['new'])} "
-                    f"| {_metric(task, r['after']['old'])} | {_yes(r.get('dominates_lora_mid'))} "
-                    f"| {_metric(task, r.get('lora_frontier_old_at_same_new'))} "
-                    f"| {_yes(r.get('ahead_of_lora_frontier'))} "
-                    f"| {_metric(task, r.get('full_frontier_old_at_same_new'))} "
-                    f"| {_yes(r.get('reaches_full_frontier'))} |"
-                )
+            header = ["usaf", "lr", "new", "old", "dominates LoRA mid", "LoRA frontier's old at same new"]
+            header += ["ahead of frontier", "full FT frontier's old at same new", "reaches full FT frontier"]
+            against_lora = [
+                [
+                    r["label"],
+                    f"{r['lr']:g}",
+                    _metric(task, r["after"]["new"]),
+                    _metric(task, r["after"]["old"]),
+                    _yes(r.get("dominates_lora_mid")),
+                    _metric(task, r.get("lora_frontier_old_at_same_new")),
+                    _yes(r.get("ahead_of_lora_frontier")),
+                    _metric(task, r.get("full_frontier_old_at_same_new")),
+                    _yes(r.get("reaches_full_frontier")),
+                ]
+                for r in usaf_rows
+            ]
+            lines += table(header, against_lora, align="lrrrlrlrl")
         lines.append("")
     lines += ["## usaf specs", "", "```json", json.dumps(payload["usaf_specs"], indent=1), "```", ""]
     return "\n".join(lines)
