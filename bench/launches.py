@@ -33,6 +33,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from harness import table  # noqa: E402
 
 TARGET_OPS, TARGET_SYNCS, TARGET_SPREAD = 400, 2, 0.10
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -269,32 +270,30 @@ def markdown(payload: dict) -> str:
     ]
     if payload.get("note"):
         lines += [payload["note"], ""]
-    lines += [
-        "| E | density | dtype | quant | seq | ops/layer | syncs/layer | shape syncs/layer | CPU-only syncs/layer "
-        "| top ops | s |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|",
-    ]
+    rows = []
     for r in payload["rows"]:
+        config = [r["experts"], f"{r['density_pct']:g} %", r["dtype"]]
         if "error" in r:
-            lines.append(
-                f"| {r['experts']} | {r['density_pct']:g} % | {r['dtype']} | {r['quant']} | {r['seq']} | "
-                f"error: {r['error']} | | | | | |"
-            )
+            rows.append([*config, r["quant"], r["seq"], f"error: {r['error']}", *[None] * 5])
             continue
         top = ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in list(r["top_ops"].items())[:5])
         quant = r["quant"] + (f", workspace {r['workspace_mb']} MB" if r.get("workspace_mb") else "")
-        lines.append(
-            f"| {r['experts']} | {r['density_pct']:g} % | {r['dtype']} | {quant} | {r['seq']} | "
-            f"{r['ops_per_layer']:,} | {r['syncs_per_layer']:,} | {r['shape_syncs_per_layer']:,} | "
-            f"{r.get('cpu_only_syncs_per_layer', 0):,} | {top} | "
-            f"{r['seconds']:.0f} |"
-        )
-    lines += ["", "## Targets", "", "| target | value | verdict |", "|---|---:|---|"]
-    for v in payload["verdicts"]:
-        value = f"{v['value']:+.1%}" if "within" in v["target"] else f"{v['value']:,}"
-        lines.append(f"| {v['target']} | {value} | {'met' if v['met'] else 'MISSED'} |")
+        counts = [r["ops_per_layer"], r["syncs_per_layer"], r["shape_syncs_per_layer"]]
+        counts += [r.get("cpu_only_syncs_per_layer", 0)]
+        rows.append([*config, quant, r["seq"], *(f"{c:,}" for c in counts), top, f"{r['seconds']:.0f}"])
+    header = ["E", "density", "dtype", "quant", "seq", "ops/layer", "syncs/layer", "shape syncs/layer"]
+    lines += table([*header, "CPU-only syncs/layer", "top ops", "s"], rows, align="rrllrrrrrlr")
+    verdicts = [
+        [
+            v["target"],
+            f"{v['value']:+.1%}" if "within" in v["target"] else f"{v['value']:,}",
+            "met" if v["met"] else "MISSED",
+        ]
+        for v in payload["verdicts"]
+    ]
     if not payload["verdicts"]:
-        lines.append("| (no E=128 row measured) | | |")
+        verdicts.append(["(no E=128 row measured)", None, None])
+    lines += ["", "## Targets", "", *table(["target", "value", "verdict"], verdicts, align="lr")]
     sites = [r for r in payload["rows"] if r.get("sync_sites")]
     if sites:
         lines += ["", "## Where the syncs are (per layer, first rows)", ""]
@@ -307,15 +306,15 @@ def markdown(payload: dict) -> str:
             "",
             "## Tokens/s at the layer shape (2 layers)",
             "",
-            "| method | dtype | E | step ms | tokens/s |",
         ]
-        lines.append("|---|---|---:|---:|---:|")
+        speed = []
         for s in payload["speed"]:
-            head = f"| {s['method']} | {s.get('dtype', '')} | {s.get('experts', '')} |"
+            head = [s["method"], s.get("dtype", ""), s.get("experts", "")]
             if "error" in s:
-                lines.append(f"{head} error: {s['error']} | |")
+                speed.append([*head, f"error: {s['error']}", None])
             else:
-                lines.append(f"{head} {s['step_s'] * 1e3:.1f} | {s['tokens_per_s']:,.0f} |")
+                speed.append([*head, f"{s['step_s'] * 1e3:.1f}", f"{s['tokens_per_s']:,.0f}"])
+        lines += table(["method", "dtype", "E", "step ms", "tokens/s"], speed, align="llrrr")
     return "\n".join(lines) + "\n"
 
 
