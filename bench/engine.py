@@ -91,8 +91,13 @@ def main() -> None:
         r["vs_forward"] = r["median_s"] / fwd
         r["vs_dense_train"] = r["median_s"] / dense_t
         rows.append(
-            f"| {name} | {r['median_s'] * 1000:.0f} | {r['min_s'] * 1000:.0f}–{r['max_s'] * 1000:.0f} "
-            f"| {r['vs_forward']:.2f}x | {r['vs_dense_train']:.2f}x |"
+            [
+                name,
+                f"{r['median_s'] * 1000:.0f}",
+                f"{r['min_s'] * 1000:.0f}–{r['max_s'] * 1000:.0f}",
+                f"{r['vs_forward']:.2f}x",
+                f"{r['vs_dense_train']:.2f}x",
+            ]
         )
     shape = vars(args)
     machine = harness.machine()
@@ -105,9 +110,7 @@ def main() -> None:
             f"(torch {machine['torch']}, transformers {machine['transformers']}). Median of {args.repeats} "
             "interleaved runs.",
             "",
-            "| method | median ms | range ms | ÷ forward-only | ÷ dense train step |",
-            "|---|---|---|---|---|",
-            *rows,
+            *harness.table(["method", "median ms", "range ms", "÷ forward-only", "÷ dense train step"], rows),
             "",
             "Targets: usaf step <= 1.0x dense train step and <= 2.3x forward-only.",
             "",
