@@ -307,12 +307,31 @@ def markdown(r: dict) -> str:
     peak_text = format_size(peak) if peak is not None else "n/a (CPU)"
     rate = f"{r['transfer_gb_per_s']:.1f} GB/s" if r["transfer_gb_per_s"] else "–"
     lines += [
-        "| tokens/step | median step s | tokens/s | peak device memory | streamed per step | transfer time per step "
-        "| share of step in transfers | transfer rate |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {r['tokens_per_step']} ({r['batch']} x {r['seq']}) | {r['median_step_s']:.2f} | {r['tokens_per_s']:.0f} "
-        f"| {peak_text} | {format_size(r['bytes_streamed_per_step'])} "
-        f"| {r['transfer_s_per_step']:.2f} s | {r['transfer_share']:.0%} | {rate} |",
+        *harness.table(
+            [
+                "tokens/step",
+                "median step s",
+                "tokens/s",
+                "peak device memory",
+                "streamed per step",
+                "transfer time per step",
+                "share of step in transfers",
+                "transfer rate",
+            ],
+            [
+                [
+                    f"{r['tokens_per_step']} ({r['batch']} x {r['seq']})",
+                    f"{r['median_step_s']:.2f}",
+                    f"{r['tokens_per_s']:.0f}",
+                    peak_text,
+                    format_size(r["bytes_streamed_per_step"]),
+                    f"{r['transfer_s_per_step']:.2f} s",
+                    f"{r['transfer_share']:.0%}",
+                    rate,
+                ]
+            ],
+            align="rrrrrrrr",
+        ),
         "",
         f"Trainable: {r['trainable']['total'] / 1e6:.1f} M ({r['trainable']['expert_entries'] / 1e6:.1f} M expert "
         f"entries, {r['trainable']['routers'] / 1e6:.1f} M router weights). Build {r['build_s']:.0f} s, prepare "

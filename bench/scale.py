@@ -41,6 +41,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from harness import table  # noqa: E402
 
 RETURNING_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 TOLERANCE = 0.15
@@ -431,34 +432,36 @@ def markdown(result: dict) -> str:
         "",
         f"    {result['command']}",
         "",
-        "| layers | step s | tokens/s | measured peak host | planned peak host | planner error | above imports: "
-        "measured / planned | streamed per step | whole-layer copies would be | B per entry |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['layers']} | {r['step_seconds']:.2f} | {r['tokens_per_s']:.0f} | "
-            f"{format_size(r['measured_peak_host_bytes'])} | {format_size(r['planned_peak_host_bytes'])} | "
-            f"{r['planner_error']:+.1%} | {format_size(r['measured_above_baseline_bytes'])} / "
-            f"{format_size(r['planned_above_imports_bytes'])} | {format_size(r['bytes_streamed_per_step'])} | "
-            f"{format_size(r['whole_layer_bytes_per_step'])} | {r['bytes_per_entry']:.0f} |"
-        )
+    header = ["layers", "step s", "tokens/s", "measured peak host", "planned peak host", "planner error"]
+    header += ["above imports: measured / planned", "streamed per step", "whole-layer copies would be"]
+    cells = [
+        [
+            r["layers"],
+            f"{r['step_seconds']:.2f}",
+            f"{r['tokens_per_s']:.0f}",
+            format_size(r["measured_peak_host_bytes"]),
+            format_size(r["planned_peak_host_bytes"]),
+            f"{r['planner_error']:+.1%}",
+            f"{format_size(r['measured_above_baseline_bytes'])} / {format_size(r['planned_above_imports_bytes'])}",
+            format_size(r["bytes_streamed_per_step"]),
+            format_size(r["whole_layer_bytes_per_step"]),
+            f"{r['bytes_per_entry']:.0f}",
+        ]
+        for r in rows
+    ]
+    lines += table([*header, "B per entry"], cells, align="r" * 10)
     lines += [
         "",
         "Time per step by kind (profiled step's shares applied to the median unprofiled step), seconds:",
         "",
     ]
-    lines.append("| layers | " + " | ".join(CATEGORIES) + " |")
-    lines.append("|---:|" + "---:|" * len(CATEGORIES))
-    for r in rows:
-        lines.append(f"| {r['layers']} | " + " | ".join(f"{r['split_s'][c]:.2f}" for c in CATEGORIES) + " |")
+    split = [[r["layers"], *(f"{r['split_s'][c]:.2f}" for c in CATEGORIES)] for r in rows]
     ex = result.get("extrapolated")
     if ex:
-        lines.append(
-            "| **48 (linear fit)** | "
-            + " | ".join(f"{ex['split_s'][c]['at_48']:.1f}" for c in CATEGORIES)
-            + " |"
-        )
+        split.append(["**48 (linear fit)**", *(f"{ex['split_s'][c]['at_48']:.1f}" for c in CATEGORIES)])
+    lines += table(["layers", *CATEGORIES], split, align="r" * (1 + len(CATEGORIES)))
+    if ex:
         lines += [
             "",
             f"Extrapolated to {FULL_LAYERS} layers (a line through the layer counts above): step "
