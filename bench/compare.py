@@ -51,6 +51,8 @@ from harness import (  # noqa: E402
     machine,
     own_mapped_weights,
     params_label,
+    save_figure,
+    subplots,
     table,
     write_results,
 )
@@ -976,13 +978,8 @@ def markdown(payload: dict) -> str:
 
 
 def chart(payload: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = {k: v for k, v in payload["models"].items() if v}
-    fig, axes = plt.subplots(len(models), 3, figsize=(18, 4.6 * len(models)), squeeze=False)
+    fig, axes = subplots(len(models), 3, figsize=(18, 4.6 * len(models)))
     for row_axes, (name, data) in zip(axes, models.items(), strict=True):
         rows = data["methods"]
         labels = [rows[k]["label"] for k in rows]
@@ -1016,9 +1013,7 @@ def chart(payload: dict, path: Path) -> None:
     fig.suptitle(
         f"usaf vs PEFT LoRA / full FT / inference — {payload['device']}, {payload['machine']['date']}"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_outputs(payload: dict, out_dir: Path, stem: str) -> list[Path]:

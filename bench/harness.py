@@ -253,6 +253,28 @@ def table(header: list[str], rows: list[list], align: str = "") -> list[str]:
     return [line(header), "|" + "|".join(rule) + "|", *map(line, rows)]
 
 
+def subplots(rows: int, cols: int, figsize: tuple[float, float]):
+    """A figure and its grid of axes (always 2-D), drawn off-screen: benchmarks run on machines without a display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(rows, cols, figsize=figsize, squeeze=False)
+
+
+def save_figure(fig, path: Path, right: float | None = None) -> None:
+    """Lay the figure out (`right`: the plots' right edge, to leave room for a legend beside them), write it as a
+    PNG and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    if right is not None:
+        fig.subplots_adjust(right=right)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_results(stem: str, payload: dict, markdown: str, out_dir: Path = RESULTS) -> tuple[Path, Path]:
     """<out_dir>/<stem>-<date>.{json,md} (bench/results/ by default), written atomically."""
     out_dir = Path(out_dir)

@@ -62,6 +62,8 @@ from harness import (  # noqa: E402
     map_in_forks,
     own_mapped_weights,
     params_label,
+    save_figure,
+    subplots,
     table,
     write_results,
 )
@@ -789,13 +791,8 @@ def markdown(payload: dict) -> str:
 
 
 def chart(payload: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tasks = payload["tasks"]
-    fig, axes = plt.subplots(len(tasks), 1, figsize=(13, 6.5 * len(tasks)), squeeze=False)
+    fig, axes = subplots(len(tasks), 1, figsize=(13, 6.5 * len(tasks)))
     colors = {"lora": "tab:blue", "full": "tab:red", "experts": "tab:orange", "usaf": "tab:green"}
     for ax, (task, data) in zip(axes[:, 0], tasks.items(), strict=True):
         info, rows = TASKS[task], data["methods"]
@@ -837,10 +834,7 @@ def chart(payload: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
     fig.suptitle(f"usaf vs LoRA / full FT / experts: adaptation vs forgetting — {payload['machine']['date']}")
-    fig.tight_layout()
-    fig.subplots_adjust(right=0.66)  # room for the numbered legend on the right
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, right=0.66)  # room for the numbered legend on the right
 
 
 # ---- main ------------------------------------------------------------------------------------------------------
