@@ -41,14 +41,13 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+import harness  # noqa: E402
 from harness import (  # noqa: E402
     PeakMemory,
     TensorPeak,
     WorkerPool,
     call_in_fork,
     fmt,
-    library_versions,
-    machine,
     own_mapped_weights,
     params_label,
     save_figure,
@@ -628,8 +627,7 @@ def environment(device: str, threads: int | None) -> dict:
     # One thread per process on CPU by default: on a shared 2-core machine, OpenMP barriers of 2-thread processes
     # stall whenever another process holds a core, making times several-fold slower and erratic.
     threads = threads or (1 if device == "cpu" else os.cpu_count() or 1)
-    torch.set_num_threads(threads)
-    return {"device": device, "threads": threads, "machine": machine(), "versions": library_versions()}
+    return {"device": device, "threads": threads, **harness.environment(threads)}
 
 
 def run_model(context, run: Run, methods: list[Method], args, workdir: Path) -> dict | None:

@@ -1,6 +1,9 @@
 """What every benchmark script shares: the machine's and libraries' facts, functions and long-lived workers in
 forked processes, peak memory (resident set and live tensors), timing side by side, markdown tables and result
-files. Scripts import this module, never each other's private helpers."""
+files and charts. Scripts import this module, never each other's private helpers.
+
+torch, transformers and matplotlib are imported inside the functions that use them: a parent process that only
+forks workers (compare.py, quality.py) never pays for their imports."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+# ---- facts: the machine and the libraries a result was measured with -------------------------------------------
 
 
 def machine() -> dict:
@@ -48,6 +53,14 @@ def library_versions() -> dict:
         except PackageNotFoundError:
             out[name] = None
     return out
+
+
+def environment(threads: int) -> dict:
+    """{machine, versions} as a process with `threads` torch threads sees them (what every result records)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    return {"machine": machine(), "versions": library_versions()}
 
 
 # ---- processes: a function, or a long-lived worker, in a fork of a server that imported the libraries once ----
@@ -228,7 +241,7 @@ def interleaved_medians(fns: dict, repeats: int, warmup: int = 1) -> dict:
     }
 
 
-# ---- markdown tables and result files ---------------------------------------------------------------------------
+# ---- markdown tables, charts and result files ------------------------------------------------------------------
 
 
 def fmt(value, pattern: str = "{:.2f}") -> str:
@@ -288,6 +301,9 @@ def write_results(stem: str, payload: dict, markdown: str, out_dir: Path = RESUL
         os.replace(tmp, path)
         paths.append(path)
     return paths[0], paths[1]
+
+
+# ---- peak memory: the resident set, the allocator's peak, live tensors -----------------------------------------
 
 
 def proc_status_bytes(field: str) -> int:

@@ -57,8 +57,6 @@ from harness import (  # noqa: E402
     TensorPeak,
     call_in_fork,
     fmt,
-    library_versions,
-    machine,
     map_in_forks,
     own_mapped_weights,
     params_label,
@@ -474,13 +472,6 @@ def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
         "peak_bytes": peak,
         "tensor_peak_bytes": tensors.peak,
     }
-
-
-def environment(threads: int) -> dict:
-    import torch
-
-    torch.set_num_threads(threads)
-    return {"machine": machine(), "versions": library_versions()}
 
 
 # ---- aggregation -----------------------------------------------------------------------------------------------
@@ -913,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
         ["torch", "transformers", "peft", "usaf", "usaf.demo.task", "recipe", "harness"]
     )
     started = time.perf_counter()
-    env = call_in_fork(context, "quality", "environment", threads=args.threads)
+    env = call_in_fork(context, "harness", "environment", threads=args.threads)
     payload = {
         "command": " ".join(["python", "bench/quality.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": env["machine"],
