@@ -30,20 +30,32 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from forked import call_in_fork  # noqa: E402
+import harness  # noqa: E402
+from harness import (  # noqa: E402
+    PeakMemory,
+    TensorPeak,
+    WorkerPool,
+    call_in_fork,
+    fmt,
+    own_mapped_weights,
+    params_label,
+    save_figure,
+    subplots,
+    table,
+    write_results,
+)
+from recipe import LORA_ALPHA, LORA_ATTENTION, LORA_EXPERTS, LORA_RANK, lr_factor, stock_baseline  # noqa: E402
 
 RESULTS = BENCH / "results"
 
@@ -65,12 +77,6 @@ ELEMENT_DENSITY = 0.005  # the issue's setting
 NEURON_DENSITY = (
     0.05  # whole neurons: 0.5 % would leave a few neurons per layer; bench/engine.py uses 5 % too
 )
-LORA_RANK, LORA_ALPHA = 16, 32
-LORA_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-LORA_EXPERTS = [
-    "mlp.experts.gate_up_proj",
-    "mlp.experts.down_proj",
-]  # fused 3-D parameters: target_parameters
 
 
 @dataclass(frozen=True)
@@ -217,48 +223,6 @@ def runs_for(mode: str, device: str) -> list[Run]:
     ]
 
 
-# ---- memory, in the worker ------------------------------------------------------------------------------------
-
-
-class PeakMemory:
-    """Peak memory of this process above a baseline: VmHWM (reset through /proc/self/clear_refs) on CPU, the
-    allocator's peak on CUDA/ROCm."""
-
-    def __init__(self, device):
-        import torch
-
-        sys.path.insert(0, str(BENCH))
-        from common import proc_status_bytes, reset_peak_rss
-
-        self.torch, self.device = torch, device
-        self.status, self.reset_peak_rss = proc_status_bytes, reset_peak_rss
-        self.cuda = device.type == "cuda"
-        self.baseline = 0 if self.cuda else self.status("VmRSS")
-
-    def reset(self) -> None:
-        """Forget transients so far (loading, preparing): the peak from here on is what training needs."""
-        gc.collect()
-        if self.cuda:
-            self.torch.cuda.synchronize()
-            self.torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        with contextlib.suppress(OSError, AttributeError):
-            import ctypes
-
-            ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the system, or RSS keeps it
-        self.reset_peak_rss()
-
-    def now(self) -> int:
-        if self.cuda:
-            return int(self.torch.cuda.memory_allocated(self.device))
-        return self.status("VmRSS") - self.baseline
-
-    def peak(self) -> int:
-        if self.cuda:
-            return int(self.torch.cuda.max_memory_allocated(self.device))
-        return self.status("VmHWM") - self.baseline
-
-
 # ---- the worker: one method, one model, one process -----------------------------------------------------------
 
 
@@ -351,7 +315,7 @@ class Worker:
                 self.optimizer = torch.optim.AdamW(
                     self.trainable, lr=self.method.lr, betas=(0.9, 0.999), weight_decay=0.0
                 )
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_factor(job["steps"]))
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(job["steps"]))
         else:
             self.model.eval()
         self._sync()
@@ -373,16 +337,16 @@ class Worker:
             from usaf.base.load import load_prepared
 
             if m.kind == "usaf":
-                config = _experts_config(m)
+                config = experts_config(m)
                 source = job["model_dir"]  # trained values start from the original weights, as `usaf train`
             else:  # inference: the engine with nothing trained
                 config, source = usaf.UsafConfig(layers=[], targets=["experts"], train_router=False), None
             return load_prepared(job["quant_dir"], source, config, device=self.device, dtype=self.dtype)
 
         model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=self.dtype).to(self.device)
-        _own_weights(model)
+        own_mapped_weights(model)
         if m.kind == "usaf":
-            return usaf.prepare_model(model, _experts_config(m))
+            return usaf.prepare_model(model, experts_config(m))
         model = stock_baseline(model, m.kind)
         return model.to(self.device)
 
@@ -427,9 +391,6 @@ class Worker:
     def _tensor_peak(self) -> int:
         """CPU: one more step (or forward) counting live tensors, as a GPU allocator's peak counts them; RSS adds
         the C allocator's and oneDNN's caches. Run after every other figure is taken: the extra step changes none."""
-        sys.path.insert(0, str(BENCH))
-        from common import TensorPeak
-
         self.model.train(self.method.trains)
         with TensorPeak() as tensors:
             if self.method.trains:
@@ -486,36 +447,7 @@ class Worker:
         }
 
 
-def stock_baseline(model, kind: str):
-    """A baseline on transformers' own `grouped_mm` experts with exactly its trainable parameters: "full"
-    (everything), "experts" (every expert weight and router), "routers", "lora" (PEFT LoRA on attention and the
-    fused experts), anything else frozen. Returns the model (LoRA wraps it)."""
-    model.set_experts_implementation("grouped_mm")  # the fastest stock path
-    model.requires_grad_(kind == "full")
-    if kind in ("experts", "routers"):
-        from usaf.model.layout import find_moe_layers
-
-        for layer in find_moe_layers(model):
-            if layer.router is not None:
-                layer.router.requires_grad_(True)
-            if kind == "experts":
-                for t in layer.tensors:
-                    getattr(layer.experts, t.name).requires_grad_(True)
-    if kind == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(
-            r=LORA_RANK,
-            lora_alpha=LORA_ALPHA,
-            lora_dropout=0.0,
-            target_modules=LORA_ATTENTION,
-            target_parameters=LORA_EXPERTS,
-        )
-        model = get_peft_model(model, config)
-    return model
-
-
-def _experts_config(m: Method):
+def experts_config(m: Method):
     """The engine's cost is what this benchmark measures: expert entries (+ routers) chosen by magnitude, as in
     0.1.0, so that rows compare across versions at the same number of trained entries. Which weights to train
     for quality is bench/quality.py's question."""
@@ -528,33 +460,6 @@ def _experts_config(m: Method):
         targets=["experts", "routers"],
         selection="magnitude",
     )
-
-
-def _own_weights(model) -> None:
-    """Copy into process memory every weight still backed by the checkpoint's memory map. Loading leaves some
-    tensors as views of the mapped file, which keeps the whole file's pages in the resident set (as file pages):
-    the peak would count the checkpoint once more, for the methods loaded that way only."""
-    import torch
-
-    mapped = []
-    with contextlib.suppress(OSError), open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 6 and fields[5].endswith(".safetensors"):
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                mapped.append((start, end))
-    if not mapped:
-        return
-    with torch.no_grad():
-        for module in model.modules():
-            for table in (module._parameters, module._buffers):
-                for tensor in table.values():
-                    if (
-                        tensor is not None
-                        and tensor.device.type == "cpu"
-                        and any(start <= tensor.data_ptr() < end for start, end in mapped)
-                    ):
-                        tensor.data = tensor.data.clone()
 
 
 def _count_params(model) -> int:
@@ -578,42 +483,6 @@ def _quant_format(model) -> str | None:
     prepared = model_state(model)
     store = prepared.store if prepared is not None else None
     return store.metadata.get("quant") if store is not None else None
-
-
-def _lr_factor(total: int):
-    warmup = max(1, total // 10)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def worker_main(conn, job: dict) -> None:
-    """Entry point of a method's process: set up, report, then obey the parent's commands."""
-    # library chatter goes to a per-method log, not the parent's stdout
-    with open(job["log"], "a", buffering=1) as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-    try:
-        worker = Worker(job)
-        conn.send({"ready": True, "setup_s": worker.setup_s})
-        while True:
-            message = conn.recv()
-            if message["cmd"] == "steps":
-                conn.send(worker.run_steps(message["count"]))
-            elif message["cmd"] == "accuracy":
-                conn.send(worker.accuracy())
-            elif message["cmd"] == "finish":
-                conn.send(worker.finish())
-                return
-    except BaseException:
-        traceback.print_exc()
-        with contextlib.suppress(Exception):
-            conn.send({"error": traceback.format_exc()})
 
 
 # ---- the parent: models, batches, the rounds ------------------------------------------------------------------
@@ -749,86 +618,6 @@ def _random_batches(run: Run):
     return [batch() for _ in range(run.steps)], [batch() for _ in range(run.eval_batches)]
 
 
-class Pool:
-    """The methods' processes for one model, forked from a server that imported the heavy libraries once."""
-
-    def __init__(self, context, methods: list[Method], base_job: dict, logs: Path, parallel: int):
-        self.context, self.procs, self.conns, self.errors, self.setup = context, {}, {}, {}, {}
-        self.logs = {}
-        # a few at a time (one per CPU): loading transients of big models must not pile up
-        for first in range(0, len(methods), parallel):
-            group = methods[first : first + parallel]
-            began = time.perf_counter()
-            for method in group:
-                log = logs / f"{base_job['model']}-{method.key}.log"
-                job = {**base_job, "method": method.key, "log": str(log)}
-                parent, child = context.Pipe()
-                proc = context.Process(target=worker_main, args=(child, job), daemon=True)
-                proc.start()
-                child.close()
-                self.procs[method.key], self.conns[method.key], self.logs[method.key] = proc, parent, log
-            for method in group:
-                reply = self._receive(method.key)
-                if reply is not None:
-                    self.setup[method.key] = reply["setup_s"]
-                    print(
-                        f"  {method.key}: ready (model {reply['setup_s']:.1f} s, process "
-                        f"{time.perf_counter() - began:.1f} s)",
-                        flush=True,
-                    )
-
-    def _receive(self, key: str):
-        try:
-            reply = self.conns[key].recv()
-        except EOFError:
-            reply = {"error": f"the process died (exit code {self.procs[key].exitcode}); see its log"}
-        if "error" in reply:
-            self.errors[key] = reply["error"]
-            with contextlib.suppress(OSError):
-                reply["error"] += "\n-- log tail --\n" + self.logs[key].read_text()[-3000:]
-            print(f"  {key}: FAILED\n{reply['error'][-4000:]}", flush=True)
-            self._stop(key)
-            return None
-        return reply
-
-    def _stop(self, key: str) -> None:
-        self.procs[key].join(timeout=30)
-        if self.procs[key].is_alive():
-            self.procs[key].kill()
-        del self.procs[key], self.conns[key]
-
-    @property
-    def alive(self) -> list[str]:
-        return list(self.conns)
-
-    def round(self, count: int, rotation: int) -> None:
-        keys = self.alive
-        keys = keys[rotation % len(keys) :] + keys[: rotation % len(keys)] if keys else keys
-        for key in keys:
-            self.conns[key].send({"cmd": "steps", "count": count})
-            self._receive(key)
-
-    def broadcast(self, cmd: str, parallel: int) -> dict:
-        """`cmd` to every process, a few at a time (for what is not timed: evaluation)."""
-        results, keys = {}, self.alive
-        for first in range(0, len(keys), parallel):
-            group = keys[first : first + parallel]
-            for key in group:
-                self.conns[key].send({"cmd": cmd})
-            for key in group:
-                reply = self._receive(key)
-                if reply is not None:
-                    results[key] = reply
-        return results
-
-    def finish(self, parallel: int) -> dict:
-        """Held-out loss and accuracy (peaks are read first), then the processes end."""
-        results = self.broadcast("finish", parallel)
-        for key in results:
-            self._stop(key)
-        return results
-
-
 def environment(device: str, threads: int | None) -> dict:
     """The device to use, the torch threads per process, the machine and library versions."""
     import torch
@@ -838,11 +627,7 @@ def environment(device: str, threads: int | None) -> dict:
     # One thread per process on CPU by default: on a shared 2-core machine, OpenMP barriers of 2-thread processes
     # stall whenever another process holds a core, making times several-fold slower and erratic.
     threads = threads or (1 if device == "cpu" else os.cpu_count() or 1)
-    torch.set_num_threads(threads)
-    sys.path.insert(0, str(BENCH))
-    import common
-
-    return {"device": device, "threads": threads, "machine": common.machine(), "versions": _versions()}
+    return {"device": device, "threads": threads, **harness.environment(threads)}
 
 
 def run_model(context, run: Run, methods: list[Method], args, workdir: Path) -> dict | None:
@@ -868,16 +653,21 @@ def run_model(context, run: Run, methods: list[Method], args, workdir: Path) -> 
         "steps": run.steps,
         "recompute": args.recompute,
         "exercise": args.mode != "smoke",
+        "worker": "compare:Worker",
     }
     print(f"  prepared ({time.perf_counter() - began:.0f} s)", flush=True)
     methods = [m for m in methods if run.model == "demo" or not m.demo_only]
-    pool = Pool(context, methods, base_job, workdir, parallel=args.parallel_start)
+    jobs = {
+        m.key: {**base_job, "method": m.key, "log": str(workdir / f"{run.model}-{m.key}.log")}
+        for m in methods
+    }
+    pool = WorkerPool(context, jobs, parallel=args.parallel_start)
     per_round = [
         run.steps // run.rounds + (1 if i < run.steps % run.rounds else 0) for i in range(run.rounds)
     ]
     started = time.perf_counter()
     for index, count in enumerate(per_round):
-        pool.round(count, index)
+        pool.round(index, "run_steps", count=count)
         print(f"  round {index + 1}/{run.rounds} done ({time.perf_counter() - started:.0f} s)", flush=True)
         if index + 1 in run.accuracy_after_rounds and prepared["eval_records"]:
             pool.broadcast("accuracy", args.parallel_start)
@@ -1072,20 +862,12 @@ def _mb(value) -> str:
     return f"{value / 2**20:.0f}" if value is not None else "–"
 
 
-def _fmt(value, pattern="{:.2f}") -> str:
-    return pattern.format(value) if value is not None else "–"
-
-
 def _curve(row: dict) -> str:
     """Accuracy along the run: "a @ s1 → b @ s2"; the last point is after all steps."""
     points = row.get("accuracy_curve") or []
     if not points:
         return "–"
     return " → ".join(f"{p['accuracy']:.1%}" for p in points)
-
-
-def _params(n: int) -> str:
-    return f"{n / 1e6:.2f} M" if n >= 1e5 else f"{n / 1e3:.1f} k"
 
 
 def markdown(payload: dict) -> str:
@@ -1121,41 +903,61 @@ def markdown(payload: dict) -> str:
         )
         accuracy_steps = f" after {' → '.join(map(str, steps_seen))} steps" if steps_seen else ""
         lines += [
-            f"## {name} model: {cfg['model_type']}, {_params(data['params'])} parameters, {cfg['num_hidden_layers']} "
+            f"## {name} model: {cfg['model_type']}, {params_label(data['params'])} parameters, {cfg['num_hidden_layers']} "
             f"layers, {cfg['num_experts']} experts top-{cfg['num_experts_per_tok']}, hidden {cfg['hidden_size']}, "
             f"expert width {cfg['moe_intermediate_size']}, vocab {cfg['vocab_size']}; {data['dtype']}; "
             f"{data['tokens_per_step']} tokens per step, {run['steps']} steps in {run['rounds']} rounds "
             f"({run['warmup']} warm-up steps not timed)",
             "",
-            "| method | lr | trainable | step ms (IQR) | forward ms | step ÷ own fwd | step ÷ inference fwd | step ÷ LoRA "
-            f"| peak MB | ÷ LoRA | train ÷ inference mem | live-tensor peak MB | train ÷ inference, live tensors "
-            f"| held-out loss | accuracy{accuracy_steps} |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
+        rows = []
         for row in data["methods"].values():
             step = row["step"]
             step_text = f"{_ms(step)} ({step['q1_s'] * 1000:.0f}–{step['q3_s'] * 1000:.0f})" if step else "–"
             label = row["label"] + (
                 f" [{row['quant_format']}]" if row["quant_format"] not in (None, "nf4") else ""
             )
-            lines.append(
-                f"| {label} | {_fmt(row['lr'], '{:g}')} | {_params(row['trainable_params'])} | {step_text} "
-                f"| {_ms(row['forward'])} | {_fmt(row.get('step_over_own_forward'))} "
-                f"| {_fmt(row.get('step_over_inference_forward'))} | {_fmt(row.get('step_over_lora'))} "
-                f"| {_mb(row['peak_bytes'])} | {_fmt(row.get('memory_over_lora'))} "
-                f"| {_fmt(row.get('train_over_inference_memory'))} | {_mb(row.get('tensor_peak_bytes'))} "
-                f"| {_fmt(row.get('train_over_inference_tensors'))} | {row['eval_loss']:.3f} "
-                f"| {_curve(row)} |"
+            rows.append(
+                [
+                    label,
+                    fmt(row["lr"], "{:g}"),
+                    params_label(row["trainable_params"]),
+                    step_text,
+                    _ms(row["forward"]),
+                    fmt(row.get("step_over_own_forward")),
+                    fmt(row.get("step_over_inference_forward")),
+                    fmt(row.get("step_over_lora")),
+                    _mb(row["peak_bytes"]),
+                    fmt(row.get("memory_over_lora")),
+                    fmt(row.get("train_over_inference_memory")),
+                    _mb(row.get("tensor_peak_bytes")),
+                    fmt(row.get("train_over_inference_tensors")),
+                    f"{row['eval_loss']:.3f}",
+                    _curve(row),
+                ]
             )
         for key, error in data["errors"].items():
-            lines.append(f"| {BY_KEY[key].label} | FAILED: {error.strip().splitlines()[-1][:120]} |")
+            rows.append([BY_KEY[key].label, f"FAILED: {error.strip().splitlines()[-1][:120]}"])
+        header = [
+            "method",
+            "lr",
+            "trainable",
+            "step ms (IQR)",
+            "forward ms",
+            "step ÷ own fwd",
+            "step ÷ inference fwd",
+            "step ÷ LoRA",
+            "peak MB",
+            "÷ LoRA",
+            "train ÷ inference mem",
+            "live-tensor peak MB",
+            "train ÷ inference, live tensors",
+            "held-out loss",
+            f"accuracy{accuracy_steps}",
+        ]
+        lines += table(header, rows, align="ll" + "r" * 13)
         lines.append("")
-    lines += [
-        "## Targets",
-        "",
-        "| target | model | measured | bound | verdict | detail |",
-        "|---|---|---:|---:|---|---|",
-    ]
+    rows = []
     for t in payload["targets"]:
         verdict = "–" if t["met"] is None else ("met" if t["met"] else "MISSED")
         bound = (
@@ -1163,21 +965,19 @@ def markdown(payload: dict) -> str:
             if t["target"].startswith("demo")
             else f"{t['comparison']} {t['bound']}"
         )
-        lines.append(
-            f"| {t['target']} | {t['model']} | {_fmt(t['value'])} | {bound} | {verdict} | {t['detail']} |"
-        )
+        rows.append([t["target"], t["model"], fmt(t["value"]), bound, verdict, t["detail"]])
+    lines += [
+        "## Targets",
+        "",
+        *table(["target", "model", "measured", "bound", "verdict", "detail"], rows, "llrr"),
+    ]
     lines.append("")
     return "\n".join(lines)
 
 
 def chart(payload: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = {k: v for k, v in payload["models"].items() if v}
-    fig, axes = plt.subplots(len(models), 3, figsize=(18, 4.6 * len(models)), squeeze=False)
+    fig, axes = subplots(len(models), 3, figsize=(18, 4.6 * len(models)))
     for row_axes, (name, data) in zip(axes, models.items(), strict=True):
         rows = data["methods"]
         labels = [rows[k]["label"] for k in rows]
@@ -1211,14 +1011,10 @@ def chart(payload: dict, path: Path) -> None:
     fig.suptitle(
         f"usaf vs PEFT LoRA / full FT / inference — {payload['device']}, {payload['machine']['date']}"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_outputs(payload: dict, out_dir: Path, stem: str) -> list[Path]:
-    from common import write_results
-
     paths = write_results(stem, payload, markdown(payload), out_dir=out_dir)
     png = paths[0].with_suffix(".png")
     chart(payload, png)
@@ -1230,7 +1026,7 @@ def print_targets(payload: dict) -> None:
     for t in payload["targets"]:
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "MISSED")
         print(
-            f"  [{verdict:>6}] {t['target']} ({t['model']}): {_fmt(t['value'])} (bound {t['comparison']} "
+            f"  [{verdict:>6}] {t['target']} ({t['model']}): {fmt(t['value'])} (bound {t['comparison']} "
             f"{t['bound']:.2f}) — {t['detail']}"
         )
 
@@ -1320,18 +1116,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {', '.join(str(p) for p in paths)} in {payload['wall_s']:.0f} s")
     failed = any(v and v["errors"] for v in models.values())
     return 1 if failed else 0
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in ("peft", "bitsandbytes", "usaf"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
-    return out
 
 
 if __name__ == "__main__":

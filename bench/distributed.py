@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import machine, write_results
+from harness import machine, table, write_results
 
 SHAPE = dict(  # ~8 M parameters, 6 M of them in experts: the CPU's size, the real models' proportions
     hidden_size=256,
@@ -54,7 +54,7 @@ def _free_port() -> int:
 
 
 def _model(method: str, shape: dict, device: torch.device):
-    from compare import stock_baseline
+    from recipe import stock_baseline
 
     import usaf
     from usaf.testing.tiny import tiny_model
@@ -159,15 +159,28 @@ def markdown(payload: dict) -> str:
         f"{payload['batch']} x {payload['seq']} tokens per process; median of {payload['steps']} steps; usaf at "
         f"density {DENSITY} (experts + routers, magnitude selection).",
         "",
-        "| method | processes | trained values | bytes all-reduced / step | 4 B x trained | step (ms) |",
-        "|---|---|---|---|---|---|",
     ]
-    for world, rows in payload["worlds"].items():
-        for method, row in rows.items():
-            lines.append(
-                f"| {method} | {world} | {row['trainable']:,} | {row['bytes_per_step']:,.0f} | "
-                f"{4 * row['trainable']:,} | {row['step_s'] * 1e3:.1f} |"
-            )
+    header = [
+        "method",
+        "processes",
+        "trained values",
+        "bytes all-reduced / step",
+        "4 B x trained",
+        "step (ms)",
+    ]
+    rows = [
+        [
+            method,
+            world,
+            f"{r['trainable']:,}",
+            f"{r['bytes_per_step']:,.0f}",
+            f"{4 * r['trainable']:,}",
+            f"{r['step_s'] * 1e3:.1f}",
+        ]
+        for world, by_method in payload["worlds"].items()
+        for method, r in by_method.items()
+    ]
+    lines += table(header, rows)
     two = payload["worlds"].get("2")
     if two:
         u = two["usaf"]["bytes_per_step"]

@@ -27,7 +27,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "src"))
 
-from common import RESULTS, machine  # noqa: E402
+from harness import RESULTS, machine, table  # noqa: E402
 
 
 def run(args, out: Path, name: str, data: Path, eval_data: Path, extra: list[str]) -> dict:
@@ -93,13 +93,37 @@ def markdown(payload: dict) -> str:
         f"{payload['steps']} steps; SFT batch {payload['rows']} rows, DPO batch {payload['rows'] // 2} pairs "
         "(the same rows).",
         "",
-        "| run | held-out DPO loss before → after | margin before → after | pairs ahead before → after | "
-        "shift accuracy after | peak RSS measured | planner |",
-        "|---|---|---|---|---|---|---|",
-        f"| SFT | - | - | - | {sft['shift_accuracy']:.1%} | {sft['peak_mb']:.0f} MB | {sft['planned_mb']:.0f} MB |",
-        f"| DPO | {d['eval_loss_before']:.4f} → {d['eval_loss_after']:.4f} | {d['eval_margin_before']:.3f} → "
-        f"{d['eval_margin_after']:.3f} | {d['eval_accuracy_before']:.1%} → {d['eval_accuracy_after']:.1%} | "
-        f"{dpo['shift_accuracy']:.1%} | {dpo['peak_mb']:.0f} MB | {dpo['planned_mb']:.0f} MB |",
+        *table(
+            [
+                "run",
+                "held-out DPO loss before → after",
+                "margin before → after",
+                "pairs ahead before → after",
+                "shift accuracy after",
+                "peak RSS measured",
+                "planner",
+            ],
+            [
+                [
+                    "SFT",
+                    "-",
+                    "-",
+                    "-",
+                    f"{sft['shift_accuracy']:.1%}",
+                    f"{sft['peak_mb']:.0f} MB",
+                    f"{sft['planned_mb']:.0f} MB",
+                ],
+                [
+                    "DPO",
+                    f"{d['eval_loss_before']:.4f} → {d['eval_loss_after']:.4f}",
+                    f"{d['eval_margin_before']:.3f} → {d['eval_margin_after']:.3f}",
+                    f"{d['eval_accuracy_before']:.1%} → {d['eval_accuracy_after']:.1%}",
+                    f"{dpo['shift_accuracy']:.1%}",
+                    f"{dpo['peak_mb']:.0f} MB",
+                    f"{dpo['planned_mb']:.0f} MB",
+                ],
+            ],
+        ),
         "",
         f"DPO peak ÷ SFT peak, measured: {dpo['peak_mb'] / sft['peak_mb']:.3f}; planned: "
         f"{dpo['planned_mb'] / sft['planned_mb']:.3f}. Shift accuracy of the base: {payload['base_accuracy']:.1%}.",

@@ -16,7 +16,7 @@ from transformers import AutoConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import harness
 
 import usaf
 
@@ -75,7 +75,7 @@ def main() -> None:
         with torch.no_grad():
             frozen(x)
 
-    results = common.interleaved_medians(
+    results = harness.interleaved_medians(
         {
             "forward_only (grouped_mm, no grad)": forward_only,
             "dense train step (grouped_mm, all experts trainable)": train_step(dense),
@@ -91,11 +91,16 @@ def main() -> None:
         r["vs_forward"] = r["median_s"] / fwd
         r["vs_dense_train"] = r["median_s"] / dense_t
         rows.append(
-            f"| {name} | {r['median_s'] * 1000:.0f} | {r['min_s'] * 1000:.0f}–{r['max_s'] * 1000:.0f} "
-            f"| {r['vs_forward']:.2f}x | {r['vs_dense_train']:.2f}x |"
+            [
+                name,
+                f"{r['median_s'] * 1000:.0f}",
+                f"{r['min_s'] * 1000:.0f}–{r['max_s'] * 1000:.0f}",
+                f"{r['vs_forward']:.2f}x",
+                f"{r['vs_dense_train']:.2f}x",
+            ]
         )
     shape = vars(args)
-    machine = common.machine()
+    machine = harness.machine()
     md = "\n".join(
         [
             f"# Engine benchmark ({machine['date']})",
@@ -105,15 +110,13 @@ def main() -> None:
             f"(torch {machine['torch']}, transformers {machine['transformers']}). Median of {args.repeats} "
             "interleaved runs.",
             "",
-            "| method | median ms | range ms | ÷ forward-only | ÷ dense train step |",
-            "|---|---|---|---|---|",
-            *rows,
+            *harness.table(["method", "median ms", "range ms", "÷ forward-only", "÷ dense train step"], rows),
             "",
             "Targets: usaf step <= 1.0x dense train step and <= 2.3x forward-only.",
             "",
         ]
     )
-    json_path, md_path = common.write_results(
+    json_path, md_path = harness.write_results(
         "engine", {"machine": machine, "shape": shape, "results": results}, md
     )
     print(md)

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_results
+from harness import machine, table, write_results
 
 import usaf
 from usaf.errors import UsafError
@@ -144,9 +144,8 @@ def main() -> None:
         "",
         "Summary: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),
         "",
-        "| model type | status | logits max abs diff | value grad rel err | detail |",
-        "|---|---|---:|---:|---|",
     ]
+    table_rows = []
     no_causal_lm = [name for name, r in rows.items() if r["status"] == "no causal-LM class"]
     for name, r in rows.items():
         if r["status"] == "no causal-LM class":
@@ -154,7 +153,9 @@ def main() -> None:
         diff = f"{r['logits_max_abs_diff']:.1e}" if "logits_max_abs_diff" in r else "–"
         grad = f"{r['value_grad_rel_err']:.1e}" if "value_grad_rel_err" in r else "–"
         detail = r.get("error", "").replace("|", "/").replace("\n", " ")[:160]
-        lines.append(f"| {name} | {r['status']} | {diff} | {grad} | {detail} |")
+        table_rows.append([name, r["status"], diff, grad, detail])
+    header = ["model type", "status", "logits max abs diff", "value grad rel err", "detail"]
+    lines += table(header, table_rows, align="llrr")
     lines += [
         "",
         "Configurations without a causal-LM class (vision/audio towers, composite models): "

@@ -41,7 +41,7 @@ from usaf.store.offload import LayerStreamer, StreamedParts
 from usaf.store.quantized import QuantizedStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import harness
 
 # The shipped planner preset (the published config.json), without its bookkeeping fields.
 QWEN3_30B_A3B = {
@@ -175,14 +175,14 @@ def train(model, streamer, device, batch: int, seq: int, steps: int, warmup: int
         ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
         clock.reset()
         before = streamer.bytes_streamed
-        common.sync()
+        harness.sync()
         began = time.perf_counter()
         loss = usaf.causal_lm_loss(model, ids, ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        common.sync()
+        harness.sync()
         elapsed = time.perf_counter() - began
         losses.append(float(loss.detach()))
         if step >= warmup:
@@ -217,7 +217,7 @@ def run(args) -> dict:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     shape = TINY if args.dry_run else QWEN3_30B_A3B
     result = {
-        "machine": common.machine(),
+        "machine": harness.machine(),
         "device": str(device),
         "dry_run": args.dry_run,
         "shape": shape,
@@ -307,12 +307,31 @@ def markdown(r: dict) -> str:
     peak_text = format_size(peak) if peak is not None else "n/a (CPU)"
     rate = f"{r['transfer_gb_per_s']:.1f} GB/s" if r["transfer_gb_per_s"] else "–"
     lines += [
-        "| tokens/step | median step s | tokens/s | peak device memory | streamed per step | transfer time per step "
-        "| share of step in transfers | transfer rate |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {r['tokens_per_step']} ({r['batch']} x {r['seq']}) | {r['median_step_s']:.2f} | {r['tokens_per_s']:.0f} "
-        f"| {peak_text} | {format_size(r['bytes_streamed_per_step'])} "
-        f"| {r['transfer_s_per_step']:.2f} s | {r['transfer_share']:.0%} | {rate} |",
+        *harness.table(
+            [
+                "tokens/step",
+                "median step s",
+                "tokens/s",
+                "peak device memory",
+                "streamed per step",
+                "transfer time per step",
+                "share of step in transfers",
+                "transfer rate",
+            ],
+            [
+                [
+                    f"{r['tokens_per_step']} ({r['batch']} x {r['seq']})",
+                    f"{r['median_step_s']:.2f}",
+                    f"{r['tokens_per_s']:.0f}",
+                    peak_text,
+                    format_size(r["bytes_streamed_per_step"]),
+                    f"{r['transfer_s_per_step']:.2f} s",
+                    f"{r['transfer_share']:.0%}",
+                    rate,
+                ]
+            ],
+            align="rrrrrrrr",
+        ),
         "",
         f"Trainable: {r['trainable']['total'] / 1e6:.1f} M ({r['trainable']['expert_entries'] / 1e6:.1f} M expert "
         f"entries, {r['trainable']['routers'] / 1e6:.1f} M router weights). Build {r['build_s']:.0f} s, prepare "
@@ -354,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         print(result["error"], file=sys.stderr)
     text = f"# offload run failed\n\n```\n{result['error']}\n```\n" if "error" in result else markdown(result)
     stem = f"offload{'-dry-run' if args.dry_run else ''}"
-    json_path, _ = common.write_results(stem, result, text, out_dir=args.out)
+    json_path, _ = harness.write_results(stem, result, text, out_dir=args.out)
     if "error" not in result:
         print(text)
     print(f"wrote {json_path}", flush=True)

@@ -33,6 +33,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from harness import table  # noqa: E402
 
 TARGET_OPS, TARGET_SYNCS, TARGET_SPREAD = 400, 2, 0.10
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -148,7 +149,7 @@ def _timed(fn, device: torch.device, steps: int) -> float:
 
 
 def speed(args) -> list[dict]:
-    import compare
+    import recipe
 
     device = torch.device(args.device)
     experts = 8 if args.quick else args.speed_experts
@@ -160,7 +161,7 @@ def speed(args) -> list[dict]:
     rows = []
 
     def lora_step(model):
-        model = compare.stock_baseline(model, "lora")
+        model = recipe.stock_baseline(model, "lora")
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
@@ -173,7 +174,7 @@ def speed(args) -> list[dict]:
         return step
 
     def inference(model):
-        model = compare.stock_baseline(model, "inference")
+        model = recipe.stock_baseline(model, "inference")
 
         def forward():
             with torch.no_grad():
@@ -184,7 +185,7 @@ def speed(args) -> list[dict]:
     methods = {
         "usaf step": lambda model: usaf_step(model, None, args.speed_density / 100, ids),
         "inference forward (grouped_mm, no grad)": inference,
-        f"PEFT LoRA r={compare.LORA_RANK} step (grouped_mm)": lora_step,
+        f"PEFT LoRA r={recipe.LORA_RANK} step (grouped_mm)": lora_step,
     }
     wanted = [m for m in args.speed_methods.split(",") if m]
     for dtype_name in args.speed_dtype.split(","):  # side by side: fp32 and bf16 steps in one run
@@ -269,32 +270,30 @@ def markdown(payload: dict) -> str:
     ]
     if payload.get("note"):
         lines += [payload["note"], ""]
-    lines += [
-        "| E | density | dtype | quant | seq | ops/layer | syncs/layer | shape syncs/layer | CPU-only syncs/layer "
-        "| top ops | s |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|",
-    ]
+    rows = []
     for r in payload["rows"]:
+        config = [r["experts"], f"{r['density_pct']:g} %", r["dtype"]]
         if "error" in r:
-            lines.append(
-                f"| {r['experts']} | {r['density_pct']:g} % | {r['dtype']} | {r['quant']} | {r['seq']} | "
-                f"error: {r['error']} | | | | | |"
-            )
+            rows.append([*config, r["quant"], r["seq"], f"error: {r['error']}", *[None] * 5])
             continue
         top = ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in list(r["top_ops"].items())[:5])
         quant = r["quant"] + (f", workspace {r['workspace_mb']} MB" if r.get("workspace_mb") else "")
-        lines.append(
-            f"| {r['experts']} | {r['density_pct']:g} % | {r['dtype']} | {quant} | {r['seq']} | "
-            f"{r['ops_per_layer']:,} | {r['syncs_per_layer']:,} | {r['shape_syncs_per_layer']:,} | "
-            f"{r.get('cpu_only_syncs_per_layer', 0):,} | {top} | "
-            f"{r['seconds']:.0f} |"
-        )
-    lines += ["", "## Targets", "", "| target | value | verdict |", "|---|---:|---|"]
-    for v in payload["verdicts"]:
-        value = f"{v['value']:+.1%}" if "within" in v["target"] else f"{v['value']:,}"
-        lines.append(f"| {v['target']} | {value} | {'met' if v['met'] else 'MISSED'} |")
+        counts = [r["ops_per_layer"], r["syncs_per_layer"], r["shape_syncs_per_layer"]]
+        counts += [r.get("cpu_only_syncs_per_layer", 0)]
+        rows.append([*config, quant, r["seq"], *(f"{c:,}" for c in counts), top, f"{r['seconds']:.0f}"])
+    header = ["E", "density", "dtype", "quant", "seq", "ops/layer", "syncs/layer", "shape syncs/layer"]
+    lines += table([*header, "CPU-only syncs/layer", "top ops", "s"], rows, align="rrllrrrrrlr")
+    verdicts = [
+        [
+            v["target"],
+            f"{v['value']:+.1%}" if "within" in v["target"] else f"{v['value']:,}",
+            "met" if v["met"] else "MISSED",
+        ]
+        for v in payload["verdicts"]
+    ]
     if not payload["verdicts"]:
-        lines.append("| (no E=128 row measured) | | |")
+        verdicts.append(["(no E=128 row measured)", None, None])
+    lines += ["", "## Targets", "", *table(["target", "value", "verdict"], verdicts, align="lr")]
     sites = [r for r in payload["rows"] if r.get("sync_sites")]
     if sites:
         lines += ["", "## Where the syncs are (per layer, first rows)", ""]
@@ -307,15 +306,15 @@ def markdown(payload: dict) -> str:
             "",
             "## Tokens/s at the layer shape (2 layers)",
             "",
-            "| method | dtype | E | step ms | tokens/s |",
         ]
-        lines.append("|---|---|---:|---:|---:|")
+        speed = []
         for s in payload["speed"]:
-            head = f"| {s['method']} | {s.get('dtype', '')} | {s.get('experts', '')} |"
+            head = [s["method"], s.get("dtype", ""), s.get("experts", "")]
             if "error" in s:
-                lines.append(f"{head} error: {s['error']} | |")
+                speed.append([*head, f"error: {s['error']}", None])
             else:
-                lines.append(f"{head} {s['step_s'] * 1e3:.1f} | {s['tokens_per_s']:,.0f} |")
+                speed.append([*head, f"{s['step_s'] * 1e3:.1f}", f"{s['tokens_per_s']:,.0f}"])
+        lines += table(["method", "dtype", "E", "step ms", "tokens/s"], speed, align="llrrr")
     return "\n".join(lines) + "\n"
 
 
@@ -361,7 +360,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    import common
+    import harness
 
     if args.quick:
         args.experts = "8" if args.experts == parser.get_default("experts") else args.experts
@@ -376,7 +375,7 @@ def main(argv=None) -> int:
     ]
     payload = {
         "command": shlex.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
-        "machine": common.machine(),
+        "machine": harness.machine(),
         "device": args.device,
         "seq": args.seq,
         "batch": args.batch,
@@ -400,7 +399,7 @@ def main(argv=None) -> int:
     def write():
         payload["verdicts"] = verdicts([r for r in payload["rows"] if "error" not in r], top)
         kw = {"out_dir": Path(args.out)} if args.out else {}
-        return common.write_results(args.stem, payload, markdown(payload), **kw)
+        return harness.write_results(args.stem, payload, markdown(payload), **kw)
 
     if args.speed:  # first: a grid stopped by a time limit must not lose it
         payload["speed"] = speed(args)

@@ -49,7 +49,7 @@ def child(args) -> None:
     from usaf.model.hf import build_skeleton
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import TensorPeak, proc_status_bytes, reset_peak_rss
+    from harness import TensorPeak, proc_status_bytes, reset_peak_rss
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -164,7 +164,7 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import machine, write_results
+    from harness import machine, table, write_results
 
     from usaf.base.load import read_store_metadata
     from usaf.base.writer import prepare_store
@@ -225,17 +225,23 @@ def main() -> None:
             f"(prepared in {prepare_seconds:.0f} s). Sequence {args.seq} tokens, batch 1, CPU, "
             f"{args.threads} threads.",
             "",
-            "| run | peak RSS MB | above baseline MB | after load MB | time s |",
-            "|---|---|---|---|---|",
-            *(
-                f"| {name} | {r['peak'] / mb:.0f} | {r['net'] / mb:.0f} | {(r['loaded'] - r['baseline']) / mb:.0f} | "
-                f"{r['seconds']:.1f} |"
-                for name, r in (
-                    ("inference (no-grad prefill)", inference),
-                    ("training step", training),
-                    ("inference, CPU knobs", inference_knobs),
-                    ("training step, CPU knobs", training_knobs),
-                )
+            *table(
+                ["run", "peak RSS MB", "above baseline MB", "after load MB", "time s"],
+                [
+                    [
+                        name,
+                        f"{r['peak'] / mb:.0f}",
+                        f"{r['net'] / mb:.0f}",
+                        f"{(r['loaded'] - r['baseline']) / mb:.0f}",
+                        f"{r['seconds']:.1f}",
+                    ]
+                    for name, r in (
+                        ("inference (no-grad prefill)", inference),
+                        ("training step", training),
+                        ("inference, CPU knobs", inference_knobs),
+                        ("training step, CPU knobs", training_knobs),
+                    )
+                ],
             ),
             "",
             f"**Training ÷ inference: {ratio_net:.2f}x above the baseline** (target <= {TARGET}); "

@@ -124,7 +124,7 @@ def prepare(case: dict, workdir: str) -> str:
 def child(case: dict, store: str | None) -> dict:
     """Train one case and report the peak RSS above the post-import baseline (runs in its own process)."""
     import torch
-    from common import lifetime_peak_rss, proc_status_bytes, reset_peak_rss
+    from harness import lifetime_peak_rss, proc_status_bytes, reset_peak_rss
 
     import usaf
     from usaf.base.load import load_prepared
@@ -222,7 +222,7 @@ def main() -> int:
     if args.prepare:
         print(json.dumps(prepare(json.loads(args.prepare), args.store)))
         return 0
-    from common import machine, write_results
+    from harness import machine, table, write_results
 
     rows = []
     workdir = tempfile.TemporaryDirectory()
@@ -250,19 +250,32 @@ def main() -> int:
         )
 
     facts = machine()
-    table = [
-        "| case | params | seq x batch | density | experts | measured peak | predicted peak | error | "
-        "planner's peak phase | measured, glibc defaults |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---|---:|",
+    header = [
+        "case",
+        "params",
+        "seq x batch",
+        "density",
+        "experts",
+        "measured peak",
+        "predicted peak",
+        "error",
     ]
-    for r in rows:
-        c = r["case"]
-        table.append(
-            f"| {c['name']} | {r['predicted']['parameters'] / 1e6:.0f} M | {c['seq']} x {c['batch']} | "
-            f"{c['density']:g} | {c['quant']} | {_mb(r['measured']['peak_bytes'])} | "
-            f"{_mb(r['predicted']['predicted_bytes'])} | {r['error']:+.1%} | {r['predicted']['peak_phase']} | "
-            f"{_mb(r['glibc_default']['peak_bytes'])} |"
-        )
+    header += ["planner's peak phase", "measured, glibc defaults"]
+    cases = [
+        [
+            r["case"]["name"],
+            f"{r['predicted']['parameters'] / 1e6:.0f} M",
+            f"{r['case']['seq']} x {r['case']['batch']}",
+            f"{r['case']['density']:g}",
+            r["case"]["quant"],
+            _mb(r["measured"]["peak_bytes"]),
+            _mb(r["predicted"]["predicted_bytes"]),
+            f"{r['error']:+.1%}",
+            r["predicted"]["peak_phase"],
+            _mb(r["glibc_default"]["peak_bytes"]),
+        ]
+        for r in rows
+    ]
     within = all(abs(r["error"]) <= TOLERANCE for r in rows)
     lines = [
         f"# Planner vs measured peak memory ({facts['date']})",
@@ -272,7 +285,7 @@ def main() -> int:
         "with MALLOC_MMAP_THRESHOLD_=131072 (freed memory returns to the system). Predicted: the planner's peak "
         "from the config alone, less its imports line.",
         "",
-        *table,
+        *table(header, cases, align="lrrrlrrrlr"),
         "",
         f"All within {TOLERANCE:.0%}: {'yes' if within else 'NO'}.",
         "",

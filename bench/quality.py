@@ -23,7 +23,7 @@ How it measures
   transformers, peft and usaf once; `--jobs` of them run at once (default 2, 1 torch thread each: on a shared
   2-core CPU, 2-thread processes stall on OpenMP barriers). Peak memory: the resident set's peak above the
   process's baseline (VmHWM, reset after the model is built), and the live-tensor peak of one more training step
-  (bench/common.py's TensorPeak: what a GPU allocator's peak would count).
+  (bench/harness.py's TensorPeak: what a GPU allocator's peak would count).
 - Every training run: the same batches in the same order for a given seed, the same number of steps,
   `usaf.causal_lm_loss`, AdamW (betas 0.9/0.999, no weight decay), clipping at 1.0, linear warm-up over 10 % of the
   steps then cosine to 10 % of the peak learning rate. Baselines run transformers' `grouped_mm` experts.
@@ -45,7 +45,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -53,14 +52,20 @@ REPO = BENCH.parent
 RESULTS = BENCH / "results"
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "scripts"))
-from compare import (  # noqa: E402  (the same schedule and LoRA as the speed comparison)
-    LORA_ALPHA,
-    LORA_ATTENTION,
-    LORA_EXPERTS,
-    LORA_RANK,
-    _lr_factor,
+from harness import (  # noqa: E402
+    PeakMemory,
+    TensorPeak,
+    call_in_fork,
+    fmt,
+    map_in_forks,
+    own_mapped_weights,
+    params_label,
+    save_figure,
+    subplots,
+    table,
+    write_results,
 )
-from forked import call_in_fork  # noqa: E402
+from recipe import LORA_ALPHA, LORA_ATTENTION, LORA_EXPERTS, LORA_RANK, lr_factor, stock_baseline  # noqa: E402
 
 # ============================================================================================================
 # usaf configurations: EXTEND HERE (or pass --usaf-spec JSON on the command line, repeatable).
@@ -328,13 +333,12 @@ def _safetensors(model_dir: Path) -> dict:
 def _build(method: dict, model_dir: str, calibration: list):
     """The model of one method, with exactly its trainable parameters; and the optimizer's parameter groups."""
     import torch
-    from compare import _own_weights, stock_baseline
     from transformers import AutoModelForCausalLM
 
     import usaf
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    _own_weights(model)
+    own_mapped_weights(model)
     kind, lr = method["kind"], method["lr"]
     if kind == "usaf":
         from usaf.train.optim import router_params as _router_params
@@ -389,8 +393,6 @@ class _Evaluator:
 def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
     """Train one method on one task with one seed; evaluations along the way; its own process's memory."""
     import torch
-    from common import TensorPeak
-    from compare import PeakMemory
 
     import usaf
 
@@ -426,7 +428,7 @@ def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
         optimizer = CompactAdamW(groups, seed=seed, betas=(0.9, 0.999), weight_decay=0.0)
     else:
         optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999), weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(steps))
     reselector = None
     if config is not None and getattr(config, "reselect_every", 0):
         from usaf.selection.reselect import Reselector
@@ -470,16 +472,6 @@ def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
         "peak_bytes": peak,
         "tensor_peak_bytes": tensors.peak,
     }
-
-
-def environment(threads: int) -> dict:
-    import torch
-
-    torch.set_num_threads(threads)
-    import common
-    from compare import _versions
-
-    return {"machine": common.machine(), "versions": _versions()}
 
 
 # ---- aggregation -----------------------------------------------------------------------------------------------
@@ -579,16 +571,8 @@ def aggregate(task: str, methods: list[dict], runs: dict, errors: dict) -> dict:
 # ---- reporting -------------------------------------------------------------------------------------------------
 
 
-def _f(value, pattern="{:.3f}") -> str:
-    return "–" if value is None else pattern.format(value)
-
-
 def _metric(task: str, value) -> str:
-    return _f(value, "{:.1%}" if TASKS[task]["higher_is_better"] else "{:.3f}")
-
-
-def _params(n: int) -> str:
-    return f"{n / 1e6:.2f} M" if n >= 1e5 else f"{n / 1e3:.1f} k"
+    return fmt(value, "{:.1%}" if TASKS[task]["higher_is_better"] else "{:.3f}")
 
 
 def _yes(value) -> str:
@@ -653,25 +637,41 @@ def markdown(payload: dict) -> str:
             "",
             f"{payload['steps'][task]} steps. New: {info['new']}; old: {info['old']} ({info['metric']}, {arrow}).",
             "",
-            "| method | lr | trainable | new before → after [per seed] | old before → after [per seed] | step ms "
-            "| train s | peak MB | live MB |",
-            "|---|---:|---:|---|---|---:|---:|---:|---:|",
         ]
+        table_rows = []
         for r in rows.values():
             per_new = " / ".join(_metric(task, s["new"]) for s in r["per_seed_after"])
             per_old = " / ".join(_metric(task, s["old"]) for s in r["per_seed_after"])
             lr = f"{r['lr']:g}" + (
                 f" (routers ×{r['router_lr_multiplier']:g})" if r["kind"] == "usaf" else ""
             )
-            lines.append(
-                f"| {r['label']} | {lr if r['kind'] != 'inference' else '–'} | {_params(r['trainable_params'])} "
-                f"| {_metric(task, r['before']['new'])} → {_metric(task, r['after']['new'])} [{per_new}] "
-                f"| {_metric(task, r['before']['old'])} → {_metric(task, r['after']['old'])} [{per_old}] "
-                f"| {_f(r['step_ms'], '{:.0f}')} | {_f(r['train_s'], '{:.0f}')} | {_f(r['peak_mb'], '{:.0f}')} "
-                f"| {_f(r['tensor_peak_mb'], '{:.0f}')} |"
+            table_rows.append(
+                [
+                    r["label"],
+                    lr if r["kind"] != "inference" else "–",
+                    params_label(r["trainable_params"]),
+                    f"{_metric(task, r['before']['new'])} → {_metric(task, r['after']['new'])} [{per_new}]",
+                    f"{_metric(task, r['before']['old'])} → {_metric(task, r['after']['old'])} [{per_old}]",
+                    fmt(r["step_ms"], "{:.0f}"),
+                    fmt(r["train_s"], "{:.0f}"),
+                    fmt(r["peak_mb"], "{:.0f}"),
+                    fmt(r["tensor_peak_mb"], "{:.0f}"),
+                ]
             )
         for key, error in data["errors"].items():
-            lines.append(f"| {key} | FAILED: {error.strip().splitlines()[-1][:150]} | | | | | | | |")
+            table_rows.append([key, f"FAILED: {error.strip().splitlines()[-1][:150]}", *[None] * 7])
+        header = [
+            "method",
+            "lr",
+            "trainable",
+            "new before → after [per seed]",
+            "old before → after [per seed]",
+            "step ms",
+            "train s",
+            "peak MB",
+            "live MB",
+        ]
+        lines += table(header, table_rows, align="lrrllrrrr")
         if task == "demo":
             lines += [
                 "",
@@ -691,15 +691,16 @@ def markdown(payload: dict) -> str:
                 "",
                 "### At equal steps: new / old along the run (means over seeds; training seconds in brackets)",
                 "",
-                "| method | lr | " + " | ".join(f"step {s}" for s in steps) + " |",
-                "|---|---:|" + "---|" * len(steps),
             ]
-            for r in trained:
-                cells = [
+            curves = [
+                [r["label"], f"{r['lr']:g}"]
+                + [
                     f"{_metric(task, p['new'])} / {_metric(task, p['old'])} ({p['elapsed_s']:.0f} s)"
                     for p in r["curve"]
                 ]
-                lines.append(f"| {r['label']} | {r['lr']:g} | " + " | ".join(cells) + " |")
+                for r in trained
+            ]
+            lines += table(["method", "lr", *(f"step {s}" for s in steps)], curves, align="lr")
         if data.get("wall_reference_s"):
             wall = data["wall_reference_s"]
             lines += [
@@ -707,18 +708,16 @@ def markdown(payload: dict) -> str:
                 f"### At equal wall-clock: {wall:.0f} training seconds (LoRA at lr {data['lora_mid']['lr']:g}, its "
                 "whole run); a method that finished sooner shows its final values",
                 "",
-                "| method | lr | new | old | note |",
-                "|---|---:|---:|---:|---|",
             ]
+            at_wall = []
             for r in rows.values():
                 w = r.get("at_lora_wall")
                 if not w:
                     continue
                 note = "finished sooner" if w["finished"] and r["kind"] != "inference" else ""
                 lr = f"{r['lr']:g}" if r["kind"] != "inference" else "–"
-                lines.append(
-                    f"| {r['label']} | {lr} | {_metric(task, w['new'])} | {_metric(task, w['old'])} | {note} |"
-                )
+                at_wall.append([r["label"], lr, _metric(task, w["new"]), _metric(task, w["old"]), note])
+            lines += table(["method", "lr", "new", "old", "note"], at_wall, align="lrrr")
         measured = [r for r in rows.values() if r["peak_mb"] is not None]
         lora_peak = _mean([r["peak_mb"] for r in rows.values() if r["kind"] == "lora"])
         if measured:
@@ -726,20 +725,26 @@ def markdown(payload: dict) -> str:
                 "",
                 "### At equal peak memory: methods by peak RSS; best new-domain result within each budget",
                 "",
-                "| method | lr | peak MB | ÷ LoRA | live MB | new | old | best new within this peak (method) |",
-                "|---|---:|---:|---:|---:|---:|---:|---|",
             ]
             sign = -1 if info["higher_is_better"] else 1
+            by_peak = []
             for r in sorted(measured, key=lambda r: r["peak_mb"]):
                 within = [x for x in measured if x["peak_mb"] <= r["peak_mb"]]
                 best = min(within, key=lambda x: sign * x["after"]["new"])
-                lines.append(
-                    f"| {r['label']} | {r['lr']:g} | {r['peak_mb']:.0f} "
-                    f"| {_f(r['peak_mb'] / lora_peak if lora_peak else None, '{:.2f}')} "
-                    f"| {_f(r['tensor_peak_mb'], '{:.0f}')} | {_metric(task, r['after']['new'])} "
-                    f"| {_metric(task, r['after']['old'])} | {_metric(task, best['after']['new'])} "
-                    f"({best['label']} @ {best['lr']:g}) |"
+                by_peak.append(
+                    [
+                        r["label"],
+                        f"{r['lr']:g}",
+                        f"{r['peak_mb']:.0f}",
+                        fmt(r["peak_mb"] / lora_peak if lora_peak else None, "{:.2f}"),
+                        fmt(r["tensor_peak_mb"], "{:.0f}"),
+                        _metric(task, r["after"]["new"]),
+                        _metric(task, r["after"]["old"]),
+                        f"{_metric(task, best['after']['new'])} ({best['label']} @ {best['lr']:g})",
+                    ]
                 )
+            header = ["method", "lr", "peak MB", "÷ LoRA", "live MB", "new", "old"]
+            lines += table([*header, "best new within this peak (method)"], by_peak, align="lrrrrrr")
         usaf_rows = [r for r in rows.values() if r["kind"] == "usaf"]
         if usaf_rows and data.get("lora_mid"):
             mid = rows[data["lora_mid"]["key"]]
@@ -753,32 +758,32 @@ def markdown(payload: dict) -> str:
                 "value lies outside LoRA's range. Reaches full fine-tuning's frontier: old no worse than full "
                 "fine-tuning's (linear between its learning rates) at the same new value.",
                 "",
-                "| usaf | lr | new | old | dominates LoRA mid | LoRA frontier's old at same new | ahead of frontier "
-                "| full FT frontier's old at same new | reaches full FT frontier |",
-                "|---|---:|---:|---:|---|---:|---|---:|---|",
             ]
-            for r in usaf_rows:
-                lines.append(
-                    f"| {r['label']} | {r['lr']:g} | {_metric(task, r['after']['new'])} "
-                    f"| {_metric(task, r['after']['old'])} | {_yes(r.get('dominates_lora_mid'))} "
-                    f"| {_metric(task, r.get('lora_frontier_old_at_same_new'))} "
-                    f"| {_yes(r.get('ahead_of_lora_frontier'))} "
-                    f"| {_metric(task, r.get('full_frontier_old_at_same_new'))} "
-                    f"| {_yes(r.get('reaches_full_frontier'))} |"
-                )
+            header = ["usaf", "lr", "new", "old", "dominates LoRA mid", "LoRA frontier's old at same new"]
+            header += ["ahead of frontier", "full FT frontier's old at same new", "reaches full FT frontier"]
+            against_lora = [
+                [
+                    r["label"],
+                    f"{r['lr']:g}",
+                    _metric(task, r["after"]["new"]),
+                    _metric(task, r["after"]["old"]),
+                    _yes(r.get("dominates_lora_mid")),
+                    _metric(task, r.get("lora_frontier_old_at_same_new")),
+                    _yes(r.get("ahead_of_lora_frontier")),
+                    _metric(task, r.get("full_frontier_old_at_same_new")),
+                    _yes(r.get("reaches_full_frontier")),
+                ]
+                for r in usaf_rows
+            ]
+            lines += table(header, against_lora, align="lrrrlrlrl")
         lines.append("")
     lines += ["## usaf specs", "", "```json", json.dumps(payload["usaf_specs"], indent=1), "```", ""]
     return "\n".join(lines)
 
 
 def chart(payload: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tasks = payload["tasks"]
-    fig, axes = plt.subplots(len(tasks), 1, figsize=(13, 6.5 * len(tasks)), squeeze=False)
+    fig, axes = subplots(len(tasks), 1, figsize=(13, 6.5 * len(tasks)))
     colors = {"lora": "tab:blue", "full": "tab:red", "experts": "tab:orange", "usaf": "tab:green"}
     for ax, (task, data) in zip(axes[:, 0], tasks.items(), strict=True):
         info, rows = TASKS[task], data["methods"]
@@ -820,10 +825,7 @@ def chart(payload: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
     fig.suptitle(f"usaf vs LoRA / full FT / experts: adaptation vs forgetting — {payload['machine']['date']}")
-    fig.tight_layout()
-    fig.subplots_adjust(right=0.66)  # room for the numbered legend on the right
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, right=0.66)  # room for the numbered legend on the right
 
 
 # ---- main ------------------------------------------------------------------------------------------------------
@@ -899,10 +901,10 @@ def main(argv: list[str] | None = None) -> int:
 
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(
-        ["torch", "transformers", "peft", "usaf", "usaf.demo.task", "compare", "common"]
+        ["torch", "transformers", "peft", "usaf", "usaf.demo.task", "recipe", "harness"]
     )
     started = time.perf_counter()
-    env = call_in_fork(context, "quality", "environment", threads=args.threads)
+    env = call_in_fork(context, "harness", "environment", threads=args.threads)
     payload = {
         "command": " ".join(["python", "bench/quality.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": env["machine"],
@@ -950,35 +952,28 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list] = {k: v for (t, k), v in reused.items() if t == task}
             errors: dict[str, str] = {}
 
-            def one(method, seed, task=task, job=job):
-                began = time.perf_counter()
-                try:
-                    result = call_in_fork(
-                        context, "quality", "run_method", task=task, method=method, seed=seed, job=job
-                    )
-                except RuntimeError as err:
-                    return method, seed, None, str(err), time.perf_counter() - began
-                return method, seed, result, None, time.perf_counter() - began
-
-            todo = [(m, s) for m in methods for s in seeds if m["key"] not in runs]
-            with ThreadPoolExecutor(max_workers=jobs) as pool:
-                for method, seed, result, error, took in pool.map(lambda ms: one(*ms), todo):
-                    if error is not None:
-                        errors[f"{method['key']} seed {seed}"] = error
-                        print(f"   {method['key']:<60} seed {seed}: FAILED\n{error}", flush=True)
-                        continue
-                    runs.setdefault(method["key"], []).append(result)
-                    last, first = result["curve"][-1], result["curve"][0]
-                    print(
-                        f"   {method['key']:<60} seed {seed}: new {first['new']:.4f} -> {last['new']:.4f}  "
-                        f"old {first['old']:.4f} -> {last['old']:.4f}  ({took:.0f} s)",
-                        flush=True,
-                    )
+            todo = [
+                {"task": task, "method": m, "seed": seed, "job": job}
+                for m in methods
+                for seed in seeds
+                if m["key"] not in runs
+            ]
+            for call, result, error, took in map_in_forks(context, "quality", "run_method", todo, jobs):
+                method, seed = call["method"], call["seed"]
+                if error is not None:
+                    errors[f"{method['key']} seed {seed}"] = error
+                    print(f"   {method['key']:<60} seed {seed}: FAILED\n{error}", flush=True)
+                    continue
+                runs.setdefault(method["key"], []).append(result)
+                last, first = result["curve"][-1], result["curve"][0]
+                print(
+                    f"   {method['key']:<60} seed {seed}: new {first['new']:.4f} -> {last['new']:.4f}  "
+                    f"old {first['old']:.4f} -> {last['old']:.4f}  ({took:.0f} s)",
+                    flush=True,
+                )
             payload["tasks"][task] = {**aggregate(task, methods, runs, errors), "facts": prepared["facts"]}
             gc.collect()
     payload["wall_s"] = time.perf_counter() - started
-    from common import write_results
-
     text = markdown(payload)
     json_path, md_path = write_results(stem, payload, text, out_dir=args.out)
     png = json_path.with_suffix(".png")

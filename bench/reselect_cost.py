@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, sync, write_results
+from harness import machine, sync, table, write_results
 
 import usaf
 from usaf.engine.loss import causal_lm_loss
@@ -124,13 +124,26 @@ def main() -> None:
         f"{facts['processor']} ({facts['torch_threads']} threads); {args.steps} steps, a reselection every "
         f"{args.every} (30 % of the entries), probes over {args.probe_steps} steps for element granularity.",
         "",
-        "| granularity | trained entries | plain step s | surgery s | probing extra s per reselection "
-        "| cost in steps (target <= 3) |",
-        "|---|---|---|---|---|---|",
-        *(
-            f"| {r['granularity']} {r['density']:.1%} | {r['trained_entries']:,} | {r['plain_step_s']:.3f} "
-            f"| {r['surgery_s']:.3f} | {r['probe_extra_s_per_reselection']:.3f} | {r['cost_in_steps']:.2f} |"
-            for r in rows
+        *table(
+            [
+                "granularity",
+                "trained entries",
+                "plain step s",
+                "surgery s",
+                "probing extra s per reselection",
+                "cost in steps (target <= 3)",
+            ],
+            [
+                [
+                    f"{r['granularity']} {r['density']:.1%}",
+                    f"{r['trained_entries']:,}",
+                    f"{r['plain_step_s']:.3f}",
+                    f"{r['surgery_s']:.3f}",
+                    f"{r['probe_extra_s_per_reselection']:.3f}",
+                    f"{r['cost_in_steps']:.2f}",
+                ]
+                for r in rows
+            ],
         ),
         "",
     ]

@@ -3,7 +3,7 @@
 A random Qwen3-MoE-shaped model (fp32, 1 % element entries, gradient selection calibrated on 4 batches) trains for
 a number of steps in a fresh subprocess per configuration, with and without `select.reselect_every`, with and
 without per-layer recomputation. Each child reports:
-- live-tensor peaks (bench/common.py's TensorPeak: what a GPU allocator's peak counts) of the calibration and of
+- live-tensor peaks (bench/harness.py's TensorPeak: what a GPU allocator's peak counts) of the calibration and of
   every training step, the reselection steps and the probe steps before them included;
 - the process's peak RSS (VmHWM, reset after imports and a warm-up) over calibration and over training.
 A reselected run must peak within 10 % of the same run without reselection, however many reselections it makes,
@@ -42,7 +42,7 @@ def child(args) -> None:
     import torch
 
     sys.path.insert(0, str(BENCH))
-    from common import TensorPeak, proc_status_bytes, reset_peak_rss
+    from harness import TensorPeak, proc_status_bytes, reset_peak_rss
 
     import usaf
     from usaf.selection.reselect import Reselector
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.steps, args.seq = min(args.steps, 6), min(args.seq, 32)
     sys.path.insert(0, str(BENCH))
-    from common import machine, write_results
+    from harness import machine, table, write_results
 
     everies = (0, 10, 5) if not args.smoke else (0, 2)
     rows = []
@@ -159,10 +159,20 @@ def main(argv=None) -> int:
         "of live tensor storages (TensorPeak, what a GPU allocator's peak counts); RSS MB: VmHWM over the phase, "
         "reset after the previous one. Ratio: the step peak against the same run without reselection.",
         "",
-        "| recompute | reselect every | reselections | calibration live MB | step live MB | ratio | "
-        "calibration ÷ step | calibration RSS MB | training RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *[_row(r, rows) for r in rows],
+        *table(
+            [
+                "recompute",
+                "reselect every",
+                "reselections",
+                "calibration live MB",
+                "step live MB",
+                "ratio",
+                "calibration ÷ step",
+                "calibration RSS MB",
+                "training RSS MB",
+            ],
+            [_row(r, rows) for r in rows],
+        ),
         "",
     ]
     suffix = f"-{args.label}" if args.label else ""
@@ -171,16 +181,22 @@ def main(argv=None) -> int:
     return 0
 
 
-def _row(row: dict, rows: list[dict]) -> str:
+def _row(row: dict, rows: list[dict]) -> list[str]:
     base = next(r for r in rows if r["recompute"] == row["recompute"] and r["reselect_every"] == 0)
     mb = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     ratio = row["step_live_peak_bytes"] / base["step_live_peak_bytes"]
     calibration = row["calibration_live_peak_bytes"] / row["step_live_peak_bytes"]
-    return (
-        f"| {'on' if row['recompute'] else 'off'} | {row['reselect_every'] or '-'} | {row['reselections']} | "
-        f"{mb(row['calibration_live_peak_bytes'])} | {mb(row['step_live_peak_bytes'])} | {ratio:.3f} | "
-        f"{calibration:.2f} | {mb(row['calibration_peak_rss_bytes'])} | {mb(row['train_peak_rss_bytes'])} |"
-    )
+    return [
+        "on" if row["recompute"] else "off",
+        row["reselect_every"] or "-",
+        row["reselections"],
+        mb(row["calibration_live_peak_bytes"]),
+        mb(row["step_live_peak_bytes"]),
+        f"{ratio:.3f}",
+        f"{calibration:.2f}",
+        mb(row["calibration_peak_rss_bytes"]),
+        mb(row["train_peak_rss_bytes"]),
+    ]
 
 
 if __name__ == "__main__":

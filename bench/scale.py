@@ -41,6 +41,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from harness import table  # noqa: E402
 
 RETURNING_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 TOLERANCE = 0.15
@@ -188,7 +189,7 @@ def _bytes_per_entry(p) -> float:
 
 
 def child(args) -> dict:
-    import common
+    import harness
 
     import usaf
     from usaf.config import DEFAULT_LOGITS_CHUNK
@@ -205,8 +206,8 @@ def child(args) -> dict:
         result["device_name"] = torch.cuda.get_device_name(device)
     import gpu_offload
 
-    can_reset = common.reset_peak_rss()  # after the imports: the planner's imports line stands for them
-    result["baseline_host_bytes"] = common.proc_status_bytes("VmRSS")
+    can_reset = harness.reset_peak_rss()  # after the imports: the planner's imports line stands for them
+    result["baseline_host_bytes"] = harness.proc_status_bytes("VmRSS")
     result["peak_source"] = "VmHWM after clear_refs" if can_reset else "ru_maxrss"
     shape = shape_for(args.layers, args.dry_run)
     began = time.perf_counter()
@@ -250,10 +251,10 @@ def child(args) -> dict:
     times, streamed, losses = [], [], []
     for i in range(args.warmup + args.steps):
         before = streamer.bytes_streamed
-        common.sync()
+        harness.sync()
         began = time.perf_counter()
         losses.append(step())
-        common.sync()
+        harness.sync()
         elapsed = time.perf_counter() - began
         if i >= args.warmup:
             times.append(elapsed)
@@ -261,7 +262,7 @@ def child(args) -> dict:
         print(
             f"step {i}: {elapsed:.2f} s, loss {losses[-1]:.3f}, streamed {format_size(streamer.bytes_streamed - before)}"
         )
-    peak = common.proc_status_bytes("VmHWM") if can_reset else common.lifetime_peak_rss()
+    peak = harness.proc_status_bytes("VmHWM") if can_reset else harness.lifetime_peak_rss()
     # the same step with every layer copied whole (what streaming cost before routed-only backward)
     streamer.routed_only = False
     before = streamer.bytes_streamed
@@ -431,34 +432,36 @@ def markdown(result: dict) -> str:
         "",
         f"    {result['command']}",
         "",
-        "| layers | step s | tokens/s | measured peak host | planned peak host | planner error | above imports: "
-        "measured / planned | streamed per step | whole-layer copies would be | B per entry |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['layers']} | {r['step_seconds']:.2f} | {r['tokens_per_s']:.0f} | "
-            f"{format_size(r['measured_peak_host_bytes'])} | {format_size(r['planned_peak_host_bytes'])} | "
-            f"{r['planner_error']:+.1%} | {format_size(r['measured_above_baseline_bytes'])} / "
-            f"{format_size(r['planned_above_imports_bytes'])} | {format_size(r['bytes_streamed_per_step'])} | "
-            f"{format_size(r['whole_layer_bytes_per_step'])} | {r['bytes_per_entry']:.0f} |"
-        )
+    header = ["layers", "step s", "tokens/s", "measured peak host", "planned peak host", "planner error"]
+    header += ["above imports: measured / planned", "streamed per step", "whole-layer copies would be"]
+    cells = [
+        [
+            r["layers"],
+            f"{r['step_seconds']:.2f}",
+            f"{r['tokens_per_s']:.0f}",
+            format_size(r["measured_peak_host_bytes"]),
+            format_size(r["planned_peak_host_bytes"]),
+            f"{r['planner_error']:+.1%}",
+            f"{format_size(r['measured_above_baseline_bytes'])} / {format_size(r['planned_above_imports_bytes'])}",
+            format_size(r["bytes_streamed_per_step"]),
+            format_size(r["whole_layer_bytes_per_step"]),
+            f"{r['bytes_per_entry']:.0f}",
+        ]
+        for r in rows
+    ]
+    lines += table([*header, "B per entry"], cells, align="r" * 10)
     lines += [
         "",
         "Time per step by kind (profiled step's shares applied to the median unprofiled step), seconds:",
         "",
     ]
-    lines.append("| layers | " + " | ".join(CATEGORIES) + " |")
-    lines.append("|---:|" + "---:|" * len(CATEGORIES))
-    for r in rows:
-        lines.append(f"| {r['layers']} | " + " | ".join(f"{r['split_s'][c]:.2f}" for c in CATEGORIES) + " |")
+    split = [[r["layers"], *(f"{r['split_s'][c]:.2f}" for c in CATEGORIES)] for r in rows]
     ex = result.get("extrapolated")
     if ex:
-        lines.append(
-            "| **48 (linear fit)** | "
-            + " | ".join(f"{ex['split_s'][c]['at_48']:.1f}" for c in CATEGORIES)
-            + " |"
-        )
+        split.append(["**48 (linear fit)**", *(f"{ex['split_s'][c]['at_48']:.1f}" for c in CATEGORIES)])
+    lines += table(["layers", *CATEGORIES], split, align="r" * (1 + len(CATEGORIES)))
+    if ex:
         lines += [
             "",
             f"Extrapolated to {FULL_LAYERS} layers (a line through the layer counts above): step "
@@ -525,12 +528,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "cpu" and not torch.cuda.is_available():
         print("no CUDA/ROCm device: run with --device cpu or --dry-run", file=sys.stderr)
         return 2
-    import common
+    import harness
 
     torch.set_num_threads(args.threads)
     command = "python bench/scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {
-        "machine": common.machine(),
+        "machine": harness.machine(),
         "dry_run": args.dry_run,
         "threads": args.threads,
         "command": command,
@@ -594,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     text = (
         markdown(result) if rows else "# scale run failed\n\n```\n" + json.dumps(errors, indent=1) + "\n```\n"
     )
-    json_path, _ = common.write_results(stem, result, text, out_dir=args.out)
+    json_path, _ = harness.write_results(stem, result, text, out_dir=args.out)
     print(f"wrote {json_path}", flush=True)
     ok = bool(rows) and not errors and result.get("correctness", {"ok": True})["ok"]
     return 0 if ok else 1

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, machine, write_results
+from harness import RESULTS, machine, table, write_results
 
 STRATEGIES = {  # label -> (strategy, selection inside the budget)
     "random": ("uniform", "random"),
@@ -114,17 +114,24 @@ def markdown(rows: list[dict], args, facts: dict) -> str:
         "Eval loss: held-out records, before → after. Accuracy: exact match of the exported model's greedy answers "
         "on the held-out words (before training: 0 %).",
         "",
-        "| selection | reselection | router trained | eval loss before → after | accuracy (mean) | per seed "
-        "| expert entries | router weights | seconds |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['selection']} | {'yes' if r['reselection'] else 'no'} | {'yes' if r['router'] else 'no'} "
-            f"| {r['eval_loss_before']:.4f} → {r['eval_loss_after']:.4f} | {r['accuracy']:.1%} "
-            f"| {' / '.join(f'{a:.0%}' for a in r['accuracies'])} "
-            f"| {r['trained_expert_entries']:,} | {r['trained_router_weights']:,} | {r['seconds']:.0f} |"
-        )
+    header = ["selection", "reselection", "router trained", "eval loss before → after", "accuracy (mean)"]
+    header += ["per seed", "expert entries", "router weights", "seconds"]
+    cells = [
+        [
+            r["selection"],
+            "yes" if r["reselection"] else "no",
+            "yes" if r["router"] else "no",
+            f"{r['eval_loss_before']:.4f} → {r['eval_loss_after']:.4f}",
+            f"{r['accuracy']:.1%}",
+            " / ".join(f"{a:.0%}" for a in r["accuracies"]),
+            f"{r['trained_expert_entries']:,}",
+            f"{r['trained_router_weights']:,}",
+            f"{r['seconds']:.0f}",
+        ]
+        for r in rows
+    ]
+    lines += table(header, cells)
     lines += ["", f"Machine: {json.dumps(facts)}", ""]
     return "\n".join(lines)
 

@@ -41,7 +41,7 @@ def main() -> int:
     )
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model = usaf.prepare_model(
-        copy.deepcopy(reference), compare._experts_config(compare.BY_KEY["usaf-element"])
+        copy.deepcopy(reference), compare.experts_config(compare.BY_KEY["usaf-element"])
     )
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -19,7 +19,7 @@ from usaf.testing.tiny import tiny_model
 from usaf.train.recompute import choose_recompute, decide
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from common import TensorPeak
+from harness import TensorPeak
 
 # expert width above the hidden size: the intermediate activation is the largest thing a layer saves
 SHAPE = dict(
