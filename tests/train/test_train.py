@@ -368,3 +368,11 @@ def test_the_training_loop_holds_no_collective():
         and node.value.id == "distributed"
     ]
     assert calls == ["local_device"]
+
+
+def test_a_prefix_cache_over_no_frozen_layer_is_a_usaf_error():
+    from usaf.testing.tiny import tiny_model
+    from usaf.train.prefix_cache import FrozenPrefixCache
+
+    with pytest.raises(UsafError, match=r"select\.layers"):
+        FrozenPrefixCache(tiny_model("qwen3_moe"), 0, "ram")

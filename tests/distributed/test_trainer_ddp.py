@@ -42,7 +42,7 @@ pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
 )
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "hf_trainer.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
 
 # the example under the launcher, then each rank's trained model and what DDP was told
 WRAPPER = """

@@ -18,7 +18,7 @@ from usaf.testing.steps import training_step
 from usaf.testing.tiny import tiny_model
 from usaf.train.recompute import choose_recompute, decide
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from common import TensorPeak
 
 # expert width above the hidden size: the intermediate activation is the largest thing a layer saves

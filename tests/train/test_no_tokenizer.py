@@ -56,7 +56,7 @@ def test_pretokenized_data_trains_without_a_tokenizer(bare, tmp_path, capsys):
     assert main(args) == 0 and out.exists()
 
 
-# text records without a tokenizer (train, eval, select): rows of tests/test_faults.py
+# text records without a tokenizer (train, eval, select): rows of tests/cli/test_faults_commands.py
 
 
 def test_ids_beyond_the_models_vocabulary_are_named(bare, tmp_path, capsys):

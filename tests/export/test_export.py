@@ -561,7 +561,7 @@ def test_hf_trainer_example_runs(tmp_path, monkeypatch):
     import runpy
 
     base = make_model_dir(tmp_path / "model", "qwen3_moe")
-    example = Path(__file__).parent.parent / "examples" / "hf_trainer.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
     monkeypatch.setattr(sys, "argv", [str(example), str(base), str(tmp_path / "out")])
     runpy.run_path(str(example), run_name="__main__")  # in this process: the imports are paid already
     assert read_delta(tmp_path / "out" / "delta.safetensors").changes

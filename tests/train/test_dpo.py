@@ -151,7 +151,7 @@ def test_the_planner_counts_the_pairs_rows_and_the_reference_forward(tmp_path, c
 
     import yaml
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "configs" / "olmoe-1b-7b.yaml"
+    example = Path(__file__).resolve().parents[2] / "examples" / "configs" / "olmoe-1b-7b.yaml"
     config = yaml.safe_load(example.read_text())
     shown = {}
     for objective in ("sft", "dpo"):
