@@ -58,7 +58,9 @@ def ws(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test under tests/distributed/ starts several processes: marked `distributed` by its folder."""
+    """Every test under tests/distributed/ starts several processes (or shares a fixture that does): marked
+    `distributed`, and `slow`, by its folder."""
     for item in items:
         if Path(item.path).resolve().parent == TESTS / "distributed":
             item.add_marker(pytest.mark.distributed)
+            item.add_marker(pytest.mark.slow)

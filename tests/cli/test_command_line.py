@@ -66,6 +66,7 @@ def test_an_unknown_option_is_named_with_its_command(capsys):
     assert err == "usaf: error: usaf plan: unrecognized arguments: --bogus; see `usaf plan --help`."
 
 
+@pytest.mark.slow
 def test_python_dash_m_usaf_runs_the_cli():
     import subprocess
     import sys

@@ -124,6 +124,7 @@ def test_dpo_moves_the_margin_the_right_way(inputs, tmp_path, capsys):
     assert "eval margin before → after" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_dpo_resumes_exactly(inputs, tmp_path):
     model, data = inputs
     args = [f"--model={model}", f"--data={data}"]

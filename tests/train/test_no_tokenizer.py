@@ -41,6 +41,7 @@ def _sets():
     return [f"--set={s}" for s in SETS]
 
 
+@pytest.mark.slow
 def test_pretokenized_data_trains_without_a_tokenizer(bare, tmp_path, capsys):
     run = tmp_path / "run"
     args = ["train", f"--model={bare / 'model'}", f"--data={bare / 'ids.jsonl'}", f"--out={run}", *_sets()]

@@ -84,6 +84,7 @@ def _start_training(workspace, run: Path, *sets) -> subprocess.Popen:
     return start_usaf(cli_args(workspace, run, "schedule.max_steps=100000", *sets))
 
 
+@pytest.mark.slow
 def test_a_second_training_into_a_busy_run_folder_is_refused(workspace, tmp_path, capsys):
     run = tmp_path / "run"
     # no checkpoint yet (every_steps=0): the busy folder must not pass for a dead start
@@ -102,6 +103,7 @@ def test_a_second_training_into_a_busy_run_folder_is_refused(workspace, tmp_path
     assert proc.returncode == -signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_a_resume_of_a_busy_run_is_refused_and_the_lock_dies_with_its_process(workspace, tmp_path, capsys):
     run = tmp_path / "run"
     proc = _start_training(workspace, run, "checkpoint.every_steps=2")
@@ -157,6 +159,7 @@ def test_a_failed_start_leaves_no_run_behind(workspace, tmp_path, capsys):
     assert main(cli_args(workspace, empty, "schedule.max_steps=1")) == 0
 
 
+@pytest.mark.slow
 def test_a_killed_start_is_started_over_not_continued(workspace, tmp_path):
     run = tmp_path / "run"
     proc = _start_training(workspace, run, "checkpoint.every_steps=0")
