@@ -12,7 +12,7 @@
 # limited number of files per call, and this keeps every result within it.
 #
 #   bash bench/gpu.sh OUT_DIR            # on the device
-#   bash bench/gpu.sh OUT_DIR --dry-run  # everything but the device: CPU, tiny shapes (tests/test_bench_scripts.py)
+#   bash bench/gpu.sh OUT_DIR --dry-run  # everything but the device: CPU, tiny shapes (tests/package/test_bench_scripts.py)
 #
 # A lent machine with more than one GPU: a call of its own (its files count against the same 8),
 #   bash bench/gpu.sh OUT_DIR --multi-gpu [--dry-run]

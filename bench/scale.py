@@ -19,7 +19,7 @@ Reported, per layer count (each in its own process, so that peaks do not mix):
 
     .venv/bin/python bench/scale.py                       # CPU: writes bench/results/scale-<date>.{json,md}
     .venv/bin/python bench/scale.py --device cuda --budget-gb 12 --correctness --out DIR   # bench/gpu.sh
-    .venv/bin/python bench/scale.py --dry-run --out DIR   # tiny shapes (tests/test_bench_scripts.py)
+    .venv/bin/python bench/scale.py --dry-run --out DIR   # tiny shapes (tests/package/test_bench_scripts.py)
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ OUT_DIR/qwen3-moe-fp8     Qwen3-MoE with block-scaled FP8 linear layers (`weight
 OUT_DIR/deepseek-v3-fp8   DeepSeek-V3 (MLA attention, a dense first layer) in the same FP8 layout
 
 Each folder is a Hugging Face model directory (config.json with its quantization_config, model.safetensors, a
-character tokenizer) that `usaf train --model` takes as it is; tests/test_published.py builds the same ones.
+character tokenizer) that `usaf train --model` takes as it is; tests/quant/test_published.py builds the same ones.
 """
 
 from __future__ import annotations

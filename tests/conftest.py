@@ -1,11 +1,20 @@
+"""The whole suite's settings and fixtures. Test files live in one folder per area (tests/README.md); the shared
+modules (helpers.py, faults.py, fixtures/) stay here, importable from every folder."""
+
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))  # `from helpers import ...`, `from faults import ...` in every folder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton's kernels run in its interpreter on the CPU (how `make test` checks them against the PyTorch path); Triton
@@ -46,3 +55,12 @@ def ws(tmp_path_factory):
     from faults import build_workspace
 
     return build_workspace(tmp_path_factory.mktemp("faults"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/distributed/ starts several processes (or shares a fixture that does): marked
+    `distributed`, and `slow`, by its folder."""
+    for item in items:
+        if Path(item.path).resolve().parent == TESTS / "distributed":
+            item.add_marker(pytest.mark.distributed)
+            item.add_marker(pytest.mark.slow)

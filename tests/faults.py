@@ -2,8 +2,8 @@
 runs and deltas; a `Row` (one command line, its exit code, what it must say, what it must keep and not leave);
 and `check_row`, which runs one row through `usaf.cli.main` in-process and asserts that the one line names the
 file or field and what to do, that no traceback is printed, that nothing was lost (folders it must not touch are
-byte for byte the same) and that nothing was half-written. The tables are the `tests/test_faults*.py` files, one
-per class of fault."""
+byte for byte the same) and that nothing was half-written. The tables are the `tests/cli/test_faults_*.py` files,
+one per class of fault."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 renamings and conversions, the model skeleton and its initialisation, the decoder body; and the loaders of a
 model's config, tokenizer and weights (`load_config`, `load_tokenizer`, `load_causal_lm`), which never run code
 that a model folder ships (config.json's `auto_map`). A transformers release that moves one of them is mended here
-alone (tests/test_layers.py keeps the rest of usaf off these names)."""
+alone (tests/package/test_layers.py keeps the rest of usaf off these names)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 from the base and grow as many where the task's gradient is largest, with a drop share that decays to zero.
 Every target is reselected: the experts' entries (or neurons), and the entries of the other targeted weights.
 
-Decisions (tested in tests/test_reselect.py):
+Decisions (tested in tests/selection/test_reselect.py):
 - A dropped entry is reverted to its base value, in the weights the forward uses as well as in every later
   checkpoint and export, so what is evaluated in-run is exactly what resume and export produce. The entries
   dropped are the ones that moved least, so reverting them costs the least.

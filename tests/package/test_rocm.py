@@ -10,7 +10,7 @@ import torch
 from usaf import planner
 from usaf.train import runtime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # torch.cuda functions that ROCm builds provide over HIP (the torch.cuda API is the HIP API there)
 HIP_PROVIDES = {
     "is_available",

@@ -76,6 +76,7 @@ def test_an_unknown_schedule_is_refused(capsys):
     assert "schedule.name" in err and "cosine" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_epochs_set_the_steps_from_the_data_and_a_resume_finds_the_same(tmp_path, capsys):
     import re
 

@@ -63,6 +63,7 @@ def test_sequence_logps_are_the_logits_log_probabilities(trained):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_tokens", [1, 5, 1024])
 def test_dpo_against_the_base_equals_dpo_against_an_explicit_copy(trained, chunk_tokens):
     model, start = trained

@@ -19,6 +19,7 @@ def exported(tmp_path_factory):
     return work
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "made, expected",
     [("delta.safetensors", "delta.safetensors"), ("merged/model.safetensors", "merged.safetensors")],

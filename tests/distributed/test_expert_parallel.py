@@ -79,6 +79,7 @@ def _rank(rank: int, port: int, family: str, results: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_expert_parallel_matches_the_single_device_model(tmp_path, family):
     import socket

@@ -205,6 +205,7 @@ def _step_grads(recompute: bool, capture_backward: bool = False):
     return grads, [len(pieces) for pieces in probe._logits], [len(pieces) for pieces in probe._routed]
 
 
+@pytest.mark.slow
 def test_recomputation_does_not_duplicate_captures_and_keeps_gradients_exact():
     reference, _, _ = _step_grads(recompute=False)
     grads, logits_pieces, routed_pieces = _step_grads(recompute=True)
@@ -460,6 +461,7 @@ def _train_routers_on_narrow_data(balance_coef: float, guard: CollapseGuard, ste
     return cvs
 
 
+@pytest.mark.slow
 def test_guard_trips_on_narrow_data_and_balancing_keeps_loads_spread():
     steps, threshold = 16, 1.4
     collapsing = CollapseGuard(max_cv=threshold, min_entropy=0.0, max_dead_share=1.0, action="stop")

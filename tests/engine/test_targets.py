@@ -95,6 +95,7 @@ def trained_all_targets(tmp_path_factory):
     return {"root": root, "ids": root / "ids.safetensors", "input_ids": input_ids, "runs": runs}
 
 
+@pytest.mark.slow
 def test_all_targets_export_merged_and_applied_into_plain_transformers(trained_all_targets):
     from test_export import plain_logits
 

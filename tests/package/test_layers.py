@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 # The pipeline, in order: a module may import its own stage and the stages above it, never one below.
 STAGES = [
@@ -73,7 +73,7 @@ def stage_of(name: str) -> int:
         for prefix in stage:
             if name == prefix or (prefix != "usaf" and name.startswith(prefix + ".")):
                 best = index
-    assert best is not None, f"{name} belongs to no stage: add it to STAGES in tests/test_layers.py"
+    assert best is not None, f"{name} belongs to no stage: add it to STAGES in tests/package/test_layers.py"
     return best
 
 

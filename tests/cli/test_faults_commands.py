@@ -369,6 +369,7 @@ def test_kill_9_at_a_random_step_then_resume_equals_an_uninterrupted_run(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_two_writers_starting_into_one_run_folder_at_once(ws, tmp_path):
     """Both start at the same moment: one trains, the other is refused with one clear line, and the run it
     would have shared is whole (every step once, no rows of the other)."""
@@ -471,6 +472,7 @@ def test_a_real_full_disk_during_checkpoint_and_export(ws, tmp_path, capsys):
         subprocess.run(["umount", str(disk)])
 
 
+@pytest.mark.slow
 def test_the_first_lines_of_a_run_come_whole_before_its_progress_bar(ws, tmp_path):
     """stdout and stderr into one pipe (a terminal, `> log 2>&1`): the information line and notes are out before
     the bar draws, never broken into by it."""

@@ -41,6 +41,7 @@ def _sets():
     return [f"--set={s}" for s in SETS]
 
 
+@pytest.mark.slow
 def test_pretokenized_data_trains_without_a_tokenizer(bare, tmp_path, capsys):
     run = tmp_path / "run"
     args = ["train", f"--model={bare / 'model'}", f"--data={bare / 'ids.jsonl'}", f"--out={run}", *_sets()]
@@ -56,7 +57,7 @@ def test_pretokenized_data_trains_without_a_tokenizer(bare, tmp_path, capsys):
     assert main(args) == 0 and out.exists()
 
 
-# text records without a tokenizer (train, eval, select): rows of tests/test_faults.py
+# text records without a tokenizer (train, eval, select): rows of tests/cli/test_faults_commands.py
 
 
 def test_ids_beyond_the_models_vocabulary_are_named(bare, tmp_path, capsys):

@@ -77,6 +77,7 @@ def _per_layer(experts: int, dtype: torch.dtype = torch.float32):
     return per_layer(make)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ops_per_layer_do_not_grow_with_the_number_of_experts(dtype):
     few, many = _per_layer(4, dtype), _per_layer(16, dtype)

@@ -238,6 +238,7 @@ def test_tied_embeddings_and_dense_int8(tmp_path):
     assert 0 < error < 0.05  # only the int8 attention weights differ
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
 def test_prepare_streams_a_multi_shard_checkpoint_within_bounded_memory(tmp_path):
     """Peak RSS of the preparing process (a subprocess) grows by far less than the checkpoint's size."""
@@ -546,6 +547,7 @@ def test_the_backward_streams_only_the_experts_its_forward_routed_to(tmp_path):
     assert not outside
 
 
+@pytest.mark.slow
 def test_the_metrics_row_counts_the_bytes_streamed_and_routed_only_backward_moves_less(tmp_path, monkeypatch):
     """`usaf train` with host-resident experts: every metrics row carries `streamed_bytes` (host -> device bytes of
     that step), fewer than the same steps stream when every layer is copied whole (LayerStreamer(routed_only=False));

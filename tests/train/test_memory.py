@@ -18,7 +18,7 @@ from usaf.testing.steps import training_step
 from usaf.testing.tiny import tiny_model
 from usaf.train.recompute import choose_recompute, decide
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from harness import TensorPeak
 
 # expert width above the hidden size: the intermediate activation is the largest thing a layer saves
@@ -75,6 +75,7 @@ def _run(reselect_every: int, steps: int = 6):
     return calibration.peak, peaks, reselections
 
 
+@pytest.mark.slow
 def test_reselection_peaks_within_ten_percent_of_the_same_run_without():
     """However many reselections a run makes (probe windows and surgery included), its step peak stays within 10 %
     of the same run without reselection. The importance observer used to hold every layer's intermediate
@@ -181,6 +182,7 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
+@pytest.mark.slow
 def test_a_default_run_says_its_choice_and_trains_as_the_explicit_setting(workspace, tmp_path, capsys):
     from usaf.train.loop import train
 

@@ -124,6 +124,7 @@ def test_dpo_moves_the_margin_the_right_way(inputs, tmp_path, capsys):
     assert "eval margin before → after" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_dpo_resumes_exactly(inputs, tmp_path):
     model, data = inputs
     args = [f"--model={model}", f"--data={data}"]
@@ -151,7 +152,7 @@ def test_the_planner_counts_the_pairs_rows_and_the_reference_forward(tmp_path, c
 
     import yaml
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "configs" / "olmoe-1b-7b.yaml"
+    example = Path(__file__).resolve().parents[2] / "examples" / "configs" / "olmoe-1b-7b.yaml"
     config = yaml.safe_load(example.read_text())
     shown = {}
     for objective in ("sft", "dpo"):

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
 )
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "hf_trainer.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
 
 # the example under the launcher, then each rank's trained model and what DDP was told
 WRAPPER = """
@@ -132,6 +132,7 @@ def runs(tmp_path_factory):
     return base, root, one["model"]
 
 
+@pytest.mark.slow
 def test_two_processes_train_what_one_process_with_twice_the_accumulation_trains(runs):
     base, root, one = runs
     reports = [json.loads((root / "two" / f"rank-{r}.json").read_text()) for r in (0, 1)]
@@ -185,6 +186,7 @@ def test_only_the_selection_and_the_routers_change_and_the_checkpoint_becomes_a_
         assert not changed.any(), f"{name} changed outside the selection"
 
 
+@pytest.mark.slow
 def test_every_rank_trains_rank_0s_selection(tmp_path):
     """Ranks that would choose differently (a random selection seeded by the rank) all train rank 0's selection
     and values: what one process with rank 0's seed trains."""

@@ -142,6 +142,7 @@ def test_the_store_holds_the_published_bytes_and_trains_like_transformers_dequan
         assert (change.values.grad.reshape(-1) - want).norm() <= 1e-4 * want.norm(), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", CHECKPOINTS)
 def test_train_then_export_merged_and_apply_a_delta_against_the_published_checkpoint(
     checkpoints, kind, tmp_path, monkeypatch, capsys
@@ -235,6 +236,7 @@ def test_other_quantizations_and_damaged_layouts_are_refused_in_one_line(checkpo
     assert published.quant_for(tmp_path, "nf4") == "nf4"  # not a published checkpoint
 
 
+@pytest.mark.slow
 def test_a_cached_hub_id_of_a_published_checkpoint_trains_from_its_snapshot_folder(
     checkpoints, tmp_path, monkeypatch, capsys
 ):

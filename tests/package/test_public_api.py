@@ -3,6 +3,7 @@ quantized base loaded with usaf.load_prepared."""
 
 import json
 
+import pytest
 import torch
 from helpers import FAST_RUN, make_model_dir, write_copy_task
 from transformers import AutoModelForCausalLM
@@ -12,6 +13,7 @@ from usaf.cli import main
 from usaf.engine.installed import sparse_modules
 
 
+@pytest.mark.slow
 def test_runconfig_and_train_from_python(tmp_path):
     model, data = make_model_dir(tmp_path / "m"), write_copy_task(tmp_path / "d.jsonl", 24)
     config = usaf.RunConfig.load(

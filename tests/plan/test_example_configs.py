@@ -10,7 +10,7 @@ import yaml
 
 from usaf.cli import main
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
 ADVERTISED = {  # the models the README promises, each with a configuration
     "Qwen/Qwen3-30B-A3B",
     "openai/gpt-oss-20b",

@@ -132,6 +132,7 @@ def trained(tmp_path_factory):
     return {"root": root, "ids": root / "ids.safetensors", "input_ids": input_ids, "runs": runs}
 
 
+@pytest.mark.slow
 def test_round_trip_merged_and_applied_load_in_plain_transformers(trained):
     root, jobs = trained["root"], []
     for family, run in trained["runs"].items():
@@ -244,6 +245,7 @@ def test_load_delta_into_plain_and_prepared_models(trained):
         usaf.load_delta(AutoModelForCausalLM.from_pretrained(trained["runs"]["qwen3_moe"]["base"]), path)
 
 
+@pytest.mark.slow
 def test_usaf_train_run_exports_with_its_summary(tmp_path):
     base = make_model_dir(tmp_path / "base", "olmoe")
     data = write_copy_task(tmp_path / "train.jsonl", 32)
@@ -562,7 +564,7 @@ def test_hf_trainer_example_runs(tmp_path, monkeypatch):
     import runpy
 
     base = make_model_dir(tmp_path / "model", "qwen3_moe")
-    example = Path(__file__).parent.parent / "examples" / "hf_trainer.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
     monkeypatch.setattr(sys, "argv", [str(example), str(base), str(tmp_path / "out")])
     runpy.run_path(str(example), run_name="__main__")  # in this process: the imports are paid already
     assert read_delta(tmp_path / "out" / "delta.safetensors").changes

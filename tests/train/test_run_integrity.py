@@ -1,5 +1,6 @@
-"""Issue 12, items 8, 9 and 11: export checks a --base as apply does; checkpoints carry checksums; runs store
-absolute paths."""
+"""What a run records of its inputs, and the checks on it (issue 12, items 8, 9 and 11): export checks a --base
+as apply does (base.json, which hashes only the tensors the run can train); checkpoints carry checksums; runs
+store absolute paths."""
 
 import json
 import os
@@ -58,7 +59,7 @@ def altered_copy(base: Path, folder: Path) -> Path:
 
 
 def test_export_refuses_a_base_with_other_weights(finished, tmp_path, capsys):
-    # --merged and another family: rows of tests/test_faults.py
+    # --merged and another family: rows of tests/cli/test_faults_commands.py
     other = altered_copy(finished["base"], tmp_path / "other")
     out = tmp_path / "delta.safetensors"
     capsys.readouterr()
@@ -105,7 +106,7 @@ def damage(path: Path, how: str) -> None:
 
 
 def test_a_truncated_optimizer_file_is_named_as_damaged_by_export(finished, tmp_path, capsys):
-    # the other files and commands: rows of tests/test_faults.py
+    # the other files and commands: rows of tests/cli/test_faults_commands.py
     run = copy_run(finished, tmp_path)
     last = run / "checkpoints" / "step-00000003"
     damage(last / "optimizer.safetensors", "truncated")
@@ -288,23 +289,3 @@ def test_an_older_runs_base_json_with_every_tensor_hashed_is_still_read_and_chec
     capsys.readouterr()
     assert main(["export", str(run), f"--base={other}", f"--delta={tmp_path / 'e.safetensors'}"]) == 2
     assert f"differs from the base the run {run} was trained on (sha256 mismatch)" in capsys.readouterr().err
-
-
-def test_an_unknown_option_is_named_with_its_command(capsys):
-    from usaf.cli import main
-
-    assert main(["plan", "--model", "qwen3-30b-a3b", "--bogus"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == "usaf: error: usaf plan: unrecognized arguments: --bogus; see `usaf plan --help`."
-
-
-def test_python_dash_m_usaf_runs_the_cli():
-    import subprocess
-    import sys
-
-    import usaf
-
-    done = subprocess.run(
-        [sys.executable, "-m", "usaf", "--version"], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0 and done.stdout.strip() == f"usaf {usaf.__version__}", done.stderr

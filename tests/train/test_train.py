@@ -91,6 +91,7 @@ def test_training_lowers_eval_loss(workspace, tmp_path):
         ),
     ],
 )
+@pytest.mark.slow
 def test_resume_after_sigkill_is_exact(workspace, tmp_path, kill_at, extra):
     args = [f"--model={workspace / 'model'}", f"--data={workspace / 'train.jsonl'}"]
     sets = [f"--set={s}" for s in [*BASE, "schedule.max_steps=20", "train.seed=3", *extra]]
@@ -113,6 +114,7 @@ def _complete_lines(path: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_with_a_checkpoint_that_resumes(workspace, tmp_path, sig):
     run = tmp_path / "run"
@@ -368,3 +370,11 @@ def test_the_training_loop_holds_no_collective():
         and node.value.id == "distributed"
     ]
     assert calls == ["local_device"]
+
+
+def test_a_prefix_cache_over_no_frozen_layer_is_a_usaf_error():
+    from usaf.testing.tiny import tiny_model
+    from usaf.train.prefix_cache import FrozenPrefixCache
+
+    with pytest.raises(UsafError, match=r"select\.layers"):
+        FrozenPrefixCache(tiny_model("qwen3_moe"), 0, "ram")

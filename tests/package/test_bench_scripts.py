@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 import compare  # noqa: E402
 import scale  # noqa: E402
@@ -42,6 +42,7 @@ def only(folder: Path, pattern: str) -> Path:
     return found[0]
 
 
+@pytest.mark.slow
 def test_compare_smoke_reports_every_method_on_both_models(dry_run):
     payload = json.loads(only(dry_run, "compare-smoke-*.json").read_text())
     markdown = only(dry_run, "compare-smoke-*.md").read_text()
@@ -104,6 +105,7 @@ def test_scale_dry_run_reports_peaks_against_the_planner_split_and_correctness(d
     assert len([p for p in dry_run.iterdir() if p.is_file()]) <= 8  # what a device call returns
 
 
+@pytest.mark.slow
 def test_quality_smoke_reports_both_tasks(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "quality.py"), "--smoke", "--out", str(tmp_path)],
@@ -142,6 +144,8 @@ def test_quality_smoke_reports_both_tasks(tmp_path):
     assert "At equal wall-clock" in markdown and "At equal peak memory" in markdown
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_multi_gpu_dry_run_counts_usafs_all_reduce_against_ddp(tmp_path):
     """bench/gpu.sh --multi-gpu --dry-run: bench/distributed.py on 2 gloo processes. usaf's step moves exactly
     4 B a trained value plus a presence flag a trained tensor; LoRA and full fine-tuning move what DDP hands its hook,
@@ -156,6 +160,7 @@ def test_multi_gpu_dry_run_counts_usafs_all_reduce_against_ddp(tmp_path):
     assert (tmp_path / "gpu.log").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_launches_dry_run_counts_per_layer_and_times_the_baselines(tmp_path):
     """bench/gpu.sh --launches --dry-run: bench/launches.py --quick --speed on the CPU (E=8, tiny shapes), the
     Python its CUDA run calls: counts per layer-step, the issue's targets with verdicts, and tokens/s of the usaf

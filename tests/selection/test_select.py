@@ -37,6 +37,7 @@ def trained_entries(model):
     return usaf.trainable_summary(model)["expert_entries"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["uniform", "routing", "gradient"])
 @pytest.mark.parametrize("selection", ["random", "magnitude", "gradient"])
 def test_element_budget_is_honoured_exactly(strategy, selection):
@@ -74,6 +75,7 @@ def test_neuron_budget_is_honoured_in_whole_neurons(strategy, selection):
     assert trained_entries(model) == 2 * neurons_per_layer * per_neuron
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["element", "neuron"])
 @pytest.mark.parametrize("selection", ["random", "magnitude", "gradient"])
 def test_routing_strategy_gives_nothing_to_cold_experts(granularity, selection):

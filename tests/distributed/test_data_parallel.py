@@ -79,6 +79,7 @@ def _trained(run: Path, step: int = 6) -> dict[str, torch.Tensor]:
     return load_file(str(run / "checkpoints" / f"step-{step:08d}" / "trainable.safetensors"))
 
 
+@pytest.mark.slow
 def test_two_ranks_train_what_one_process_with_twice_the_accumulation_trains(runs):
     root, _, two = runs
     one_losses, two_losses = losses(root / "one"), losses(root / "two")
@@ -108,6 +109,7 @@ def test_the_selection_does_not_depend_on_the_world_size(runs):
     assert chosen and all(torch.equal(after_a[k], after_b[k]) for k in chosen)
 
 
+@pytest.mark.slow
 def test_a_killed_job_resumes_exactly_and_only_with_its_world_size(runs, tmp_path):
     root, common, _ = runs
     killer = tmp_path / "killer.py"

@@ -1,0 +1,79 @@
+"""The command line itself: a run stopped before its end exits non-zero (issue 12, item 10), an unknown option
+is named with its command, and `python -m usaf` runs it."""
+
+from pathlib import Path
+
+import pytest
+from helpers import FAST_RUN, make_model_dir, write_copy_task
+
+from usaf.cli import main
+
+BASE = FAST_RUN
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hardening")
+    make_model_dir(root / "model")
+    write_copy_task(root / "train.jsonl", 60)
+    return root
+
+
+def cli_args(workspace, out: Path, *sets):
+    args = ["train", f"--model={workspace / 'model'}", f"--data={workspace / 'train.jsonl'}", f"--out={out}"]
+    return [*args, *(f"--set={s}" for s in [*BASE, *sets])]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# item 10: a run stopped before its end exits non-zero
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_an_interrupt_outside_the_loop_exits_130_without_a_traceback(
+    workspace, tmp_path, monkeypatch, capsys
+):
+    import usaf.train.session
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # e.g. Ctrl-C while the model loads, or a second Ctrl-C in the loop
+
+    monkeypatch.setattr(usaf.train.session, "load_model", interrupted)
+    assert main(cli_args(workspace, tmp_path / "run")) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("usaf: interrupted") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_router_collapse_stop_exits_non_zero(workspace, tmp_path, capsys):
+    run = tmp_path / "run"
+    sets = [
+        "select.targets=[experts,routers]",
+        "router.guard_action=stop",
+        "router.guard_min_entropy=1",  # every layer's loads fall below a perfect entropy: the guard trips
+        "router.health_every_steps=1",
+        "router.health_window_steps=1",
+        "schedule.max_steps=5",
+    ]
+    assert main(cli_args(workspace, run, *sets)) == 1
+    assert "router collapse guard" in capsys.readouterr().out
+    assert not (run / "summary.json").exists() and (run / "checkpoints" / "step-00000001").is_dir()
+
+
+def test_an_unknown_option_is_named_with_its_command(capsys):
+    from usaf.cli import main
+
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "usaf: error: usaf plan: unrecognized arguments: --bogus; see `usaf plan --help`."
+
+
+@pytest.mark.slow
+def test_python_dash_m_usaf_runs_the_cli():
+    import subprocess
+    import sys
+
+    import usaf
+
+    done = subprocess.run(
+        [sys.executable, "-m", "usaf", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == f"usaf {usaf.__version__}", done.stderr
