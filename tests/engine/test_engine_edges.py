@@ -199,3 +199,18 @@ def test_a_chunks_trained_values_land_where_the_whole_stack_has_them(kind, per_c
         chunk = torch.zeros(len(group), *shape[1:])
         entries.write_into(chunk, placement)
         assert torch.equal(chunk, whole[group]), group
+
+
+def test_a_bare_moe_block_prepares_with_the_default_targets():
+    """An experts block prepared on its own (bench/engine.py's layer) has no embedding or output layer: the
+    targets beyond the experts find their weights inside it, and nothing asks it for embeddings."""
+    from usaf.model.layout import find_moe_layers
+
+    model = tiny_model("qwen3_moe")
+    block = find_moe_layers(model)[0].experts
+    parent = model.get_submodule(find_moe_layers(model)[0].experts_name.rpartition(".")[0])
+    assert block is not None and not hasattr(parent, "get_input_embeddings")
+    usaf.prepare_model(parent, usaf.UsafConfig(density=0.1, selection="random"))
+    x = torch.randn(5, model.config.hidden_size)
+    parent(x.unsqueeze(0))[0].sum().backward()
+    assert any(p.grad is not None for p in parent.parameters() if p.requires_grad)

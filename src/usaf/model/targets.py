@@ -99,9 +99,17 @@ class TargetWeight:
         return TARGET_KINDS[self.target].kind
 
 
+def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """(input embedding, output layer) of a transformers model; (None, None) for a bare module (an MoE block
+    prepared on its own has neither)."""
+    get_input = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    return (get_input() if get_input else None), (get_output() if get_output else None)
+
+
 def tied_output_layer(model: nn.Module) -> nn.Module | None:
     """The output layer when it shares its weight with the input embedding, else None."""
-    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embeddings, head = _embeddings(model)
     if embeddings is not None and head is not None and embeddings.weight is head.weight:
         return head
     return None
@@ -130,9 +138,7 @@ def find_target_weights(model: nn.Module, layers: list[MoELayer], targets) -> li
     excluded = [layer.experts_name for layer in layers] + [
         layer.router_name for layer in layers if layer.router_name
     ]
-    scan = Scan(
-        model.get_input_embeddings(), model.get_output_embeddings(), tied_output_layer(model) is not None
-    )
+    scan = Scan(*_embeddings(model), tied_output_layer(model) is not None)
     if scan.tied and {"embeddings", "lm_head"} & set(wanted):
         # one weight, two uses: its entries live on the embedding, the output layer reads the same ones
         wanted = [t for t in wanted if t != "lm_head"] + ([] if "embeddings" in wanted else ["embeddings"])
