@@ -319,6 +319,12 @@ class OptimSection(Section):
     weight_decay: float = option(
         0.0, "AdamW decoupled weight decay (towards zero, applied to values)", bounds="[0, inf)"
     )
+    decay_to_base: float = option(
+        0.0,
+        "decoupled decay of each trained value toward its base value, value -= lr x this x (value - base): "
+        "forgets less of what the model knew (bases kept in memory: unquantized weights)",
+        bounds="[0, inf)",
+    )
     beta1: float = option(0.9, "AdamW beta1", bounds="[0, 1)")
     beta2: float = option(0.999, "AdamW beta2", bounds="[0, 1)")
     eps: float = option(1e-8, "AdamW epsilon", bounds="(0, inf)")

@@ -81,3 +81,52 @@ def test_resume_from_a_state_dict_equals_an_uninterrupted_run():
         param.grad = g.clone()
         resumed.step()
     assert torch.equal(param.detach(), whole)
+
+
+def test_decay_to_base_pulls_values_toward_their_base_not_toward_zero(monkeypatch):
+    """With no gradient signal (zero gradients: Adam's step is 0), each step takes lr x c of value - base away;
+    a value without a kept base is left alone; c = 0 is the optimizer without it, bit for bit."""
+    import pytest
+
+    import usaf
+    from usaf.config import RunConfig
+    from usaf.engine.installed import sparse_modules
+    from usaf.testing.tiny import tiny_model
+    from usaf.train.optim import base_lookup, build_optimizer
+
+    def prepared():
+        model = tiny_model("qwen3_moe")
+        return usaf.prepare_model(model, usaf.UsafConfig(density=0.1, selection="random"))
+
+    model = prepared()
+    entries = [e for _, state in sparse_modules(model) for e in state.values()]
+    with torch.no_grad():
+        for e in entries:
+            e.values.add_(1.0)
+    before = [e.values.detach() - e.base_values.float() for e in entries]
+    config = RunConfig.from_dict({"optim": {"lr": 0.01, "decay_to_base": 5.0}})
+    optimizer = build_optimizer(model, config)
+    for e in entries:
+        e.values.grad = torch.zeros_like(e.values)
+    optimizer.step()
+    for e, moved in zip(entries, before, strict=True):
+        torch.testing.assert_close(e.values.detach() - e.base_values.float(), moved * (1 - 0.01 * 5.0))
+    # a value whose base is not kept (a quantized store) has no base to decay toward
+    assert base_lookup(model)(entries[0].values) is entries[0].base_values
+    monkeypatch.setattr(type(entries[0]), "keeps_base", property(lambda self: False))
+    assert base_lookup(model)(entries[0].values) is None
+    monkeypatch.undo()
+
+    plain, decayed = prepared(), prepared()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    for model, c in ((plain, None), (decayed, 0.0)):
+        optim = {"lr": 0.01} if c is None else {"lr": 0.01, "decay_to_base": c}
+        optimizer = build_optimizer(model, RunConfig.from_dict({"optim": optim}))
+        for _ in range(2):
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(usaf.get_delta(plain).values(), usaf.get_delta(decayed).values(), strict=True):
+        assert torch.equal(a.values, b.values)
+    with pytest.raises(usaf.UsafError, match="decay_to_base"):
+        build_optimizer(plain, RunConfig.from_dict({"optim": {"decay_to_base": 1.0, "eight_bit": True}}))

@@ -8,6 +8,10 @@ moments before they are rounded, and the rounding noise comes from a generator s
 parameter's position, so a resumed run draws the same noise as an uninterrupted one (nothing extra is saved).
 
 Groups with `compact=False` (the routers: few, dense, sensitive) keep torch's own AdamW, bit for bit.
+
+`decay_to_base` (optim.decay_to_base) is a decoupled decay toward the frozen base instead of toward zero, AdamW's
+weight decay with the pretrained weights as its centre (L2-SP): value -= lr x c x (value - base). On the shift
+benchmark it kept more of the old domain at the same new-domain loss (bench/results/quality-decay-to-base-*).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import math
 import torch
 
 from usaf.config import OPTIMIZER_BUCKET_ENTRIES, RunConfig
+from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
 from usaf.model.hf import transformers_scheduler
 from usaf.model.layout import find_moe_layers
@@ -53,12 +58,16 @@ def round_with_noise(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 class CompactAdamW(torch.optim.AdamW):
     """torch.optim.AdamW, except that groups marked `compact` keep bf16 moments (see the module docstring)."""
 
-    def __init__(self, params, *, seed: int = 0, **kwargs):
+    def __init__(self, params, *, seed: int = 0, base_of=None, **kwargs):
         super().__init__(params, **kwargs)
         self.seed = seed
+        # parameter -> the base values at its entries, or None (see `base_lookup`): what `decay_to_base` pulls
+        # toward; looked up every step, since reselection replaces a selection's base values
+        self.base_of = base_of
         self._host_steps: dict[int, int] = {}  # parameter index -> its step count (see `_next_step`)
         for group in self.param_groups:
             group.setdefault("compact", False)
+            group.setdefault("decay_to_base", 0.0)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -128,6 +137,8 @@ class CompactAdamW(torch.optim.AdamW):
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
         if decay:
             torch._foreach_mul_(params, 1 - lr * decay)
+        if group["decay_to_base"] and self.base_of is not None:
+            self._decay_to_base(params, lr * group["decay_to_base"])
         grad = _flat([param.grad for param in params]).float()
         exp_avg = _flat([state["exp_avg"] for state in states]).float().lerp_(grad, 1 - beta1)
         exp_avg_sq = _flat([state["exp_avg_sq"] for state in states]).float().mul_(beta2)
@@ -154,6 +165,15 @@ class CompactAdamW(torch.optim.AdamW):
             stored = [state[name] for state in states]
             rounded = round_with_noise(moment, _flat(noise[name]))
             torch._foreach_copy_(stored, _shaped(rounded.split(sizes), stored))
+
+    def _decay_to_base(self, params: list[torch.Tensor], rate: float) -> None:
+        """value -= rate x (value - base), for the values whose base is kept."""
+        pairs = [(p, b) for p in params if (b := self.base_of(p)) is not None]
+        if pairs:
+            values = [p for p, _ in pairs]
+            torch._foreach_add_(
+                values, torch._foreach_sub(values, [b.to(p.dtype) for p, b in pairs]), alpha=-rate
+            )
 
     def load_state_dict(self, state_dict) -> None:
         # torch casts loaded floating-point state to the parameter's dtype: bring compact moments back to bf16
@@ -184,6 +204,18 @@ def apply_resumed_schedule(optimizer, scheduler, config: RunConfig, saved: dict)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
+def base_lookup(model: torch.nn.Module):
+    """values parameter -> its entries' kept base values (None where the base is not kept: a quantized store,
+    which holds no full-precision base to decay toward)."""
+    owners = {id(entries.values): entries for _, state in sparse_modules(model) for entries in state.values()}
+
+    def base_of(param):
+        entries = owners.get(id(param))
+        return entries.base_values if entries is not None and entries.keeps_base else None
+
+    return base_of
+
+
 def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Optimizer:
     routers = {id(p) for p in router_params(model)}
     values = [p for p in model.parameters() if p.requires_grad and id(p) not in routers]
@@ -194,6 +226,7 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
             "lr": config.optim.lr,
             "weight_decay": config.optim.weight_decay,
             "compact": compact,
+            "decay_to_base": config.optim.decay_to_base,
         }
     ]
     router_list = [p for p in model.parameters() if p.requires_grad and id(p) in routers]
@@ -203,6 +236,11 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
         )
     kwargs = {"betas": (config.optim.beta1, config.optim.beta2), "eps": config.optim.eps}
     if config.optim.eight_bit:
+        if config.optim.decay_to_base:
+            raise UsafError(
+                "optim.decay_to_base is usaf's AdamW's: bitsandbytes' 8-bit AdamW (optim.eight_bit) has no decay "
+                "toward the base; set one of them off."
+            )
         try:
             import bitsandbytes as bnb
 
@@ -212,7 +250,23 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
                 f"optim.eight_bit needs bitsandbytes with kernels for this device: {err}"
             ) from None
     # torch's multi-tensor AdamW for the plain groups (the routers): a fixed number of ops for all of them
-    return CompactAdamW(groups, seed=config.train.seed, foreach=True, **kwargs)
+    base_of = base_lookup(model) if config.optim.decay_to_base else None
+    return CompactAdamW(groups, seed=config.train.seed, base_of=base_of, foreach=True, **kwargs)
+
+
+def decay_notes(model: torch.nn.Module, config: RunConfig) -> list[str]:
+    """What the first lines say when optim.decay_to_base cannot reach every trained value (never silently)."""
+    if not config.optim.decay_to_base:
+        return []
+    base_of = base_lookup(model)
+    values = [p for _, state in sparse_modules(model) for p in (e.values for e in state.values())]
+    without = sum(1 for p in values if base_of(p) is None)
+    if not without:
+        return []
+    return [
+        f"optim.decay_to_base applies to {len(values) - without} of {len(values)} trained tensors: the others lie "
+        "in a quantized store, which keeps no full-precision base to decay toward"
+    ]
 
 
 def warmup_steps(config: RunConfig) -> int:
