@@ -130,3 +130,14 @@ def test_decay_to_base_pulls_values_toward_their_base_not_toward_zero(monkeypatc
         assert torch.equal(a.values, b.values)
     with pytest.raises(usaf.UsafError, match="decay_to_base"):
         build_optimizer(plain, RunConfig.from_dict({"optim": {"decay_to_base": 1.0, "eight_bit": True}}))
+
+
+def test_a_resumed_optimizer_keeps_the_runs_decay_to_base():
+    """The setting is the run's, not the checkpoint's: a checkpoint without it (0.1.x) or with another value
+    loads, and the decay stays what the run asks."""
+    param = torch.nn.Parameter(torch.ones(4))
+    saved = CompactAdamW([{"params": [param], "lr": 1e-2, "compact": True}]).state_dict()
+    del saved["param_groups"][0]["decay_to_base"]  # as 0.1.x wrote it
+    resumed = CompactAdamW([{"params": [param], "lr": 1e-2, "compact": True, "decay_to_base": 2.0}])
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["decay_to_base"] == 2.0

@@ -176,10 +176,14 @@ class CompactAdamW(torch.optim.AdamW):
             )
 
     def load_state_dict(self, state_dict) -> None:
+        # decay_to_base is the run's setting, not the checkpoint's (a checkpoint of 0.1.x has none)
+        decays = [group.get("decay_to_base", 0.0) for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, decay in zip(self.param_groups, decays, strict=True):
+            group["decay_to_base"] = decay
+        self._host_steps = {}
         # torch casts loaded floating-point state to the parameter's dtype: bring compact moments back to bf16
         # (exact: they were bf16 before the cast)
-        super().load_state_dict(state_dict)
-        self._host_steps = {}
         for group in self.param_groups:
             if group.get("compact"):
                 for param in group["params"]:
