@@ -202,6 +202,7 @@ def methods_for(mode: str, extra_specs: list[dict], builtin_usaf: bool = True) -
                 "select": dict(spec["select"]),
                 "router_lr_multiplier": float(spec.get("router_lr_multiplier", 1.0)),
                 "moments": spec.get("moments", "bf16"),
+                "decay_to_base": float(spec.get("decay_to_base", 0.0)),  # optim.decay_to_base
             }
         )
     keys = [r["key"] for r in rows]
@@ -349,7 +350,9 @@ def _build(method: dict, model_dir: str, calibration: list):
         trainable = [p for p in model.parameters() if p.requires_grad]
         # the values' moments as `usaf train` keeps them (optim.moments): bf16 unless the spec says "fp32"
         compact = method.get("moments", "bf16") == "bf16"
-        groups = [{"params": [p for p in trainable if id(p) not in routers], "lr": lr, "compact": compact}]
+        values = [p for p in trainable if id(p) not in routers]
+        decay = method.get("decay_to_base", 0.0)
+        groups = [{"params": values, "lr": lr, "compact": compact, "decay_to_base": decay}]
         router_list = [p for p in trainable if id(p) in routers]
         if router_list:
             groups.append({"params": router_list, "lr": lr * method["router_lr_multiplier"]})
@@ -423,9 +426,11 @@ def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
     if method["kind"] == "inference":
         return {**result, "curve": curve, "step_times_s": [], "train_losses": [], "peak_bytes": None}
     if method["kind"] == "usaf":  # usaf's own AdamW (bf16 moments where the group is compact)
-        from usaf.train.optim import CompactAdamW
+        from usaf.train.optim import CompactAdamW, base_lookup
 
-        optimizer = CompactAdamW(groups, seed=seed, betas=(0.9, 0.999), weight_decay=0.0)
+        optimizer = CompactAdamW(
+            groups, seed=seed, base_of=base_lookup(model), betas=(0.9, 0.999), weight_decay=0.0
+        )
     else:
         optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(steps))
@@ -870,7 +875,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         type=json.loads,
-        help='one more usaf row: {"label", "select": {UsafConfig kwargs}, "lr", "router_lr_multiplier"}',
+        help='one more usaf row: {"label", "select": {UsafConfig kwargs}, "lr", "router_lr_multiplier", '
+        '"moments", "decay_to_base"}',
     )
     parser.add_argument(
         "--only-given-specs", action="store_true", help="of the usaf rows, run only those of --usaf-spec"
