@@ -927,7 +927,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     reused = _reusable_baselines(args.reuse_baselines, payload) if args.reuse_baselines else {}
     if reused:
-        payload["reused_baselines"] = {"file": str(args.reuse_baselines), "methods": sorted(reused)}
+        payload["reused_baselines"] = {
+            "file": str(args.reuse_baselines),
+            "methods": sorted(f"{task}:{key}" for task, key in reused),
+        }
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="usaf-quality-")))
         for task in tasks:
