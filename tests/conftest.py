@@ -48,6 +48,15 @@ def each_kernel_path(request):
     kernels.use(before)
 
 
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A tiny model folder and a copy task of 60 records, made once per module (helpers.copy_task_workspace); a
+    module that needs another size defines its own."""
+    from helpers import copy_task_workspace
+
+    return copy_task_workspace(tmp_path_factory.mktemp("workspace"))
+
+
 @pytest.fixture(scope="session")
 def ws(tmp_path_factory):
     """The fault tables' workspace (tests/faults.py): models, data, a finished run, an unfinished one and a delta,

@@ -155,3 +155,27 @@ def copy_sequences(count: int, seed: int = 0) -> list[dict]:
         ids = torch.cat([torch.tensor([1]), word, word, word])
         rows.append({"input_ids": ids, "labels": ids.clone()})
     return rows
+
+
+def copy_task_workspace(root: Path, records: int = 60) -> Path:
+    """`root` with a tiny model folder (model/) and a copy task (train.jsonl): what the training and command-line
+    tests train on."""
+    make_model_dir(root / "model")
+    write_copy_task(root / "train.jsonl", records)
+    return root
+
+
+def train_config(workspace: Path, settings: list[str], *extra: str):
+    """The RunConfig of a run on `workspace` with `settings` and `extra` (key=value each)."""
+    from usaf.config import RunConfig
+
+    return RunConfig.load(
+        None,
+        [f"model.path={workspace / 'model'}", f"data.train={workspace / 'train.jsonl'}", *settings, *extra],
+    )
+
+
+def train_cli_args(workspace: Path, out: Path, settings: list[str], *sets: str) -> list[str]:
+    """`usaf train` arguments for a run on `workspace` into `out`, `settings` and `sets` given with --set."""
+    args = ["train", f"--model={workspace / 'model'}", f"--data={workspace / 'train.jsonl'}", f"--out={out}"]
+    return [*args, *(f"--set={s}" for s in [*settings, *sets])]

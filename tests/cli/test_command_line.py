@@ -4,24 +4,15 @@ is named with its command, and `python -m usaf` runs it."""
 from pathlib import Path
 
 import pytest
-from helpers import FAST_RUN, make_model_dir, write_copy_task
+from helpers import FAST_RUN, train_cli_args
 
 from usaf.cli import main
 
 BASE = FAST_RUN
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hardening")
-    make_model_dir(root / "model")
-    write_copy_task(root / "train.jsonl", 60)
-    return root
-
-
 def cli_args(workspace, out: Path, *sets):
-    args = ["train", f"--model={workspace / 'model'}", f"--data={workspace / 'train.jsonl'}", f"--out={out}"]
-    return [*args, *(f"--set={s}" for s in [*BASE, *sets])]
+    return train_cli_args(workspace, out, BASE, *sets)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -7,7 +7,11 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from helpers import FAST_RUN, make_model_dir, write_copy_task
+from helpers import (
+    FAST_RUN,
+    train_cli_args,
+    train_config,
+)
 
 from usaf.cli import main
 from usaf.config import SECTIONS, DataSection, ModelSection, OptimSection, RunConfig, UsafConfig
@@ -17,23 +21,12 @@ from usaf.train.loop import train
 BASE = FAST_RUN
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hardening")
-    make_model_dir(root / "model")
-    write_copy_task(root / "train.jsonl", 60)
-    return root
-
-
 def config_for(workspace, *extra):
-    return RunConfig.load(
-        None, [f"model.path={workspace / 'model'}", f"data.train={workspace / 'train.jsonl'}", *BASE, *extra]
-    )
+    return train_config(workspace, BASE, *extra)
 
 
 def cli_args(workspace, out: Path, *sets):
-    args = ["train", f"--model={workspace / 'model'}", f"--data={workspace / 'train.jsonl'}", f"--out={out}"]
-    return [*args, *(f"--set={s}" for s in [*BASE, *sets])]
+    return train_cli_args(workspace, out, BASE, *sets)
 
 
 # ---------------------------------------------------------------------------------------------------------

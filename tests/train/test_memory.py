@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST_RUN, make_model_dir, write_copy_task
+from helpers import FAST_RUN, copy_task_workspace, make_model_dir
 
 import usaf
 from usaf.config import RunConfig
@@ -136,10 +136,7 @@ def test_auto_recomputes_exactly_when_the_planned_peak_does_not_fit():
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("recompute")
-    make_model_dir(root / "model")
-    write_copy_task(root / "train.jsonl", 80)
-    return root
+    return copy_task_workspace(tmp_path_factory.mktemp("recompute"), records=80)
 
 
 def _config(workspace, *extra):

@@ -10,7 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import FAST_RUN, make_model_dir, start_usaf, wait_for_rows, write_copy_task
+from helpers import (
+    FAST_RUN,
+    start_usaf,
+    train_cli_args,
+    wait_for_rows,
+)
 
 from usaf.cli import main
 from usaf.config import RunConfig
@@ -18,17 +23,8 @@ from usaf.config import RunConfig
 BASE = FAST_RUN
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hardening")
-    make_model_dir(root / "model")
-    write_copy_task(root / "train.jsonl", 60)
-    return root
-
-
 def cli_args(workspace, out: Path, *sets):
-    args = ["train", f"--model={workspace / 'model'}", f"--data={workspace / 'train.jsonl'}", f"--out={out}"]
-    return [*args, *(f"--set={s}" for s in [*BASE, *sets])]
+    return train_cli_args(workspace, out, BASE, *sets)
 
 
 # ---------------------------------------------------------------------------------------------------------

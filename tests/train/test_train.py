@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import losses, make_model_dir, run_killed, write_copy_task
+from helpers import copy_task_workspace, losses, make_model_dir, run_killed, train_config, write_copy_task
 from safetensors.torch import load_file
 
 from usaf.cli import main
@@ -33,16 +33,11 @@ BASE = [
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    make_model_dir(root / "model")
-    write_copy_task(root / "train.jsonl", 160)
-    return root
+    return copy_task_workspace(tmp_path_factory.mktemp("train"), records=160)
 
 
 def config_for(workspace, *extra):
-    return RunConfig.load(
-        None, [f"model.path={workspace / 'model'}", f"data.train={workspace / 'train.jsonl'}", *BASE, *extra]
-    )
+    return train_config(workspace, BASE, *extra)
 
 
 def test_training_lowers_eval_loss(workspace, tmp_path):
