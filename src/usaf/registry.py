@@ -24,9 +24,8 @@ class Registry:
         self._plugins: dict[str, object] = {}
 
     def register(self, plugin, replace: bool = False):
-        """Make `plugin` known by `plugin.name`; returns it (usable as a class decorator on an instance's class
-        only through an instance). Registering the same object again is a no-op; another object under a taken
-        name needs `replace=True`."""
+        """Make `plugin` (an object with the registry's attributes) known by `plugin.name`; returns it.
+        Registering the same object again is a no-op; another object under a taken name needs `replace=True`."""
         missing = [a for a in self.required if not hasattr(plugin, a)]
         if missing:
             raise UsafError(
