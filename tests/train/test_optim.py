@@ -141,3 +141,30 @@ def test_a_resumed_optimizer_keeps_the_runs_decay_to_base():
     resumed = CompactAdamW([{"params": [param], "lr": 1e-2, "compact": True, "decay_to_base": 2.0}])
     resumed.load_state_dict(saved)
     assert resumed.param_groups[0]["decay_to_base"] == 2.0
+
+
+def test_decay_to_base_applies_with_fp32_moments_too():
+    """optim.moments=fp32 runs the values through torch's own AdamW (a plain group): the decay toward the base
+    still applies, as it does with bf16 moments."""
+    import usaf
+    from usaf.config import RunConfig
+    from usaf.engine.installed import sparse_modules
+    from usaf.testing.tiny import tiny_model
+    from usaf.train.optim import build_optimizer
+
+    moved = {}
+    for moments in ("bf16", "fp32"):
+        model = usaf.prepare_model(tiny_model("qwen3_moe"), usaf.UsafConfig(density=0.1, selection="random"))
+        entries = [e for _, state in sparse_modules(model) for e in state.values()]
+        with torch.no_grad():
+            for e in entries:
+                e.values.add_(1.0)
+        optim = {"lr": 0.01, "decay_to_base": 5.0, "moments": moments}
+        optimizer = build_optimizer(model, RunConfig.from_dict({"optim": optim}))
+        for e in entries:
+            e.values.grad = torch.zeros_like(e.values)
+        optimizer.step()
+        moved[moments] = [e.values.detach() - e.base_values.float() for e in entries]
+    for bf16, fp32 in zip(moved["bf16"], moved["fp32"], strict=True):
+        torch.testing.assert_close(fp32, bf16)
+        torch.testing.assert_close(fp32, torch.full_like(fp32, 1 - 0.01 * 5.0), atol=1e-2, rtol=0)

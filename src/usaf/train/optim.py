@@ -76,6 +76,11 @@ class CompactAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         groups = self.param_groups
+        # toward the base before the update, for every group that asks (fp32 moments too: plain groups)
+        for group in groups:
+            if group["decay_to_base"] and self.base_of is not None:
+                with_grad = [p for p in group["params"] if p.grad is not None]
+                self._decay_to_base(with_grad, group["lr"] * group["decay_to_base"])
         plain = [g for g in groups if not g["compact"]]
         if plain:  # torch's own update for these groups: swap the list in for one call
             self.param_groups = plain
@@ -137,8 +142,6 @@ class CompactAdamW(torch.optim.AdamW):
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
         if decay:
             torch._foreach_mul_(params, 1 - lr * decay)
-        if group["decay_to_base"] and self.base_of is not None:
-            self._decay_to_base(params, lr * group["decay_to_base"])
         grad = _flat([param.grad for param in params]).float()
         exp_avg = _flat([state["exp_avg"] for state in states]).float().lerp_(grad, 1 - beta1)
         exp_avg_sq = _flat([state["exp_avg_sq"] for state in states]).float().mul_(beta2)
