@@ -106,7 +106,7 @@ def test_a_quantized_base_plus_a_delta_generates_through_the_engine(tried, tmp_p
         ('{"prompt": "a", "messages": []}', "prompts.jsonl:2: give exactly one of 'prompt'"),
         (
             '{"messages": [{"role": "robot", "content": "x"}]}',
-            "prompts.jsonl:2: messages[0].role must be one of",
+            "prompts.jsonl:2: messages[0] has role 'robot'; allowed: system",
         ),
         ("[1, 2]", "prompts.jsonl:2: a prompt is an object"),
     ],
@@ -199,3 +199,15 @@ def test_base_weights_is_the_base_inside_and_the_fine_tune_after(tmp_path, quant
     assert torch.equal(after, tuned)
     restored = [e.values for _, s in sparse_modules(model) for e in s.values()]
     assert restored and all(torch.equal(a, b) for a, b in zip(trained, restored, strict=True))
+
+
+def test_a_prompt_takes_any_chat_the_training_data_takes(tmp_path):
+    from usaf.generate.prompts import read_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    sharegpt = {"messages": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"}]}
+    tool_turn = {"role": "tool", "content": "42", "tool_call_id": "c1", "id": "dropped"}
+    prompts.write_text(json.dumps(sharegpt) + "\n" + json.dumps({"messages": [tool_turn]}) + "\n")
+    first, second = read_prompts(prompts)
+    assert first.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"})
+    assert second.messages == ({"role": "tool", "content": "42", "tool_call_id": "c1"},)

@@ -90,7 +90,7 @@ def shape_of(keys: set) -> tuple[str, set, set]:
     raise BadRecord(f"unknown record keys {sorted(keys)}; {EXPECTED}")
 
 
-def _messages(value, where: str, ignored: set) -> list:
+def chat_messages(value, where: str, ignored: set) -> list:
     """OpenAI messages as given, or sharegpt turns ({"from", "value"}) turned into them."""
     if not isinstance(value, list) or not value:
         raise BadRecord(f"'{where}' must be a non-empty list")
@@ -170,7 +170,7 @@ def normalize(record: object, columns: dict[str, str] | None = None) -> tuple[st
     elif shape == "messages":
         key = "messages" if "messages" in record else "conversations"
         ignored |= {"conversations"} if key == "messages" and "conversations" in record else set()
-        messages = _messages(record[key], key, ignored)
+        messages = chat_messages(record[key], key, ignored)
         system = record.get("system")
         if isinstance(system, str) and system.strip() and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
@@ -185,8 +185,8 @@ def normalize(record: object, columns: dict[str, str] | None = None) -> tuple[st
             kind, out = (
                 "chat completion",
                 {
-                    "prompt": _messages(prompt, "prompt", ignored) if prompt is not None else [],
-                    "completion": _messages(completion, answer, ignored),
+                    "prompt": chat_messages(prompt, "prompt", ignored) if prompt is not None else [],
+                    "completion": chat_messages(completion, answer, ignored),
                     **_tools(record),
                 },
             )

@@ -94,7 +94,7 @@ def _tool_call(call, where: str) -> dict:
     return out
 
 
-def _check_message(message, where: str) -> dict:
+def check_message(message, where: str) -> dict:
     if not isinstance(message, dict):
         raise BadRecord(f"{where} must be an object with 'role' and 'content'")
     # unknown keys are dropped, not refused: exports carry ids, timestamps, weights no template reads
@@ -144,7 +144,7 @@ def check_messages(record: dict) -> tuple[list[dict], list | None]:
             f"'messages' has {len(messages):,} turns; usaf encodes at most {MAX_MESSAGES:,} a record: split the "
             "conversation into several records"
         )
-    cleaned = [_check_message(message, f"messages[{index}]") for index, message in enumerate(messages)]
+    cleaned = [check_message(message, f"messages[{index}]") for index, message in enumerate(messages)]
     if not any(message["role"] == "assistant" for message in cleaned):
         raise BadRecord("'messages' has no assistant turn: nothing to learn")
     tools = record.get("tools")
