@@ -553,14 +553,15 @@ def _demo_assets(root: Path, smoke: bool):
         print(f"demo assets not found under {assets}; the demo model is skipped", flush=True)
         return None, None
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from usaf.demo.task import demo_model_config, write_demo_data
+    from usaf.demo.task import write_demo_data
     from usaf.train.tokenizer import char_tokenizer
 
     tokenizer = char_tokenizer()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(demo_model_config(tokenizer), dtype=torch.float32)
+    torch.manual_seed(0)  # an untrained model of the bundled one's shape
+    config = AutoConfig.from_pretrained(assets / "model")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     write_demo_data(root / "data", train_size=256, eval_size=16)

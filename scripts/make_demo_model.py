@@ -31,18 +31,47 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from usaf.demo.task import (
     KINDS,
     PRETRAIN_KINDS,
-    demo_model_config,
     encode_records,
     make_examples,
     task_accuracy,
     write_demo_data,
 )
 from usaf.train.tokenizer import char_tokenizer
+
+# The demo model's shape; the bundled config.json is what this made (bench/compare.py's smoke run reads it).
+DEMO_MODEL_SHAPE = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,  # unused: every layer is MoE (decoder_sparse_step=1)
+    moe_intermediate_size=96,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    router_aux_loss_coef=0.01,  # keeps all 8 experts in use, so the demo has experts worth choosing among
+)
+
+
+def demo_model_config(tokenizer):
+    """The demo model's transformers config, for a tokenizer like `usaf.train.tokenizer.char_tokenizer()`."""
+    return AutoConfig.for_model(
+        "qwen3_moe",
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **DEMO_MODEL_SHAPE,
+    )
+
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "usaf" / "demo_assets"
 SEED = 0

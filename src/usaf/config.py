@@ -55,6 +55,9 @@ INT_MOST = (1 << 63) - 1
 TOKENS_MOST = 1 << 20
 
 
+NON_NEGATIVE = "[0, inf)"
+
+
 def option(
     default,
     doc: str,
@@ -64,11 +67,14 @@ def option(
     path: bool = False,
     parse=None,
 ):
-    """A documented config field; `choices` (a tuple, or a registry's live `keys()`), `bounds` (an interval such as "(0, inf)" or "[0, 1)": a square
-    bracket includes the end, inf is never allowed) and `most` (the largest integer allowed; INT_MOST for every
-    integer option) are enforced on load and shown by `--list-options`; `path`: a file or folder, whose `~` and
-    `$VAR` are expanded as a shell would; `parse`: a function that reads the value (raising UsafError)."""
+    """A documented config field. `choices`: a tuple, or a registry's live `keys()`. `bounds`: an interval such as
+    "(0, inf)" or "[0, 1)" (a square bracket includes the end; inf is never allowed); a number without bounds is
+    NON_NEGATIVE. `most`: the largest integer allowed (INT_MOST for every integer option). All are enforced on load
+    and shown by `--list-options`. `path`: a file or folder, whose `~` and `$VAR` are expanded as a shell would;
+    `parse`: a function that reads the value (raising UsafError)."""
     factory = (lambda d=default: type(d)(d)) if isinstance(default, (list, dict)) else None
+    if bounds is None and isinstance(default, (int, float)) and not isinstance(default, bool):
+        bounds = NON_NEGATIVE
     if bounds is not None:
         _parse_bounds(bounds)  # a malformed spec fails at import, not when a user's value is checked
     meta = {"doc": doc, "choices": choices, "bounds": bounds, "most": most, "path": path, "parse": parse}
@@ -195,7 +201,6 @@ class UsafConfig(Section):
     reselect_every: int = option(
         DEFAULT_RESELECT_EVERY,
         "every N steps drop entries that moved least and grow where gradients are large (0: off; usaf train)",
-        bounds="[0, inf)",
     )
     reselect_fraction: float = option(
         0.3, "share of entries replaced at the first reselection, decaying", bounds="[0, 1)"
@@ -204,7 +209,7 @@ class UsafConfig(Section):
     reselect_probe_steps: int = option(
         2, "steps of gradients gathered for the candidates before a reselection", bounds="[1, inf)"
     )
-    seed: int = option(0, "seed of random selection", bounds="[0, inf)")
+    seed: int = option(0, "seed of random selection")
     targets: list = option(
         list(DEFAULT_TARGETS), "weights that hold trained entries (some of the names)", TARGETS
     )
@@ -271,7 +276,6 @@ class ModelSection(Section):
     cache_mb: int = option(
         0,
         "with residency host/mmap: device memory (MB) keeping the most-routed experts resident",
-        bounds="[0, inf)",
         most=1 << 30,
     )
     device: str = option("auto", "compute device: auto, cpu, cuda, cuda:1, mps, xpu ...")
@@ -282,22 +286,18 @@ class RouterSection(Section):
     NAME = "router"
 
     lr_multiplier: float = option(
-        0.1, "router learning rate = optim.lr x this (with routers in select.targets)", bounds="[0, inf)"
+        0.1, "router learning rate = optim.lr x this (with routers in select.targets)"
     )
-    freeze_steps: int = option(0, "keep routers frozen for the first N optimizer steps", bounds="[0, inf)")
-    balance_coef: float = option(
-        0.01, "Switch load-balancing loss coefficient, raw router logits (0: off)", bounds="[0, inf)"
-    )
-    z_coef: float = option(0.001, "router z-loss coefficient (0: off)", bounds="[0, inf)")
+    freeze_steps: int = option(0, "keep routers frozen for the first N optimizer steps")
+    balance_coef: float = option(0.01, "Switch load-balancing loss coefficient, raw router logits (0: off)")
+    z_coef: float = option(0.001, "router z-loss coefficient (0: off)")
     health_every_steps: int = option(
-        10, "router health (loads, cv, entropy, dead, drift) every N steps (0: off)", bounds="[0, inf)"
+        10, "router health (loads, cv, entropy, dead, drift) every N steps (0: off)"
     )
     health_window_steps: int = option(
         20, "steps of routed tokens the load statistics cover", bounds="[1, inf)"
     )
-    guard_max_cv: float = option(
-        2.0, "collapse guard: max coefficient of variation of layer loads (0: off)", bounds="[0, inf)"
-    )
+    guard_max_cv: float = option(2.0, "collapse guard: max coefficient of variation of layer loads (0: off)")
     guard_min_entropy: float = option(
         0.5, "collapse guard: min normalised entropy of layer loads (0: off)", bounds="[0, 1]"
     )
@@ -305,7 +305,7 @@ class RouterSection(Section):
         0.5, "collapse guard: max share of experts without tokens (1: off)", bounds="[0, 1]"
     )
     guard_action: str = option("warn", "collapse guard action", GUARD_ACTIONS)
-    guard_balance_cap: float = option(0.1, "raise_balance doubles balance_coef up to this", bounds="[0, inf)")
+    guard_balance_cap: float = option(0.1, "raise_balance doubles balance_coef up to this")
 
 
 @dataclass
@@ -316,14 +316,11 @@ class OptimSection(Section):
     lr: float = option(
         5e-3, "peak learning rate of trained values (sparse entries move far from few)", bounds="(0, inf)"
     )
-    weight_decay: float = option(
-        0.0, "AdamW decoupled weight decay (towards zero, applied to values)", bounds="[0, inf)"
-    )
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay (towards zero, applied to values)")
     decay_to_base: float = option(
         0.0,
         "decoupled decay of each trained value toward its base value, value -= lr x this x (value - base): "
         "forgets less of what the model knew (bases kept in memory: unquantized weights)",
-        bounds="[0, inf)",
     )
     beta1: float = option(0.9, "AdamW beta1", bounds="[0, 1)")
     beta2: float = option(0.999, "AdamW beta2", bounds="[0, 1)")
@@ -334,7 +331,7 @@ class OptimSection(Section):
         choices=("bf16", "fp32"),
     )
     eight_bit: bool = option(False, "8-bit optimizer state via bitsandbytes (where it has kernels)")
-    clip_grad_norm: float = option(1.0, "clip the global gradient norm to this (0: off)", bounds="[0, inf)")
+    clip_grad_norm: float = option(1.0, "clip the global gradient norm to this (0: off)")
 
 
 @dataclass
@@ -349,7 +346,7 @@ class ScheduleSection(Section):
         "transformers' get_scheduler: linear, constant_with_warmup, cosine_with_min_lr, warmup_stable_decay",
         choices=SCHEDULES,
     )
-    warmup_steps: int = option(10, "linear warm-up steps (0: none)", bounds="[0, inf)")
+    warmup_steps: int = option(10, "linear warm-up steps (0: none)")
     warmup_ratio: float = option(
         0.0, "warm-up as a share of max_steps, rounded up; above 0 it replaces warmup_steps", bounds="[0, 1)"
     )
@@ -366,7 +363,6 @@ class ScheduleSection(Section):
         0.0,
         "passes over the training data; above 0 it sets max_steps from the data and the global batch (said on the "
         "first lines)",
-        bounds="[0, inf)",
     )
 
 
@@ -397,7 +393,7 @@ class DataSection(Section):
     eval_fraction: float = option(
         0.05, "share of training records held out when no eval file is given (0: none)", bounds="[0, 1)"
     )
-    eval_batches: int = option(0, "batches per evaluation (0: all)", bounds="[0, inf)")
+    eval_batches: int = option(0, "batches per evaluation (0: all)")
     split: str = option("train", "split of a save_to_disk DatasetDict or a hub dataset")
     columns: dict = option(
         {}, "usaf record keys from other column names, e.g. {prompt: question, completion: answer}"
@@ -411,12 +407,9 @@ class DataSection(Section):
     stride: int = option(
         0,
         "tokens a window repeats from the one before as context (at least 1; never supervised twice)",
-        bounds="[0, inf)",
         most=TOKENS_MOST,
     )
-    num_proc: int = option(
-        0, "processes that tokenize (0: one; the result is cached either way)", bounds="[0, inf)", most=1024
-    )
+    num_proc: int = option(0, "processes that tokenize (0: one; the result is cached either way)", most=1024)
     skip_bad_records: bool = option(False, "skip malformed records (and report how many) instead of failing")
     chat_template: str = option(
         "",
@@ -433,19 +426,16 @@ class CheckpointSection(Section):
     every_steps: int = option(
         50,
         "save a checkpoint every N optimizer steps (0: off; the last step and SIGINT/SIGTERM always save)",
-        bounds="[0, inf)",
     )
-    keep_last: int = option(2, "checkpoints to keep (0: all)", bounds="[0, inf)")
+    keep_last: int = option(2, "checkpoints to keep (0: all)")
 
 
 @dataclass
 class LogSection(Section):
     NAME = "log"
 
-    every_steps: int = option(
-        1, "write metrics every N steps (0: off; evaluations are still written)", bounds="[0, inf)"
-    )
-    eval_every_steps: int = option(0, "evaluate every N steps (0: only before and after)", bounds="[0, inf)")
+    every_steps: int = option(1, "write metrics every N steps (0: off; evaluations are still written)")
+    eval_every_steps: int = option(0, "evaluate every N steps (0: only before and after)")
     progress: bool = option(True, "live progress bar")
     report_to: list = option(
         ["tensorboard"],
@@ -463,7 +453,6 @@ class TrainSection(Section):
         0,
         "seed of the data order, the eval split, calibration batches, the optimizer's stochastic rounding and "
         "torch's RNG (select.seed seeds a random selection)",
-        bounds="[0, inf)",
     )
     precision: str = option("auto", "autocast dtype", ("auto", "none", "bf16", "fp16"))
     recompute: str | bool = option(
@@ -477,9 +466,7 @@ class TrainSection(Section):
         "memory recompute=auto plans against, e.g. 12GB (empty: the GPU's memory, or the machine's RAM on CPU)",
         parse=lambda text: parse_size(text),  # "lots" fails when the config is read, not when planned
     )
-    max_bad_steps: int = option(
-        10, "stop after this many steps with NaN/Inf loss or gradients", bounds="[0, inf)"
-    )
+    max_bad_steps: int = option(10, "stop after this many steps with NaN/Inf loss or gradients")
     logits_chunk_tokens: int = option(
         DEFAULT_LOGITS_CHUNK,
         "tokens per chunk of the output layer in the loss",

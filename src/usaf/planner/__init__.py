@@ -14,7 +14,7 @@ from usaf.planner.ledger import (
     trained_entries,
     trained_router_params,
 )
-from usaf.planner.search import Verdict, decide, published_line, search
+from usaf.planner.search import Verdict, decide, published_line
 from usaf.planner.settings import (
     DEVICES,
     DTYPE_BYTES,
@@ -61,7 +61,6 @@ __all__ = [
     "published_line",
     "quant_formats",
     "run_optimizer",
-    "search",
     "settings_for_run",
     "trained_entries",
     "trained_router_params",

@@ -34,21 +34,33 @@ def decide(
     residency: str = "auto",
 ) -> Verdict:
     """Plan at `residency` ("auto": the device, else host memory, else a memory map) and search when it fails."""
+    machine = _Machine(shape, device, vram, ram)
     order = (RESIDENCIES if device.is_gpu else ("device", "mmap")) if residency == "auto" else (residency,)
-    plans = [plan(shape, settings.replace(residency=r), device, vram, ram) for r in order]
+    plans = [machine.plan(settings.replace(residency=r)) for r in order]
     fitting = [p for p in plans if p.fits]
     if fitting:
         chosen = fitting[0]
         on_device = chosen.settings.residency == "device"
         verdict = Verdict(plans[0], chosen, "fits on device" if on_device else "needs host offload")
         if not on_device:
-            verdict.on_device = search(shape, settings, device, vram, ram, residencies=("device",))
+            verdict.on_device = search(machine, settings, residencies=("device",))
         return verdict
     verdict = Verdict(plans[0], plans[0], "does not fit")
-    verdict.suggestion = search(shape, settings, device, vram, ram, residencies=order) or search(
-        shape, settings, device, vram, ram
-    )
+    verdict.suggestion = search(machine, settings, residencies=order) or search(machine, settings)
     return verdict
+
+
+@dataclass(frozen=True)
+class _Machine:
+    """The model and the memory that every plan of one search is made for."""
+
+    shape: ModelShape
+    device: Device
+    vram: int | None
+    ram: int | None
+
+    def plan(self, settings: PlanSettings) -> Plan:
+        return plan(self.shape, settings, self.device, self.vram, self.ram)
 
 
 def _halvings(value: int, floor: int) -> list[int]:
@@ -64,17 +76,10 @@ def _halvings(value: int, floor: int) -> list[int]:
 COSTS = {"residency": 1.0, "quant": 1.0, "batch": 0.5, "seq": 2.0, "density": 1.5, "logits_chunk": 0.25}
 
 
-def search(
-    shape: ModelShape,
-    settings: PlanSettings,
-    device: Device,
-    vram: int | None = None,
-    ram: int | None = None,
-    residencies=RESIDENCIES,
-) -> Plan | None:
+def search(machine: _Machine, settings: PlanSettings, residencies=RESIDENCIES) -> Plan | None:
     """The fitting settings nearest to `settings` (least total cost of changes, then the fastest step), over
     residency, quantization, batch, sequence length, density and logits chunk."""
-    if not device.is_gpu:
+    if not machine.device.is_gpu:
         residencies = tuple(r for r in residencies if r != "host") or ("device",)
     # a published checkpoint's experts are what it publishes: never re-quantized
     order = by_precision()
@@ -104,7 +109,7 @@ def search(
                                 **budget,
                                 logits_chunk=chunk,
                             )
-                            p = plan(shape, candidate, device, vram, ram)
+                            p = machine.plan(candidate)
                             key = (cost, p.step.seconds)
                             if p.fits and (best_key is None or key < best_key):
                                 best, best_key = p, key
