@@ -377,6 +377,29 @@ def test_targets_beyond_the_experts_are_in_the_ledger():
         planner.PlanSettings(targets=("experts", "mlp"))
 
 
+def test_decay_centres_of_a_quantized_base_are_planned_in_host_memory():
+    """optim.decay_to_base on a quantized base keeps each trained expert entry's starting value in host memory
+    (the base dtype's bytes an entry, nothing on the device); a resident base keeps them with the entries."""
+    from usaf.config import RunConfig
+
+    shape = shape_of("qwen3-30b-a3b")
+    gpu = planner.DEVICES["rtx-4090"]
+    decaying = RunConfig.from_dict({"optim": {"decay_to_base": 3.0}})
+
+    def lines(run, quant):
+        plan = planner.plan(shape, planner.PlanSettings(run, quant=quant, density=0.01), gpu)
+        return {line.name: line for line in plan.lines}
+
+    centres = lines(decaying, "nf4")["decay centres"]
+    nf4 = lines(decaying, "nf4")
+    expert_entries = planner.trained_entries(shape, planner.PlanSettings(decaying, quant="nf4", density=0.01))
+    assert centres.device == 0 and 0 < centres.host <= 2 * expert_entries
+    assert (
+        nf4["sparse state + optimizer"].device == lines(RunConfig(), "nf4")["sparse state + optimizer"].device
+    )
+    assert "decay centres" not in lines(RunConfig(), "nf4") and "decay centres" not in lines(decaying, "none")
+
+
 def test_the_ledger_counts_trained_routers_in_fp32_as_the_engine_trains_them():
     """A bf16 model's routers train with fp32 master weights, gradients and moments: the planner's routers line
     is exactly the bytes the engine adds over the bf16 weights (issue 10, item 4)."""

@@ -85,7 +85,7 @@ def test_resume_from_a_state_dict_equals_an_uninterrupted_run():
 
 def test_decay_to_base_pulls_values_toward_their_base_not_toward_zero(monkeypatch):
     """With no gradient signal (zero gradients: Adam's step is 0), each step takes lr x c of value - base away;
-    a value without a kept base is left alone; c = 0 is the optimizer without it, bit for bit."""
+    c = 0 is the optimizer without it, bit for bit."""
     import pytest
 
     import usaf
@@ -111,12 +111,7 @@ def test_decay_to_base_pulls_values_toward_their_base_not_toward_zero(monkeypatc
     optimizer.step()
     for e, moved in zip(entries, before, strict=True):
         torch.testing.assert_close(e.values.detach() - e.base_values.float(), moved * (1 - 0.01 * 5.0))
-    # a value whose base is not kept (a quantized store) has no base to decay toward
-    assert base_lookup(model)(entries[0].values) is entries[0].base_values
-    monkeypatch.setattr(type(entries[0]), "keeps_base", property(lambda self: False))
-    assert base_lookup(model)(entries[0].values) is None
-    monkeypatch.undo()
-
+    assert base_lookup(model)(entries[0].values) is entries[0].base_values  # kept on the entries: no copy
     plain, decayed = prepared(), prepared()
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     for model, c in ((plain, None), (decayed, 0.0)):
@@ -168,3 +163,55 @@ def test_decay_to_base_applies_with_fp32_moments_too():
     for bf16, fp32 in zip(moved["bf16"], moved["fp32"], strict=True):
         torch.testing.assert_close(fp32, bf16)
         torch.testing.assert_close(fp32, torch.full_like(fp32, 1 - 0.01 * 5.0), atol=1e-2, rtol=0)
+
+
+def test_decay_to_base_on_a_quantized_base_pulls_toward_the_recorded_originals(tmp_path):
+    """An NF4 store keeps no base values on the device: the centre is read once per selection (the
+    full-precision originals of the source checkpoint, not the dequantized NF4 values) into host memory, and read
+    again after a new selection."""
+    from helpers import make_model_dir
+
+    import usaf
+    from usaf.base.load import load_prepared
+    from usaf.base.writer import prepare_store
+    from usaf.config import RunConfig
+    from usaf.engine.base_weights import starting_values
+    from usaf.engine.installed import sparse_modules
+    from usaf.train.optim import base_lookup, build_optimizer
+
+    base = make_model_dir(tmp_path / "base")
+    store = prepare_store(base, tmp_path / "store", quant="nf4", device="cpu")
+    model = load_prepared(store, base, usaf.UsafConfig(density=0.1, selection="random"), device="cpu")
+    owned = [
+        (path, state, name)
+        for path, state in sparse_modules(model)
+        for name in state
+        if not state.stores[name].resident
+    ]
+    assert owned and all(not state[name].keeps_base for _, state, name in owned)
+    starts = [starting_values(model, *owner).float() for owner in owned]
+    with torch.no_grad():
+        for (_, state, name), start in zip(owned, starts, strict=True):
+            state[name].values.copy_(start.reshape(state[name].values.shape) + 1.0)
+            state[name].values.grad = torch.zeros_like(state[name].values)
+    optimizer = build_optimizer(model, RunConfig.from_dict({"optim": {"lr": 0.01, "decay_to_base": 5.0}}))
+    optimizer.step()
+    for (_, state, name), start in zip(owned, starts, strict=True):
+        moved = state[name].values.detach() - start.reshape(state[name].values.shape)
+        torch.testing.assert_close(moved, torch.full_like(moved, 1 - 0.01 * 5.0))
+    # the centres are the originals, not the NF4 values the store dequantizes to
+    _, state, name = owned[0]
+    entries = state[name]
+    dequantized = (
+        state.stores[name].read(entries.expanded_flat_indices()).float().reshape(entries.values.shape)
+    )
+    assert not torch.equal(base_lookup(model)(entries.values).float(), dequantized)
+    # a new selection is read again
+    lookup = base_lookup(model)
+    first = lookup(entries.values)
+    assert lookup(entries.values) is first
+    flat = entries.expanded_flat_indices()
+    half = flat.numel() // 2
+    entries.set_selection(flat[:half], None, entries.values.detach()[:half])
+    again = lookup(entries.values)
+    assert again is not first and again.numel() == half

@@ -60,6 +60,12 @@ class _Entries(nn.Module):
     def _set_indices(self, selection: torch.Tensor) -> None:
         setattr(self, self.selection_name, selection.to(device=self.values.device, dtype=torch.int64))
 
+    @property
+    def stored_selection(self) -> torch.Tensor:
+        """The tensor that holds the selection: replaced, never edited in place, when the selection changes (what
+        a cache of per-selection facts compares)."""
+        return getattr(self, self.selection_name)
+
     def set_selection(
         self, selection: torch.Tensor, base_values: torch.Tensor | None, values: torch.Tensor | None = None
     ):
@@ -114,6 +120,10 @@ class ElementEntries(_Entries):
         self.local_indices = (flat - expert * self.per_expert).to(self.index_dtype)
         self.expert_offsets = offsets
         self._grouping = None
+
+    @property
+    def stored_selection(self) -> torch.Tensor:
+        return self.local_indices
 
     @property
     def flat_indices(self) -> torch.Tensor:

@@ -361,6 +361,14 @@ def _sparse_state(ledger: _Ledger, shape: ModelShape, s: PlanSettings) -> _Train
             "whole neurons need no per-entry index"
         )
     ledger.add("sparse state + optimizer", entries * per_entry, detail)
+    if not base and s.run.optim.decay_to_base:
+        ledger.add(
+            "decay centres",
+            entries * d,
+            f"{format_count(entries)} entries x {d} B: the starting values optim.decay_to_base pulls toward, read "
+            "once per selection from the quantized base and kept in host memory",
+            where="host",
+        )
     if s.granularity == "element" and entries:
         old_bytes = 4 + d + 8 + 8 + 4 + (2 if s.optimizer == "adamw8bit" else 8)
         ledger.notes.append(

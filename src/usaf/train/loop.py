@@ -38,7 +38,6 @@ from usaf.train.optim import (
     build_optimizer,
     build_scheduler,
     clip_gradients,
-    decay_notes,
     router_params,
     schedule_notes,
 )
@@ -186,7 +185,7 @@ class TrainingRun:
         restored = self.restore_values(*self.checkpointer.load_latest()) if resume else None
         self.optimizer = build_optimizer(self.model, config)
         self.scheduler = build_scheduler(self.optimizer, config)
-        self.notes += schedule_notes(config) + decay_notes(self.model, config)
+        self.notes += schedule_notes(config)
         self.autocast = runtime.autocast(config.train.precision, device, self.dtype)
         self.scaler = runtime.loss_scaler(config.train.precision, device, self.dtype)
         self.evaluator = Evaluator(self.model, session.eval_data, config, self.device, self.autocast)

@@ -17,10 +17,12 @@ benchmark it kept more of the old domain at the same new-domain loss (bench/resu
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
 from usaf.config import OPTIMIZER_BUCKET_ENTRIES, RunConfig
+from usaf.engine.base_weights import starting_values
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
 from usaf.model.hf import transformers_scheduler
@@ -170,13 +172,19 @@ class CompactAdamW(torch.optim.AdamW):
             torch._foreach_copy_(stored, _shaped(rounded.split(sizes), stored))
 
     def _decay_to_base(self, params: list[torch.Tensor], rate: float) -> None:
-        """value -= rate x (value - base), for the values whose base is kept."""
-        pairs = [(p, b) for p in params if (b := self.base_of(p)) is not None]
-        if pairs:
-            values = [p for p, _ in pairs]
-            torch._foreach_add_(
-                values, torch._foreach_sub(values, [b.to(p.dtype) for p, b in pairs]), alpha=-rate
-            )
+        """value -= rate x (value - centre), in pieces of at most a bucket's entries (the temporaries stay the
+        update's); a centre kept in host memory comes to the device one piece at a time."""
+        pairs = [(p, centre) for p in params if (centre := self.base_of(p)) is not None]
+        limit = max(OPTIMIZER_BUCKET_ENTRIES, 2 * max((p.numel() for p, _ in pairs), default=0))
+        start, size = 0, 0
+        for end, (param, _) in enumerate(pairs, start=1):
+            size += param.numel()
+            if end == len(pairs) or size + pairs[end][0].numel() > limit:
+                piece = pairs[start:end]
+                values = [p for p, _ in piece]
+                centres = [c.to(device=p.device, dtype=p.dtype, non_blocking=True) for p, c in piece]
+                torch._foreach_add_(values, torch._foreach_sub(values, centres), alpha=-rate)
+                start, size = end, 0
 
     def load_state_dict(self, state_dict) -> None:
         # decay_to_base is the run's setting, not the checkpoint's (a checkpoint of 0.1.x has none)
@@ -212,13 +220,32 @@ def apply_resumed_schedule(optimizer, scheduler, config: RunConfig, saved: dict)
 
 
 def base_lookup(model: torch.nn.Module):
-    """values parameter -> its entries' kept base values (None where the base is not kept: a quantized store,
-    which holds no full-precision base to decay toward)."""
-    owners = {id(entries.values): entries for _, state in sparse_modules(model) for entries in state.values()}
+    """values parameter -> the values its entries started from (`usaf.engine.base_weights.starting_values`): what
+    optim.decay_to_base pulls toward. A resident store's entries keep them on the device already; a quantized
+    store keeps none, so they are read once per selection (the recorded full-precision originals, else the
+    dequantized base) and held in host memory, in the store's dtype (the planner's "decay centres" line)."""
+    owners = {
+        id(entries.values): (path, state, name)
+        for path, state in sparse_modules(model)
+        for name, entries in state.items()
+    }
+    held: dict[int, tuple] = {}  # parameter id -> (a reference to the selection it was read for, host values)
 
     def base_of(param):
-        entries = owners.get(id(param))
-        return entries.base_values if entries is not None and entries.keeps_base else None
+        if id(param) not in owners:
+            return None
+        path, state, name = owners[id(param)]
+        entries = state[name]
+        if entries.keeps_base:
+            return entries.base_values
+        selection = entries.stored_selection
+        read_for, centre = held.get(id(param), (None, None))
+        if read_for is None or read_for() is not selection:  # a new selection (a reselection, a resume)
+            centre = starting_values(model, path, state, name).to("cpu")
+            if param.device.type == "cuda":
+                centre = centre.pin_memory()  # so that the step's copy to the device does not wait
+            held[id(param)] = (weakref.ref(selection), centre)
+        return centre
 
     return base_of
 
@@ -259,21 +286,6 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
     # torch's multi-tensor AdamW for the plain groups (the routers): a fixed number of ops for all of them
     base_of = base_lookup(model) if config.optim.decay_to_base else None
     return CompactAdamW(groups, seed=config.train.seed, base_of=base_of, foreach=True, **kwargs)
-
-
-def decay_notes(model: torch.nn.Module, config: RunConfig) -> list[str]:
-    """What the first lines say when optim.decay_to_base cannot reach every trained value (never silently)."""
-    if not config.optim.decay_to_base:
-        return []
-    base_of = base_lookup(model)
-    values = [p for _, state in sparse_modules(model) for p in (e.values for e in state.values())]
-    without = sum(1 for p in values if base_of(p) is None)
-    if not without:
-        return []
-    return [
-        f"optim.decay_to_base applies to {len(values) - without} of {len(values)} trained tensors: the others lie "
-        "in a quantized store, which keeps no full-precision base to decay toward"
-    ]
 
 
 def warmup_steps(config: RunConfig) -> int:
