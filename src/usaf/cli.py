@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib
 import os
 import re
 import signal
@@ -12,12 +13,25 @@ import sys
 
 from safetensors import SafetensorError
 
-from usaf.commands import add_set_option
+from usaf.commands import command_texts
 from usaf.errors import UsafError
 from usaf.version import __version__
 
-# Each command lives in its own module exposing `add_command(subparsers)`; add new ones here.
-COMMANDS: tuple[str, ...] = ("plan", "train", "prepare", "export", "generate", "report", "select", "data")
+# One module of usaf.commands per command, in the order `usaf --help` lists them (the protocol: usaf.commands).
+COMMANDS: tuple[str, ...] = (
+    "plan",
+    "train",
+    "eval",
+    "prepare",
+    "export",
+    "apply",
+    "generate",
+    "chat",
+    "report",
+    "select",
+    "data",
+    "demo",
+)
 
 
 class UsageError(UsafError):
@@ -39,21 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"usaf {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    import importlib
-
     for name in COMMANDS:
-        importlib.import_module(f"usaf.commands.{name}").add_command(sub)
-    demo = sub.add_parser("demo", help="fine-tune the bundled small MoE on the bundled task")
-    demo.add_argument("--out", default=None, help="output directory (default: ./demo-run)")
-    add_set_option(demo, "override a demo setting")
-    demo.set_defaults(func=_demo)
+        module = importlib.import_module(f"usaf.commands.{name}")
+        help_line, description = command_texts(module)
+        command = sub.add_parser(name, help=help_line, description=description)
+        module.add_arguments(command)
+        command.set_defaults(func=module.run)
     return parser
-
-
-def _demo(args) -> int:
-    from usaf.demo.run import run_demo
-
-    return run_demo(args)
 
 
 # options whose value may start with '-' (a negative size), which argparse would take for an option

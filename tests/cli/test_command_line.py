@@ -68,3 +68,46 @@ def test_python_dash_m_usaf_runs_the_cli():
         [sys.executable, "-m", "usaf", "--version"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and done.stdout.strip() == f"usaf {usaf.__version__}", done.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one module per command (usaf.commands' protocol)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_every_command_is_one_module_whose_docstring_is_its_help(capsys):
+    import importlib
+    import inspect
+
+    import usaf.commands
+    from usaf.cli import COMMANDS, build_parser
+    from usaf.commands import command_texts
+
+    folder = Path(usaf.commands.__file__).parent
+    assert sorted(COMMANDS) == sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    listed = build_parser().format_help()  # the commands in COMMANDS' order, each with its help line
+    places = [listed.index(f"\n    {name} ") for name in COMMANDS]
+    assert places == sorted(places)
+    for name in COMMANDS:
+        module = importlib.import_module(f"usaf.commands.{name}")
+        assert list(inspect.signature(module.add_arguments).parameters) == ["parser"], name
+        assert list(inspect.signature(module.run).parameters) == ["args"], name
+        help_line, description = command_texts(module)
+        assert f" {name} {help_line} " in " ".join(listed.split()), name
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        shown = " ".join(capsys.readouterr().out.split())
+        assert shown.startswith(f"usage: usaf {name} [-h]")
+        assert description is None or description in shown, name
+
+
+def test_a_docstring_gives_the_help_line_and_the_description():
+    import types
+
+    from usaf.commands import command_texts
+
+    module = types.ModuleType(
+        "usaf.commands.x", "one line\n    of help\n\nThe description,\nreflowed.\n\nMore.\n"
+    )
+    assert command_texts(module) == ("one line of help", "The description, reflowed. More.")
+    assert command_texts(types.ModuleType("usaf.commands.y", "just help")) == ("just help", None)

@@ -211,3 +211,26 @@ def test_a_prompt_takes_any_chat_the_training_data_takes(tmp_path):
     first, second = read_prompts(prompts)
     assert first.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"})
     assert second.messages == ({"role": "tool", "content": "42", "tool_call_id": "c1"},)
+
+
+def test_the_sampling_options_are_samplings_fields_with_its_defaults():
+    """One option per field of Sampling, its default the field's, and the help says that default."""
+    import argparse
+    from dataclasses import fields
+
+    from usaf.commands.generate import add_target, sampling
+    from usaf.generate.generation import Sampling
+
+    parser = argparse.ArgumentParser()
+    add_target(parser)
+    args = parser.parse_args(["run"])
+    assert sampling(args) == Sampling()
+    help_text = " ".join(parser.format_help().split())
+    for field in fields(Sampling):
+        option = "--" + field.name.replace("_", "-")
+        assert getattr(args, field.name) == field.default
+        shown = help_text.split(option, 2)[2].split(")", 1)[0]  # its help, up to the first ')'
+        assert shown.endswith("(default: greedy" if field.default is False else f"(default {field.default}")
+    assert sampling(parser.parse_args(["run", "--do-sample", "--top-k", "7"])) == Sampling(
+        do_sample=True, top_k=7
+    )

@@ -1,8 +1,30 @@
-"""One module per `usaf` subcommand, each exposing `add_command(subparsers)`."""
+"""One module per `usaf` subcommand, named as the command (`usaf.commands.eval` is `usaf eval`), listed in
+`usaf.cli.COMMANDS` in the order `usaf --help` shows them. A command module is:
+
+- its docstring: the first paragraph is the one-line help of `usaf --help`, the rest the description of
+  `usaf NAME --help` (both read by `command_texts`; argparse reflows them, so they are written as prose);
+- `add_arguments(parser)`: the command's arguments, and any defaults its `run` or the shared readers expect
+  (`parser.set_defaults(...)`);
+- `run(args) -> int`: the command itself, its exit code.
+
+What several commands share lives here (`add_set_option`, `add_run_inputs`) or in the command it belongs to (the
+run configuration of `usaf.commands.train.effective_config`, the model options of `usaf.commands.generate`)."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
+from types import ModuleType
+
+
+def command_texts(module: ModuleType) -> tuple[str, str | None]:
+    """(help, description) of a command module, from its docstring: the first paragraph, the rest (None if none),
+    each on one line."""
+    paragraphs = [" ".join(p.split()) for p in inspect.cleandoc(module.__doc__ or "").split("\n\n")]
+    paragraphs = [p for p in paragraphs if p]
+    if not paragraphs:
+        raise ValueError(f"{module.__name__} has no docstring: its first paragraph is the command's help")
+    return paragraphs[0], " ".join(paragraphs[1:]) or None
 
 
 def add_set_option(

@@ -1,5 +1,10 @@
-"""`usaf data`: the first records as training sees them (after the chat template and truncation, before
-packing), supervised text marked; `--json`: the input_ids and labels the training loop gets."""
+"""show records as training sees them, supervised text marked
+
+Reads the data as `usaf train` does (same tokenizer, chat template, max_seq_len, skip_bad_records; no eval split,
+no packing) and prints the first N records with the supervised text marked ([[like this]]; green on a terminal),
+then the one-line data summary. --json prints one {"input_ids": [...], "labels": [...]} per line (labels -100
+where not supervised), the summary on stderr.
+"""
 
 from __future__ import annotations
 
@@ -15,24 +20,19 @@ _GREEN, _RESET = "\033[32m", "\033[0m"
 _OPEN, _CLOSE = "[[", "]]"
 
 
-def add_command(sub) -> None:
-    p = sub.add_parser(
-        "data",
-        help="show records as training sees them, supervised text marked",
-        description="Reads the data as `usaf train` does (same tokenizer, chat template, max_seq_len, "
-        "skip_bad_records; no eval split, no packing) and prints the first N records with the supervised text "
-        f"marked ({_OPEN}like this{_CLOSE}; green on a terminal), then the one-line data summary. --json prints "
-        'one {"input_ids": [...], "labels": [...]} per line (labels -100 where not supervised), the summary '
-        "on stderr.",
-    )
-    add_run_inputs(p, model="model directory or hub id (model.path); only its tokenizer is read")
-    p.add_argument(
+def add_arguments(parser) -> None:
+    add_run_inputs(parser, model="model directory or hub id (model.path); only its tokenizer is read")
+    parser.add_argument(
         "--show", type=int, default=3, metavar="N", help="records to print (default 3; 0: summary only)"
     )
-    p.add_argument("--json", action="store_true", help="one JSON object per record: input_ids and labels")
-    p.add_argument("--skip-bad-records", action="store_true", help="skip malformed records and count them")
-    add_set_option(p)
-    p.set_defaults(func=run_data, eval_data=None, resume=None)
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON object per record: input_ids and labels"
+    )
+    parser.add_argument(
+        "--skip-bad-records", action="store_true", help="skip malformed records and count them"
+    )
+    add_set_option(parser)
+    parser.set_defaults(eval_data=None, resume=None)  # what effective_config reads
 
 
 def marked_text(tokenizer, ids: list[int], labels: list[int], color: bool) -> str:
@@ -56,7 +56,7 @@ def marked_text(tokenizer, ids: list[int], labels: list[int], color: bool) -> st
     return "".join(pieces)
 
 
-def run_data(args) -> int:
+def run(args) -> int:
     from usaf.data import load_run_data
     from usaf.train.session import load_tokenizer
 

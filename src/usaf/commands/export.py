@@ -1,4 +1,10 @@
-"""`usaf export` (a run, or a transformers.Trainer checkpoint, as a delta file or a merged checkpoint) and `usaf apply`."""
+"""write a run's trained model: a small delta file, or a full merged checkpoint
+
+Export the latest finished checkpoint of RUN_DIR (or, with --from-trainer, a checkpoint written by
+transformers.Trainer for a model prepared by usaf) as a delta file (--delta: trained entries and routers only)
+and/or a merged checkpoint (--merged: the base's shards with the trained entries written in, loadable by plain
+transformers).
+"""
 
 from __future__ import annotations
 
@@ -8,53 +14,39 @@ from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE
 
 
-def add_command(sub) -> None:
-    p = sub.add_parser(
-        "export",
-        help="write a run's trained model: a small delta file, or a full merged checkpoint",
-        description="Export the latest finished checkpoint of RUN_DIR (or, with --from-trainer, a checkpoint written "
-        "by transformers.Trainer for a model prepared by usaf) as a delta file (--delta: trained entries and routers "
-        "only) and/or a merged checkpoint (--merged: the base's shards with the trained entries written in, loadable "
-        "by plain transformers).",
-    )
-    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="usaf run directory")
-    p.add_argument("--delta", metavar="OUT.safetensors", help="write a delta file")
-    p.add_argument("--merged", metavar="OUT_DIR", help="write a merged checkpoint directory")
-    p.add_argument(
+def add_arguments(parser) -> None:
+    from usaf.export.gguf import OUTTYPES
+
+    parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="usaf run directory")
+    parser.add_argument("--delta", metavar="OUT.safetensors", help="write a delta file")
+    parser.add_argument("--merged", metavar="OUT_DIR", help="write a merged checkpoint directory")
+    parser.add_argument(
         "--gguf",
         metavar="OUT.gguf",
         help="also convert the merged checkpoint to GGUF with llama.cpp's convert_hf_to_gguf.py (without --merged, "
         "a temporary merged folder beside OUT.gguf, removed after)",
     )
-    p.add_argument("--outtype", default="bf16", help="with --gguf: f16, bf16, q8_0 or f32 (default bf16)")
-    p.add_argument(
+    outtypes, default = (
+        f"{', '.join(OUTTYPES[:-1])} or {OUTTYPES[-1]}",
+        "bf16",
+    )  # the help says both as they are
+    parser.add_argument("--outtype", default=default, help=f"with --gguf: {outtypes} (default {default})")
+    parser.add_argument(
         "--llama-cpp", metavar="DIR", help="with --gguf: a llama.cpp checkout (default: $LLAMA_CPP, PATH)"
     )
-    p.add_argument("--fp32", action="store_true", help="delta values in float32 instead of the base's dtype")
-    p.add_argument("--base", metavar="MODEL_DIR", help="the base checkpoint (default: the run's model.path)")
-    p.add_argument("--from-trainer", metavar="CKPT_DIR", help="a transformers.Trainer checkpoint-N folder")
-    p.add_argument("--force", action="store_true", help="replace existing outputs")
-    p.set_defaults(func=run_export)
-
-    a = sub.add_parser(
-        "apply",
-        help="write a merged checkpoint from a base checkpoint and a delta file",
-        description="Stream BASE_DIR's shards into OUT_DIR with the entries of DELTA written in; refuses a base "
-        "whose tensors differ from the one the delta was made against.",
+    parser.add_argument(
+        "--fp32", action="store_true", help="delta values in float32 instead of the base's dtype"
     )
-    a.add_argument("base_dir", metavar="BASE_DIR")
-    a.add_argument("delta", metavar="DELTA")
-    a.add_argument("out_dir", metavar="OUT_DIR")
-    a.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
-    a.add_argument(
-        "--unchecked-base",
-        action="store_true",
-        help="apply a delta that has no record of its base (the base cannot be checked)",
+    parser.add_argument(
+        "--base", metavar="MODEL_DIR", help="the base checkpoint (default: the run's model.path)"
     )
-    a.set_defaults(func=run_apply)
+    parser.add_argument(
+        "--from-trainer", metavar="CKPT_DIR", help="a transformers.Trainer checkpoint-N folder"
+    )
+    parser.add_argument("--force", action="store_true", help="replace existing outputs")
 
 
-def run_export(args) -> int:
+def run(args) -> int:
     from usaf.base.checkpoint import BaseCheckpoint
     from usaf.export.delta import run_delta_and_base, write_delta
     from usaf.export.gguf import OUTTYPES, find_converter
@@ -173,22 +165,6 @@ def _which_step(run_dir: Path, delta) -> str:
         f"exported step {step}{of} ({source.get('checkpoint')}): the run is NOT finished (stopped or still "
         f"training); to finish it: usaf train --resume {run_dir}"
     )
-
-
-def run_apply(args) -> int:
-    from usaf.base.checkpoint import BaseCheckpoint
-    from usaf.export.merged import apply_delta, dequantized_note
-    from usaf.io.atomic import terminate_as_interrupt
-    from usaf.io.published import checkpoint_method
-
-    with terminate_as_interrupt():  # a SIGTERM removes the partial output, as Ctrl-C does
-        path = apply_delta(
-            args.base_dir, args.delta, args.out_dir, force=args.force, unchecked_base=args.unchecked_base
-        )
-    print(f"merged checkpoint: {path}")
-    if checkpoint_method(args.base_dir) is not None:
-        print(dequantized_note(BaseCheckpoint(args.base_dir), path))
-    return 0
 
 
 def _size(path: Path) -> str:

@@ -1,78 +1,79 @@
-"""`usaf generate` (prompts in, one JSONL row of continuations per prompt out) and `usaf chat` (a terminal chat
-with streamed tokens): trying a fine-tune without exporting it."""
+"""continue a file of prompts with a fine-tune (and its base, side by side)
+
+Read PROMPTS (JSONL: {"prompt": text} or {"messages": [chat]}), generate a continuation of each with MODEL_OR_RUN
+(a chat through the model's chat template), write one JSONL row per prompt to --out and print them; with
+--compare-base also the base's, side by side.
+"""
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 import textwrap
 
 from usaf.commands import add_set_option
 
+# Trying a fine-tune without exporting it: `usaf generate`, and `usaf chat` (usaf.commands.chat), which takes the
+# same MODEL_OR_RUN and sampling options (add_target, sampling).
 
-def _add_target(p) -> None:
-    p.add_argument(
+# the options of usaf.generate.generation.Sampling, one per field, named as it names them; each help ends with the
+# field's default (a flag's says what its absence means), which is also the option's default
+SAMPLING_HELP = {
+    "max_new_tokens": "tokens to generate at most",
+    "do_sample": "sample (default: greedy)",
+    "temperature": "with --do-sample",
+    "top_p": "with --do-sample",
+    "top_k": "with --do-sample; 0 is off",
+    "repetition_penalty": "with --do-sample",
+    "seed": "with --do-sample: the seed of each prompt",
+}
+
+
+def add_target(parser) -> None:
+    """MODEL_OR_RUN, --delta, the sampling options and --set: what generate and chat take alike."""
+    from dataclasses import fields
+
+    from usaf.generate.generation import Sampling
+
+    parser.add_argument(
         "target",
         metavar="MODEL_OR_RUN",
         help="a usaf run folder (its latest checkpoint), a merged export or model folder, or a base with --delta",
     )
-    p.add_argument(
+    parser.add_argument(
         "--delta", metavar="DELTA", help="a delta file (usaf export --delta) written into the base"
     )
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
-    p.add_argument("--temperature", type=float, default=1.0, help="with --do-sample (default 1.0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --do-sample (default 1.0)")
-    p.add_argument("--top-k", type=int, default=50, help="with --do-sample; 0 is off (default 50)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="with --do-sample (default 1.0)")
-    p.add_argument(
-        "--seed", type=int, default=0, help="with --do-sample: the seed of each prompt (default 0)"
-    )
-    add_set_option(p, "override a setting, e.g. model.quant=nf4 for a quantized base, model.device=cpu")
+    for field in fields(Sampling):
+        option, what = "--" + field.name.replace("_", "-"), SAMPLING_HELP[field.name]
+        if isinstance(field.default, bool):
+            parser.add_argument(option, action="store_true", help=what)
+        else:
+            parser.add_argument(
+                option,
+                type=type(field.default),
+                default=field.default,
+                help=f"{what} (default {field.default})",
+            )
+    add_set_option(parser, "override a setting, e.g. model.quant=nf4 for a quantized base, model.device=cpu")
 
 
-def add_command(sub) -> None:
-    g = sub.add_parser(
-        "generate",
-        help="continue a file of prompts with a fine-tune (and its base, side by side)",
-        description='Read PROMPTS (JSONL: {"prompt": text} or {"messages": [chat]}), generate a continuation '
-        "of each with MODEL_OR_RUN (a chat through the model's chat template), write one JSONL row per prompt to "
-        "--out and print them; with --compare-base also the base's, side by side.",
-    )
-    _add_target(g)
-    g.add_argument("--prompts", required=True, metavar="FILE", help="JSONL prompts")
-    g.add_argument("--out", required=True, metavar="OUT.jsonl", help="where the rows are written")
-    g.add_argument("--compare-base", action="store_true", help="also generate with the base model")
-    g.add_argument("--base", metavar="BASE_DIR", help="the base of a merged export, for --compare-base")
-    g.add_argument("--force", action="store_true", help="replace an earlier --out of usaf generate")
-    g.set_defaults(func=run_generate)
-    c = sub.add_parser(
-        "chat",
-        help="chat with a fine-tune in the terminal (streamed; /reset clears the history, /exit leaves)",
-        description="An interactive chat with MODEL_OR_RUN through its chat template: each answer streams as it "
-        "is generated and the conversation is kept; /reset starts over, /exit (or end of input) leaves.",
-    )
-    _add_target(c)
-    c.add_argument("--system", default=None, help="a system message at the start of the conversation")
-    c.set_defaults(func=run_chat)
+def add_arguments(parser) -> None:
+    add_target(parser)
+    parser.add_argument("--prompts", required=True, metavar="FILE", help="JSONL prompts")
+    parser.add_argument("--out", required=True, metavar="OUT.jsonl", help="where the rows are written")
+    parser.add_argument("--compare-base", action="store_true", help="also generate with the base model")
+    parser.add_argument("--base", metavar="BASE_DIR", help="the base of a merged export, for --compare-base")
+    parser.add_argument("--force", action="store_true", help="replace an earlier --out of usaf generate")
 
 
-def _sampling(args):
+def sampling(args):
+    """The Sampling the options of `add_target` give, checked."""
     from usaf.generate.generation import Sampling
 
-    return Sampling(
-        args.max_new_tokens,
-        args.do_sample,
-        args.temperature,
-        args.top_p,
-        args.top_k,
-        args.repetition_penalty,
-        args.seed,
-    ).check()
+    return Sampling(**{name: getattr(args, name) for name in SAMPLING_HELP}).check()
 
 
-def run_generate(args) -> int:
+def run(args) -> int:
     from usaf.errors import UsafError
     from usaf.generate.generation import decode, generate_ids, prompt_ids, tokenizer_for_generation
     from usaf.generate.prompts import read_prompts
@@ -80,7 +81,7 @@ def run_generate(args) -> int:
     from usaf.io.atomic import atomic_file
     from usaf.io.guard import GENERATIONS, check_output
 
-    sampling = _sampling(args)
+    settings = sampling(args)
     out = check_output(
         args.out,
         GENERATIONS,
@@ -103,7 +104,7 @@ def run_generate(args) -> int:
     print(f"usaf generate: {len(prompts)} prompts with {target.label}", flush=True)
 
     def run_all(model) -> list[list[int]]:
-        return [generate_ids(model, ids, sampling, tokenizer, target.device) for ids in encoded]
+        return [generate_ids(model, ids, settings, tokenizer, target.device) for ids in encoded]
 
     base = None
     if args.compare_base:  # first: a plain base with a delta is the base until the delta is written in
@@ -149,47 +150,3 @@ def side_by_side(rows: list[dict], width: int | None = None) -> str:
 
 def _one_line(text: str) -> str:
     return text.replace("\r", "\\r").replace("\n", "\\n")
-
-
-def run_chat(args) -> int:
-    from transformers import TextStreamer
-
-    from usaf.errors import UsafError
-    from usaf.generate.generation import generate_ids, has_chat_template, prompt_ids, tokenizer_for_generation
-    from usaf.generate.prompts import Prompt
-    from usaf.generate.target import open_target
-
-    sampling = _sampling(args)
-    target = open_target(args.target, args.delta, None, args.set)
-    tokenizer = target.tokenizer
-    tokenizer_for_generation(tokenizer, target.config.data.chat_template)
-    if not has_chat_template(tokenizer):
-        raise UsafError(
-            f"{args.target} has no chat template; give one with --set data.chat_template=FILE.jinja, or use "
-            "usaf generate with plain prompts."
-        )
-    model = target.tuned()
-    start = [{"role": "system", "content": args.system}] if args.system else []
-    history = list(start)
-    print(f"usaf chat with {target.label}: /reset clears the conversation, /exit leaves.", flush=True)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print()
-            return 0
-        command = line.strip()
-        if command in ("/exit", "/quit"):
-            return 0
-        if command == "/reset":
-            history = list(start)
-            print("(conversation cleared)", flush=True)
-            continue
-        if not command:
-            continue
-        history.append({"role": "user", "content": line})
-        ids = prompt_ids(tokenizer, Prompt(0, messages=tuple(history)), "the conversation")
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        new = generate_ids(model, ids, sampling, tokenizer, target.device, streamer=streamer)
-        sys.stdout.flush()
-        history.append({"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)})

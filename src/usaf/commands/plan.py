@@ -1,4 +1,7 @@
-"""`usaf plan`: will this fine-tune fit, where, and how fast - from a config alone."""
+"""memory ledger, verdict and step-time estimate for a model, from its config alone
+
+Plan a sparse fine-tune: where memory goes, whether it fits, and settings that would.
+"""
 
 from __future__ import annotations
 
@@ -15,20 +18,14 @@ from usaf.config import (
 from usaf.errors import UsafError
 
 
-def add_command(subparsers) -> None:
+def add_arguments(parser) -> None:
     from usaf import planner
 
-    p = subparsers.add_parser(
-        "plan",
-        help="memory ledger, verdict and step-time estimate for a model, from its config alone",
-        description="Plan a sparse fine-tune: where memory goes, whether it fits, and settings that would.",
-    )
     # the help lists the options in these groups
-    _machine_options(p.add_argument_group("the model and the machine"), planner)
-    _run_options(p.add_argument_group("the run"), planner)
-    _storage_options(p.add_argument_group("the frozen base"), planner)
-    _parallel_options(p.add_argument_group("several GPUs"))
-    p.set_defaults(func=run)
+    _machine_options(parser.add_argument_group("the model and the machine"), planner)
+    _run_options(parser.add_argument_group("the run"), planner)
+    _storage_options(parser.add_argument_group("the frozen base"), planner)
+    _parallel_options(parser.add_argument_group("several GPUs"))
 
 
 def _machine_options(p, planner) -> None:
@@ -292,5 +289,5 @@ def _given_flags_over(from_config, from_flags, args):
 
 def _parser_defaults() -> dict:
     parser = argparse.ArgumentParser()
-    add_command(parser.add_subparsers())
-    return vars(parser.parse_args(["plan", "--model", "x"]))
+    add_arguments(parser)
+    return vars(parser.parse_args(["--model", "x"]))

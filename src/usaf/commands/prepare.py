@@ -1,4 +1,9 @@
-"""`usaf prepare`: stream a checkpoint into a quantized frozen base (a prepared store)."""
+"""quantize a checkpoint's experts into a prepared store, streaming it tensor by tensor
+
+Read the safetensors checkpoint in MODEL_DIR one tensor (one expert) at a time, quantize the experts per expert,
+and write a prepared store: safetensors files plus usaf_store.json (formats, the source tensors' checksums, the
+usaf version). Peak memory stays near the largest single tensor. The store appears only when complete.
+"""
 
 from __future__ import annotations
 
@@ -6,41 +11,32 @@ import time
 from pathlib import Path
 
 
-def add_command(subparsers) -> None:
+def add_arguments(parser) -> None:
     from usaf.quant import FORMATS
 
-    p = subparsers.add_parser(
-        "prepare",
-        help="quantize a checkpoint's experts into a prepared store, streaming it tensor by tensor",
-        description=(
-            "Read the safetensors checkpoint in MODEL_DIR one tensor (one expert) at a time, quantize the experts "
-            "per expert, and write a prepared store: safetensors files plus usaf_store.json (formats, the source "
-            "tensors' checksums, the usaf version). Peak memory stays near the largest single tensor. The store "
-            "appears only when complete."
-        ),
-    )
-    p.add_argument(
+    parser.add_argument(
         "model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (config.json + safetensors)"
     )
-    p.add_argument(
+    parser.add_argument(
         "--quant",
         default="nf4",
         choices=list(FORMATS),
         help="experts' format (default nf4; becomes int4 where bitsandbytes has no kernels for the device; a "
         "published MXFP4/FP8 checkpoint keeps its own experts' bytes)",
     )
-    p.add_argument("--quant-dense", action="store_true", help="store dense linear layers as int8 too")
-    p.add_argument("--out", required=True, metavar="PREPARED_DIR", help="where to write the prepared store")
-    p.add_argument("--force", action="store_true", help="replace an existing prepared store at --out")
-    p.add_argument(
+    parser.add_argument("--quant-dense", action="store_true", help="store dense linear layers as int8 too")
+    parser.add_argument(
+        "--out", required=True, metavar="PREPARED_DIR", help="where to write the prepared store"
+    )
+    parser.add_argument("--force", action="store_true", help="replace an existing prepared store at --out")
+    parser.add_argument(
         "--device",
         default=None,
         help="where quantization runs (default: the accelerator torch sees, else cpu)",
     )
-    p.set_defaults(func=_run)
 
 
-def _run(args) -> int:
+def run(args) -> int:
     from usaf.base.load import read_store_metadata
     from usaf.base.writer import prepare_store
     from usaf.io.atomic import terminate_as_interrupt

@@ -1,4 +1,8 @@
-"""`usaf select`: calibrate on a task's data and save the selection, to inspect it or reuse it in runs."""
+"""choose what to train from a task's data and save it (select.strategy=file reuses it)
+
+Runs the selection of `usaf train` (strategy, selection, budget from the config) on calibration batches of the
+data and writes OUT (.safetensors) plus OUT.json with a summary.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +15,15 @@ from usaf.commands.train import effective_config
 from usaf.errors import UsafError
 
 
-def add_command(sub) -> None:
-    p = sub.add_parser(
-        "select",
-        help="choose what to train from a task's data and save it (select.strategy=file reuses it)",
-        description="Runs the selection of `usaf train` (strategy, selection, budget from the config) on "
-        "calibration batches of the data and writes OUT (.safetensors) plus OUT.json with a summary.",
-    )
-    add_run_inputs(p, model="model directory (model.path)")
-    p.add_argument("--out", required=True, help="selection file to write (.safetensors)")
-    p.add_argument("--force", action="store_true", help="replace an earlier selection file at --out")
-    add_set_option(p)
-    p.set_defaults(func=run_select, eval_data=None, skip_bad_records=False, resume=None)
+def add_arguments(parser) -> None:
+    add_run_inputs(parser, model="model directory (model.path)")
+    parser.add_argument("--out", required=True, help="selection file to write (.safetensors)")
+    parser.add_argument("--force", action="store_true", help="replace an earlier selection file at --out")
+    add_set_option(parser)
+    parser.set_defaults(eval_data=None, skip_bad_records=False, resume=None)  # what effective_config reads
 
 
-def run_select(args) -> int:
+def run(args) -> int:
     from usaf.data import load_run_data
     from usaf.io.atomic import expect_at, identity, terminate_as_interrupt
     from usaf.io.guard import SELECTION, check_output, check_placement

@@ -1,9 +1,12 @@
-"""`usaf train` and `usaf eval`."""
+"""fine-tune a model's own weights sparsely (expert entries, attention, embedding and output rows; routers if
+asked) on data files
+
+Fine-tune sparsely. Every option lives in one configuration: a YAML file (--config) with --set section.key=value
+overrides; --print-config shows the effective result, --list-options all keys.
+"""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 from usaf.commands import add_run_inputs, add_set_option
@@ -12,32 +15,24 @@ from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE
 
 
-def add_command(sub) -> None:
-    p = sub.add_parser(
-        "train",
-        help="fine-tune a model's own weights sparsely (expert entries, attention, embedding and output rows; routers "
-        "if asked) on data files",
-        description="Fine-tune sparsely. Every option lives in one configuration: a YAML file (--config) with "
-        "--set section.key=value overrides; --print-config shows the effective result, --list-options all keys.",
-    )
-    add_run_inputs(p, data="training files, comma separated (data.train)")
-    p.add_argument("--eval-data", help="held-out files, comma separated (data.eval)")
-    p.add_argument("--out", help="run directory (checkpoints, metrics, summary)")
-    p.add_argument(
+def add_arguments(parser) -> None:
+    add_run_inputs(parser, data="training files, comma separated (data.train)")
+    parser.add_argument("--eval-data", help="held-out files, comma separated (data.eval)")
+    parser.add_argument("--out", help="run directory (checkpoints, metrics, summary)")
+    parser.add_argument(
         "--force", action="store_true", help="start the run in an existing folder that is not a usaf run"
     )
-    add_set_option(p)
-    p.add_argument("--skip-bad-records", action="store_true", help="skip malformed records and count them")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run exactly where it stopped")
-    p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
-    p.add_argument("--list-options", action="store_true", help="list every option with its default and exit")
-    p.set_defaults(func=run_train)
-
-    e = sub.add_parser("eval", help="held-out loss and perplexity of a model or a run")
-    e.add_argument("target", help="model directory, or a run directory (its latest checkpoint is evaluated)")
-    e.add_argument("--data", required=True, help="files to evaluate on, comma separated")
-    add_set_option(e)
-    e.set_defaults(func=run_eval)
+    add_set_option(parser)
+    parser.add_argument(
+        "--skip-bad-records", action="store_true", help="skip malformed records and count them"
+    )
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run exactly where it stopped")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the effective configuration and exit"
+    )
+    parser.add_argument(
+        "--list-options", action="store_true", help="list every option with its default and exit"
+    )
 
 
 def effective_config(args) -> RunConfig:
@@ -59,7 +54,7 @@ def effective_config(args) -> RunConfig:
     return RunConfig.load(config_path, overrides)
 
 
-def run_train(args) -> int:
+def run(args) -> int:
     from usaf.train.loop import train
     from usaf.train.state import format_summary, stopped_exit_code
 
@@ -87,14 +82,4 @@ def run_train(args) -> int:
     if (code := stopped_exit_code(summary)) is not None:
         return code
     print(format_summary(summary))
-    return 0
-
-
-def run_eval(args) -> int:
-    from usaf.config import split_paths
-    from usaf.train.evaluate import evaluate_target
-
-    result = evaluate_target(args.target, split_paths(args.data), args.set)
-    json.dump(result, sys.stdout, indent=2)
-    print()
     return 0
