@@ -67,24 +67,52 @@ from harness import (  # noqa: E402
 )
 from recipe import LORA_ALPHA, LORA_ATTENTION, LORA_EXPERTS, LORA_RANK, lr_factor, stock_baseline  # noqa: E402
 
+from usaf.config import AUTO_DENSITIES, OptimSection  # noqa: E402
+
+DEFAULT_DECAY = OptimSection().decay_to_base  # optim.decay_to_base
+
 # ============================================================================================================
 # usaf configurations: EXTEND HERE (or pass --usaf-spec JSON on the command line, repeatable).
 # "select" goes to usaf.UsafConfig(**select) untouched, so any UsafConfig keyword works (new ones too);
 # routers train at lr * router_lr_multiplier (0.1: what the README found better than 1.0 on the demo task).
 # ============================================================================================================
 USAF_SPECS: list[dict] = [
-    # the defaults (usaf.UsafConfig(), optim.lr, router.lr_multiplier): experts + attention + embedding and output
-    # rows at 1 %, chosen by gradient on calibration batches and reselected every 10 steps, routers frozen, values'
-    # moments in bf16; at the default rate 5e-3 and at half and twice it
-    {"label": "usaf default", "select": {}, "lr": 5e-3, "router_lr_multiplier": 0.1},
-    {"label": "usaf default", "select": {}, "lr": 2.5e-3, "router_lr_multiplier": 0.1},
-    {"label": "usaf default", "select": {}, "lr": 1e-2, "router_lr_multiplier": 0.1},
+    # the defaults (usaf.RunConfig()): experts + attention + embedding and output rows at select.density=auto (the
+    # most auto takes, AUTO_DENSITIES[0] = 2 %, where usaf train's memory plan fits it, as on this machine), chosen
+    # by gradient on calibration batches and reselected every 10 steps, optim.decay_to_base 4, routers frozen,
+    # values' moments in bf16; at the default rate 1e-2, at half and twice it, and at four times it
+    *(
+        {
+            "label": "usaf default",
+            "select": {"density": AUTO_DENSITIES[0]},
+            "lr": lr,
+            "router_lr_multiplier": 0.1,
+            "decay_to_base": DEFAULT_DECAY,
+        }
+        for lr in (1e-2, 5e-3, 2e-2, 4e-2)
+    ),
+    # what auto takes on a 12 GB card for Qwen3-30B-A3B (1 %: usaf plan), and the previous default (1 %, 5e-3, no
+    # decay toward the base)
+    {
+        "label": "usaf default at 1 %",
+        "select": {"density": 0.01},
+        "lr": 1e-2,
+        "router_lr_multiplier": 0.1,
+        "decay_to_base": DEFAULT_DECAY,
+    },
+    {
+        "label": "usaf 0.2.0 default (1 %, no decay)",
+        "select": {"density": 0.01},
+        "lr": 5e-3,
+        "router_lr_multiplier": 0.1,
+    },
     # the same with fp32 moments: what the 16-byte entry state (bf16 moments) changes
     {
         "label": "usaf default, fp32 moments",
-        "select": {},
-        "lr": 5e-3,
+        "select": {"density": AUTO_DENSITIES[0]},
+        "lr": 1e-2,
         "router_lr_multiplier": 0.1,
+        "decay_to_base": DEFAULT_DECAY,
         "moments": "fp32",
     },
     # what reselection and the larger budget add: the previous default (0.5 %, no reselection) and 1 % without
@@ -96,7 +124,7 @@ USAF_SPECS: list[dict] = [
     },
     {
         "label": "usaf 1 %, no reselection",
-        "select": {"reselect_every": 0},
+        "select": {"density": 0.01, "reselect_every": 0},
         "lr": 5e-3,
         "router_lr_multiplier": 0.1,
     },
@@ -115,8 +143,12 @@ USAF_SPECS: list[dict] = [
     # routers on top of the default, at a tenth of the rate
     {
         "label": "usaf default + routers (lr x 0.1)",
-        "select": {"targets": ["experts", "routers", "attention", "embeddings", "lm_head"]},
-        "lr": 5e-3,
+        "select": {
+            "density": AUTO_DENSITIES[0],
+            "targets": ["experts", "routers", "attention", "embeddings", "lm_head"],
+        },
+        "lr": 1e-2,
+        "decay_to_base": DEFAULT_DECAY,
         "router_lr_multiplier": 0.1,
     },
 ]

@@ -34,10 +34,14 @@ TARGETS = TARGET_KINDS.choices("experts", "routers")
 # chosen on bench/quality.py (README, "Fine-tunes against LoRA"): routers add forgetting, not adaptation
 DEFAULT_TARGETS = ("experts", "attention", "embeddings", "lm_head")
 RATIO_TARGETS = TARGET_KINDS.choices("experts")  # routers train whole: no density to weigh
-# 1 % with reselection every 10 steps at lr 5e-3: the best practical point of bench/quality.py (README, "Fine-tunes
-# against LoRA"); at 16 bytes an entry its state fits Qwen3-30B-A3B on a 12 GB card
-# (`usaf plan --model qwen3-30b-a3b --vram 12GB --ram 32GB`)
-DEFAULT_DENSITY = 0.01
+# The defaults (select.density=auto, reselection every 10 steps, optim.lr 1e-2, optim.decay_to_base 4) are the best
+# practical point of bench/quality.py (README, "Fine-tunes against LoRA"): at 2 % they lie ahead of full
+# fine-tuning's frontier on the shift task; at 16 bytes an entry 1 % fits Qwen3-30B-A3B on a 12 GB card
+# (`usaf plan --model qwen3-30b-a3b --vram 12GB --ram 32GB`), 2 % does not: auto takes what the card fits.
+DEFAULT_DENSITY = 0.01  # what select.density=auto reads as where no memory plan resolves it (prepare_model)
+# select.density=auto: usaf train takes the largest of these that its memory plan fits (quality rose with density
+# up to here on bench/quality.py; each step down halves the trained entries' memory)
+AUTO_DENSITIES = (0.02, 0.01, 0.005, 0.0025, 0.001)
 DEFAULT_RESELECT_EVERY = 10
 # 512 tokens x a 151 k vocabulary is 0.9 GB of logits (fp32 with their gradient): what keeps Qwen3-30B-A3B at 1 % with
 # reselection's probe windows within 12 GB; the loss is the same for any chunk, and 512 rows still fill a GPU's matmul
@@ -161,8 +165,11 @@ class UsafConfig(Section):
     workspace_mb: bound on the dequantized routed-expert workspace of one projection (quantized bases).
     """
 
-    density: float = option(
-        DEFAULT_DENSITY, "share of the targeted weights' entries to train", bounds="(0, 1]"
+    density: float | str = option(
+        "auto",
+        "share of the targeted weights' entries to train, or auto: the largest of 2 %, 1 %, 0.5 % ... that usaf "
+        "train's memory plan fits (1 % in prepare_model, which plans nothing)",
+        bounds="(0, 1]",
     )
     num_entries: int | None = option(
         None, "global budget of trained entries (split by size); overrides density", bounds="[1, inf)"
@@ -245,6 +252,12 @@ class UsafConfig(Section):
     def trains_routers(self) -> bool:
         return "routers" in self.targets
 
+    @property
+    def fixed_density(self) -> float:
+        """The density as a number: auto that no memory plan resolved (`usaf.train.memory_plan` does for usaf
+        train) reads as DEFAULT_DENSITY."""
+        return DEFAULT_DENSITY if self.density == "auto" else self.density
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -314,13 +327,13 @@ class OptimSection(Section):
 
     # lr > 0: a zero or negative rate would silently not train, or climb the loss
     lr: float = option(
-        5e-3, "peak learning rate of trained values (sparse entries move far from few)", bounds="(0, inf)"
+        1e-2, "peak learning rate of trained values (sparse entries move far from few)", bounds="(0, inf)"
     )
     weight_decay: float = option(0.0, "AdamW decoupled weight decay (towards zero, applied to values)")
     decay_to_base: float = option(
-        0.0,
+        4.0,
         "decoupled decay of each trained value toward its base value, value -= lr x this x (value - base): "
-        "forgets less of what the model knew (bases kept in memory: unquantized weights)",
+        "forgets less of what the model knew (a quantized base's are read once into host memory; 0: off)",
     )
     beta1: float = option(0.9, "AdamW beta1", bounds="[0, 1)")
     beta2: float = option(0.999, "AdamW beta2", bounds="[0, 1)")
@@ -578,6 +591,33 @@ class RunConfig:
             apply_override(data, item)
         return cls.from_dict(data, source=path or "config")
 
+    @classmethod
+    def load_saved(cls, path: str, overrides: list[str] | None = None) -> RunConfig:
+        """A run's own config.yaml (every option written out): an option it lacks did not exist when the run
+        started, so it takes the value that run trained with (EARLIER_DEFAULTS), not today's default."""
+        with_earlier = [
+            f"{section}.{key}={value}"
+            for (section, key), value in EARLIER_DEFAULTS.items()
+            if key not in (_saved_section(path, section) or {key: None})
+        ]
+        return cls.load(path, with_earlier + list(overrides or []))
+
+
+# Options added with a default that changes training: what a run saved before they existed trained with.
+EARLIER_DEFAULTS = {("optim", "decay_to_base"): 0.0}
+
+
+def _saved_section(path: str, section: str) -> dict | None:
+    """One section of a saved config.yaml as written (None when the file or the section cannot be read: load
+    then reports the file's fault)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = read_yaml(f, path)
+    except (OSError, UnicodeDecodeError, UsafError):
+        return None
+    values = data.get(section) if isinstance(data, dict) else None
+    return values if isinstance(values, dict) else None
+
 
 # ---- YAML, bounded -------------------------------------------------------------------------------------------------
 # PyYAML builds an alias once and shares it, but whatever walks the result (the checks' messages, the run's
@@ -829,10 +869,12 @@ def _choices_text(choices) -> str:
 
 def _declared_type(spec) -> str:
     """The option's type: its default's, or, for a None default, the annotation's ("int | None" is int)."""
+    annotation = str(spec.type).replace(" ", "")
+    if annotation == "float|str":  # a number or a word (select.density: a share or auto)
+        return "float | str"
     default = spec.default if spec.default is not MISSING else spec.default_factory()
     if default is not None:
         return "bool" if isinstance(default, bool) else type(default).__name__
-    annotation = str(spec.type).replace(" ", "")
     return "list[int]" if annotation.startswith("list[int]") else annotation.split("|")[0]
 
 
@@ -921,10 +963,20 @@ def _as_text(value, spec, where: str) -> str:
 
 
 # an option's declared type (`_declared_type`) -> what reads a value of it
+def _as_number_or_auto(value, spec, where: str) -> float | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _as_float(value, spec, where)
+    except UsafError:
+        raise UsafError(f"{where} must be a number or auto, got {value!r}.") from None
+
+
 _COERCERS = {
     "bool": _as_bool,
     "int": _as_int,
     "float": _as_float,
+    "float | str": _as_number_or_auto,
     "list[int]": _as_layer_numbers,
     "list": _as_names,
     "dict": _as_mapping,

@@ -140,8 +140,8 @@ ROWS = [
         ["{run}/config.yaml was edited: 'optim.beta1' is 0.8 there, but the run recorded 0.9"],
         run="unfinished", setup=edit_config("optim.beta1", "0.8"), keeps=["{run}"]),
     Row("resume-edited-lr-in-config-yaml", ["train", "--resume={run}"], 2,
-        ["'optim.lr' is 0.02 there", "to change it on resume, give --set optim.lr=VALUE"],
-        run="unfinished", setup=edit_config("optim.lr", "0.02"), keeps=["{run}"]),
+        ["'optim.lr' is 0.05 there", "to change it on resume, give --set optim.lr=VALUE"],
+        run="unfinished", setup=edit_config("optim.lr", "0.05"), keeps=["{run}"]),
     # ---- deltas with bad content (a checksum recomputed over it passes: the content is what is checked)
     Row("apply-negative-index", APPLY_BAD, 2, [BAD, "has negative indices (e.g. -1)"],
         setup=bad_delta("negative"), absent=["{tmp}/out"]),

@@ -3,6 +3,7 @@ when the config is read or a section is made, `--list-options` shows them with t
 that is not a mapping of sections gets one clear line."""
 
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -197,3 +198,32 @@ def test_a_section_that_is_not_a_mapping_is_named(tmp_path):
         RunConfig.load(str(path))
     path.write_text("optim:\n")  # an empty section: its defaults
     assert RunConfig.load(str(path), ["optim.lr=0.5"]).optim.lr == 0.5
+
+
+def test_a_saved_run_config_without_a_later_option_trains_as_the_run_began(tmp_path):
+    """A run's config.yaml written before optim.decay_to_base existed (0.1.x) resumes without the decay that is
+    now the default; a config the user writes gets today's defaults; --set still wins."""
+    from usaf.config import EARLIER_DEFAULTS
+
+    old_run = Path(__file__).parents[1] / "fixtures" / "compat-0.1" / "run" / "config.yaml"
+    assert "decay_to_base" not in old_run.read_text()
+    assert (
+        RunConfig.load_saved(str(old_run)).optim.decay_to_base == EARLIER_DEFAULTS[("optim", "decay_to_base")]
+    )
+    assert RunConfig.load(str(old_run)).optim.decay_to_base == RunConfig().optim.decay_to_base > 0
+    assert RunConfig.load_saved(str(old_run), ["optim.decay_to_base=2"]).optim.decay_to_base == 2.0
+    today = tmp_path / "config.yaml"
+    today.write_text(RunConfig.from_dict({"optim": {"decay_to_base": 3.0}}).to_yaml())
+    assert RunConfig.load_saved(str(today)).optim.decay_to_base == 3.0
+
+
+def test_density_is_a_share_or_auto():
+    assert UsafConfig().density == "auto" and UsafConfig().fixed_density == 0.01
+    assert UsafConfig(density="AUTO").density == "auto" and UsafConfig(density="0.02").density == 0.02
+    for bad, says in (
+        ("lots", "must be a number or auto"),
+        (0, "must be in (0, 1]"),
+        (True, "number or auto"),
+    ):
+        with pytest.raises(UsafError, match=re.escape(says)):
+            UsafConfig(density=bad)

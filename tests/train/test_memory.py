@@ -174,6 +174,43 @@ def test_auto_plans_the_run_against_the_budget(workspace):
         _config(workspace, "train.recompute=sometimes")
 
 
+def test_auto_density_takes_the_largest_density_the_plan_fits(workspace):
+    """select.density=auto (the default) resolves against the same budget as recompute: the most auto takes
+    (AUTO_DENSITIES[0]) where it fits, the least with a warning where nothing does; a number is kept as given."""
+    from usaf.config import AUTO_DENSITIES
+    from usaf.train.memory_plan import choose_density
+
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    assert RunConfig().select.density == "auto"
+    roomy, line = choose_density(_config(workspace, "select.density=auto"), cpu, fp32)
+    assert roomy.select.density == AUTO_DENSITIES[0] and "the most auto takes" in line
+    assert line.startswith("select.density=auto: 2.00%") and "the machine's RAM" in line
+    tight, line = choose_density(
+        _config(workspace, "select.density=auto", "train.memory_limit=1MB"), cpu, fp32
+    )
+    assert tight.select.density == AUTO_DENSITIES[-1] and "even 0.10% does not fit" in line
+    given, line = choose_density(
+        _config(workspace, "select.density=0.05", "train.memory_limit=1MB"), cpu, fp32
+    )
+    assert given.select.density == 0.05 and line is None
+
+
+def test_auto_density_steps_down_to_what_a_small_card_fits():
+    """Qwen3-30B-A3B on a 12 GB card fits 1 % with its experts in host memory, not 2 %; an 80 GB card takes
+    the most auto takes."""
+    from usaf import planner
+
+    shape = planner.model_shape(planner.load_model_config("qwen3-30b-a3b")[1], "qwen3-30b-a3b")
+    run = RunConfig.load(None, ["data.max_seq_len=2048", "data.batch_size=1", "model.quant=nf4"])
+    settings = planner.PlanSettings(run, dtype="bf16")
+    small = planner.DEVICES["rtx-3060-12gb"]
+    chosen, why = planner.auto_density(shape, settings, small, residency="auto")
+    assert chosen.density == 0.01 and "the largest that fits" in why and "2.00% would peak at" in why
+    assert not planner.decide(shape, settings.replace(density=0.02), small).chosen.fits
+    chosen, why = planner.auto_density(shape, settings, planner.DEVICES["h100"], residency="auto")
+    assert chosen.density == 0.02 and "the most auto takes" in why
+
+
 def _losses(run_dir: Path) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r]
@@ -183,13 +220,19 @@ def _losses(run_dir: Path) -> list[float]:
 def test_a_default_run_says_its_choice_and_trains_as_the_explicit_setting(workspace, tmp_path, capsys):
     from usaf.train.loop import train
 
-    train(_config(workspace, "schedule.max_steps=4"), tmp_path / "auto")
+    train(_config(workspace, "schedule.max_steps=4", "select.density=auto"), tmp_path / "auto")
     first_lines = capsys.readouterr().out.splitlines()[:3]
     chosen = [line for line in first_lines if line.startswith("recompute:")]
     assert len(chosen) == 1 and chosen[0].startswith(
         "recompute: off (train.recompute=auto: the planned peak"
     ), first_lines
-    train(_config(workspace, "schedule.max_steps=4", "train.recompute=false"), tmp_path / "off")
+    # select.density=auto is said too, and the run records the number it trained at (a resume keeps it)
+    assert any(line.startswith("select.density=auto: 2.00%") for line in first_lines), first_lines
+    assert RunConfig.load(str(tmp_path / "auto" / "config.yaml")).select.density == 0.02
+    train(
+        _config(workspace, "schedule.max_steps=4", "select.density=0.02", "train.recompute=false"),
+        tmp_path / "off",
+    )
     assert "recompute: off (train.recompute=false)" in capsys.readouterr().out.splitlines()[:3]
     assert _losses(tmp_path / "auto") == _losses(tmp_path / "off")
     train(_config(workspace, "schedule.max_steps=4", "train.memory_limit=1MB"), tmp_path / "tight")

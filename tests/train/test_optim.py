@@ -1,5 +1,6 @@
 """CompactAdamW: bf16 moments with stochastic rounding track fp32 AdamW, and resume exactly."""
 
+import pytest
 import torch
 
 from usaf.train.optim import COMPACT_DTYPE, CompactAdamW, round_stochastic
@@ -86,8 +87,6 @@ def test_resume_from_a_state_dict_equals_an_uninterrupted_run():
 def test_decay_to_base_pulls_values_toward_their_base_not_toward_zero(monkeypatch):
     """With no gradient signal (zero gradients: Adam's step is 0), each step takes lr x c of value - base away;
     c = 0 is the optimizer without it, bit for bit."""
-    import pytest
-
     import usaf
     from usaf.config import RunConfig
     from usaf.engine.installed import sparse_modules
@@ -115,16 +114,43 @@ def test_decay_to_base_pulls_values_toward_their_base_not_toward_zero(monkeypatc
     plain, decayed = prepared(), prepared()
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     for model, c in ((plain, None), (decayed, 0.0)):
-        optim = {"lr": 0.01} if c is None else {"lr": 0.01, "decay_to_base": c}
-        optimizer = build_optimizer(model, RunConfig.from_dict({"optim": optim}))
+        if c is None:  # usaf's AdamW with no decay in its groups at all
+            values = [p for p in model.parameters() if p.requires_grad]
+            group = {"params": values, "lr": 0.01, "weight_decay": 0.0, "compact": True}
+            optimizer = CompactAdamW([group], foreach=True)
+        else:
+            optimizer = build_optimizer(
+                model, RunConfig.from_dict({"optim": {"lr": 0.01, "decay_to_base": c}})
+            )
         for _ in range(2):
             model(ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
     for a, b in zip(usaf.get_delta(plain).values(), usaf.get_delta(decayed).values(), strict=True):
         assert torch.equal(a.values, b.values)
-    with pytest.raises(usaf.UsafError, match="decay_to_base"):
-        build_optimizer(plain, RunConfig.from_dict({"optim": {"decay_to_base": 1.0, "eight_bit": True}}))
+
+
+def test_decay_to_base_applies_to_the_8bit_optimizer_too():
+    """optim.eight_bit (bitsandbytes' AdamW8bit) decays toward the base as usaf's AdamW does: with zero gradients
+    (no Adam step) each value's distance from its base shrinks by lr x c, from a hook before each step."""
+    pytest.importorskip("bitsandbytes")
+    import usaf
+    from usaf.config import RunConfig
+    from usaf.engine.installed import sparse_modules
+    from usaf.testing.tiny import tiny_model
+    from usaf.train.optim import build_optimizer
+
+    model = usaf.prepare_model(tiny_model("qwen3_moe"), usaf.UsafConfig(density=0.1, selection="random"))
+    entries = [e for _, state in sparse_modules(model) for e in state.values()]
+    with torch.no_grad():
+        for e in entries:
+            e.values.add_(1.0)
+            e.values.grad = torch.zeros_like(e.values)
+    optim = {"lr": 0.01, "decay_to_base": 5.0, "eight_bit": True}
+    build_optimizer(model, RunConfig.from_dict({"optim": optim})).step()
+    for e in entries:
+        moved = e.values.detach() - e.base_values.float()
+        torch.testing.assert_close(moved, torch.full_like(moved, 1 - 0.01 * 5.0))
 
 
 def test_a_resumed_optimizer_keeps_the_runs_decay_to_base():

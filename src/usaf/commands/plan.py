@@ -248,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
     if method is not None:  # its experts are planned as published, as usaf train keeps them
         settings = settings.replace(quant=method)
     shape = planner.model_shape(config, name)
+    if settings.run.select.density == "auto" and settings.num_entries is None:  # as usaf train resolves it
+        settings, why = planner.auto_density(shape, settings, device, vram, ram, residency=residency)
+        print(f"select.density=auto: {settings.density:.2%}, {why}")
     verdict = planner.decide(shape, settings, device, vram, ram, residency=residency)
     print(planner.format_verdict(model, verdict))
     if method is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from usaf.commands import add_run_inputs, add_set_option
@@ -29,6 +30,8 @@ def run(args) -> int:
     from usaf.io.guard import SELECTION, check_output, check_placement
     from usaf.prepare import current_selection
     from usaf.selection.saved import save_selection
+    from usaf.train import runtime
+    from usaf.train.memory_plan import choose_density
     from usaf.train.session import check_something_to_train, open_session, selection_summary
 
     config = effective_config(args)
@@ -55,6 +58,8 @@ def run(args) -> int:
             f"{summary_file} already exists (the selection's .json summary goes there); choose another --out."
         )
     expect_at(summary_file, identity(summary_file))
+    device = runtime.resolve_device(config.model.device)
+    config, density_line = choose_density(config, device, runtime.resolve_dtype(config.model.dtype, device))
     session = open_session(
         config,
         lambda config, tokenizer, pack: load_run_data(config, tokenizer, pack, held_out=False),
@@ -64,6 +69,8 @@ def run(args) -> int:
     summary = selection_summary(model, config)
     with terminate_as_interrupt():
         save_selection(out, current_selection(model), summary)
+    if density_line:  # said once it is done: a failing command says one line, its error
+        print(density_line, file=sys.stderr)
     counts = summary["entries"]
     print(
         json.dumps(

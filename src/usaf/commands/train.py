@@ -37,7 +37,9 @@ def add_arguments(parser) -> None:
 
 def effective_config(args) -> RunConfig:
     overrides = list(args.set)
-    config_path = args.config
+    config_path, load = args.config, RunConfig.load
+    if getattr(args, "resume", None) and not config_path:
+        load = RunConfig.load_saved  # the run's own config.yaml
     if getattr(args, "resume", None):
         saved = Path(args.resume) / CONFIG_FILE
         if not saved.exists():
@@ -51,7 +53,7 @@ def effective_config(args) -> RunConfig:
         overrides.append(f"data.eval={args.eval_data}")
     if getattr(args, "skip_bad_records", False):
         overrides.append("data.skip_bad_records=true")
-    return RunConfig.load(config_path, overrides)
+    return load(config_path, overrides)
 
 
 def run(args) -> int:

@@ -109,7 +109,7 @@ def open_target(target: str, delta: str | None, base_dir: str | None, overrides:
 
 
 def _open_run(run_dir: Path, overrides: list[str]) -> Target:
-    config = RunConfig.load(str(run_dir / CONFIG_FILE), overrides)
+    config = RunConfig.load_saved(str(run_dir / CONFIG_FILE), overrides)
     saved = checkpoint.latest(run_dir)
     if saved is None:
         raise UsafError(f"{run_dir} has no finished checkpoint yet: train it first (or wait for its first).")

@@ -14,7 +14,7 @@ from usaf.planner.ledger import (
     trained_entries,
     trained_router_params,
 )
-from usaf.planner.search import Verdict, decide, published_line
+from usaf.planner.search import Verdict, auto_density, decide, published_line
 from usaf.planner.settings import (
     DEVICES,
     DTYPE_BYTES,
@@ -45,6 +45,7 @@ __all__ = [
     "PlanSettings",
     "StepTime",
     "Verdict",
+    "auto_density",
     "command_line",
     "decide",
     "default_dtype",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from usaf.config import (
+    AUTO_DENSITIES,
     RESIDENCIES,
 )
 from usaf.planner.ledger import Plan, plan, stored_bytes
@@ -61,6 +62,37 @@ class _Machine:
 
     def plan(self, settings: PlanSettings) -> Plan:
         return plan(self.shape, settings, self.device, self.vram, self.ram)
+
+
+def auto_density(
+    shape: ModelShape,
+    settings: PlanSettings,
+    device: Device,
+    vram: int | None = None,
+    ram: int | None = None,
+    residency: str = "device",
+) -> tuple[PlanSettings, str]:
+    """select.density=auto: `settings` at the largest of AUTO_DENSITIES whose plan fits at `residency` ("auto":
+    any residency `decide` would take), and why, in words for the run's first lines."""
+    machine = _Machine(shape, device, vram, ram)
+    order = (RESIDENCIES if device.is_gpu else ("device", "mmap")) if residency == "auto" else (residency,)
+    over = None  # the plan of the density above the chosen one
+    for density in AUTO_DENSITIES:
+        candidate = settings.replace(density=density)
+        plans = [machine.plan(candidate.replace(residency=r)) for r in order]
+        fitting = next((p for p in plans if p.fits), None)
+        if fitting is not None:
+            why = f"peak {format_size(fitting.device_peak)} of {format_size(fitting.device_budget)}"
+            if over is None:
+                return candidate, f"the most auto takes; {why}"
+            above = f"{over.settings.density:.2%} would peak at {format_size(over.device_peak)}"
+            return candidate, f"the largest that fits: {why}; {above}"
+        over = plans[0]
+    least = AUTO_DENSITIES[-1]
+    return settings.replace(density=least), (
+        f"even {least:.2%} does not fit: peak {format_size(over.device_peak)} of "
+        f"{format_size(over.device_budget)}; see usaf plan for settings that do"
+    )
 
 
 def _halvings(value: int, floor: int) -> list[int]:

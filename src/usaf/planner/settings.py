@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from usaf.config import DEFAULT_RESELECT_EVERY, SECTIONS, RunConfig, check_option
+from usaf.config import DEFAULT_DENSITY, DEFAULT_RESELECT_EVERY, SECTIONS, RunConfig, check_option
 from usaf.errors import UsafError
 from usaf.io.published import checkpoint_method
 from usaf.planner.sizes import GiB, MiB
@@ -81,7 +81,7 @@ VALUE_MOMENT_BYTES = {"adamw": 4, "adamw-fp32": 8, "adamw8bit": 2}
 
 
 # usaf plan's defaults where they differ from a run's: one long sequence at a time, NF4 experts
-PLAN_DEFAULTS = {"seq": 2048, "batch": 1, "quant": "nf4", "recompute": True}
+PLAN_DEFAULTS = {"seq": 2048, "batch": 1, "quant": "nf4", "recompute": True, "density": DEFAULT_DENSITY}
 
 # the run options (section, key) that a plan's settings of the same meaning read and set
 RUN_OPTIONS = {
@@ -171,7 +171,13 @@ class PlanSettings:
     # ---- the run's options, as the ledger reads them ----
 
     seq = _run_option("seq")
-    density = _run_option("density")
+
+    @property
+    def density(self) -> float:
+        """The run's select.density; auto is resolved before planning (`planner.auto_density`), and where it is
+        not, reads as what prepare_model takes (UsafConfig.fixed_density)."""
+        return self.run.select.fixed_density
+
     num_entries = _run_option("num_entries")
     layers = _run_option("layers")
     granularity = _run_option("granularity")

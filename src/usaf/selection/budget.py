@@ -50,8 +50,8 @@ def weight_budgets(units: list, config) -> dict[str, int]:
     if config.num_entries is not None:
         return split_capped(config.num_entries, weighed, sizes)
     if len(set(ratios.values())) <= 1:
-        return {k: min(n, max(1, round(config.density * n))) for k, n in sizes.items()}
-    return split_capped(round(config.density * sum(sizes.values())), weighed, sizes)
+        return {k: min(n, max(1, round(config.fixed_density * n))) for k, n in sizes.items()}
+    return split_capped(round(config.fixed_density * sum(sizes.values())), weighed, sizes)
 
 
 def hot_experts(share: torch.Tensor, coverage: float, needed: int = 0, capacity: int = 1) -> list[int]:

@@ -125,7 +125,7 @@ def evaluate_target(target: str, data_files: list[str], overrides: list[str]) ->
     run_dir = Path(target)
     is_run = (run_dir / CONFIG_FILE).exists()
     if is_run:
-        config = RunConfig.load(str(run_dir / CONFIG_FILE), overrides)
+        config = RunConfig.load_saved(str(run_dir / CONFIG_FILE), overrides)
         saved = checkpoint.latest(run_dir)
         if saved is None:
             raise UsafError(f"{run_dir} has no finished checkpoint to evaluate.")

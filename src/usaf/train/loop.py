@@ -32,6 +32,7 @@ from usaf.train import checkpoint, distributed, runtime
 from usaf.train.checkpoint import Checkpointer, restore_trainable
 from usaf.train.distributed import StepShare, gradient_reducer
 from usaf.train.evaluate import Evaluator, supervised_units
+from usaf.train.memory_plan import choose_density
 from usaf.train.metrics import open_metrics
 from usaf.train.optim import (
     apply_resumed_schedule,
@@ -113,13 +114,19 @@ class _Progress:
 
 
 def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress | None = None) -> dict:
+    density_line = None
+    if not resume:  # auto becomes a number before config.yaml records it (a resume takes the recorded one)
+        device = distributed.local_device(runtime.resolve_device(config.model.device))
+        config, density_line = choose_density(
+            config, device, runtime.resolve_dtype(config.model.dtype, device)
+        )
     config, changes = open_run_dir(config, run_dir, resume)
     if resume:
         if (finished := finished_run(run_dir, config)) is not None:
             return finished  # nothing to do, and nothing written: the run's files stay as they are
         if any(c.startswith("model.path ") for c in changes):
             check_moved_base(run_dir, config.model.path)
-    return TrainingRun(config, run_dir, resume, changes, progress or _Progress()).train()
+    return TrainingRun(config, run_dir, resume, changes, progress or _Progress(), density_line).train()
 
 
 def _router_training(model, config: RunConfig, session, device, micro_batches: int) -> RouterTraining:
@@ -143,16 +150,24 @@ class TrainingRun:
     health, logging, evaluation, checkpoint, each at its own cadence)."""
 
     def __init__(
-        self, config: RunConfig, run_dir: Path, resume: bool, changes: list[str], progress: _Progress
+        self,
+        config: RunConfig,
+        run_dir: Path,
+        resume: bool,
+        changes: list[str],
+        progress: _Progress,
+        density_line: str | None = None,  # what select.density=auto chose, for the first lines
     ):
         self.run_dir, self.resume, self.notes, self.progress = run_dir, resume, [], progress
+        self.density_line = density_line
+        device = distributed.local_device(runtime.resolve_device(config.model.device))  # this rank's device
+        dtype = runtime.resolve_dtype(config.model.dtype, device)
         # the settings as given (a note may turn packing off for this process only): what config.yaml states and
         # every checkpoint records, for a resume to compare with
         self.run_config, run_yaml = config.to_dict(), config.to_yaml()
         runtime.seed_everything(config.train.seed)
         # decided before loading: calibration recomputes as training does
-        device = distributed.local_device(runtime.resolve_device(config.model.device))  # this rank's device
-        self.recompute = choose_recompute(config, device, runtime.resolve_dtype(config.model.dtype, device))
+        self.recompute = choose_recompute(config, device, dtype)
         session = open_session(
             config,
             load_run_data,
@@ -274,6 +289,8 @@ class TrainingRun:
             + self.data_stats.summary(),
             flush=True,
         )
+        if self.density_line:
+            print(self.density_line, flush=True)
         print(self.recompute.line, flush=True)
         for note in self.notes:
             print(f"note: {note}", flush=True)

@@ -172,19 +172,7 @@ class CompactAdamW(torch.optim.AdamW):
             torch._foreach_copy_(stored, _shaped(rounded.split(sizes), stored))
 
     def _decay_to_base(self, params: list[torch.Tensor], rate: float) -> None:
-        """value -= rate x (value - centre), in pieces of at most a bucket's entries (the temporaries stay the
-        update's); a centre kept in host memory comes to the device one piece at a time."""
-        pairs = [(p, centre) for p in params if (centre := self.base_of(p)) is not None]
-        limit = max(OPTIMIZER_BUCKET_ENTRIES, 2 * max((p.numel() for p, _ in pairs), default=0))
-        start, size = 0, 0
-        for end, (param, _) in enumerate(pairs, start=1):
-            size += param.numel()
-            if end == len(pairs) or size + pairs[end][0].numel() > limit:
-                piece = pairs[start:end]
-                values = [p for p, _ in piece]
-                centres = [c.to(device=p.device, dtype=p.dtype, non_blocking=True) for p, c in piece]
-                torch._foreach_add_(values, torch._foreach_sub(values, centres), alpha=-rate)
-                start, size = end, 0
+        decay_toward_base(params, rate, self.base_of)
 
     def load_state_dict(self, state_dict) -> None:
         # decay_to_base is the run's setting, not the checkpoint's (a checkpoint of 0.1.x has none)
@@ -217,6 +205,23 @@ def apply_resumed_schedule(optimizer, scheduler, config: RunConfig, saved: dict)
         group["initial_lr"] = base
         group["lr"] = base * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def decay_toward_base(params: list[torch.Tensor], rate: float, base_of) -> None:
+    """value -= rate x (value - centre) for the values whose centre `base_of` knows, in pieces of at most a
+    bucket's entries (the temporaries stay the update's); a centre kept in host memory comes to the device one
+    piece at a time."""
+    pairs = [(p, centre) for p in params if (centre := base_of(p)) is not None]
+    limit = max(OPTIMIZER_BUCKET_ENTRIES, 2 * max((p.numel() for p, _ in pairs), default=0))
+    start, size = 0, 0
+    for end, (param, _) in enumerate(pairs, start=1):
+        size += param.numel()
+        if end == len(pairs) or size + pairs[end][0].numel() > limit:
+            piece = pairs[start:end]
+            values = [p for p, _ in piece]
+            centres = [c.to(device=p.device, dtype=p.dtype, non_blocking=True) for p, c in piece]
+            torch._foreach_add_(values, torch._foreach_sub(values, centres), alpha=-rate)
+            start, size = end, 0
 
 
 def base_lookup(model: torch.nn.Module):
@@ -269,23 +274,34 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
             {"params": router_list, "lr": config.optim.lr * config.router.lr_multiplier, "weight_decay": 0.0}
         )
     kwargs = {"betas": (config.optim.beta1, config.optim.beta2), "eps": config.optim.eps}
+    base_of = base_lookup(model) if config.optim.decay_to_base else None
     if config.optim.eight_bit:
-        if config.optim.decay_to_base:
-            raise UsafError(
-                "optim.decay_to_base is usaf's AdamW's: bitsandbytes' 8-bit AdamW (optim.eight_bit) has no decay "
-                "toward the base; set one of them off."
-            )
         try:
             import bitsandbytes as bnb
 
-            return bnb.optim.AdamW8bit(groups, **kwargs)
+            optimizer = bnb.optim.AdamW8bit(groups, **kwargs)
         except (ImportError, RuntimeError) as err:
             raise UsafError(
                 f"optim.eight_bit needs bitsandbytes with kernels for this device: {err}"
             ) from None
+        if base_of is not None:  # before each update, as CompactAdamW does it
+            optimizer.register_step_pre_hook(_decay_before_step(base_of))
+        return optimizer
     # torch's multi-tensor AdamW for the plain groups (the routers): a fixed number of ops for all of them
-    base_of = base_lookup(model) if config.optim.decay_to_base else None
     return CompactAdamW(groups, seed=config.train.seed, base_of=base_of, foreach=True, **kwargs)
+
+
+def _decay_before_step(base_of):
+    """A step pre-hook that decays every group's values toward their base (an optimizer not usaf's own)."""
+
+    @torch.no_grad()
+    def hook(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            if group.get("decay_to_base"):
+                with_grad = [p for p in group["params"] if p.grad is not None]
+                decay_toward_base(with_grad, group["lr"] * group["decay_to_base"], base_of)
+
+    return hook
 
 
 def warmup_steps(config: RunConfig) -> int:

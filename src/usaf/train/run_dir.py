@@ -3,6 +3,7 @@ the record of the base a run trains on."""
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import json
 import os
@@ -71,10 +72,13 @@ def open_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[RunCon
                 f"--resume {run_dir}: the run has no finished checkpoint to resume from; start it again with "
                 f"--out {run_dir}."
             )
-        found = absolute_paths(RunConfig.load(str(saved_config))).to_dict()
+        found = absolute_paths(RunConfig.load_saved(str(saved_config))).to_dict()
         # the settings the run last trained with, from its (checksummed) checkpoint; a checkpoint of a usaf
         # that did not record them is compared with config.yaml as found
         recorded = checkpoint.read_state(latest).get(checkpoint.RUN_CONFIG_KEY)
+        if config.select.density == "auto":  # what auto resolved to when the run started
+            config = copy.deepcopy(config)
+            config.select.density = (recorded or found)["select"]["density"]
         return config, check_resumable(recorded or found, config, found, saved_config)
     if not distributed.is_main():  # [usaf.distributed] rank 0 marks and writes the folder
         return config, []

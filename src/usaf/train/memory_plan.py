@@ -1,0 +1,103 @@
+"""The run's memory plan, which `train.recompute=auto` and `select.density=auto` read.
+
+The budget is `train.memory_limit` when given, else the GPU's memory, or on the CPU the machine's RAM. The run is
+what `usaf plan --config` plans: the same model shape, settings and ledger (`usaf.planner`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import torch
+
+from usaf import planner
+from usaf.config import DEFAULT_DENSITY, RunConfig
+from usaf.errors import UsafError, first_line
+from usaf.model.hf import load_config
+from usaf.planner.shape import load_model_config
+from usaf.train import distributed
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    shape: planner.ModelShape
+    settings: planner.PlanSettings
+    device: planner.Device
+    budget: int  # bytes
+    where: str  # how the budget reads in messages
+
+    @property
+    def memory(self) -> tuple[int | None, int | None]:
+        """(vram, ram) as the planner takes them: the budget is the GPU's, or on the CPU the host's."""
+        return (self.budget, None) if self.device.is_gpu else (None, self.budget)
+
+    def plan(self, settings: planner.PlanSettings) -> planner.Plan:
+        return planner.plan(self.shape, settings, self.device, *self.memory)
+
+
+def run_plan(config: RunConfig, device: torch.device, dtype: torch.dtype) -> RunPlan:
+    """The planner's view of the run on `device`, or a UsafError saying why there is none."""
+    budget, where, planned_device = _budget(config, device)
+    try:
+        with (
+            warnings.catch_warnings()
+        ):  # "planning from formulas": the model's own loading says what is wrong
+            warnings.simplefilter("ignore")
+            shape = planner.model_shape(_model_config(config.model.path), Path(config.model.path).name)
+        # under torchrun each rank also holds the gradient buckets it sums with the others
+        settings = planner.settings_for_run(config, _DTYPES.get(dtype, "fp32")).replace(
+            gpus=distributed.world_size()
+        )
+    except Exception as err:
+        raise UsafError(f"the planner cannot read this model: {first_line(err)}") from None
+    return RunPlan(shape, settings, planned_device, budget, where)
+
+
+def choose_density(
+    config: RunConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[RunConfig, str | None]:
+    """`config` with select.density=auto resolved (the largest of AUTO_DENSITIES the plan fits, recomputing
+    where train.recompute allows it), and the line that says what was chosen and why; as given otherwise."""
+    if config.select.density != "auto" or config.select.num_entries is not None:  # num_entries: no density
+        return config, None
+    try:
+        run = run_plan(config, device, dtype)
+        chosen, why = planner.auto_density(
+            run.shape, run.settings, run.device, *run.memory, residency=config.model.residency
+        )
+        density, why = chosen.density, f"{why}; budget: {run.where}"
+    except UsafError as err:
+        density, why = DEFAULT_DENSITY, str(err)
+    select = dataclasses.replace(config.select, density=density)
+    return dataclasses.replace(config, select=select), f"select.density=auto: {density:.2%}, {why}"
+
+
+def _budget(config: RunConfig, device: torch.device) -> tuple[int, str, planner.Device]:
+    """(bytes, how the budget reads, the planner's Device) for the run's device."""
+    limit = planner.parse_size(config.train.memory_limit) if config.train.memory_limit else None
+    if device.type == "cpu":
+        ram = limit if limit is not None else planner.machine_ram()
+        where = "train.memory_limit" if limit is not None else "the machine's RAM"
+        return ram, f"{planner.format_size(ram)} ({where})", planner.DEVICES["cpu"]
+    if limit is None:
+        if device.type != "cuda":  # torch.cuda also drives ROCm (HIP) devices
+            raise UsafError(f"the memory of {device} is not known; give train.memory_limit")
+        limit = torch.cuda.get_device_properties(device).total_memory
+        where = f"{planner.format_size(limit)} of {torch.cuda.get_device_name(device)}"
+    else:
+        where = f"{planner.format_size(limit)} (train.memory_limit)"
+    # throughput figures do not enter the memory ledger: any positive ones
+    return limit, where, planner.Device(str(device), limit, 1.0, 1.0, 1.0, is_gpu=True)
+
+
+def _model_config(path: str) -> dict:
+    """config.json of a local model folder or prepared store, else the hub id's cached config."""
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file():
+        return load_model_config(str(folder))[1]
+    # the cache only: a hub id that is not there is the session's to report, at once, not after the hub's retries
+    return load_config(path, local_files_only=True).to_dict()
