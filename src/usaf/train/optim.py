@@ -78,11 +78,8 @@ class CompactAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         groups = self.param_groups
-        # toward the base before the update, for every group that asks (fp32 moments too: plain groups)
-        for group in groups:
-            if group["decay_to_base"] and self.base_of is not None:
-                with_grad = [p for p in group["params"] if p.grad is not None]
-                self._decay_to_base(with_grad, group["lr"] * group["decay_to_base"])
+        if self.base_of is not None:  # toward the base before the update (fp32 moments too: plain groups)
+            decay_groups(groups, self.base_of)
         plain = [g for g in groups if not g["compact"]]
         if plain:  # torch's own update for these groups: swap the list in for one call
             self.param_groups = plain
@@ -171,9 +168,6 @@ class CompactAdamW(torch.optim.AdamW):
             rounded = round_with_noise(moment, _flat(noise[name]))
             torch._foreach_copy_(stored, _shaped(rounded.split(sizes), stored))
 
-    def _decay_to_base(self, params: list[torch.Tensor], rate: float) -> None:
-        decay_toward_base(params, rate, self.base_of)
-
     def load_state_dict(self, state_dict) -> None:
         # decay_to_base is the run's setting, not the checkpoint's (a checkpoint of 0.1.x has none)
         decays = [group.get("decay_to_base", 0.0) for group in self.param_groups]
@@ -205,6 +199,14 @@ def apply_resumed_schedule(optimizer, scheduler, config: RunConfig, saved: dict)
         group["initial_lr"] = base
         group["lr"] = base * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def decay_groups(groups: list[dict], base_of) -> None:
+    """optim.decay_to_base for every group that asks, on the values that have a gradient (that step)."""
+    for group in groups:
+        if group.get("decay_to_base"):
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            decay_toward_base(with_grad, group["lr"] * group["decay_to_base"], base_of)
 
 
 def decay_toward_base(params: list[torch.Tensor], rate: float, base_of) -> None:
@@ -285,23 +287,12 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
                 f"optim.eight_bit needs bitsandbytes with kernels for this device: {err}"
             ) from None
         if base_of is not None:  # before each update, as CompactAdamW does it
-            optimizer.register_step_pre_hook(_decay_before_step(base_of))
+            optimizer.register_step_pre_hook(
+                torch.no_grad()(lambda opt, *_: decay_groups(opt.param_groups, base_of))
+            )
         return optimizer
     # torch's multi-tensor AdamW for the plain groups (the routers): a fixed number of ops for all of them
     return CompactAdamW(groups, seed=config.train.seed, base_of=base_of, foreach=True, **kwargs)
-
-
-def _decay_before_step(base_of):
-    """A step pre-hook that decays every group's values toward their base (an optimizer not usaf's own)."""
-
-    @torch.no_grad()
-    def hook(optimizer, args, kwargs):
-        for group in optimizer.param_groups:
-            if group.get("decay_to_base"):
-                with_grad = [p for p in group["params"] if p.grad is not None]
-                decay_toward_base(with_grad, group["lr"] * group["decay_to_base"], base_of)
-
-    return hook
 
 
 def warmup_steps(config: RunConfig) -> int:
