@@ -36,7 +36,7 @@ def decide(
 ) -> Verdict:
     """Plan at `residency` ("auto": the device, else host memory, else a memory map) and search when it fails."""
     machine = _Machine(shape, device, vram, ram)
-    order = (RESIDENCIES if device.is_gpu else ("device", "mmap")) if residency == "auto" else (residency,)
+    order = _residencies(device, residency)
     plans = [machine.plan(settings.replace(residency=r)) for r in order]
     fitting = [p for p in plans if p.fits]
     if fitting:
@@ -49,6 +49,12 @@ def decide(
     verdict = Verdict(plans[0], plans[0], "does not fit")
     verdict.suggestion = search(machine, settings, residencies=order) or search(machine, settings)
     return verdict
+
+
+def _residencies(device: Device, residency: str) -> tuple[str, ...]:
+    """The residencies to try, in order: the one asked for, or for "auto" the device, else host memory (a GPU's
+    host), else a memory map."""
+    return (RESIDENCIES if device.is_gpu else ("device", "mmap")) if residency == "auto" else (residency,)
 
 
 @dataclass(frozen=True)
@@ -65,17 +71,13 @@ class _Machine:
 
 
 def auto_density(
-    shape: ModelShape,
-    settings: PlanSettings,
-    device: Device,
-    vram: int | None = None,
-    ram: int | None = None,
-    residency: str = "device",
+    shape: ModelShape, settings: PlanSettings, device: Device, vram=None, ram=None, residency: str = "device"
 ) -> tuple[PlanSettings, str]:
     """select.density=auto: `settings` at the largest of AUTO_DENSITIES whose plan fits at `residency` ("auto":
-    any residency `decide` would take), and why, in words for the run's first lines."""
+    any residency `decide` would take; vram and ram as `plan` takes them), and why, in words for the run's first
+    lines."""
     machine = _Machine(shape, device, vram, ram)
-    order = (RESIDENCIES if device.is_gpu else ("device", "mmap")) if residency == "auto" else (residency,)
+    order = _residencies(device, residency)
     over = None  # the plan of the density above the chosen one
     for density in AUTO_DENSITIES:
         candidate = settings.replace(density=density)
