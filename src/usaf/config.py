@@ -569,24 +569,7 @@ class RunConfig:
     @classmethod
     def load(cls, path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
         """A YAML file (optional) with `section.key=value` overrides applied on top."""
-        data: dict = {}
-        if path:
-            try:
-                with open(path, encoding="utf-8") as f:
-                    data = read_yaml(f, path)
-            except FileNotFoundError:
-                raise UsafError(f"Config file {path} does not exist.") from None
-            except IsADirectoryError:
-                raise UsafError(f"Config file {path} is a directory; give a YAML file.") from None
-            except UnicodeDecodeError:
-                raise UsafError(f"Config file {path} is not a text (UTF-8) file.") from None
-            data = {} if data is None else data  # an empty file: all defaults
-            if not isinstance(data, dict):
-                # checked before the overrides go in: a list has no sections to put them into
-                raise UsafError(
-                    f"Config file {path}: the top level is a {type(data).__name__}, not a mapping of sections "
-                    f"(e.g. 'optim:' with 'lr: 3e-4' under it); allowed sections: {sorted(SECTIONS)}."
-                )
+        data = _read_config_file(path) if path else {}
         for item in overrides or []:
             apply_override(data, item)
         return cls.from_dict(data, source=path or "config")
@@ -595,28 +578,38 @@ class RunConfig:
     def load_saved(cls, path: str, overrides: list[str] | None = None) -> RunConfig:
         """A run's own config.yaml (every option written out): an option it lacks did not exist when the run
         started, so it takes the value that run trained with (EARLIER_DEFAULTS), not today's default."""
-        with_earlier = [
-            f"{section}.{key}={value}"
-            for (section, key), value in EARLIER_DEFAULTS.items()
-            if key not in (_saved_section(path, section) or {key: None})
-        ]
-        return cls.load(path, with_earlier + list(overrides or []))
+        data = _read_config_file(path)
+        for (section, key), value in EARLIER_DEFAULTS.items():
+            if isinstance(data.get(section), dict):
+                data[section].setdefault(key, value)
+        for item in overrides or []:
+            apply_override(data, item)
+        return cls.from_dict(data, source=path)
+
+
+def _read_config_file(path: str) -> dict:
+    """The sections of a YAML config file, or a UsafError naming the file and what to do."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = read_yaml(f, path)
+    except FileNotFoundError:
+        raise UsafError(f"Config file {path} does not exist.") from None
+    except IsADirectoryError:
+        raise UsafError(f"Config file {path} is a directory; give a YAML file.") from None
+    except UnicodeDecodeError:
+        raise UsafError(f"Config file {path} is not a text (UTF-8) file.") from None
+    data = {} if data is None else data  # an empty file: all defaults
+    if not isinstance(data, dict):
+        # checked before the overrides go in: a list has no sections to put them into
+        raise UsafError(
+            f"Config file {path}: the top level is a {type(data).__name__}, not a mapping of sections "
+            f"(e.g. 'optim:' with 'lr: 3e-4' under it); allowed sections: {sorted(SECTIONS)}."
+        )
+    return data
 
 
 # Options added with a default that changes training: what a run saved before they existed trained with.
 EARLIER_DEFAULTS = {("optim", "decay_to_base"): 0.0}
-
-
-def _saved_section(path: str, section: str) -> dict | None:
-    """One section of a saved config.yaml as written (None when the file or the section cannot be read: load
-    then reports the file's fault)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = read_yaml(f, path)
-    except (OSError, UnicodeDecodeError, UsafError):
-        return None
-    values = data.get(section) if isinstance(data, dict) else None
-    return values if isinstance(values, dict) else None
 
 
 # ---- YAML, bounded -------------------------------------------------------------------------------------------------
