@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from helpers import FAST_RUN, make_model_dir, write_copy_task
 from safetensors.torch import load_file, save_file
 
@@ -126,6 +127,21 @@ def T(*args: str) -> list[str]:
 
 
 NEW = ["--model={ws.base}", "--data={ws.data}", "--out={tmp}/run"]
+
+
+def train_args(ws, out: Path, *options: str) -> list[str]:
+    """`usaf train` on the workspace's base and data into `out`, with further options (`--set=...`)."""
+    return ["train", f"--model={ws.base}", f"--data={ws.data}", f"--out={out}", *options]
+
+
+def table_test(rows: list[Row]):
+    """The test of a table: one case per row, named by its id (`test_fault = table_test(ROWS)` in a module)."""
+
+    @pytest.mark.parametrize("row", rows, ids=[row.id for row in rows])
+    def test_fault(row: Row, ws, tmp_path, monkeypatch, capsys):
+        check_row(row, ws, tmp_path, monkeypatch, capsys)
+
+    return test_fault
 
 
 def check_row(row: Row, ws, tmp_path: Path, monkeypatch, capsys) -> None:

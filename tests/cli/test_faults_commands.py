@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import NEW, SET_ARGS, Row, T, check_row
+from faults import NEW, SET_ARGS, Row, T, table_test, train_args
 from helpers import FAST_RUN, losses, run_killed, start_usaf
 
 from usaf.cli import main
@@ -302,9 +302,7 @@ ROWS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
-def test_fault(row: Row, ws, tmp_path, monkeypatch, capsys):
-    check_row(row, ws, tmp_path, monkeypatch, capsys)
+test_fault = table_test(ROWS)
 
 
 def test_the_table_has_at_least_40_rows_across_the_commands():
@@ -337,8 +335,7 @@ KILLS = [
 @pytest.fixture(scope="module")
 def straight_run(ws):
     run = ws.root / "straight"
-    args = ["train", f"--model={ws.base}", f"--data={ws.data}", f"--out={run}"]
-    assert main([*args, *(f"--set={s}" for s in KILL_SETS)]) == 0
+    assert main(train_args(ws, run, *(f"--set={s}" for s in KILL_SETS))) == 0
     return run
 
 
@@ -349,13 +346,7 @@ def test_kill_9_at_a_random_step_then_resume_equals_an_uninterrupted_run(
     from safetensors.torch import load_file as load
 
     run = tmp_path / "run"
-    args = [
-        "train",
-        f"--model={ws.base}",
-        f"--data={ws.data}",
-        f"--out={run}",
-        *(f"--set={s}" for s in KILL_SETS),
-    ]
+    args = train_args(ws, run, *(f"--set={s}" for s in KILL_SETS))
     killed = run_killed(args, step, when)
     assert killed.returncode == -9, killed.stderr[-2000:]
     saved = sorted(p.name for p in (run / "checkpoints").iterdir())
@@ -374,7 +365,7 @@ def test_two_writers_starting_into_one_run_folder_at_once(ws, tmp_path):
     """Both start at the same moment: one trains, the other is refused with one clear line, and the run it
     would have shared is whole (every step once, no rows of the other)."""
     run = tmp_path / "run"
-    args = ["train", f"--model={ws.base}", f"--data={ws.data}", f"--out={run}", *SET_ARGS]
+    args = train_args(ws, run, *SET_ARGS)
     procs = [start_usaf([*args, "--set=schedule.max_steps=4"]) for _ in range(2)]
     results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
     codes = sorted(rc for rc, _, _ in results)
@@ -452,7 +443,7 @@ def test_a_real_full_disk_during_checkpoint_and_export(ws, tmp_path, capsys):
         pytest.skip("needs root and a tmpfs mount for a small disk")
     try:
         run = disk / "run"
-        args = ["train", f"--model={ws.base}", f"--data={ws.data}", f"--out={run}", *SET_ARGS]
+        args = train_args(ws, run, *SET_ARGS)
         # each checkpoint of the tiny run is ~60 kB (trainable values, optimizer moments): the disk fills up
         rc = main([*args, "--set=schedule.max_steps=100", "--set=checkpoint.keep_last=0"])
         err = capsys.readouterr().err
@@ -477,7 +468,7 @@ def test_the_first_lines_of_a_run_come_whole_before_its_progress_bar(ws, tmp_pat
     """stdout and stderr into one pipe (a terminal, `> log 2>&1`): the information line and notes are out before
     the bar draws, never broken into by it."""
     run = tmp_path / "run"
-    args = ["train", f"--model={ws.base}", f"--data={ws.data}", f"--out={run}", *SET_ARGS]
+    args = train_args(ws, run, *SET_ARGS)
     args += ["--set=schedule.max_steps=2", "--set=log.progress=true"]
     proc = subprocess.run(
         [sys.executable, "-c", "import sys; from usaf.cli import main; sys.exit(main(sys.argv[1:]))", *args],

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from faults import NEW, SET_ARGS, Row, T, check_row
+from faults import NEW, SET_ARGS, Row, T, table_test
 
 from usaf.cli import main
 
@@ -295,9 +295,7 @@ ROWS += [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
-def test_fault(row, ws, tmp_path, monkeypatch, capsys):
-    check_row(row, ws, tmp_path, monkeypatch, capsys)
+test_fault = table_test(ROWS)
 
 
 def test_long_record_is_cut_before_tokenizing(ws, tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import json
 import shutil
 
 import pytest
-from faults import NEW, Row, T, check_row
+from faults import NEW, Row, T, check_row, table_test
 
 from usaf.config import INT_MOST, TOKENS_MOST, RunConfig, UsafConfig
 from usaf.errors import UsafError
@@ -160,9 +160,7 @@ ROWS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
-def test_fault(row: Row, ws, tmp_path, monkeypatch, capsys):
-    check_row(row, ws, tmp_path, monkeypatch, capsys)
+test_fault = table_test(ROWS)
 
 
 def test_the_home_row_wrote_where_home_points(ws, tmp_path, monkeypatch, capsys):

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from faults import NEW, SET_ARGS, Row, T, check_row, snapshot
+from faults import NEW, SET_ARGS, Row, T, snapshot, table_test
 from helpers import start_usaf
 
 from usaf.cli import main
@@ -190,9 +190,7 @@ ROWS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
-def test_fault(row: Row, ws, tmp_path, monkeypatch, capsys):
-    check_row(row, ws, tmp_path, monkeypatch, capsys)
+test_fault = table_test(ROWS)
 
 
 # ---- faults that are not one command line --------------------------------------------------------------------------

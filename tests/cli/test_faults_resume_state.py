@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import NEW, SET_ARGS, Row, T, check_row
+from faults import NEW, SET_ARGS, Row, T, table_test, train_args
 from helpers import write_copy_task
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -185,9 +185,7 @@ ROWS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
-def test_fault(row: Row, ws, tmp_path, monkeypatch, capsys):
-    check_row(row, ws, tmp_path, monkeypatch, capsys)
+test_fault = table_test(ROWS)
 
 
 # ---- faults that are not one command line ------------------------------------------------------------------------
@@ -249,14 +247,7 @@ def test_a_failure_after_the_first_step_keeps_the_run_folder(ws, tmp_path, monke
 
     monkeypatch.setattr(usaf.train.checkpoint, "save_file", full)
     run = tmp_path / "run"
-    args = [
-        "train",
-        f"--model={ws.base}",
-        f"--data={ws.data}",
-        f"--out={run}",
-        *SHORT,
-        "--set=schedule.max_steps=2",
-    ]
+    args = train_args(ws, run, *SHORT, "--set=schedule.max_steps=2")
     assert main(args) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert (run / "metrics.jsonl").read_text().strip() and (run / "selection.safetensors").exists()
