@@ -51,40 +51,56 @@ class RoutingPlan:
 @dataclass
 class Chunk:
     """Routed experts materialized together: `expert_ids` (None: the whole resident stack), their rows r0:r1 of
-    the plan, grouped per materialized expert (`matmul_rows`)."""
+    the plan, grouped per materialized expert (`matmul_rows`), and `slots` (None: `expert_ids` is every expert in
+    order): [E] on the device, each expert's position among `expert_ids`, or the scratch expert's for experts not
+    in the chunk (see `Chunking`)."""
 
-    index: int
     expert_ids: list[int] | None
     r0: int
     r1: int
     matmul_rows: Segments
+    slots: torch.Tensor | None = None
 
 
 class Chunking:
-    """A plan's routed experts cut into chunks of `per_chunk` (None: one chunk, the whole resident stack).
+    """A plan's routed experts cut into chunks of at most `per_chunk` experts (None: one chunk, the whole resident
+    stack).
 
-    Everything a chunk needs is made here once, in a fixed number of ops whatever the number of chunks: every
-    chunk's row offsets in one transfer, rows split into chunks with one op, and, per trained tensor, where its
-    entries land in each chunk (`placement`). The chunks partition the plan's rows in order (experts without
-    rows are not materialized and own no rows), so chunk outputs join with one concatenation."""
+    Where every expert is routed and they all fit, the one chunk is the whole stack in order, and trained values are
+    written as into a resident stack. Otherwise each chunk is up to `per_chunk - 1` routed experts and one scratch
+    expert (a copy of a routed expert's data, so its fetch stays a slice where the routed experts are consecutive):
+    a tensor's trained values are written into a chunk with one scatter over all of them, each landing in its
+    expert's slot or, for an expert not in the chunk, in the scratch one. That costs a fixed number of ops per
+    chunk, whatever the routing (no ragged gather of a chunk's entries), and the scratch expert has no rows.
+
+    Everything the chunks need is made here once, for the forward and the backward: row offsets and slot tables
+    travel to the device in one transfer. The chunks partition the plan's rows in order (experts without rows are
+    not materialized), so chunk outputs join with one concatenation."""
 
     def __init__(self, rows: Segments, per_chunk: int | None):
-        self.per_chunk = per_chunk
-        self._placements: dict[int, tuple[object, list]] = {}
         if per_chunk is None:
-            self.active = None
-            self.chunks = [Chunk(0, None, 0, rows.total, rows)]
+            self.chunks = [Chunk(None, 0, rows.total, rows)]
             return
-        self.active = [e for e, c in enumerate(rows.counts) if c]
-        groups = [self.active[i : i + per_chunk] for i in range(0, len(self.active), per_chunk)]
-        counts = [[rows.counts[e] for e in group] for group in groups]
-        offsets = kernels.host_ints_to_device(
-            [o for c in counts for o in (0, *itertools.accumulate(c))], rows.offsets.device
+        experts = rows.num_segments
+        active = [e for e, c in enumerate(rows.counts) if c]
+        if len(active) == experts and per_chunk >= experts:
+            self.chunks = [Chunk(active, 0, rows.total, rows)]
+            return
+        take = max(1, per_chunk - 1)  # with the scratch expert
+        groups = [active[i : i + take] for i in range(0, len(active), take)]
+        counts = [[rows.counts[e] for e in group] + [0] for group in groups]
+        host = [o for c in counts for o in (0, *itertools.accumulate(c))]
+        for group in groups:
+            slot = dict(zip(group, range(len(group)), strict=True))
+            host.extend(slot.get(e, len(group)) for e in range(experts))
+        pieces = kernels.host_ints_to_device(host, rows.offsets.device).split(
+            [len(c) + 1 for c in counts] + [experts] * len(groups)
         )
-        pieces = offsets.split([len(c) + 1 for c in counts]) if len(groups) > 1 else [offsets]
+        scratch = [later[0] for later in groups[1:]] + [groups[-1][-1]]  # the next chunk's first, else a copy
+        offsets, slots = pieces[: len(groups)], pieces[len(groups) :]
         self.chunks = [
-            Chunk(i, group, rows.start(group[0]), rows.start(group[-1] + 1), Segments(piece, c))
-            for i, (group, c, piece) in enumerate(zip(groups, counts, pieces, strict=True))
+            Chunk([*group, extra], rows.start(group[0]), rows.start(group[-1] + 1), Segments(o, c), s)
+            for group, extra, c, o, s in zip(groups, scratch, counts, offsets, slots, strict=True)
         ]
 
     def split(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -98,21 +114,6 @@ class Chunking:
         """The chunks' outputs as one [rows, ...] tensor (`empty()` when there are no rows at all)."""
         return empty() if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def placement(self, entries, chunk: Chunk):
-        """Where `entries`' values land in `chunk`'s materialized weights (None: the whole stack): made for every
-        chunk at its first use, kept until `release`."""
-        if chunk.expert_ids is None:
-            return None
-        key = id(entries)
-        if key not in self._placements:  # the entries themselves are kept with it, so their id stays theirs
-            self._placements[key] = (entries, entries.place(self.active, self.per_chunk))
-        return self._placements[key][1][chunk.index]
-
-    def release(self) -> None:
-        """Drop the placements after a pass over the chunks: they are as large as the trained entries, and the
-        plan lives from a layer's forward to its backward (made again there, in a fixed number of ops)."""
-        self._placements.clear()
-
 
 class Projection:
     """One projection of an experts module: its frozen store, trained entries, and optional bias."""
@@ -125,13 +126,13 @@ class Projection:
         self.transposed = transposed
         self.workspace_bytes = workspace_bytes
 
-    def weights(self, chunk: Chunk, chunking: Chunking) -> torch.Tensor:
+    def weights(self, chunk: Chunk) -> torch.Tensor:
         """Effective weights [k, A, B] of a chunk (the whole patched stack for a resident store)."""
         if chunk.expert_ids is None:
             return self.store.full()  # already patched once per forward, see `SparseGroupedLinear.forward`
         weight = self.store.materialize(chunk.expert_ids)
         if self.entries is not None:
-            self.entries.write_into(weight, chunking.placement(self.entries, chunk))
+            self.entries.write_into(weight, chunk.slots)
         return weight
 
     def chunking(self, plan: RoutingPlan) -> Chunking:
@@ -232,11 +233,10 @@ def _through_chunks(
     chunking = proj.chunking(plan)
     parts = []
     for chunk, part in zip(chunking.chunks, chunking.split(rows), strict=True):
-        weight = proj.weights(chunk, chunking)
+        weight = proj.weights(chunk)
         # [k, in, out] forward, [k, out, in] for the input gradient
         oriented = weight.transpose(1, 2) if proj.transposed == backward else weight
         parts.append(kernels.grouped_matmul(part, oriented, chunk.matmul_rows))
-    chunking.release()
     return Chunking.join(parts, empty)
 
 

@@ -12,7 +12,6 @@ entries (a sampled dense-dense product, or a small matmul for whole lines) and n
 
 from __future__ import annotations
 
-import itertools
 import warnings
 
 import torch
@@ -129,13 +128,17 @@ class ElementEntries(_Entries):
     def flat_indices(self) -> torch.Tensor:
         """int64 flat indices into [E, A, B] (computed: a transient of one tensor's entries)."""
         segments = self.segments()
-        if "expert starts" not in segments.cache:  # [E] each: per selection, not per call
-            counts = self.expert_offsets[1:] - self.expert_offsets[:-1]
-            starts = torch.arange(self.num_experts, device=counts.device) * self.per_expert
-            segments.cache["expert starts"] = starts, counts
-        starts, counts = segments.cache["expert starts"]
-        flat = torch.repeat_interleave(starts, counts, output_size=self.local_indices.numel())
-        return flat.add_(self.local_indices)
+        if "experts" not in segments.cache:  # [E]: per selection, not per call
+            segments.cache["experts"] = torch.arange(self.num_experts, device=self.local_indices.device)
+        return self.flat_indices_at(segments.cache["experts"])
+
+    def flat_indices_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """int64 flat indices of the entries in a stack [n, A, B] that holds expert e at slot `slots[e]`."""
+        segments = self.segments()
+        if "counts" not in segments.cache:
+            segments.cache["counts"] = self.expert_offsets[1:] - self.expert_offsets[:-1]
+        at = torch.repeat_interleave(slots, segments.cache["counts"], output_size=self.local_indices.numel())
+        return torch.add(self.local_indices, at, alpha=self.per_expert)
 
     def segments(self) -> Segments:
         """The entries grouped by expert: offsets on the device, counts on the host (read once per selection and
@@ -161,33 +164,15 @@ class ElementEntries(_Entries):
         rest = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing, unexpected, errors)
 
-    def place(self, experts: list[int], per_chunk: int) -> list[tuple]:
-        """(which entries, their flat index in the chunk's [k, A, B] weights) per chunk of `per_chunk` of
-        `experts`: for `write_into`, made in a fixed number of ops for every chunk at once."""
-        if (
-            len(experts) == self.shape[0]
-        ):  # every expert routed (the usual case): chunks hold ranges of entries
-            flat = self.flat_indices
-            if per_chunk < len(experts):
-                flat = flat.remainder_(per_chunk * self.per_expert)
-            return _per_chunk(self.segments(), experts, per_chunk, flat)
-        picked, slot = entries_of_experts(self.segments(), experts)
-        flat = torch.remainder(slot, per_chunk).mul_(self.per_expert)
-        flat += self.local_indices.index_select(0, picked)
-        return _per_chunk(self.segments(), experts, per_chunk, flat, picked=picked)
-
     @torch.no_grad()
-    def write_into(self, weight: torch.Tensor, placement: tuple | None) -> None:
-        """Write the trained values into `weight`: the whole [E, A, B] stack (placement None), or a chunk's
-        [k, A, B] experts at the places `place` gave: one scatter."""
+    def write_into(self, weight: torch.Tensor, slots: torch.Tensor | None) -> None:
+        """Write the trained values into `weight`: the whole [E, A, B] stack (slots None), or a chunk [n, A, B]
+        that holds expert e at slot `slots[e]` (see `usaf.engine.experts.Chunking`): one scatter."""
         if self.values.numel() == 0:
             return
-        if placement is None:
-            values = kernels.cast(self.values, weight.dtype)  # no_grad: no detach needed (an op a call)
-            weight.view(-1).index_copy_(0, self.flat_indices, values)  # index_copy_ beats index_put_ on CPU
-            return
-        picked, flat = placement
-        weight.view(-1).index_copy_(0, flat, kernels.cast(_pick(self.values, picked), weight.dtype))
+        flat = self.flat_indices if slots is None else self.flat_indices_at(slots)
+        values = kernels.cast(self.values, weight.dtype)  # no_grad: no detach needed (an op a call)
+        weight.view(-1).index_copy_(0, flat, values)  # index_copy_ beats index_put_ on CPU
 
     def add_grad(
         self, grad: torch.Tensor | None, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int
@@ -215,48 +200,6 @@ def accumulate(grad: torch.Tensor | None, part: torch.Tensor, k0: int, values: t
         grad = torch.zeros_like(values)
     grad[k0 : k0 + part.shape[0]] += part
     return grad
-
-
-def _per_chunk(
-    entries: Segments,
-    experts: list[int],
-    per_chunk: int,
-    *tensors: torch.Tensor,
-    picked: torch.Tensor | None = None,
-) -> list[tuple]:
-    """(the chunk's entries, *tensors' pieces) per chunk of `per_chunk` of `experts`, `tensors` being over the
-    entries of `experts` in their order: one split each (sizes from the host counts). The chunk's entries are
-    `picked`'s piece, or (every expert) a range of the entries."""
-    sizes = [
-        sum(entries.counts[e] for e in experts[i : i + per_chunk]) for i in range(0, len(experts), per_chunk)
-    ]
-    if picked is None:
-        ends = list(itertools.accumulate(sizes))
-        ranges = [slice(end - size, end) for size, end in zip(sizes, ends, strict=True)]
-    else:
-        tensors = (picked, *tensors)
-    pieces = [tensors] if len(sizes) == 1 else list(zip(*(t.split(sizes) for t in tensors), strict=True))
-    return pieces if picked is not None else [(r, *p) for r, p in zip(ranges, pieces, strict=True)]
-
-
-def _pick(values: torch.Tensor, picked: torch.Tensor | slice) -> torch.Tensor:
-    """values of a chunk's entries: an index, or a range (no op for all of them)."""
-    if not isinstance(picked, slice):
-        return values.index_select(0, picked)
-    return values if (picked.start, picked.stop) == (0, values.shape[0]) else values[picked]
-
-
-def entries_of_experts(entries: Segments, expert_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices of the entries of `expert_ids`, each one's position in `expert_ids`): a ragged range built on the
-    device in a fixed number of ops, whatever the number of experts (the total is known on the host)."""
-    device = entries.offsets.device
-    ids = kernels.host_ints_to_device(expert_ids, device)
-    starts = entries.offsets.index_select(0, ids)
-    counts = entries.offsets.index_select(0, ids + 1) - starts
-    total = sum(entries.counts[e] for e in expert_ids)
-    slot = torch.repeat_interleave(torch.arange(len(expert_ids), device=device), counts, output_size=total)
-    shift = (starts - (torch.cumsum(counts, 0) - counts)).index_select(0, slot)
-    return torch.arange(total, device=device) + shift, slot
 
 
 class LineEntries(_Entries):
@@ -289,28 +232,14 @@ class LineEntries(_Entries):
         """Flat indices of every trained entry, in the order of `values.view(-1)`."""
         return line_flat_indices(self.shape, self.axis, self.line_ids)
 
-    def place(self, experts: list[int], per_chunk: int) -> list[tuple]:
-        """(which lines, their expert's slot in the chunk, the line within it) per chunk of `per_chunk` of
-        `experts` (see `ElementEntries.place`)."""
-        segments, expert, line = self.grouping()
-        if len(experts) == self.shape[0]:  # every expert routed: chunks hold ranges of lines
-            slot = expert if per_chunk >= len(experts) else torch.remainder(expert, per_chunk)
-            return _per_chunk(segments, experts, per_chunk, slot, line)
-        picked, slot = entries_of_experts(segments, experts)
-        slot = torch.remainder(slot, per_chunk)
-        return _per_chunk(segments, experts, per_chunk, slot, line.index_select(0, picked), picked=picked)
-
     @torch.no_grad()
-    def write_into(self, weight: torch.Tensor, placement: tuple | None) -> None:
+    def write_into(self, weight: torch.Tensor, slots: torch.Tensor | None) -> None:
         """Write the trained lines into `weight` (see `ElementEntries.write_into`)."""
         if self.values.numel() == 0:
             return
-        if placement is None:
-            _, slot, line = self.grouping()
-            values = kernels.cast(self.values, weight.dtype)
-        else:
-            picked, slot, line = placement
-            values = kernels.cast(_pick(self.values, picked), weight.dtype)
+        _, expert, line = self.grouping()
+        slot = expert if slots is None else slots.index_select(0, expert)
+        values = kernels.cast(self.values, weight.dtype)
         if self.axis == 1:
             weight[slot, line, :] = values
         else:
