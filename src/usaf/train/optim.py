@@ -221,7 +221,9 @@ def decay_toward_base(params: list[torch.Tensor], rate: float, base_of) -> None:
         if end == len(pairs) or size + pairs[end][0].numel() > limit:
             piece = pairs[start:end]
             values = [p for p, _ in piece]
-            centres = [c.to(device=p.device, dtype=p.dtype, non_blocking=True) for p, c in piece]
+            # a centre in host memory comes over; its dtype is left to the subtraction's promotion (a cast per
+            # parameter would be an op each)
+            centres = [c if c.device == p.device else c.to(p.device, non_blocking=True) for p, c in piece]
             torch._foreach_add_(values, torch._foreach_sub(values, centres), alpha=-rate)
             start, size = end, 0
 
