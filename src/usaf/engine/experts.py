@@ -32,11 +32,19 @@ class RoutingPlan:
         self.num_tokens, self.num_top_k = flat.numel() // top_k_index.shape[-1], top_k_index.shape[-1]
         self.expert_of_row, self.order = torch.sort(flat, stable=True)
         self.token_of_row = torch.div(self.order, self.num_top_k, rounding_mode="floor")
-        self.inverse = torch.empty_like(self.order)
-        self.inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+        self._inverse: torch.Tensor | None = None
         # the one host sync of a layer: padding, chunking and the portable grouped product need the counts
         self.rows = Segments.of(self.expert_of_row, num_experts)
         self._chunkings: dict[int | None, Chunking] = {}
+
+    @property
+    def inverse(self) -> torch.Tensor:
+        """Each token-expert pair's row (the inverse of `order`): made on first use, which only a GPU's
+        deterministic sum makes (see `sum_rows_into_tokens`)."""
+        if self._inverse is None:
+            self._inverse = torch.empty_like(self.order)
+            self._inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+        return self._inverse
 
     def chunking(self, resident: bool, bytes_per_expert: int, workspace_bytes: int) -> Chunking:
         """How a projection's routed experts are materialized: a resident store is used whole (grouped matmul

@@ -170,8 +170,11 @@ class ElementEntries(_Entries):
         that holds expert e at slot `slots[e]` (see `usaf.engine.experts.Chunking`): one scatter."""
         if self.values.numel() == 0:
             return
-        flat = self.flat_indices if slots is None else self.flat_indices_at(slots)
         values = kernels.cast(self.values, weight.dtype)  # no_grad: no detach needed (an op a call)
+        if slots is None and self.num_experts == 1:  # one matrix: the stored indices are the flat ones
+            weight.view(-1).index_put_((self.local_indices,), values)  # takes int32: no index op
+            return
+        flat = self.flat_indices if slots is None else self.flat_indices_at(slots)
         weight.view(-1).index_copy_(0, flat, values)  # index_copy_ beats index_put_ on CPU
 
     def add_grad(

@@ -52,13 +52,18 @@ def _groups(counts: list[int]):
         yield first, len(counts) - 1
 
 
-def _slots(offsets: torch.Tensor, num_rows: int):
-    """(expert of each row, position of each row within its expert), for rows grouped by `offsets` [n + 1]."""
-    counts = offsets[1:] - offsets[:-1]
-    expert = torch.repeat_interleave(
-        torch.arange(counts.numel(), device=offsets.device), counts, output_size=num_rows
-    )
-    return expert, torch.arange(num_rows, device=offsets.device) - offsets[expert]
+def _slots(rows, num_rows: int):
+    """(expert of each row, position of each row within its expert), for rows grouped by `rows` (Segments): kept
+    in its cache, so a layer's projections, which share the routing, make them once."""
+    key = ("slots", num_rows)
+    if key not in rows.cache:
+        offsets = rows.offsets
+        counts = offsets[1:] - offsets[:-1]
+        expert = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=offsets.device), counts, output_size=num_rows
+        )
+        rows.cache[key] = expert, torch.arange(num_rows, device=offsets.device) - offsets[expert]
+    return rows.cache[key]
 
 
 def _entry_experts(entries_offsets: torch.Tensor, num_entries: int) -> torch.Tensor:
@@ -123,7 +128,7 @@ def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tenso
         m2t = V.t().to(dtype, memory_format=torch.contiguous_format)
     else:
         longest = max(rows.counts)
-        expert, slot = _slots(rows.offsets, U.shape[0])
+        expert, slot = _slots(rows, U.shape[0])
         m1 = _padded_columns(U, expert, slot, n, longest, dtype)
         m2t = _padded_columns(V, expert, slot, n, longest, dtype)
         m1, m2t = m1.view(n * a_dim, longest), m2t.view(n * width, longest)
@@ -178,7 +183,7 @@ def _line_group(fixed, spanning, rows, lines, entries, dtype) -> torch.Tensor:
     """Each line's column of `fixed` over its expert's rows, times that expert's rows of `spanning`: one gather
     and one grouped product."""
     n, a_dim, longest = rows.num_segments, fixed.shape[1], max(rows.counts)
-    expert, slot = _slots(rows.offsets, fixed.shape[0])
+    expert, slot = _slots(rows, fixed.shape[0])
     columns = _padded_columns(fixed, expert, slot, n, longest, dtype)
     spans = spanning.new_zeros(n, longest, spanning.shape[1], dtype=dtype)
     spans[expert, slot] = cast(spanning, dtype)
@@ -212,7 +217,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, rows) -> torch.Tensor:
 
 
 def _padded_matmul(x, weight, rows):
-    expert, slot = _slots(rows.offsets, x.shape[0])
+    expert, slot = _slots(rows, x.shape[0])
     padded = x.new_zeros(rows.num_segments, max(rows.counts), x.shape[1])
     padded[expert, slot] = x
     return torch.bmm(padded, weight)[expert, slot]

@@ -26,6 +26,7 @@ class DenseStore:
         a stack [E, A, B] or a stack of biases [E, B]."""
         # Looked up on each use, so that `model.to(...)` (which swaps parameter data) is followed.
         self.module, self.name = module, name
+        self._view: tuple | None = None
         tensor = self.tensor
         if not tensor.is_contiguous():
             raise UsafError(
@@ -54,7 +55,13 @@ class DenseStore:
     def full(self) -> torch.Tensor:
         """The whole stack as [E, A, B], writable in place."""
         tensor = self.tensor
-        return tensor if tensor.shape == self.shape else tensor.view(self.shape)
+        if tensor.shape == self.shape:
+            return tensor
+        # a view is an op: made once per parameter storage (`model.to` swaps it) and reused
+        key = (tensor.data_ptr(), tensor.device, tensor.dtype)
+        if self._view is None or self._view[0] != key:
+            self._view = (key, tensor.view(self.shape))
+        return self._view[1]
 
     def materialize(self, expert_ids: list[int]) -> torch.Tensor:
         """A fresh [k, A, B] copy of the given experts."""
