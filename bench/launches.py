@@ -27,6 +27,7 @@ import shlex
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -71,6 +72,25 @@ def build(shape: dict, device: torch.device, dtype: torch.dtype, quant: str, see
     return model.to(device), None
 
 
+# the card whose memory plan sets the NF4 rows' workspace (select.workspace_mb=auto), with this much host RAM
+WORKSPACE_CARD, WORKSPACE_RAM = "rtx-4090", 64 << 30
+
+
+def planned_workspace(experts: int, dtype_name: str, density_pct: float, args) -> int:
+    """The workspace usaf train's select.workspace_mb=auto takes for this layer shape in a 48-layer model on
+    WORKSPACE_CARD, experts NF4 in host memory (what `planner.auto_workspace` says, as `usaf plan` shows it)."""
+    from usaf import planner
+
+    config = {**shape_for(experts, 48, args), "model_type": "qwen3_moe"}
+    shape = planner.model_shape(config, f"qwen3-30b-a3b-shaped, {experts} experts")
+    settings = planner.PlanSettings(quant="nf4", seq=args.seq, batch=args.batch, dtype=dtype_name)
+    card = planner.DEVICES[WORKSPACE_CARD]
+    chosen, _ = planner.auto_workspace(
+        shape, settings.replace(density=density_pct / 100), card, card.memory, WORKSPACE_RAM, residency="host"
+    )
+    return chosen.workspace_mb
+
+
 def usaf_step(model, stores, density: float, ids, workspace_mb: int | None = None):
     import usaf
     from usaf.config import DEFAULT_WORKSPACE_MB, RunConfig
@@ -103,7 +123,15 @@ def measure(experts: int, density_pct: float, dtype_name: str, quant: str, args)
 
     def make(layers: int):
         model, stores = build(shape_for(experts, layers, args), device, DTYPES[dtype_name], quant)
-        return usaf_step(model, stores, density_pct / 100, ids, args.workspace_mb)
+        return usaf_step(model, stores, density_pct / 100, ids, workspace_mb)
+
+    workspace_mb = None  # unquantized experts on the device: no workspace
+    if quant != "none":
+        workspace_mb = args.workspace_mb
+        if workspace_mb is None:
+            with warnings.catch_warnings():  # "planning from formulas": the shape is known, not loadable
+                warnings.simplefilter("ignore")
+                workspace_mb = planned_workspace(experts, dtype_name, density_pct, args)
 
     began = time.perf_counter()
     counts = per_layer(make, device=device)
@@ -114,7 +142,7 @@ def measure(experts: int, density_pct: float, dtype_name: str, quant: str, args)
         "quant": quant,
         "seq": args.seq,
         "batch": args.batch,
-        "workspace_mb": args.workspace_mb,
+        "workspace_mb": workspace_mb,
         "ops_per_layer": counts.ops,
         "syncs_per_layer": counts.syncs,
         "shape_syncs_per_layer": counts.shape_syncs,
@@ -337,7 +365,8 @@ def main(argv=None) -> int:
         "--workspace-mb",
         type=int,
         default=None,
-        help="select.workspace_mb (default usaf's): how many routed experts of a quantized store one chunk holds",
+        help="select.workspace_mb for the NF4 rows (default: what select.workspace_mb=auto takes on a "
+        f"{WORKSPACE_CARD} with {WORKSPACE_RAM >> 30} GB of RAM): how many routed experts one chunk holds",
     )
     parser.add_argument("--quick", action="store_true", help="E=8, tiny shapes: a smoke run in seconds")
     parser.add_argument("--speed", action="store_true", help="tokens/s against inference and PEFT LoRA")

@@ -162,7 +162,8 @@ class UsafConfig(Section):
     train_biases: expert biases (gpt-oss) get trainable entries at the same density.
     layers: numbers of the MoE decoder layers to train (None: all, and the weights outside the decoder layers:
         embedding, final norm, output layer); the others stay frozen.
-    workspace_mb: bound on the dequantized routed-expert workspace of one projection (quantized bases).
+    workspace_mb: bound on the dequantized routed-expert workspace of one projection (quantized bases), or
+        "auto" (resolved by usaf train's memory plan; DEFAULT_WORKSPACE_MB where nothing plans).
     """
 
     density: float | str = option(
@@ -227,9 +228,12 @@ class UsafConfig(Section):
     layers: list[int] | None = option(
         None, "decoder layer numbers to train (None: all, with the embedding and output layer)"
     )
-    workspace_mb: int = option(
-        DEFAULT_WORKSPACE_MB,
-        "bound (MB) on one projection's dequantized routed-expert workspace",
+    workspace_mb: int | str = option(
+        "auto",
+        "bound (MB) on one projection's dequantized routed-expert workspace (quantized or streamed experts), or "
+        "auto: all of a projection's routed experts at once where usaf train's memory plan fits them, else the "
+        f"largest half of that which fits, at least {DEFAULT_WORKSPACE_MB} ({DEFAULT_WORKSPACE_MB} in "
+        "prepare_model, which plans nothing)",
         bounds="[1, inf)",
         most=1 << 30,
     )
@@ -257,6 +261,11 @@ class UsafConfig(Section):
         """The density as a number: auto that no memory plan resolved (`usaf.train.memory_plan` does for usaf
         train) reads as DEFAULT_DENSITY."""
         return DEFAULT_DENSITY if self.density == "auto" else self.density
+
+    @property
+    def fixed_workspace_mb(self) -> int:
+        """The workspace bound as a number: auto that no memory plan resolved reads as DEFAULT_WORKSPACE_MB."""
+        return DEFAULT_WORKSPACE_MB if self.workspace_mb == "auto" else self.workspace_mb
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -863,8 +872,8 @@ def _choices_text(choices) -> str:
 def _declared_type(spec) -> str:
     """The option's type: its default's, or, for a None default, the annotation's ("int | None" is int)."""
     annotation = str(spec.type).replace(" ", "")
-    if annotation == "float|str":  # a number or a word (select.density: a share or auto)
-        return "float | str"
+    if annotation in ("float|str", "int|str"):  # a number or a word (select.density: a share or auto)
+        return annotation.replace("|", " | ")
     default = spec.default if spec.default is not MISSING else spec.default_factory()
     if default is not None:
         return "bool" if isinstance(default, bool) else type(default).__name__
@@ -965,11 +974,21 @@ def _as_number_or_auto(value, spec, where: str) -> float | str:
         raise UsafError(f"{where} must be a number or auto, got {value!r}.") from None
 
 
+def _as_integer_or_auto(value, spec, where: str) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _as_int(value, spec, where)
+    except UsafError:
+        raise UsafError(f"{where} must be an integer or auto, got {value!r}.") from None
+
+
 _COERCERS = {
     "bool": _as_bool,
     "int": _as_int,
     "float": _as_float,
     "float | str": _as_number_or_auto,
+    "int | str": _as_integer_or_auto,
     "list[int]": _as_layer_numbers,
     "list": _as_names,
     "dict": _as_mapping,

@@ -102,7 +102,7 @@ def _install_experts(model: nn.Module, layers: list[MoELayer], stores: dict, con
             layer_stores[layer.experts_name],
             {},
             transposed=experts.is_transposed,
-            workspace_bytes=config.workspace_mb << 20,
+            workspace_bytes=config.fixed_workspace_mb << 20,
         )
     _switch_implementation(model, layers)
     return layer_stores

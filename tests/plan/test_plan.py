@@ -472,6 +472,10 @@ def test_plan_config_plans_the_runs_own_configuration(capsys, tmp_path):
     code_flags, from_flags, _ = run_cli(
         capsys, "--model", "qwen3-30b-a3b", *flags, "--optimizer", "adamw-fp32", *memory
     )
+    # the config's select.workspace_mb is auto, resolved as usaf train resolves it (the plan does not fit: the
+    # least, which is the flags' default)
+    auto, _, from_config = from_config.partition("\n")
+    assert auto.startswith("select.workspace_mb=auto: 256 MB"), auto
     assert (code, from_config) == (code_flags, from_flags)
     assert "seq 1024 x batch 2, density 0.02" in from_config and "adamw-fp32" in from_config
     _, overridden, _ = run_cli(capsys, "--config", str(run), "--seq", "4096", *memory)
@@ -642,9 +646,11 @@ def test_plan_config_plans_num_entries_and_layers(capsys, tmp_path):
         "model:\n  path: qwen3-30b-a3b\n  quant: nf4\nselect:\n  num_entries: 2000000\n  layers: [0, 1]\n"
     )
     code, out, _ = run_cli(capsys, "--config", str(run), "--vram", "24GB", "--ram", "64GB")
+    auto, _, out = out.partition("\n")  # the config's workspace auto: every expert of a projection at once
+    assert auto.startswith("select.workspace_mb=auto: 768 MB, every expert of a projection at once"), auto
     assert code in (0, 1) and "2.00 M entries in layers [0, 1]" in out
     code_flags, flags, _ = run_cli(
         capsys, "--model", "qwen3-30b-a3b", "--num-entries", "2000000", "--layers", "0,1", "--seq", "512",
-        "--batch", "4", "--vram", "24GB", "--ram", "64GB",
+        "--batch", "4", "--vram", "24GB", "--ram", "64GB", "--workspace-mb", "768",
     )  # fmt: skip
     assert (code_flags, flags) == (code, out)

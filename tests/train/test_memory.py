@@ -211,6 +211,48 @@ def test_auto_density_steps_down_to_what_a_small_card_fits():
     assert chosen.density == 0.02 and "the most auto takes" in why
 
 
+def test_auto_workspace_takes_every_expert_of_a_projection_where_the_plan_fits():
+    """select.workspace_mb=auto (the default): one chunk of all 128 experts (768 MB in bf16) on a 12 GB card at
+    1 % with the experts in host memory; where that would not fit, a smaller workspace that does, at least the
+    default; unquantized experts on the device need none."""
+    from usaf import planner
+    from usaf.config import DEFAULT_WORKSPACE_MB
+
+    shape = planner.model_shape(planner.load_model_config("qwen3-30b-a3b")[1], "qwen3-30b-a3b")
+    run = RunConfig.load(None, ["data.max_seq_len=512", "data.batch_size=1", "model.quant=nf4"])
+    settings = planner.PlanSettings(run, dtype="bf16").replace(density=0.01)
+    assert run.select.workspace_mb == "auto" and settings.workspace_mb == DEFAULT_WORKSPACE_MB
+    small = planner.DEVICES["rtx-3060-12gb"]
+    chosen, why = planner.auto_workspace(shape, settings, small, ram=64 << 30, residency="auto")
+    assert chosen.workspace_mb == 768 and why.startswith("768 MB, every expert of a projection at once"), why
+    # a budget between the default's peak and the whole projection's: the largest halving that fits
+    host = settings.replace(residency="host")
+    peaks = [
+        planner.plan(shape, host.replace(workspace_mb=mb), small, None, 64 << 30).device_peak
+        for mb in (256, 768)
+    ]
+    assert peaks[0] < peaks[1]
+    between = planner.Device("between", (peaks[0] + peaks[1]) // 2, 1.0, 1.0, 1.0)
+    chosen, why = planner.auto_workspace(shape, settings, between, ram=64 << 30, residency="host")
+    assert DEFAULT_WORKSPACE_MB <= chosen.workspace_mb < 768, why
+    assert planner.plan(shape, chosen.replace(residency="host"), between, None, 64 << 30).fits
+    h100 = planner.DEVICES["h100"]
+    plain = planner.PlanSettings(quant="none", seq=512, dtype="bf16").replace(density=0.01)
+    chosen, why = planner.auto_workspace(shape, plain, h100, ram=256 << 30, residency="auto")
+    assert chosen.workspace_mb == DEFAULT_WORKSPACE_MB and "in place" in why
+
+
+def test_usaf_train_resolves_the_workspace_and_says_so(workspace):
+    from usaf.train.memory_plan import resolve_auto
+
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    resolved, lines = resolve_auto(_config(workspace, "model.quant=nf4"), cpu, fp32)
+    assert isinstance(resolved.select.workspace_mb, int) and resolved.select.workspace_mb >= 1
+    assert any(line.startswith("select.workspace_mb=auto: ") for line in lines), lines
+    given, lines = resolve_auto(_config(workspace, "select.workspace_mb=64"), cpu, fp32)
+    assert given.select.workspace_mb == 64 and not any("workspace" in line for line in lines)
+
+
 def _losses(run_dir: Path) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r]

@@ -251,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
     if settings.run.select.density == "auto" and settings.num_entries is None:  # as usaf train resolves it
         settings, why = planner.auto_density(shape, settings, device, vram, ram, residency=residency)
         print(f"select.density=auto: {settings.density:.2%}, {why}")
+    if settings.run.select.workspace_mb == "auto":  # then the workspace, at that density
+        settings, why = planner.auto_workspace(shape, settings, device, vram, ram, residency=residency)
+        print(f"select.workspace_mb=auto: {why}")
     verdict = planner.decide(shape, settings, device, vram, ram, residency=residency)
     print(planner.format_verdict(model, verdict))
     if method is not None:

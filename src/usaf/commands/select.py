@@ -31,7 +31,7 @@ def run(args) -> int:
     from usaf.prepare import current_selection
     from usaf.selection.saved import save_selection
     from usaf.train import runtime
-    from usaf.train.memory_plan import choose_density
+    from usaf.train.memory_plan import resolve_auto
     from usaf.train.session import check_something_to_train, open_session, selection_summary
 
     config = effective_config(args)
@@ -59,7 +59,7 @@ def run(args) -> int:
         )
     expect_at(summary_file, identity(summary_file))
     device = runtime.resolve_device(config.model.device)
-    config, density_line = choose_density(config, device, runtime.resolve_dtype(config.model.dtype, device))
+    config, auto_lines = resolve_auto(config, device, runtime.resolve_dtype(config.model.dtype, device))
     session = open_session(
         config,
         lambda config, tokenizer, pack: load_run_data(config, tokenizer, pack, held_out=False),
@@ -69,8 +69,8 @@ def run(args) -> int:
     summary = selection_summary(model, config)
     with terminate_as_interrupt():
         save_selection(out, current_selection(model), summary)
-    if density_line:  # said once it is done: a failing command says one line, its error
-        print(density_line, file=sys.stderr)
+    for line in auto_lines:  # said once it is done: a failing command says one line, its error
+        print(line, file=sys.stderr)
     counts = summary["entries"]
     print(
         json.dumps(

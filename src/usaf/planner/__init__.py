@@ -14,7 +14,7 @@ from usaf.planner.ledger import (
     trained_entries,
     trained_router_params,
 )
-from usaf.planner.search import Verdict, auto_density, decide, published_line
+from usaf.planner.search import Verdict, auto_density, auto_workspace, decide, published_line
 from usaf.planner.settings import (
     DEVICES,
     DTYPE_BYTES,
@@ -46,6 +46,7 @@ __all__ = [
     "StepTime",
     "Verdict",
     "auto_density",
+    "auto_workspace",
     "command_line",
     "decide",
     "default_dtype",

@@ -181,7 +181,13 @@ class PlanSettings:
     num_entries = _run_option("num_entries")
     layers = _run_option("layers")
     granularity = _run_option("granularity")
-    workspace_mb = _run_option("workspace_mb")
+
+    @property
+    def workspace_mb(self) -> int:
+        """The run's select.workspace_mb; auto is resolved before planning (`planner.auto_workspace`), and where
+        it is not, reads as what prepare_model takes (UsafConfig.fixed_workspace_mb)."""
+        return self.run.select.fixed_workspace_mb
+
     residency = _run_option("residency")
     logits_chunk = _run_option("logits_chunk")
 

@@ -32,7 +32,7 @@ from usaf.train import checkpoint, distributed, runtime
 from usaf.train.checkpoint import Checkpointer, restore_trainable
 from usaf.train.distributed import StepShare, gradient_reducer
 from usaf.train.evaluate import Evaluator, supervised_units
-from usaf.train.memory_plan import choose_density
+from usaf.train.memory_plan import resolve_auto
 from usaf.train.metrics import open_metrics
 from usaf.train.optim import (
     apply_resumed_schedule,
@@ -114,19 +114,17 @@ class _Progress:
 
 
 def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress | None = None) -> dict:
-    density_line = None
+    auto_lines: list[str] = []
     if not resume:  # auto becomes a number before config.yaml records it (a resume takes the recorded one)
         device = distributed.local_device(runtime.resolve_device(config.model.device))
-        config, density_line = choose_density(
-            config, device, runtime.resolve_dtype(config.model.dtype, device)
-        )
+        config, auto_lines = resolve_auto(config, device, runtime.resolve_dtype(config.model.dtype, device))
     config, changes = open_run_dir(config, run_dir, resume)
     if resume:
         if (finished := finished_run(run_dir, config)) is not None:
             return finished  # nothing to do, and nothing written: the run's files stay as they are
         if any(c.startswith("model.path ") for c in changes):
             check_moved_base(run_dir, config.model.path)
-    return TrainingRun(config, run_dir, resume, changes, progress or _Progress(), density_line).train()
+    return TrainingRun(config, run_dir, resume, changes, progress or _Progress(), auto_lines).train()
 
 
 def _router_training(model, config: RunConfig, session, device, micro_batches: int) -> RouterTraining:
@@ -156,10 +154,10 @@ class TrainingRun:
         resume: bool,
         changes: list[str],
         progress: _Progress,
-        density_line: str | None = None,  # what select.density=auto chose, for the first lines
+        auto_lines: list[str] | None = None,  # what the memory plan's autos chose, for the first lines
     ):
         self.run_dir, self.resume, self.notes, self.progress = run_dir, resume, [], progress
-        self.density_line = density_line
+        self.auto_lines = auto_lines or []
         device = distributed.local_device(runtime.resolve_device(config.model.device))  # this rank's device
         dtype = runtime.resolve_dtype(config.model.dtype, device)
         # the settings as given (a note may turn packing off for this process only): what config.yaml states and
@@ -289,8 +287,8 @@ class TrainingRun:
             + self.data_stats.summary(),
             flush=True,
         )
-        if self.density_line:
-            print(self.density_line, flush=True)
+        for line in self.auto_lines:
+            print(line, flush=True)
         print(self.recompute.line, flush=True)
         for note in self.notes:
             print(f"note: {note}", flush=True)

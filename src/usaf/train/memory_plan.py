@@ -1,4 +1,4 @@
-"""The run's memory plan, which `train.recompute=auto` and `select.density=auto` read.
+"""The run's memory plan, which `train.recompute=auto`, `select.density=auto` and `select.workspace_mb=auto` read.
 
 The budget is `train.memory_limit` when given, else the GPU's memory, or on the CPU the machine's RAM. The run is
 what `usaf plan --config` plans: the same model shape, settings and ledger (`usaf.planner`).
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from usaf import planner
-from usaf.config import DEFAULT_DENSITY, RunConfig
+from usaf.config import DEFAULT_DENSITY, DEFAULT_WORKSPACE_MB, RunConfig
 from usaf.errors import UsafError, first_line
 from usaf.model.hf import load_config
 from usaf.planner.shape import load_model_config
@@ -74,6 +74,32 @@ def choose_density(
         density, why = DEFAULT_DENSITY, str(err)
     select = dataclasses.replace(config.select, density=density)
     return dataclasses.replace(config, select=select), f"select.density=auto: {density:.2%}, {why}"
+
+
+def choose_workspace(
+    config: RunConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[RunConfig, str | None]:
+    """`config` with select.workspace_mb=auto resolved (`planner.auto_workspace`, at the run's density: resolve
+    that first), and the line that says what was chosen and why; as given otherwise."""
+    if config.select.workspace_mb != "auto":
+        return config, None
+    try:
+        run = run_plan(config, device, dtype)
+        chosen, why = planner.auto_workspace(
+            run.shape, run.settings, run.device, *run.memory, residency=config.model.residency
+        )
+        workspace, line = chosen.workspace_mb, f"select.workspace_mb=auto: {why}"
+    except UsafError as err:
+        workspace, line = DEFAULT_WORKSPACE_MB, f"select.workspace_mb=auto: {DEFAULT_WORKSPACE_MB} MB, {err}"
+    select = dataclasses.replace(config.select, workspace_mb=workspace)
+    return dataclasses.replace(config, select=select), line
+
+
+def resolve_auto(config: RunConfig, device: torch.device, dtype: torch.dtype) -> tuple[RunConfig, list[str]]:
+    """`config` with the memory plan's autos resolved (the density, then the workspace at it), and their lines."""
+    config, density = choose_density(config, device, dtype)
+    config, workspace = choose_workspace(config, device, dtype)
+    return config, [line for line in (density, workspace) if line]
 
 
 def _budget(config: RunConfig, device: torch.device) -> tuple[int, str, planner.Device]:
