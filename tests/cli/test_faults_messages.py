@@ -181,7 +181,7 @@ def test_the_home_row_wrote_where_home_points(ws, tmp_path, monkeypatch, capsys)
         ({"density": 2}, "UsafConfig.density must be in (0, 1], got 2"),
         ({"num_entries": 0}, "UsafConfig.num_entries must be >= 1, got 0"),
         ({"file": [1], "strategy": "file"}, "UsafConfig.file must be a string, got [1]"),
-        ({"workspace_mb": "big"}, "UsafConfig.workspace_mb must be an integer, got 'big'"),
+        ({"workspace_mb": "big"}, "UsafConfig.workspace_mb must be an integer or auto, got 'big'"),
     ],
 )
 def test_a_selection_config_made_in_python_is_checked_as_a_file_is(kwargs, message):

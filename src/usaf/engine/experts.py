@@ -320,7 +320,7 @@ def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         ]
         if h.requires_grad:
             h = ObserveGradient.apply(h, on_grad)
-    routing_weights = top_k_weights.reshape(-1)[plan.order].unsqueeze(-1)
+    routing_weights = top_k_weights.reshape(-1, 1)[plan.order]  # [rows, 1]
     linear_down = "down_proj_bias" not in state.stores and not self.has_post_expert_norm
     if linear_down and h.shape[-1] <= hidden_states.shape[-1]:
         # weighting a linear map's input is weighting its output, and the input is the narrower (I <= H)

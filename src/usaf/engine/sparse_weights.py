@@ -95,11 +95,13 @@ class _SparseLinear(torch.autograd.Function):
         state = ctx.state
         need_x, need_values = ctx.needs_input_grad[:2]
         weight = state.stores["weight"].tensor
-        g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = None
         if need_x:
-            grad_x = kernels.cast(kernels.cast(g, weight.dtype) @ weight, x.dtype).view_as(x)
+            # the output gradient as it comes ([..., out]): matmul folds its leading dimensions, so the input
+            # gradient has x's shape without a view
+            grad_x = kernels.cast(kernels.cast(grad_out, weight.dtype) @ weight, x.dtype)
         probe = state.probes.get("weight")
+        g = grad_out.reshape(-1, grad_out.shape[-1])
         if need_values or probe is not None:
             U, V = _common(g, x.reshape(-1, x.shape[-1]))
             rows = Segments.single(U.shape[0], U.device)  # one matrix: one expert

@@ -28,9 +28,7 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def offsets_of(ids: torch.Tensor, num_segments: int, dtype=torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
     """(counts [n], offsets [n + 1]) of the segments that `ids` (each item's segment, ascending) group items into."""
     counts = torch.bincount(ids, minlength=num_segments)
-    offsets = torch.zeros(num_segments + 1, dtype=dtype, device=ids.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    return counts, offsets
+    return counts, F.pad(torch.cumsum(counts, 0, dtype=dtype), (1, 0))
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -125,7 +123,7 @@ def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tenso
     if n == 1:  # one expert (a native weight): no padding
         # one op each: the cast and the transposed copy together
         m1 = U.t().to(dtype, memory_format=torch.contiguous_format)
-        m2t = V.t().to(dtype, memory_format=torch.contiguous_format)
+        m2t = _transposed_copy(V, dtype)
     else:
         longest = max(rows.counts)
         expert, slot = _slots(rows, U.shape[0])
@@ -133,15 +131,41 @@ def _sampled_group(U, V, rows, local, entries, width: int, dtype) -> torch.Tenso
         m2t = _padded_columns(V, expert, slot, n, longest, dtype)
         m1, m2t = m1.view(n * a_dim, longest), m2t.view(n * width, longest)
     crow, columns = _block_diagonal_pattern(local, entries, a_dim, width)
-    pattern = torch.sparse_csr_tensor(
+    # the unchecked constructor, one op: the public `torch.sparse_csr_tensor` adds three (no-op) conversions of its
+    # arguments, and the pattern is valid by construction
+    pattern = torch.ops.aten._sparse_compressed_tensor_unsafe(
         crow,
         columns,
         # zeros, not empty: beta=0 still multiplies them (0 x a NaN of garbage is NaN)
         torch.zeros(local.numel(), dtype=dtype, device=local.device),
-        (n * a_dim, n * width),
-        check_invariants=False,
+        [n * a_dim, n * width],
+        layout=torch.sparse_csr,
     )
     return cast(torch.sparse.sampled_addmm(pattern, m1, m2t.t(), beta=0.0).values(), torch.float32)
+
+
+_last_transposed: list = []  # [(source, dtype, version), its copy]: see `_transposed_copy`
+
+
+def _transposed_copy(t: torch.Tensor, dtype) -> torch.Tensor:
+    """t.t() as a contiguous `dtype` copy; the last one is kept for the next call on the same data, as the
+    attention's q, k and v projections' backwards in a row are (one input, three weights). The source is held with
+    it, so its memory cannot be another tensor's while the copy is kept; its version counter tells an in-place
+    change."""
+    if _last_transposed:
+        (source, kept_dtype, version), copy = _last_transposed
+        if (
+            kept_dtype == dtype
+            and source._version == version
+            and source.device == t.device
+            and source.data_ptr() == t.data_ptr()
+            and source.shape == t.shape
+            and source.stride() == t.stride()
+        ):
+            return copy
+    copy = t.t().to(dtype, memory_format=torch.contiguous_format)
+    _last_transposed[:] = [(t, dtype, t._version), copy]
+    return copy
 
 
 def _block_diagonal_pattern(local, entries, a_dim: int, width: int):

@@ -66,16 +66,19 @@ def dequantize(parts: dict[str, torch.Tensor], rows: int, cols: int, dtype: torc
     data, absmax = parts["data"], parts["absmax"]
     numel = rows * cols
     k = data.numel() // ((numel + 1) // 2)
-
-    def run(data, absmax, count):
-        # A flat shape: bitsandbytes 0.50's CPU kernel blocks 2-D shapes per row, which is wrong (not merely
-        # different) when a row is not a whole number of blocks; quantization blocks the flattened tensor.
-        state = F.QuantState(absmax, shape=(count,), blocksize=BLOCK_SIZE, quant_type="nf4", dtype=dtype)
-        return F.dequantize_4bit(data.reshape(-1, 1), quant_state=state)
-
     if (
         numel % BLOCK_SIZE == 0
     ):  # whole blocks (and bytes) per expert: k experts are one long quantized vector
-        return run(data, absmax.reshape(-1), k * numel).view(k, rows, cols)
+        # bitsandbytes' registered op, not `F.dequantize_4bit`: it takes the [k, ...] parts as they are, where the
+        # wrapper wants them flat (an op each); the op itself is the one the wrapper calls. A flat output shape:
+        # bitsandbytes 0.50's CPU kernel blocks a 2-D or 3-D shape per row, which is wrong (not merely different)
+        # when a row is not a whole number of blocks; quantization blocks the flattened tensor.
+        flat = torch.ops.bitsandbytes.dequantize_4bit(data, absmax, BLOCK_SIZE, "nf4", [k * numel], dtype)
+        return flat.view(k, rows, cols)
+
+    def run(data, absmax, count):
+        state = F.QuantState(absmax, shape=(count,), blocksize=BLOCK_SIZE, quant_type="nf4", dtype=dtype)
+        return F.dequantize_4bit(data.reshape(-1, 1), quant_state=state)
+
     data, absmax = data.reshape(k, -1), absmax.reshape(k, -1)
     return torch.stack([run(data[i], absmax[i], numel).view(rows, cols) for i in range(k)])

@@ -76,9 +76,10 @@ def open_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[RunCon
         # the settings the run last trained with, from its (checksummed) checkpoint; a checkpoint of a usaf
         # that did not record them is compared with config.yaml as found
         recorded = checkpoint.read_state(latest).get(checkpoint.RUN_CONFIG_KEY)
-        if config.select.density == "auto":  # what auto resolved to when the run started
-            config = copy.deepcopy(config)
-            config.select.density = (recorded or found)["select"]["density"]
+        config = copy.deepcopy(config)
+        for key in ("density", "workspace_mb"):  # what an auto resolved to when the run started
+            if getattr(config.select, key) == "auto":
+                setattr(config.select, key, (recorded or found)["select"][key])
         return config, check_resumable(recorded or found, config, found, saved_config)
     if not distributed.is_main():  # [usaf.distributed] rank 0 marks and writes the folder
         return config, []
