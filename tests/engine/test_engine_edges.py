@@ -201,6 +201,38 @@ def test_a_chunks_trained_values_land_in_their_slots_and_the_rest_in_scratch(kin
         assert bool(weight[len(chunk)].isnan().all()) == (not others or not bool((whole[others] != 0).any()))
 
 
+@pytest.mark.parametrize(
+    "counts, per_chunk",
+    [([0, 0, 0], 2), ([3, 1, 2], 8), ([3, 0, 2, 0], 8), ([1, 1, 1, 1, 1], 2), ([2, 0, 0, 1, 4], 1)],
+)
+def test_chunks_partition_the_rows_and_hold_at_most_their_workspace(counts, per_chunk):
+    """No rows: no chunk. Every expert routed and fitting: one chunk of the whole stack in order, no slot table.
+    Otherwise routed experts in order, each chunk with one scratch expert (a routed one's data) and a slot table
+    that sends every other expert to it; at most `per_chunk` experts a chunk, or two."""
+    from usaf.engine.experts import Chunking
+    from usaf.kernels import Segments
+
+    chunking = Chunking(Segments.from_counts(counts, "cpu"), per_chunk)
+    routed = [e for e, c in enumerate(counts) if c]
+    if not routed:
+        assert chunking.chunks == []
+        return
+    if len(routed) == len(counts) and per_chunk >= len(counts):
+        (chunk,) = chunking.chunks
+        assert chunk.expert_ids == routed and chunk.slots is None and chunk.matmul_rows.counts == counts
+        return
+    seen, r0 = [], 0
+    for chunk in chunking.chunks:
+        *own, scratch = chunk.expert_ids
+        assert len(chunk.expert_ids) <= max(per_chunk, 2) and scratch in routed
+        assert chunk.matmul_rows.counts == [counts[e] for e in own] + [0]  # the scratch expert has no rows
+        assert (chunk.r0, chunk.r1) == (r0, r0 + sum(counts[e] for e in own))
+        assert chunk.slots.tolist() == [own.index(e) if e in own else len(own) for e in range(len(counts))]
+        seen += own
+        r0 = chunk.r1
+    assert seen == routed and r0 == sum(counts)
+
+
 def test_a_bare_moe_block_prepares_with_the_default_targets():
     """An experts block prepared on its own (bench/engine.py's layer) has no embedding or output layer: the
     targets beyond the experts find their weights inside it, and nothing asks it for embeddings."""

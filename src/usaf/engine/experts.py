@@ -94,6 +94,9 @@ class Chunking:
         if len(active) == experts and per_chunk >= experts:
             self.chunks = [Chunk(active, 0, rows.total, rows)]
             return
+        if not active:  # no rows at all: nothing to materialize
+            self.chunks = []
+            return
         take = max(1, per_chunk - 1)  # with the scratch expert
         groups = [active[i : i + take] for i in range(0, len(active), take)]
         counts = [[rows.counts[e] for e in group] + [0] for group in groups]
