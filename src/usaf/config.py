@@ -965,30 +965,26 @@ def _as_text(value, spec, where: str) -> str:
 
 
 # an option's declared type (`_declared_type`) -> what reads a value of it
-def _as_number_or_auto(value, spec, where: str) -> float | str:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        return _as_float(value, spec, where)
-    except UsafError:
-        raise UsafError(f"{where} must be a number or auto, got {value!r}.") from None
+def _or_auto(read, kind: str):
+    """A reader of `read`'s values or the word auto (select.density: a share or auto)."""
 
+    def read_or_auto(value, spec, where: str):
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            return read(value, spec, where)
+        except UsafError:
+            raise UsafError(f"{where} must be {kind} or auto, got {value!r}.") from None
 
-def _as_integer_or_auto(value, spec, where: str) -> int | str:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        return _as_int(value, spec, where)
-    except UsafError:
-        raise UsafError(f"{where} must be an integer or auto, got {value!r}.") from None
+    return read_or_auto
 
 
 _COERCERS = {
     "bool": _as_bool,
     "int": _as_int,
     "float": _as_float,
-    "float | str": _as_number_or_auto,
-    "int | str": _as_integer_or_auto,
+    "float | str": _or_auto(_as_float, "a number"),
+    "int | str": _or_auto(_as_int, "an integer"),
     "list[int]": _as_layer_numbers,
     "list": _as_names,
     "dict": _as_mapping,

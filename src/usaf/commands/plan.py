@@ -253,7 +253,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"select.density=auto: {settings.density:.2%}, {why}")
     if settings.run.select.workspace_mb == "auto":  # then the workspace, at that density
         settings, why = planner.auto_workspace(shape, settings, device, vram, ram, residency=residency)
-        print(f"select.workspace_mb=auto: {why}")
+        if why is not None:
+            print(f"select.workspace_mb=auto: {settings.workspace_mb} MB, {why}")
     verdict = planner.decide(shape, settings, device, vram, ram, residency=residency)
     print(planner.format_verdict(model, verdict))
     if method is not None:

@@ -100,19 +100,20 @@ def auto_density(
 
 def auto_workspace(
     shape: ModelShape, settings: PlanSettings, device: Device, vram=None, ram=None, residency: str = "device"
-) -> tuple[PlanSettings, str]:
+) -> tuple[PlanSettings, str | None]:
     """select.workspace_mb=auto: one chunk of every expert of a projection where the plan still fits at the
     residency the smallest workspace (DEFAULT_WORKSPACE_MB) fits at, else the largest halving of that which
     fits: fewer chunks are fewer kernel launches and larger grouped products. DEFAULT_WORKSPACE_MB where even it
-    does not fit, or where nothing is dequantized (unquantized experts on the device). And why, in words."""
+    does not fit, or where nothing is dequantized (unquantized experts on the device). And why, in words (None
+    where nothing is dequantized)."""
     machine = _Machine(shape, device, vram, ram)
     least = settings.replace(workspace_mb=DEFAULT_WORKSPACE_MB)
     plans = [machine.plan(least.replace(residency=r)) for r in _residencies(device, residency)]
     at = next((p.settings.residency for p in plans if p.fits), None)
     if at is None:
-        return least, f"{DEFAULT_WORKSPACE_MB} MB, the least auto takes: the plan does not fit"
+        return least, "the least auto takes: the plan does not fit"
     if settings.quant == "none" and at == "device":
-        return least, "unused: the experts are used in place"
+        return least, None  # the experts are used in place: nothing to say
     whole = -(-shape.num_experts * shape.largest_expert_matrix * DTYPE_BYTES[settings.dtype] // MiB)
     for mb in _halvings(whole, DEFAULT_WORKSPACE_MB):
         candidate = settings.replace(workspace_mb=mb)
@@ -120,8 +121,8 @@ def auto_workspace(
         if fitting.fits:
             chunks = "every expert of a projection at once" if mb == whole else f"1/{whole // mb} of them"
             why = f"peak {format_size(fitting.device_peak)} of {format_size(fitting.device_budget)}"
-            return candidate, f"{mb} MB, {chunks}; {why}"
-    return least, f"{DEFAULT_WORKSPACE_MB} MB: no larger workspace fits"
+            return candidate, f"{chunks}; {why}"
+    return least, "no larger workspace fits"
 
 
 def _halvings(value: int, floor: int) -> list[int]:

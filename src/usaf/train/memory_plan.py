@@ -62,18 +62,11 @@ def choose_density(
 ) -> tuple[RunConfig, str | None]:
     """`config` with select.density=auto resolved (the largest of AUTO_DENSITIES the plan fits, recomputing
     where train.recompute allows it), and the line that says what was chosen and why; as given otherwise."""
-    if config.select.density != "auto" or config.select.num_entries is not None:  # num_entries: no density
+    if config.select.num_entries is not None:  # a number of entries: no density
         return config, None
-    try:
-        run = run_plan(config, device, dtype)
-        chosen, why = planner.auto_density(
-            run.shape, run.settings, run.device, *run.memory, residency=config.model.residency
-        )
-        density, why = chosen.density, f"{why}; budget: {run.where}"
-    except UsafError as err:
-        density, why = DEFAULT_DENSITY, str(err)
-    select = dataclasses.replace(config.select, density=density)
-    return dataclasses.replace(config, select=select), f"select.density=auto: {density:.2%}, {why}"
+    return _resolved(
+        config, device, dtype, "density", planner.auto_density, DEFAULT_DENSITY, lambda d: f"{d:.2%}"
+    )
 
 
 def choose_workspace(
@@ -81,17 +74,34 @@ def choose_workspace(
 ) -> tuple[RunConfig, str | None]:
     """`config` with select.workspace_mb=auto resolved (`planner.auto_workspace`, at the run's density: resolve
     that first), and the line that says what was chosen and why; as given otherwise."""
-    if config.select.workspace_mb != "auto":
+    return _resolved(
+        config,
+        device,
+        dtype,
+        "workspace_mb",
+        planner.auto_workspace,
+        DEFAULT_WORKSPACE_MB,
+        lambda mb: f"{mb} MB",
+    )
+
+
+def _resolved(
+    config: RunConfig, device, dtype, key: str, choose, fallback, shown
+) -> tuple[RunConfig, str | None]:
+    """`config` with select.<key>=auto resolved by the planner's `choose` (else `fallback`, with the reason the
+    plan failed), and the line that says so; as given where it is not auto."""
+    if getattr(config.select, key) != "auto":
         return config, None
     try:
         run = run_plan(config, device, dtype)
-        chosen, why = planner.auto_workspace(
+        chosen, why = choose(
             run.shape, run.settings, run.device, *run.memory, residency=config.model.residency
         )
-        workspace, line = chosen.workspace_mb, f"select.workspace_mb=auto: {why}"
+        value, why = getattr(chosen, key), why and f"{why}; budget: {run.where}"
     except UsafError as err:
-        workspace, line = DEFAULT_WORKSPACE_MB, f"select.workspace_mb=auto: {DEFAULT_WORKSPACE_MB} MB, {err}"
-    select = dataclasses.replace(config.select, workspace_mb=workspace)
+        value, why = fallback, str(err)
+    select = dataclasses.replace(config.select, **{key: value})
+    line = why and f"select.{key}=auto: {shown(value)}, {why}"  # None: nothing worth a line (unused)
     return dataclasses.replace(config, select=select), line
 
 
