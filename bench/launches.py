@@ -72,23 +72,27 @@ def build(shape: dict, device: torch.device, dtype: torch.dtype, quant: str, see
     return model.to(device), None
 
 
-# the card whose memory plan sets the NF4 rows' workspace (select.workspace_mb=auto), with this much host RAM
-WORKSPACE_CARD, WORKSPACE_RAM = "rtx-4090", 64 << 30
+# the cards whose memory plan sets the NF4 rows' workspace (select.workspace_mb=auto): the first one the row's
+# configuration fits on, with this much host RAM (4 % of a 128-expert model does not fit 24 GB at all)
+WORKSPACE_CARDS, WORKSPACE_RAM = ("rtx-4090", "h100"), 64 << 30
 
 
-def planned_workspace(experts: int, dtype_name: str, density_pct: float, args) -> int:
-    """The workspace usaf train's select.workspace_mb=auto takes for this layer shape in a 48-layer model on
-    WORKSPACE_CARD, experts NF4 in host memory (what `planner.auto_workspace` says, as `usaf plan` shows it)."""
+def planned_workspace(experts: int, dtype_name: str, density_pct: float, args) -> tuple[int, str]:
+    """(MB, card): the workspace usaf train's select.workspace_mb=auto takes for this layer shape in a 48-layer
+    model, experts NF4 in host memory, on the first of WORKSPACE_CARDS the plan fits (`planner.auto_workspace`,
+    as `usaf plan` shows it)."""
     from usaf import planner
 
     config = {**shape_for(experts, 48, args), "model_type": "qwen3_moe"}
     shape = planner.model_shape(config, f"qwen3-30b-a3b-shaped, {experts} experts")
     settings = planner.PlanSettings(quant="nf4", seq=args.seq, batch=args.batch, dtype=dtype_name)
-    card = planner.DEVICES[WORKSPACE_CARD]
-    chosen, _ = planner.auto_workspace(
-        shape, settings.replace(density=density_pct / 100), card, card.memory, WORKSPACE_RAM, residency="host"
-    )
-    return chosen.workspace_mb
+    settings = settings.replace(density=density_pct / 100, residency="host")
+    for name in WORKSPACE_CARDS:
+        card = planner.DEVICES[name]
+        if planner.plan(shape, settings, card, card.memory, WORKSPACE_RAM).fits:
+            break
+    chosen, _ = planner.auto_workspace(shape, settings, card, card.memory, WORKSPACE_RAM, residency="host")
+    return chosen.workspace_mb, name
 
 
 def usaf_step(model, stores, density: float, ids, workspace_mb: int | None = None):
@@ -125,13 +129,13 @@ def measure(experts: int, density_pct: float, dtype_name: str, quant: str, args)
         model, stores = build(shape_for(experts, layers, args), device, DTYPES[dtype_name], quant)
         return usaf_step(model, stores, density_pct / 100, ids, workspace_mb)
 
-    workspace_mb = None  # unquantized experts on the device: no workspace
+    workspace_mb = card = None  # unquantized experts on the device: no workspace
     if quant != "none":
         workspace_mb = args.workspace_mb
         if workspace_mb is None:
             with warnings.catch_warnings():  # "planning from formulas": the shape is known, not loadable
                 warnings.simplefilter("ignore")
-                workspace_mb = planned_workspace(experts, dtype_name, density_pct, args)
+                workspace_mb, card = planned_workspace(experts, dtype_name, density_pct, args)
 
     began = time.perf_counter()
     counts = per_layer(make, device=device)
@@ -143,6 +147,7 @@ def measure(experts: int, density_pct: float, dtype_name: str, quant: str, args)
         "seq": args.seq,
         "batch": args.batch,
         "workspace_mb": workspace_mb,
+        "workspace_card": card,
         "ops_per_layer": counts.ops,
         "syncs_per_layer": counts.syncs,
         "shape_syncs_per_layer": counts.shape_syncs,
@@ -306,6 +311,7 @@ def markdown(payload: dict) -> str:
             continue
         top = ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in list(r["top_ops"].items())[:5])
         quant = r["quant"] + (f", workspace {r['workspace_mb']} MB" if r.get("workspace_mb") else "")
+        quant += f" ({r['workspace_card']}'s auto)" if r.get("workspace_card") else ""
         counts = [r["ops_per_layer"], r["syncs_per_layer"], r["shape_syncs_per_layer"]]
         counts += [r.get("cpu_only_syncs_per_layer", 0)]
         rows.append([*config, quant, r["seq"], *(f"{c:,}" for c in counts), top, f"{r['seconds']:.0f}"])
@@ -365,8 +371,9 @@ def main(argv=None) -> int:
         "--workspace-mb",
         type=int,
         default=None,
-        help="select.workspace_mb for the NF4 rows (default: what select.workspace_mb=auto takes on a "
-        f"{WORKSPACE_CARD} with {WORKSPACE_RAM >> 30} GB of RAM): how many routed experts one chunk holds",
+        help="select.workspace_mb for the NF4 rows (default: what select.workspace_mb=auto takes on the first "
+        f"of {', '.join(WORKSPACE_CARDS)} the row fits, with {WORKSPACE_RAM >> 30} GB of RAM): how many routed "
+        "experts one chunk holds",
     )
     parser.add_argument("--quick", action="store_true", help="E=8, tiny shapes: a smoke run in seconds")
     parser.add_argument("--speed", action="store_true", help="tokens/s against inference and PEFT LoRA")
