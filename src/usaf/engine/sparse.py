@@ -175,7 +175,7 @@ class ElementEntries(_Entries):
             weight.view(-1).index_put_((self.local_indices,), values)  # takes int32: no index op
             return
         flat = self.flat_indices if slots is None else self.flat_indices_at(slots)
-        weight.view(-1).index_copy_(0, flat, values)  # index_copy_ beats index_put_ on CPU
+        _flat_view(weight).index_copy_(0, flat, values)  # index_copy_ beats index_put_ on CPU
 
     def add_grad(
         self, grad: torch.Tensor | None, U: torch.Tensor, V: torch.Tensor, rows: Segments, first: int
@@ -192,6 +192,21 @@ class ElementEntries(_Entries):
             local = local[k0:k1]
         part = kernels.sampled_dots(U, V, rows, local, entries.span(first, last), self.shape[2])
         return accumulate(grad, part, k0, self.values)
+
+
+def _flat_view(weight: torch.Tensor) -> torch.Tensor:
+    """weight as one flat vector: the flat tensor it is a whole view of where there is one (a dequantized chunk
+    is made flat, then viewed as [k, A, B]), which saves the view op, else a view."""
+    base = weight._base
+    if (
+        base is not None
+        and base.dim() == 1
+        and base.numel() == weight.numel()
+        and weight.is_contiguous()
+        and weight.storage_offset() == base.storage_offset()
+    ):
+        return base
+    return weight.view(-1)
 
 
 def accumulate(grad: torch.Tensor | None, part: torch.Tensor, k0: int, values: torch.Tensor) -> torch.Tensor:

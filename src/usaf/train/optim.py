@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from usaf import kernels
 from usaf.config import OPTIMIZER_BUCKET_ENTRIES, RunConfig
 from usaf.engine.base_weights import starting_values
 from usaf.engine.installed import sparse_modules
@@ -52,9 +53,10 @@ def _rounding_noise(shape, generator: torch.Generator, device) -> torch.Tensor:
 
 def round_with_noise(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """`round_stochastic` with its noise drawn already (int32 in [0, 2^16), x's shape)."""
-    bits = x.contiguous().view(torch.int32)
+    bits = (x if x.is_contiguous() else x.contiguous()).view(torch.int32)  # an op only where needed
+    noise = noise if noise.shape == bits.shape else noise.view(bits.shape)
     # adding below the 16 kept bits carries into them with the probability of the dropped remainder
-    return ((bits + noise.view(bits.shape)) & -65536).view(torch.float32).to(COMPACT_DTYPE)
+    return ((bits + noise) & -65536).view(torch.float32).to(COMPACT_DTYPE)
 
 
 class CompactAdamW(torch.optim.AdamW):
@@ -141,7 +143,7 @@ class CompactAdamW(torch.optim.AdamW):
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
         if decay:
             torch._foreach_mul_(params, 1 - lr * decay)
-        grad = _flat([param.grad for param in params]).float()
+        grad = kernels.cast(_flat([param.grad for param in params]), torch.float32)
         exp_avg = _flat([state["exp_avg"] for state in states]).float().lerp_(grad, 1 - beta1)
         exp_avg_sq = _flat([state["exp_avg_sq"] for state in states]).float().mul_(beta2)
         exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
