@@ -38,6 +38,11 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(flat) if len(flat) > 1 else flat[0]
 
 
+def _flat_into(tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """`tensors` flattened and joined into `out` (converted to its dtype on the way): one op."""
+    return torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors], out=out)
+
+
 def _shaped(pieces, like: list[torch.Tensor]) -> list[torch.Tensor]:
     return [p if t.dim() == 1 else p.view_as(t) for p, t in zip(pieces, like, strict=True)]
 
@@ -144,8 +149,12 @@ class CompactAdamW(torch.optim.AdamW):
         if decay:
             torch._foreach_mul_(params, 1 - lr * decay)
         grad = kernels.cast(_flat([param.grad for param in params]), torch.float32)
-        exp_avg = _flat([state["exp_avg"] for state in states]).float().lerp_(grad, 1 - beta1)
-        exp_avg_sq = _flat([state["exp_avg_sq"] for state in states]).float().mul_(beta2)
+        # both moments in one fp32 buffer, each read from its bf16 store by one conversion into its half and
+        # rounded back in one pass: the bucket's ops do not double with its two moments
+        moments = torch.empty(2 * grad.numel(), dtype=torch.float32, device=grad.device)
+        exp_avg, exp_avg_sq = moments.split(grad.numel())
+        _flat_into([state["exp_avg"] for state in states], exp_avg).lerp_(grad, 1 - beta1)
+        _flat_into([state["exp_avg_sq"] for state in states], exp_avg_sq).mul_(beta2)
         exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
         del grad
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
@@ -165,10 +174,9 @@ class CompactAdamW(torch.optim.AdamW):
             generator.manual_seed((self.seed * 1_000_003 + index * 7_919 + step * 104_729) % (1 << 62))
             for name in _MOMENTS:
                 noise[name].append(_rounding_noise(param.shape, generator, param.device))
-        for name, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            stored = [state[name] for state in states]
-            rounded = round_with_noise(moment, _flat(noise[name]))
-            torch._foreach_copy_(stored, _shaped(rounded.split(sizes), stored))
+        stored = [state[name] for name in _MOMENTS for state in states]  # the order of `moments`
+        rounded = round_with_noise(moments, _flat(noise["exp_avg"] + noise["exp_avg_sq"]))
+        torch._foreach_copy_(stored, _shaped(rounded.split(sizes + sizes), stored))
 
     def load_state_dict(self, state_dict) -> None:
         # decay_to_base is the run's setting, not the checkpoint's (a checkpoint of 0.1.x has none)
