@@ -66,9 +66,8 @@ def dequantize(parts: dict[str, torch.Tensor], rows: int, cols: int, dtype: torc
     data, absmax = parts["data"], parts["absmax"]
     numel = rows * cols
     k = data.numel() // ((numel + 1) // 2)
-    if (
-        numel % BLOCK_SIZE == 0
-    ):  # whole blocks (and bytes) per expert: k experts are one long quantized vector
+    # whole blocks (and bytes) per expert: k experts are one long quantized vector
+    if numel % BLOCK_SIZE == 0:
         # bitsandbytes' registered op, not `F.dequantize_4bit`: it takes the [k, ...] parts as they are, where the
         # wrapper wants them flat (an op each); the op itself is the one the wrapper calls. A flat output shape:
         # bitsandbytes 0.50's CPU kernel blocks a 2-D or 3-D shape per row, which is wrong (not merely different)

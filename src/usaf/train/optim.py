@@ -33,14 +33,13 @@ COMPACT_DTYPE = torch.bfloat16
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _flat(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """`tensors` flattened and joined: into `out` when given (converted to its dtype on the way, one op), else a
+    new tensor (no op for one 1-D tensor)."""
     flat = [t if t.dim() == 1 else t.reshape(-1) for t in tensors]  # no view op for the usual 1-D values
+    if out is not None:
+        return torch.cat(flat, out=out)
     return torch.cat(flat) if len(flat) > 1 else flat[0]
-
-
-def _flat_into(tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """`tensors` flattened and joined into `out` (converted to its dtype on the way): one op."""
-    return torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors], out=out)
 
 
 def _shaped(pieces, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -153,8 +152,8 @@ class CompactAdamW(torch.optim.AdamW):
         # rounded back in one pass: the bucket's ops do not double with its two moments
         moments = torch.empty(2 * grad.numel(), dtype=torch.float32, device=grad.device)
         exp_avg, exp_avg_sq = moments.split(grad.numel())
-        _flat_into([state["exp_avg"] for state in states], exp_avg).lerp_(grad, 1 - beta1)
-        _flat_into([state["exp_avg_sq"] for state in states], exp_avg_sq).mul_(beta2)
+        _flat([state["exp_avg"] for state in states], out=exp_avg).lerp_(grad, 1 - beta1)
+        _flat([state["exp_avg_sq"] for state in states], out=exp_avg_sq).mul_(beta2)
         exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
         del grad
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
