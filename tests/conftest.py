@@ -26,6 +26,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="usaf-tests-datasets-")
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
+# usaf's own cache of prepared (quantized) stores: the session's too, so that a run starts cold as in CI
+os.environ["USAF_CACHE"] = tempfile.mkdtemp(prefix="usaf-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["USAF_CACHE"], ignore_errors=True)
 warnings.filterwarnings("ignore", message=".*Sparse.*")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

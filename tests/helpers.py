@@ -179,3 +179,29 @@ def train_cli_args(workspace: Path, out: Path, settings: list[str], *sets: str) 
     """`usaf train` arguments for a run on `workspace` into `out`, `settings` and `sets` given with --set."""
     args = ["train", f"--model={workspace / 'model'}", f"--data={workspace / 'train.jsonl'}", f"--out={out}"]
     return [*args, *(f"--set={s}" for s in [*settings, *sets])]
+
+
+# a stand-in for llama.cpp's convert_hf_to_gguf.py, with its command line: it records what it was given and the
+# merged checkpoint's digest (a file `mode` beside it says "fail" or "junk" to misbehave)
+FAKE_CONVERTER = """
+import hashlib, json, sys
+from pathlib import Path
+args = sys.argv[1:]
+merged, out, outtype = Path(args[0]), args[args.index("--outfile") + 1], args[args.index("--outtype") + 1]
+mode = Path(__file__).with_name("mode").read_text() if Path(__file__).with_name("mode").exists() else "ok"
+if mode == "fail":
+    print("INFO: loading model", file=sys.stderr)
+    print("NotImplementedError: Architecture 'Qwen3MoeForCausalLM' not supported!", file=sys.stderr)
+    sys.exit(1)
+digest = hashlib.sha256((merged / "model.safetensors").read_bytes()).hexdigest()
+Path(__file__).with_name("seen.json").write_text(json.dumps({"merged": str(merged), "outtype": outtype,
+    "digest": digest, "config": (merged / "config.json").is_file()}))
+Path(out).write_bytes((b"NOPE" if mode == "junk" else b"GGUF") + digest.encode())
+"""
+
+
+def fake_llama_cpp(folder: Path) -> Path:
+    """A llama.cpp folder whose converter is FAKE_CONVERTER (no network in tests)."""
+    folder.mkdir(parents=True)
+    (folder / "convert_hf_to_gguf.py").write_text(FAKE_CONVERTER)
+    return folder

@@ -1,40 +1,23 @@
 """`usaf export --gguf`: llama.cpp's converter found (--llama-cpp, $LLAMA_CPP), run on the merged export, its file
 placed only when it is one; a missing or failing converter is one line and leaves nothing behind.
 
-The converter here is a stand-in with llama.cpp's command line (no network in tests): it records what it was given
-and the merged checkpoint's bytes, so the test sees it converted exactly what `--merged` writes."""
+The converter here is a stand-in with llama.cpp's command line (no network in tests; `helpers.fake_llama_cpp`): it
+records what it was given and the merged checkpoint's bytes, so the test sees it converted exactly what `--merged`
+writes."""
 
 import hashlib
 import json
 from pathlib import Path
 
 import pytest
+from helpers import fake_llama_cpp
 
 from usaf.cli import main
-
-FAKE = """
-import hashlib, json, sys
-from pathlib import Path
-args = sys.argv[1:]
-merged, out, outtype = Path(args[0]), args[args.index("--outfile") + 1], args[args.index("--outtype") + 1]
-mode = Path(__file__).with_name("mode").read_text() if Path(__file__).with_name("mode").exists() else "ok"
-if mode == "fail":
-    print("INFO: loading model", file=sys.stderr)
-    print("NotImplementedError: Architecture 'Qwen3MoeForCausalLM' not supported!", file=sys.stderr)
-    sys.exit(1)
-digest = hashlib.sha256((merged / "model.safetensors").read_bytes()).hexdigest()
-Path(__file__).with_name("seen.json").write_text(json.dumps({"merged": str(merged), "outtype": outtype,
-    "digest": digest, "config": (merged / "config.json").is_file()}))
-Path(out).write_bytes((b"NOPE" if mode == "junk" else b"GGUF") + digest.encode())
-"""
 
 
 @pytest.fixture
 def llama_cpp(tmp_path):
-    folder = tmp_path / "llama.cpp"
-    folder.mkdir()
-    (folder / "convert_hf_to_gguf.py").write_text(FAKE)
-    return folder
+    return fake_llama_cpp(tmp_path / "llama.cpp")
 
 
 def leftovers(folder: Path) -> list[str]:

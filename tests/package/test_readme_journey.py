@@ -1,0 +1,175 @@
+"""Issue 35: a user's first hour, as the README tells it, run on every change.
+
+Every command line in the README's code blocks is either run here, in the order the README gives, in a scratch
+folder that holds what the README presumes the user has (`my.jsonl`, `prompts.jsonl`, `examples/`), with the
+bundled model standing in for the user's; or it belongs to another tool and is named in `OTHER_TOOLS` with where it
+is checked. A command the README gains that this test does not know fails it. Every Python snippet runs as it is
+written, with the bundled model for its placeholder path, so a snippet with an undefined name fails too. A command
+shown with its output (`$ usaf plan ...`) must print the lines shown."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import fake_llama_cpp
+from safetensors.torch import load_file
+
+from usaf.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+BUNDLED = ROOT / "src" / "usaf" / "demo_assets"
+MODEL_PLACEHOLDER = "path/to/moe-model"  # the README's snippets' stand-in for the user's model
+FAST = ["schedule.max_steps=2", "schedule.grad_accum=1", "schedule.warmup_steps=0", "log.progress=false"]
+OTHER_TOOLS = {  # first word of a README command that is not usaf's -> where that path is checked
+    "make": "the Makefile's own targets: `make test` is CI; `make demo` runs `usaf demo` (test_make_demo_runs)",
+    "vllm": "serving a merged export: the export tests check the layout transformers and vLLM load",
+    "llama-server": "serving a GGUF: llama.cpp's own tool, on the GGUF the walk-through writes",
+    "accelerate": "tests/distributed/test_trainer_ddp.py runs examples/hf_trainer.py under accelerate launch",
+    "ACCELERATE_USE_CPU=1": "tests/distributed/test_trainer_ddp.py (gloo on CPUs)",
+    "torchrun": "tests/distributed/test_trainer_ddp.py and test_data_parallel.py run it",
+}
+
+
+def code_blocks(text: str) -> list[tuple[str, list[str]]]:
+    """(language, lines) of every fenced block, and ("indented", lines) of every block indented by four spaces
+    after a blank line."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("```"):
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            blocks.append((line[3:].strip(), lines[i + 1 : end]))
+            i = end + 1
+            continue
+        if line.startswith("    ") and i > 0 and not lines[i - 1].strip():
+            end = i
+            while end < len(lines) and (lines[end].startswith("    ") or not lines[end].strip()):
+                end += 1
+            blocks.append(("indented", [x[4:] for x in lines[i:end] if x.strip()]))
+            i = end
+            continue
+        i += 1
+    return blocks
+
+
+def strip_comment(line: str) -> str:
+    return re.split(r"\s+#\s", line, maxsplit=1)[0].strip()
+
+
+def readme_commands() -> list[tuple[str, list[str]]]:
+    """Each command of the README's non-Python code blocks, with the output lines shown after it (`$ cmd`)."""
+    commands: list[tuple[str, list[str]]] = []
+    for lang, lines in code_blocks(README.read_text()):
+        if lang not in ("", "indented", "bash", "sh", "shell", "console"):  # python, yaml, text: not commands
+            continue
+        if any(x.startswith("$ ") for x in lines):  # a transcript: commands and what they print
+            for x in lines:
+                if x.startswith("$ "):
+                    commands.append((strip_comment(x[2:]), []))
+                elif commands and x.strip() != "...":
+                    commands[-1][1].append(x)
+            continue
+        commands += [(strip_comment(x), []) for x in lines if strip_comment(x)]
+    return commands
+
+
+def python_snippets() -> list[str]:
+    return ["\n".join(lines) for lang, lines in code_blocks(README.read_text()) if lang == "python"]
+
+
+def test_readme_has_the_journey_this_test_walks():
+    """The parsing above finds the walk-through (a README that lost it would pass the journey vacuously)."""
+    words = [shlex.split(c)[:2] for c, _ in readme_commands()]
+    assert ["usaf", "train"] in words and ["usaf", "generate"] in words and ["usaf", "export"] in words
+    assert ["make", "demo"] in words and ["make", "test"] in words and len(python_snippets()) >= 2
+    unknown = {w[0] for w in words if w[0] != "usaf" and w[0] not in OTHER_TOOLS}
+    assert not unknown, f"README commands this test does not know how to check: {unknown}"
+
+
+def users_folder(tmp_path: Path) -> Path:
+    """What the README presumes: the user's data, prompts, and the repository's example configs."""
+    home = tmp_path / "user"
+    home.mkdir()
+    train = (BUNDLED / "data" / "train.jsonl").read_text().splitlines()
+    (home / "my.jsonl").write_text("\n".join(train[:64]) + "\n")
+    prompts = [
+        json.loads(x)["prompt"] for x in (BUNDLED / "data" / "eval.jsonl").read_text().splitlines()[:3]
+    ]
+    (home / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    (home / "examples").symlink_to(ROOT / "examples")
+    return home
+
+
+def as_the_journey_runs(argv: list[str]) -> list[str]:
+    """A README command as run here: the bundled model for the user's (train's --config names a 30B model),
+    few steps."""
+    if argv[0] == "train":
+        if "--model" not in argv:
+            argv = [*argv, f"--model={BUNDLED / 'model'}"]
+        argv = [*argv, "--set", *FAST]
+    return argv
+
+
+@pytest.mark.slow
+def test_the_readme_walk_through_runs_on_the_bundled_model(tmp_path, monkeypatch, capsys):
+    home = users_folder(tmp_path)
+    monkeypatch.chdir(home)
+    monkeypatch.setenv("LLAMA_CPP", str(fake_llama_cpp(tmp_path / "llama.cpp")))
+    walked = []
+    for command, shown in readme_commands():
+        argv = shlex.split(command)
+        if argv[0] != "usaf":
+            continue
+        if argv[1] == "chat":
+            monkeypatch.setattr(sys, "stdin", io.StringIO("shift: abc -> \n/reset\nhi\n/exit\n"))
+        code = main(as_the_journey_runs(argv[1:]))
+        out, err = capsys.readouterr()
+        assert code == 0, f"README command `{command}` exited {code}: {err.strip()[-500:]}"
+        assert "Traceback" not in out + err
+        printed = {" ".join(x.split()) for x in out.splitlines()}
+        missing = [x for x in shown if " ".join(x.split()) not in printed]
+        assert not missing, f"`{command}` no longer prints what the README shows: {missing}"
+        walked.append(argv[1])
+    assert {"plan", "train", "generate", "chat", "export"} <= set(walked)
+    # what the walk-through promises it left behind
+    run = home / "runs" / "a"
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    rows = [json.loads(x) for x in (home / "answers.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all("base" in json.dumps(r) for r in rows)  # --compare-base: the base's too
+    merged = home / "out" / "merged"
+    assert set(load_file(str(merged / "model.safetensors"))) == set(
+        load_file(str(BUNDLED / "model" / "model.safetensors"))
+    )
+    assert (home / "out" / "model.gguf").read_bytes().startswith(b"GGUF")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(python_snippets())))
+def test_each_readme_python_snippet_runs_as_written(index, tmp_path):
+    code = python_snippets()[index].replace(MODEL_PLACEHOLDER, str(BUNDLED / "model"))
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_make_demo_runs_usaf_demo():
+    """`make demo` is `usaf demo` after the set-up (test_demo_task.py checks what the demo teaches)."""
+    makefile = (ROOT / "Makefile").read_text()
+    target = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    assert "usaf demo" in target
+
+
+@pytest.mark.slow
+def test_usaf_demo_runs_end_to_end(tmp_path, capsys):
+    assert main(["demo", f"--out={tmp_path / 'demo'}", "--set=schedule.max_steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy" in out and "Traceback" not in out
