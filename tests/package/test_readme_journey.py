@@ -85,11 +85,34 @@ def python_snippets() -> list[str]:
     return ["\n".join(lines) for lang, lines in code_blocks(README.read_text()) if lang == "python"]
 
 
+def table_commands() -> list[str]:
+    """Every command of the README's command table, its forms expanded: a span that starts with `--` continues
+    the command before it, optional `[...]` parts are given (except `[--set ...]`), and each alternative `A|B`
+    is a command of its own."""
+    commands = []
+    for line in README.read_text().splitlines():
+        if not line.startswith("| `usaf "):
+            continue
+        head = None
+        for span in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+            if span.startswith("--") and head:
+                span = f"{head} {span}"
+            head = span.split(" --")[0]
+            span = re.sub(r"\[--set [^\]]*\]", "", span).replace("[", "").replace("]", "")
+            forms = [[]]
+            for word in span.replace("\\|", "|").split():
+                forms = [[*f, alt] for f in forms for alt in word.split("|")]
+            commands += [" ".join(f) for f in forms]
+    return commands
+
+
 def test_readme_has_the_journey_this_test_walks():
     """The parsing above finds the walk-through (a README that lost it would pass the journey vacuously)."""
     words = [shlex.split(c)[:2] for c, _ in readme_commands()]
     assert ["usaf", "train"] in words and ["usaf", "generate"] in words and ["usaf", "export"] in words
     assert ["make", "demo"] in words and ["make", "test"] in words and len(python_snippets()) >= 2
+    table = [shlex.split(c)[1] for c in table_commands()]
+    assert {"train", "eval", "data", "select", "plan", "prepare", "export", "apply", "report"} <= set(table)
     unknown = {w[0] for w in words if w[0] != "usaf" and w[0] not in OTHER_TOOLS}
     assert not unknown, f"README commands this test does not know how to check: {unknown}"
 
@@ -168,8 +191,50 @@ def test_make_demo_runs_usaf_demo():
     assert "usaf demo" in target
 
 
+def table_values(home: Path):
+    """What each placeholder of the command table stands for in the user's folder: inputs are the bundled model and
+    data and what earlier commands made; every output placeholder is a new name at each use."""
+    made = iter(range(1000))
+    fixed = {
+        "DIR": str(BUNDLED / "model"), "MODEL_DIR": str(BUNDLED / "model"), "BASE": str(BUNDLED / "model"),
+        "config.json": str(BUNDLED / "model" / "config.json"), "PRESET": "qwen3-30b-a3b",
+        "FILE,FILE": "my.jsonl,more.jsonl", "RUN": "runs/t", "MODEL_OR_RUN": "runs/t", "run.yaml": "run.yaml",
+        "OUT.safetensors": "delta.safetensors", "DELTA": "delta.safetensors", "N": "2",
+    }  # fmt: skip
+    outputs = {"OUT_DIR", "OUT.jsonl", "OUT.gguf", "PREPARED", "sel.safetensors"}
+
+    def value(word: str, option: str | None) -> str:
+        if word == "FILE":
+            return "prompts.jsonl" if option == "--prompts" else "my.jsonl"
+        if word in outputs:
+            stem, dot, ext = word.partition(".")
+            return f"{stem.lower()}-{next(made)}{dot}{ext}"
+        return fixed.get(word, word)
+
+    (home / "more.jsonl").write_text((home / "my.jsonl").read_text())
+    (home / "run.yaml").write_text("schedule:\n  max_steps: 2\n  grad_accum: 1\nlog:\n  progress: false\n")
+    return value
+
+
 @pytest.mark.slow
-def test_usaf_demo_runs_end_to_end(tmp_path, capsys):
-    assert main(["demo", f"--out={tmp_path / 'demo'}", "--set=schedule.max_steps=3"]) == 0
-    out = capsys.readouterr().out
-    assert "accuracy" in out and "Traceback" not in out
+def test_every_command_of_the_readme_table_runs(tmp_path, monkeypatch, capsys):
+    """The command table's forms, in its order, on the bundled model (inputs first made by the commands above
+    them: the run by `usaf train`, the delta by `usaf export --delta`)."""
+    home = users_folder(tmp_path)
+    monkeypatch.chdir(home)
+    monkeypatch.setenv("LLAMA_CPP", str(fake_llama_cpp(tmp_path / "llama.cpp")))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("shift: abc -> \n/exit\n"))
+    value = table_values(home)
+    for command in table_commands():
+        words, argv = shlex.split(command)[1:], []
+        for i, word in enumerate(words):
+            argv.append(value(word, words[i - 1] if i else None))
+        if argv[0] == "train" and "--resume" not in argv and "--out" in argv:
+            argv += ["--set", *FAST]
+        if argv[0] == "demo":  # its 500 steps are test_demo_task.py's; here, that it runs
+            argv += ["--out=demo", "--set=schedule.max_steps=3"]
+        code = main(argv)
+        out, err = capsys.readouterr()
+        assert code == 0, f"README command `{command}` (run as {argv}) exited {code}: {err.strip()[-500:]}"
+        assert "Traceback" not in out + err
+    assert (home / "delta.safetensors").is_file() and (home / "runs" / "t" / "summary.json").is_file()
