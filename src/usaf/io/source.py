@@ -26,6 +26,7 @@ from torch import nn
 from usaf.errors import UsafError, first_line
 from usaf.files import INDEX_FILE, STORE_FILE
 from usaf.io import published, shards
+from usaf.io.guard import inside
 from usaf.model import verify
 from usaf.model.config_json import check_model_config
 from usaf.model.hf import (
@@ -70,6 +71,12 @@ def list_shards(model_dir: Path) -> dict[str, shards.TensorEntry]:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise UsafError(f"{index_path} is not a valid safetensors index ({err!r}).") from err
+        if not isinstance(weight_map, dict):
+            raise UsafError(
+                f"{index_path} is not a valid safetensors index (its weight_map is not a mapping)."
+            )
+        for key, name in weight_map.items():
+            inside(model_dir, name, f"{index_path}'s weight_map[{key!r}]")
         files = sorted(set(weight_map.values()))
     else:
         weight_map = None
