@@ -52,6 +52,11 @@ def store_names_outside(ctx, monkeypatch):
     path.write_text(json.dumps(metadata))
 
 
+def store_metadata_list(ctx, monkeypatch):
+    shutil.copytree(ctx.ws.store, ctx.tmp / "store")
+    (ctx.tmp / "store" / STORE_FILE).write_text('["files", "tensors"]\n')
+
+
 def index_names(where: str):
     """A copy of the base at {tmp}/model whose weights are only reachable through its shard index naming them at
     `where` (`../x.safetensors`, or the absolute path of {tmp}/x.safetensors)."""
@@ -96,6 +101,8 @@ TRAIN = [
 ]
 EVAL = ["eval", MODEL, "--data={ws.data}"]
 KEEP = ["{ws.base}", MODEL]
+STORE_TRAIN = ["train", "--model={tmp}/store", "--data={ws.data}", "--out={tmp}/run", *SET_ARGS,
+               "--set=model.quant=int8", "--set=schedule.max_steps=1"]  # fmt: skip
 FIX = "restore the model's original config.json"
 
 ROWS = [
@@ -129,10 +136,11 @@ ROWS = [
           ("prepare", ["prepare", "{ws.pickles}", "--quant=int8", "--out={tmp}/out"]),
       ]],
     # names read from metadata that lead outside their folder (each read the file outside before)
-    Row("store-file-outside", ["train", "--model={tmp}/store", "--data={ws.data}", "--out={tmp}/run", *SET_ARGS,
-        "--set=model.quant=int8", "--set=schedule.max_steps=1"], 2,
+    Row("store-file-outside", STORE_TRAIN, 2,
         ["usaf_store.json's files", "'../outside.safetensors'", "outside {tmp}/store"],
         setup=store_names_outside, keeps=["{tmp}/store", "{tmp}/outside.safetensors"], absent=["{tmp}/run"]),
+    Row("store-metadata-list", STORE_TRAIN, 2, ["usaf_store.json is corrupted (not a JSON object)"],
+        setup=store_metadata_list, keeps=["{tmp}/store"], absent=["{tmp}/run"]),
     Row("index-relative-outside", TRAIN, 2, [f"{INDEX_FILE}'s weight_map", "'../x.safetensors'", "outside"],
         setup=index_names("relative"), keeps=KEEP, absent=["{tmp}/run"]),
     Row("index-absolute", EVAL, 2, [f"{INDEX_FILE}'s weight_map", "'{tmp}/x.safetensors'", "outside"],

@@ -93,13 +93,19 @@ def read_store_metadata(prepared_dir: str | Path) -> dict:
         )
     try:
         metadata = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # not JSON, or not UTF-8
         raise UsafError(f"{path} is corrupted ({err}); prepare the store again.") from err
+    if not isinstance(metadata, dict):
+        raise UsafError(f"{path} is corrupted (not a JSON object); prepare the store again.")
     if metadata.get("format") != "usaf-store" or metadata.get("format_version", 0) > STORE_FORMAT_VERSION:
         raise UsafError(
             f"{path} is a store of format version {metadata.get('format_version')!r} made by usaf "
             f"{metadata.get('usaf_version')}; this usaf {__version__} reads version {STORE_FORMAT_VERSION}: "
             "prepare the store again."
+        )
+    if not all(isinstance(metadata.get(key), dict) for key in ("files", "tensors")):
+        raise UsafError(
+            f"{path} is corrupted (its files or tensors are not a mapping); prepare the store again."
         )
     return metadata
 

@@ -125,7 +125,9 @@ def structural_difference(recorded: dict, base: BaseCheckpoint) -> tuple[str, st
     `recorded`: file sizes (of the files `base` has under the recorded names), every recorded tensor's presence,
     dtype, shape and sampled bytes. The full sha256 are not checked here."""
     for name, size in sorted((recorded.get("files") or {}).items()):
-        path = inside(base.dir, name, "the record of the base (a run's base.json, a delta's metadata): its files")
+        path = inside(
+            base.dir, name, "the record of the base (a run's base.json, a delta's metadata): its files"
+        )
         if path.is_file() and path.stat().st_size != size:
             return name, f"{path} is {path.stat().st_size} bytes"
     for key, info in sorted((recorded.get("tensors") or {}).items()):
