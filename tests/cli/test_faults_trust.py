@@ -14,7 +14,9 @@ import yaml
 from faults import SET_ARGS, Row, table_test
 
 from usaf.cli import main
+from usaf.errors import UsafError
 from usaf.files import INDEX_FILE, STATE_FILE, STATE_SUM_FILE, STORE_FILE
+from usaf.io.guard import inside
 from usaf.io.shards import read_header
 
 LAST = "checkpoints/step-00000003"  # the finished run's latest checkpoint
@@ -193,3 +195,29 @@ def test_trains_the_folder_named(ws, tmp_path):
     assert main(argv) == 0
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["model"]["path"] == str(folder)
+
+
+def test_names_from_metadata_stay_inside_their_folder(tmp_path):
+    """`inside`: a name, or a link, that leads out of its folder is one line naming the metadata entry; a hub
+    cache snapshot's links into its own blobs are where its files belong."""
+    folder = tmp_path / "store"
+    folder.mkdir()
+    (tmp_path / "outside.safetensors").write_bytes(b"x")
+    (folder / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    (folder / "own.safetensors").write_bytes(b"x")
+    assert inside(folder, "own.safetensors", "meta") == folder / "own.safetensors"
+    for name in [
+        "../outside.safetensors",
+        str(tmp_path / "outside.safetensors"),
+        "link.safetensors",
+        "a/../..",
+        "",
+    ]:
+        with pytest.raises(UsafError, match=r"^meta\[x\] names"):
+            inside(folder, name, "meta[x]")
+    snapshot = tmp_path / "models--org--name" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--org--name" / "blobs").mkdir()
+    (tmp_path / "models--org--name" / "blobs" / "sha").write_bytes(b"x")
+    (snapshot / "model.safetensors").symlink_to("../../blobs/sha")
+    assert inside(snapshot, "model.safetensors", "index") == snapshot / "model.safetensors"
