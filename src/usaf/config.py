@@ -576,15 +576,16 @@ class RunConfig:
             getattr(self, name).validate(f"{source}: {name}")
 
     @classmethod
-    def load(cls, path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
-        """A YAML file (optional) with `section.key=value` overrides applied on top."""
+    def load(cls, path: str | None = None, overrides: list | None = None) -> RunConfig:
+        """A YAML file (optional) with overrides applied on top: `section.key=value` text (the value read as
+        YAML, as `--set` gives it) or ("section.key", value) pairs taken as typed (`apply_override`)."""
         data = _read_config_file(path) if path else {}
         for item in overrides or []:
             apply_override(data, item)
         return cls.from_dict(data, source=path or "config")
 
     @classmethod
-    def load_saved(cls, path: str, overrides: list[str] | None = None) -> RunConfig:
+    def load_saved(cls, path: str, overrides: list | None = None) -> RunConfig:
         """A run's own config.yaml (every option written out): an option it lacks did not exist when the run
         started, so it takes the value that run trained with (EARLIER_DEFAULTS), not today's default."""
         data = _read_config_file(path)
@@ -740,18 +741,23 @@ def _children(node) -> list:
     return [part for item in value for part in (item if isinstance(item, tuple) else (item,))]
 
 
-def apply_override(data: dict, item: str) -> None:
-    """`section.key=value` (value parsed as YAML: numbers, booleans, lists) into a nested dict."""
-    if "=" not in item or "." not in item.split("=", 1)[0]:
-        raise UsafError(f"--set {item!r}: expected section.key=value, e.g. --set optim.lr=3e-4.")
-    key, raw = item.split("=", 1)
+def apply_override(data: dict, item: str | tuple[str, object]) -> None:
+    """`section.key=value` (value parsed as YAML: numbers, booleans, lists) into a nested dict; or a
+    ("section.key", value) pair, whose value is already typed and taken as it is (a path from the command line is
+    a string verbatim: YAML would read ` #` as a comment and `: ` as a mapping)."""
+    if isinstance(item, tuple):
+        (key, value), item = item, f"{item[0]}={item[1]}"
+    else:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise UsafError(f"--set {item!r}: expected section.key=value, e.g. --set optim.lr=3e-4.")
+        key, raw = item.split("=", 1)
+        try:
+            value = read_yaml(raw, f"--set {key}") if raw != "" else ""
+        except YamlRefusedError:
+            raise
+        except UsafError:
+            value = raw  # not YAML: the text as given
     section, name = key.split(".", 1)
-    try:
-        value = read_yaml(raw, f"--set {key}") if raw != "" else ""
-    except YamlRefusedError:
-        raise
-    except UsafError:
-        value = raw  # not YAML: the text as given
     if data.get(section) is None:  # absent, or an empty `section:` line in the file
         data[section] = {}
     if not isinstance(data[section], dict):

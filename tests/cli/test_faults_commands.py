@@ -212,7 +212,7 @@ ROWS = [
     Row("prepare-truncated-weights", ["prepare", "{ws.trunc}", "--out={tmp}/store"], 2,
         ["{ws.trunc}/model.safetensors is truncated", "re-download or re-create it"], absent=["{tmp}/store"]),
     Row("prepare-pickles-only", ["prepare", "{ws.pickles}", "--out={tmp}/store"], 2,
-        ["No safetensors weights in {ws.pickles} (usaf reads safetensors only, never pickles)"],
+        ["{ws.pickles} holds its weights only as pickles", "convert them to safetensors"],
         absent=["{tmp}/store"]),
     Row("prepare-pre-quantized", ["prepare", "{ws.prequantized}", "--out={tmp}/store"], 2,
         ["{ws.prequantized}/config.json: quantization_config.quant_method is 'gptq'", "use the model's bf16 checkpoint"],

@@ -21,6 +21,7 @@ from usaf.engine.state import PreparedStore, model_state
 from usaf.errors import UsafError
 from usaf.files import STORE_FILE
 from usaf.io import published, shards
+from usaf.io.guard import inside
 from usaf.io.source import SourceCheckpoint
 from usaf.model.hf import build_skeleton, compute_missing_buffers, load_config, mark_loaded
 from usaf.model.layout import expert_weight_names, find_moe_layers
@@ -92,13 +93,19 @@ def read_store_metadata(prepared_dir: str | Path) -> dict:
         )
     try:
         metadata = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # not JSON, or not UTF-8
         raise UsafError(f"{path} is corrupted ({err}); prepare the store again.") from err
+    if not isinstance(metadata, dict):
+        raise UsafError(f"{path} is corrupted (not a JSON object); prepare the store again.")
     if metadata.get("format") != "usaf-store" or metadata.get("format_version", 0) > STORE_FORMAT_VERSION:
         raise UsafError(
             f"{path} is a store of format version {metadata.get('format_version')!r} made by usaf "
             f"{metadata.get('usaf_version')}; this usaf {__version__} reads version {STORE_FORMAT_VERSION}: "
             "prepare the store again."
+        )
+    if not all(isinstance(metadata.get(key), dict) for key in ("files", "tensors")):
+        raise UsafError(
+            f"{path} is corrupted (its files or tensors are not a mapping); prepare the store again."
         )
     return metadata
 
@@ -218,7 +225,7 @@ def _store_entries(prepared_dir: Path, metadata: dict) -> dict[str, shards.Tenso
     """Every stored tensor, with each file checked against its recorded size (a truncated store fails here)."""
     entries = {}
     for file, info in metadata["files"].items():
-        path = prepared_dir / file
+        path = inside(prepared_dir, file, f"{prepared_dir / STORE_FILE}'s files")
         if not path.exists():
             raise UsafError(f"{path} is missing from the prepared store; prepare it again.")
         if path.stat().st_size != info["size"]:
@@ -283,10 +290,13 @@ def _open_source(source_dir: Path, metadata: dict, model: nn.Module, experts: di
                 f"was prepared from {info['dtype']} {info['shape']}; pass the checkpoint the store was prepared from."
             )
     source.expected_checksums = {key: info["sha256"] for key, info in recorded.items()}
+    paths = {
+        name: inside(source_dir, name, f"{STORE_FILE}'s source files") for name in metadata["source"]["files"]
+    }
     changed = {
         name
         for name, stamp in metadata["source"]["files"].items()
-        if not (source_dir / name).exists() or file_stamp(source_dir / name) != stamp
+        if not paths[name].exists() or file_stamp(paths[name]) != stamp
     }
     for key, info in recorded.items():
         if {info["file"], *(f.name for f in files_of_entry(source.entries[key]))} & changed:

@@ -12,6 +12,7 @@ from usaf.config import read_yaml
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE, RUN_BASE_FILE, STORE_FILE
 from usaf.io import shards
+from usaf.io.guard import inside
 
 SAMPLE_BYTES = 4096  # a tensor that is not hashed whole is known by the sha256 of its first and last 4 KiB
 
@@ -124,7 +125,9 @@ def structural_difference(recorded: dict, base: BaseCheckpoint) -> tuple[str, st
     `recorded`: file sizes (of the files `base` has under the recorded names), every recorded tensor's presence,
     dtype, shape and sampled bytes. The full sha256 are not checked here."""
     for name, size in sorted((recorded.get("files") or {}).items()):
-        path = base.dir / name
+        path = inside(
+            base.dir, name, "the record of the base (a run's base.json, a delta's metadata): its files"
+        )
         if path.is_file() and path.stat().st_size != size:
             return name, f"{path} is {path.stat().st_size} bytes"
     for key, info in sorted((recorded.get("tensors") or {}).items()):

@@ -45,12 +45,13 @@ def effective_config(args) -> RunConfig:
         if not saved.exists():
             raise UsafError(f"--resume {args.resume}: no config.yaml there; is it a usaf run directory?")
         config_path = config_path or str(saved)
+    # paths as typed, never read as YAML (`qwen #2` is not `qwen` and a comment)
     if args.model:
-        overrides.append(f"model.path={args.model}")
+        overrides.append(("model.path", args.model))
     if args.data:
-        overrides.append(f"data.train={args.data}")
+        overrides.append(("data.train", args.data))
     if getattr(args, "eval_data", None):
-        overrides.append(f"data.eval={args.eval_data}")
+        overrides.append(("data.eval", args.eval_data))
     if getattr(args, "skip_bad_records", False):
         overrides.append("data.skip_bad_records=true")
     return load(config_path, overrides)

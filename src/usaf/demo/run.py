@@ -66,9 +66,9 @@ def run_demo(args) -> int:
     config = RunConfig.load(
         None,
         [
-            f"model.path={model_dir}",
-            f"data.train={data_dir / 'train.jsonl'}",
-            f"data.eval={data_dir / 'eval.jsonl'}",
+            ("model.path", str(model_dir)),
+            ("data.train", str(data_dir / "train.jsonl")),
+            ("data.eval", str(data_dir / "eval.jsonl")),
             *DEMO_SETTINGS,
             *args.set,
         ],

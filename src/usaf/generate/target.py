@@ -87,7 +87,7 @@ def open_target(target: str, delta: str | None, base_dir: str | None, overrides:
                 f"{target} is a run: its trained values are used as they are; --delta goes with a base model."
             )
         return _open_run(folder, overrides)
-    config = RunConfig.load(None, [f"model.path={target}", *overrides])
+    config = RunConfig.load(None, [("model.path", target), *overrides])
     config.model.path = local_model_path(config.model.path)
     device, dtype = _session(config)
     tokenizer = load_tokenizer(config.model.path)

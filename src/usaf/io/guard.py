@@ -1,4 +1,5 @@
-"""Where a command may write: the one check every command that writes calls before it writes anything.
+"""Where a command may write: the one check every command that writes calls before it writes anything; and where
+a name read from metadata may point (`inside`).
 
 An output (its real place, links followed) is never an input of the command, never holds one and never lies inside
 one, and never lies inside a usaf run, a model folder or a prepared store. An existing output is replaced only with
@@ -14,7 +15,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE, DELTA_FORMAT, DEMO_MARKER, MERGED_METADATA_FILE, RUN_MARKER, STORE_FILE
@@ -210,3 +211,33 @@ def check_output(
             )
     expect_at(out, found)
     return out
+
+
+def inside(folder: Path, name: object, what: str) -> Path:
+    """`folder / name` for a file name read from metadata (a store's file list, a shard index's weight_map, a
+    checkpoint's state.json...), refused in one line unless it stays inside `folder`: no absolute name, no `..`,
+    no link that leads out. `what` names the metadata file and its entry, for the message. A hub cache snapshot's
+    files are links into the same repository's blobs, which is where they belong."""
+    folder = Path(folder)
+    if not isinstance(name, str) or name in ("", ".") or "\0" in name:
+        raise UsafError(
+            f"{what} names {name!r}, which is not a file name; the metadata is damaged: re-create it."
+        )
+    parts = PurePosixPath(name).parts
+    if PurePosixPath(name).is_absolute() or Path(name).is_absolute() or ".." in parts:
+        raise UsafError(
+            f"{what} names {name!r}, outside {folder}; a name read from metadata must be a file inside its folder: "
+            "the metadata is damaged or was not written by its tool, so usaf reads nothing through it (re-create it)."
+        )
+    path = folder / name
+    root = real_path(folder)
+    allowed = [root]
+    if folder.parent.name == "snapshots":  # huggingface_hub's cache: snapshots/REV/NAME -> ../../blobs/SHA
+        allowed.append(real_path(folder.parent.parent / "blobs"))
+    real = real_path(path)
+    if not any(place in real.parents for place in allowed):
+        raise UsafError(
+            f"{what} names {name!r}, a link in {folder} that leads outside it (to {real}); usaf reads a folder's "
+            "files only from that folder: replace the link by the file itself."
+        )
+    return path

@@ -24,12 +24,15 @@ from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
 from usaf.errors import UsafError, first_line
-from usaf.files import INDEX_FILE
+from usaf.files import INDEX_FILE, STORE_FILE
 from usaf.io import published, shards
+from usaf.io.guard import inside
+from usaf.model import verify
 from usaf.model.config_json import check_model_config
 from usaf.model.hf import (
     WeightConverter,
     WeightRenaming,
+    build_skeleton,
     conversion_mapping,
     dot_natural_key,
     load_config,
@@ -68,13 +71,25 @@ def list_shards(model_dir: Path) -> dict[str, shards.TensorEntry]:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise UsafError(f"{index_path} is not a valid safetensors index ({err!r}).") from err
+        if not isinstance(weight_map, dict):
+            raise UsafError(
+                f"{index_path} is not a valid safetensors index (its weight_map is not a mapping)."
+            )
+        for key, name in weight_map.items():
+            inside(model_dir, name, f"{index_path}'s weight_map[{key!r}]")
         files = sorted(set(weight_map.values()))
     else:
         weight_map = None
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
-        hint = " (usaf reads safetensors only, never pickles)" if any(model_dir.glob("*.bin")) else ""
-        raise UsafError(f"No safetensors weights in {model_dir}{hint}.")
+        pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        if pickles:
+            raise UsafError(
+                f"{model_dir} holds its weights only as pickles ({', '.join(pickles[:3])}), which usaf never reads "
+                "(loading a pickle runs code): convert them to safetensors (e.g. save_pretrained(..., "
+                "safe_serialization=True) in a trusted environment) or download the model's .safetensors files."
+            )
+        raise UsafError(f"No safetensors weights in {model_dir}.")
     entries: dict[str, shards.TensorEntry] = {}
     for name in files:
         path = model_dir / name
@@ -106,6 +121,7 @@ class SourceCheckpoint:
         self.published = published.published_method(config, self.dir)
         self.entries = published.derive_entries(list_shards(self.dir), config, self.dir)
         self.groups, self.ignored = self._group(model)
+        verify.check_unexpected(self.dir, model, self.ignored)
         self.targets = self._plan(model, expert_names)
         self._hashers: dict[str, tuple[object, int]] = {}  # key -> (sha256 so far, next expert) for stacks
         self.checksums: dict[str, str] = {}
@@ -151,19 +167,15 @@ class SourceCheckpoint:
             try:
                 produced = self._convert(group, group.sources, self._meta)
             except Exception as err:
-                raise UsafError(
-                    f"Cannot map checkpoint tensors {group.keys()[:3]}... onto '{group.name}': {err}"
-                ) from err
+                raise verify.unmappable(
+                    self.dir, group.keys(), group.name, expected[group.name].shape, err
+                ) from None
             for name, tensor in produced.items():
                 if name not in expected:
                     continue
                 want = tuple(expected[name].shape)
                 if tuple(tensor.shape) != want:
-                    raise UsafError(
-                        f"Checkpoint tensor(s) {group.keys()[:2]} in {self.dir} give '{name}' the shape "
-                        f"{list(tensor.shape)}, but the model's config expects {list(want)}: the config and the "
-                        "weights disagree."
-                    )
+                    raise verify.misshapen(self.dir, group.keys(), name, tensor.shape, want, model.config)
                 per_expert = name in expert_names and self._per_expert(group, name, want)
                 targets[name] = Target(name, want, tensor.dtype, group.name, per_expert)
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
@@ -174,10 +186,7 @@ class SourceCheckpoint:
                 continue
             if name in buffers:
                 continue  # a persistent buffer the model computes itself when the checkpoint lacks it
-            raise UsafError(
-                f"The checkpoint in {self.dir} has no tensor for the model's parameter '{name}': the checkpoint is "
-                "incomplete or does not belong to this config; re-download it."
-            )
+            raise verify.missing(self.dir, name, model.config)
         return targets
 
     def _per_expert(self, group: Group, name: str, shape: tuple[int, ...]) -> bool:
@@ -434,3 +443,7 @@ def check_model_files(path: str) -> None:
         raise UsafError(f"{config_file} cannot be read: {first_line(err)}") from None
     for shard in sorted(folder.glob("*.safetensors")):
         shards.read_header(shard)  # checked against the file's size: a truncated copy is named here
+    if not (folder / STORE_FILE).is_file():  # a prepared store is checked against its own metadata
+        SourceCheckpoint(
+            folder, build_skeleton(load_config(folder)), set()
+        )  # the weights against config.json

@@ -23,6 +23,7 @@ from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
 from usaf.files import EXTRA_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STATE_SUM_FILE, TRAINABLE_FILE
 from usaf.io.atomic import atomic_dir, atomic_file, fsync_file, make_shareable, remove_dead_writers
+from usaf.io.guard import inside
 from usaf.train import distributed
 from usaf.version import __version__
 
@@ -225,7 +226,7 @@ def verify(path: Path, meta: dict) -> None:
     """Every file of checkpoint `path` against the sha256 its state.json recorded (checkpoints written before
     usaf recorded them are not checked)."""
     for name, digest in (meta.get("files") or {}).items():
-        file = path / name
+        file = inside(path, name, f"{path / STATE_FILE}'s files")
         if not file.is_file():
             raise UsafError(
                 f"Checkpoint {path} is incomplete: {name} is missing; delete {path} to fall back to an earlier "

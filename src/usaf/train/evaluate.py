@@ -130,7 +130,7 @@ def evaluate_target(target: str, data_files: list[str], overrides: list[str]) ->
         if saved is None:
             raise UsafError(f"{run_dir} has no finished checkpoint to evaluate.")
     else:
-        config = RunConfig.load(None, [f"model.path={target}", *overrides])
+        config = RunConfig.load(None, [("model.path", target), *overrides])
     session = open_session(  # no backward here: nothing to recompute; the run's own selection, or none
         config,
         lambda config, tokenizer, pack: load_run_data(config, tokenizer, pack, data_files, held_out=False),
