@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     128+N for a signal N (one line; SIGPIPE's 141, quietly, when the reader of standard output has gone)."""
     with _interruptible():
         try:
-            return _main(argv)
+            try:
+                return _main(argv)
+            finally:  # what is still buffered (all of --help into a pipe): its reader's absence shows here
+                if sys.stdout is not None:
+                    sys.stdout.flush()
         except BrokenPipeError:
             # the reader has gone (`usaf data --show 100 | head -1`): end quietly with the status of a tool that
             # SIGPIPE stopped, as `cat` and `yes` do (Python ignores SIGPIPE and raises this instead)
