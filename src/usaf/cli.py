@@ -143,7 +143,14 @@ def _interruptible():
         yield
         return
 
+    pid = os.getpid()
+
     def terminate(signum, frame):
+        # a worker forked meanwhile (datasets' num_proc) ends by the signal, as before
+        if os.getpid() != pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         raise Terminated()
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}

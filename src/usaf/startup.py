@@ -27,7 +27,7 @@ def is_the_command() -> bool:
     argv = getattr(sys, "orig_argv", [])
     script = os.path.basename(sys.argv[0]) if sys.argv else ""
     return script in ("usaf", "usaf.exe") or any(
-        flag == "-m" and module == "usaf" for flag, module in itertools.pairwise(argv)
+        flag == "-m" and module in ("usaf", "usaf.cli") for flag, module in itertools.pairwise(argv)
     )
 
 
