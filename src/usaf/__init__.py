@@ -1,5 +1,6 @@
 """usaf: fine-tune a Mixture-of-Experts model's own expert weights, sparsely, on a frozen base."""
 
+import usaf.startup  # noqa: F401  (first: Ctrl-C while the imports below run ends `usaf` in one line)
 from usaf import train  # callable: usaf.train(config, run_dir) runs the job (see usaf.train)
 from usaf.base.load import load_prepared
 from usaf.config import RunConfig, UsafConfig

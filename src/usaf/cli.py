@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import importlib
+import io
 import os
-import re
 import signal
 import sys
-
-from safetensors import SafetensorError
+import threading
+from pathlib import Path
 
 from usaf.commands import command_texts
 from usaf.errors import UsafError
+from usaf.io.atomic import Terminated, check_destination, output_error
 from usaf.version import __version__
 
 # One module of usaf.commands per command, in the order `usaf --help` lists them (the protocol: usaf.commands).
@@ -64,14 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # options whose value may start with '-' (a negative size), which argparse would take for an option
 _VALUE_OPTIONS = ("--vram", "--ram")
-# errors of the file system a user can fix: one line, not a traceback
-_FILE_SYSTEM_ERRORS = {
-    errno.ENOSPC: "free some space (or choose another folder) and run it again",
-    errno.EDQUOT: "free some space (or choose another folder) and run it again",
-    errno.EROFS: "choose a writable folder",
-    errno.EACCES: "check its permissions (or choose another folder)",
-    errno.EPERM: "check its permissions (or choose another folder)",
-}
+# the arguments that name a command's output (`usaf export --delta` too; elsewhere --delta is an input)
+_OUTPUTS = {"out": "--out", "merged": "--merged", "gguf": "--gguf", "out_dir": "OUT_DIR"}
 
 
 def _join_values(argv: list[str]) -> list[str]:
@@ -85,6 +79,31 @@ def _join_values(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status: 0, 1 (a run that stopped), 2 (one line `usaf: error: ...`),
+    128+N for a signal N (one line; SIGPIPE's 141, quietly, when the reader of standard output has gone)."""
+    with _interruptible():
+        try:
+            try:
+                return _main(argv)
+            finally:  # what is still buffered (all of --help into a pipe): its reader's absence shows here
+                if sys.stdout is not None:
+                    sys.stdout.flush()
+        except BrokenPipeError:
+            # the reader has gone (`usaf data --show 100 | head -1`): end quietly with the status of a tool that
+            # SIGPIPE stopped, as `cat` and `yes` do (Python ignores SIGPIPE and raises this instead)
+            _quiet_broken_pipe()
+            return 128 + signal.SIGPIPE
+        except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM at any moment (before the command too)
+            signum = getattr(interrupt, "signum", signal.SIGINT)
+            how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
+            print(
+                f"usaf: interrupted{how}; files already written are complete (checkpoints are atomic)",
+                file=sys.stderr,
+            )
+            return 128 + signum
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(_join_values(list(sys.argv[1:] if argv is None else argv)))
@@ -102,35 +121,100 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         _read_arguments(args)
-        return int(args.func(args) or 0)
+        with _progress_lines(_writes_files(args)):
+            return int(args.func(args) or 0)
     except UsafError as err:
         print(f"usaf: error: {err}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # e.g. `usaf train --list-options | head`: the reader has gone, as for any tool
-        _quiet_broken_pipe()
-        return 128 + signal.SIGPIPE
-    except (OSError, SafetensorError) as raised:
-        err = _as_os_error(raised)
-        if err is None or err.errno not in _FILE_SYSTEM_ERRORS:
+    except Exception as raised:  # OSError, or safetensors' SafetensorError
+        err = output_error(raised)
+        if err is None:
             raise
-        where = f"{err.filename}: " if err.filename else ""
-        print(
-            f"usaf: error: {where}{err.strerror or err}; {_FILE_SYSTEM_ERRORS[err.errno]} (files already "
-            "written are complete: usaf writes under temporary names and renames)",
-            file=sys.stderr,
-        )
+        print(f"usaf: error: {err}", file=sys.stderr)
         return 2
-    except (
-        KeyboardInterrupt
-    ) as interrupt:  # a second Ctrl-C during training, or one before it began: no traceback
-        # (or a SIGTERM while an output is written: usaf.io.atomic.terminate_as_interrupt)
-        signum = getattr(interrupt, "signum", signal.SIGINT)
-        how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
-        print(
-            f"usaf: interrupted{how}; files already written are complete (checkpoints are atomic)",
-            file=sys.stderr,
-        )
-        return 128 + signum
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Ctrl-C and SIGTERM raise (KeyboardInterrupt, usaf.io.atomic.Terminated) wherever the command stands, so
+    that what it was writing is cleaned up and main ends with one line and 128+N; before main, usaf.startup ends
+    the process itself. The handlers before are restored after (main may be called in-process)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    pid = os.getpid()
+
+    def terminate(signum, frame):
+        # a worker forked meanwhile (datasets' num_proc) ends by the signal, as before
+        if os.getpid() != pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Terminated()
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _writes_files(args) -> bool:
+    """Whether the command's results are files (a run, an export...): its standard output is progress only."""
+    return args.command in ("train", "demo") or any(getattr(args, name, None) for name in _outputs(args))
+
+
+def _outputs(args) -> dict[str, str]:
+    return {**_OUTPUTS, **({"delta": "--delta"} if args.command == "export" else {})}
+
+
+class _ProgressLines(io.TextIOBase):
+    """Standard output of a command whose results are files: when its reader goes away (a pipe closed early,
+    `usaf train ... | head`), the lines that follow are dropped and the work goes on, to its checkpoints."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+            self._gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except (BrokenPipeError, ValueError):
+            self._gone()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def _gone(self) -> None:
+        if self.stream is sys.__stdout__:
+            _quiet_broken_pipe()
+        self.stream = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
+
+
+@contextlib.contextmanager
+def _progress_lines(keep_going: bool):
+    if not keep_going or sys.stdout is None:
+        yield
+        return
+    stdout = sys.stdout
+    sys.stdout = _ProgressLines(stdout)
+    try:
+        yield
+    finally:
+        sys.stdout = stdout
 
 
 # options that set a config key: the same key given by --set too would be silently overridden by one of them
@@ -160,20 +244,15 @@ def _read_arguments(args) -> None:
                 f"{prog}: {option} and --set {key}=... both give {key}; give one of them (the other would be "
                 "ignored)."
             )
+    for name, flag in _outputs(args).items():
+        if isinstance(value := getattr(args, name, None), str) and value:
+            check_destination(Path(value), flag)  # a name too long, a file for a folder: before any work
     resume, out = getattr(args, "resume", None), getattr(args, "out", None)
     if resume and out and os.path.realpath(resume) != os.path.realpath(out):
         raise UsageError(
             f"{prog}: --resume {resume} continues that run in its own folder, so --out {out} would be ignored; "
             "drop --out (or, for a new run, drop --resume)."
         )
-
-
-def _as_os_error(err: BaseException) -> OSError | None:
-    """safetensors reports a failed write as SafetensorError("... I/O error: ... (os error 28)")."""
-    if isinstance(err, OSError):
-        return err
-    found = re.search(r"\(os error (\d+)\)", str(err))
-    return OSError(int(found[1]), os.strerror(int(found[1]))) if found else None
 
 
 def _quiet_broken_pipe() -> None:

@@ -159,6 +159,10 @@ def _parallel_options(p) -> None:
     )
 
 
+# the sizes a memory can be: a typo's thousandfold (12000TB) is refused, not planned for
+_MEMORY_LEAST, _MEMORY_MOST = 1 << 20, 100 << 40
+
+
 def memory_size(text: str, flag: str) -> int:
     """--vram / --ram: a size with its unit, above zero ('12' alone would be 12 bytes: refused)."""
     from usaf import planner
@@ -171,6 +175,11 @@ def memory_size(text: str, flag: str) -> int:
     size = planner.parse_size(value)
     if size <= 0:
         raise UsafError(f"{flag} {value} is no memory; give a size above zero, e.g. {flag} 12GB.")
+    if not _MEMORY_LEAST <= size <= _MEMORY_MOST:
+        raise UsafError(
+            f"{flag} {value} is {planner.format_size(size)}, outside 1MB..100TB (no device or host has that); "
+            f"give the memory size, e.g. {flag} 12GB."
+        )
     return size
 
 

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from usaf.data.cache import cache_root, drop_torn, full_cache
 from usaf.errors import UsafError, first_line
 from usaf.io.source import cached_snapshot
 from usaf.version import __version__
@@ -51,13 +52,6 @@ class Source:
     fingerprint: str  # changes when the content does
     located: bool  # rows carry their own `where` and `json` columns (read here)
     blank_is_absent: bool = False  # CSV: an empty cell is a key the row does not have
-
-
-def cache_root() -> Path:
-    """The datasets cache (HF_DATASETS_CACHE), read at each call: datasets reads the variable once, at import."""
-    import datasets
-
-    return Path(os.environ.get("HF_DATASETS_CACHE") or datasets.config.HF_DATASETS_CACHE).expanduser()
 
 
 @contextmanager
@@ -199,6 +193,8 @@ def _own_file(path: Path, kind: str, compression: str | None, show_progress: boo
 
     digest = _file_digest(path)
     strings = {column: datasets.Value("string") for column in ("where", "json", "bad")}
+    fingerprint = f"usaf-{__version__}-raw-{kind}-{digest}"
+    drop_torn(cache_root().glob(f"generator/*={fingerprint}"))  # the builder's folder of this content
     try:
         with progress_bars(show_progress):
             rows = datasets.Dataset.from_generator(
@@ -206,7 +202,7 @@ def _own_file(path: Path, kind: str, compression: str | None, show_progress: boo
                 features=datasets.Features(strings),
                 gen_kwargs={"path": str(path), "kind": kind, "compression": compression},
                 cache_dir=str(cache_root()),
-                fingerprint=f"usaf-{__version__}-raw-{kind}-{digest}",
+                fingerprint=fingerprint,
             )
     except ValueError as error:
         if "corresponds to no data" not in str(error):
@@ -217,6 +213,8 @@ def _own_file(path: Path, kind: str, compression: str | None, show_progress: boo
         )
     except datasets.exceptions.DatasetGenerationError as error:  # datasets wraps what the reader raised
         cause = error.__cause__
+        if (full := full_cache(error)) is not None:  # the cache's disk is full, not the file unreadable
+            raise full from None
         if isinstance(cause, UsafError):
             raise UsafError(str(cause)) from None
         raise UsafError(f"{path}: cannot read: {first_line(cause or error)}") from None
@@ -247,6 +245,8 @@ def _table_file(path: Path, kind: str, compression: str | None, show_progress: b
                 builder, data_files=str(path), split="train", cache_dir=str(cache_root()), **options
             )
     except Exception as error:  # pyarrow, pandas and datasets each raise their own kinds
+        if (full := full_cache(error)) is not None:
+            raise full from None
         raise UsafError(f"{path}: cannot read {_TABLE_LABELS[kind]}: {first_line(error)}") from None
     return Source(str(path), rows, _file_digest(path), located=False, blank_is_absent=blank_is_absent)
 

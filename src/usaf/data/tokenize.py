@@ -2,7 +2,8 @@
 cached, long ones split into windows or truncated, and counted.
 
 The cache: map writes its rows to HF_DATASETS_CACHE/usaf_tokenized/<fingerprint>.arrow, and the next load with
-the same source content, tokenizer, settings and usaf version reads them back without encoding anything. The
+the same source content, tokenizer, settings and usaf version reads them back without encoding anything (a file
+there cut short is rebuilt: usaf.data.cache). The
 fingerprint is computed here (not by datasets hashing the encoder with dill, which would hash the tokenizer
 object and miss what matters): see `cache_fingerprint`.
 """
@@ -15,6 +16,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 
+from usaf.data.cache import cache_root, cache_writes, drop_torn
 from usaf.data.records import (
     BadRecord,
     TextLimit,
@@ -24,7 +26,7 @@ from usaf.data.records import (
     limited,
 )
 from usaf.data.shapes import EXPECTED, RECORD_KEYS, normalize, normalize_pair, possible_shapes
-from usaf.data.sources import Source, cache_root, progress_bars
+from usaf.data.sources import Source, progress_bars
 from usaf.data.templates import check_chat_support, encode_messages
 from usaf.engine.loss import IGNORE_INDEX
 from usaf.errors import UsafError
@@ -353,7 +355,8 @@ def tokenize_source(
             "ignored": datasets.Value("string"),
         }
     )
-    with progress_bars(sys.stderr.isatty()):
+    drop_torn(folder.glob(f"{fingerprint}*.arrow"))  # its shards too, under num_proc
+    with progress_bars(sys.stderr.isatty()), cache_writes():
         return rows.map(
             Encoder(source, tokenizer, settings, skip_bad_records, unused),
             batched=True,

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -128,7 +130,7 @@ def _claim(tmp: Path, path: Path, folder: bool) -> None:
 def _move_aside_and_rename(tmp: Path, path: Path) -> Path | None:
     old = None
     if path.exists():
-        old = path.parent / f".{path.name}.usaf-old-{secrets.token_hex(4)}"
+        old = path.parent / f".{_stem(path)}.usaf-old-{secrets.token_hex(4)}"
         os.rename(path, old)
     try:
         os.rename(tmp, path)
@@ -140,6 +142,43 @@ def _move_aside_and_rename(tmp: Path, path: Path) -> Path | None:
             raise _appeared(path) from None
         raise
     return old
+
+
+# ---- a write that fails: one line naming the file --------------------------------------------------------------
+
+# errors of the file system a user can fix, and what to do about each
+FILE_SYSTEM_ERRORS = {
+    errno.ENOSPC: "free some space (or choose another folder) and run it again",
+    errno.EDQUOT: "free some space (or choose another folder) and run it again",
+    errno.EROFS: "choose a writable folder",
+    errno.EACCES: "check its permissions (or choose another folder)",
+    errno.EPERM: "check its permissions (or choose another folder)",
+}
+
+
+def as_os_error(err: BaseException) -> OSError | None:
+    """The OSError behind `err`; safetensors reports a failed write as SafetensorError("... (os error 28)")."""
+    if isinstance(err, OSError):
+        return err
+    found = re.search(r"\(os error (\d+)\)", str(err)) if isinstance(err, Exception) else None
+    return OSError(int(found[1]), os.strerror(int(found[1]))) if found else None
+
+
+def output_error(err: BaseException, path: Path | None = None, tmp: Path | None = None) -> UsafError | None:
+    """A failed write the user can fix (a full disk or quota, a read-only or forbidden folder) as one line naming
+    the file and what to do; None for any other error. `path`: the output being written, named when the error
+    names no file or names its temporary `tmp` (a write's error often carries no file name)."""
+    found = as_os_error(err)
+    if found is None or found.errno not in FILE_SYSTEM_ERRORS:
+        return None
+    where = found.filename
+    if path is not None and (where is None or (tmp is not None and str(where).startswith(str(tmp)))):
+        where = path
+    where = f"{where}: " if where else ""
+    return UsafError(
+        f"{where}{found.strerror or found}; {FILE_SYSTEM_ERRORS[found.errno]} (files already written are "
+        "complete: usaf writes under temporary names and renames)"
+    )
 
 
 # ---- a SIGTERM while an output is written ------------------------------------------------------------------------
@@ -172,15 +211,63 @@ def terminate_as_interrupt():
 # ---- writing -----------------------------------------------------------------------------------------------------
 
 
+# bytes of an output's name that the names usaf makes beside it (temporaries, an earlier output set aside) keep:
+# with their suffixes they stay far below the file systems' 255-byte limit, whatever the output's name
+_NAME_KEPT = 64
+
+
+def _stem(destination: Path) -> str:
+    name = destination.name
+    while len(os.fsencode(name)) > _NAME_KEPT:
+        name = name[:-1]
+    return name
+
+
 def temporary_name(destination: Path) -> Path:
-    return destination.parent / f".{destination.name}.usaf-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    return destination.parent / f".{_stem(destination)}.usaf-tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def remove_stale_temporaries(destination: Path) -> None:
     """Temporary files and folders of interrupted writes to `destination` (their process is gone)."""
     remove_dead_writers(
-        destination.parent, f".{destination.name}.usaf-tmp-*", lambda name: name.split("-")[-2]
+        destination.parent, f".{glob.escape(_stem(destination))}.usaf-tmp-*", lambda name: name.split("-")[-2]
     )
+
+
+def check_destination(path: Path, flag: str) -> None:
+    """Before any work: `path` can be made, as far as its names go: none over the file system's limit (bytes,
+    usually 255), the whole within the system's path limit, and no regular file where one of its folders must be."""
+    path = Path(path)
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if existing != path and not existing.is_dir():
+        raise UsafError(
+            f"{flag} {path}: {existing} is a file, not a folder, so nothing can be written under it; choose "
+            "another output."
+        )
+    folder = existing if existing.is_dir() else existing.parent
+    name_max, path_max = (
+        _limit(folder, key, default) for key, default in (("PC_NAME_MAX", 255), ("PC_PATH_MAX", 4096))
+    )
+    for part in path.parts:
+        if (size := len(os.fsencode(part))) > name_max:
+            raise UsafError(
+                f"{flag}: the name {part[:40]}... is {size} bytes, over the file system's limit of {name_max} "
+                "bytes; choose a shorter name."
+            )
+    if (size := len(os.fsencode(os.path.abspath(path)))) >= path_max:
+        raise UsafError(
+            f"{flag}: the path {str(path)[:40]}... is {size} bytes, over the system's limit of {path_max - 1}; "
+            "choose a shorter one."
+        )
+
+
+def _limit(folder: Path, key: str, default: int) -> int:
+    try:
+        return os.pathconf(folder, key)
+    except (OSError, ValueError):
+        return default
 
 
 def remove_dead_writers(folder: Path, pattern: str, pid_of) -> None:
@@ -235,9 +322,11 @@ def atomic_file(path: Path, write) -> None:
         make_shareable(tmp)
         fsync_file(tmp)
         _place(tmp, path, folder=False)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if (failed := output_error(err, path, tmp)) is not None:
+            raise failed from None
         raise
     fsync_dir(path.parent)
 
@@ -263,13 +352,15 @@ def atomic_dir(out_dir: Path, tmp: Path | None = None):
         remove_stale_temporaries(out_dir)
         tmp = temporary_name(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         yield tmp
         fsync_dir(tmp)
         install_dir(tmp, out_dir)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if (failed := output_error(err, out_dir, tmp)) is not None:
+            raise failed from None
         raise
 
 
