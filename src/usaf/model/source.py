@@ -172,13 +172,13 @@ def base_folder(given: str, what: str) -> str:
 
 
 def run_folder(given: str, what: str) -> str:
-    """A usaf run folder, for the commands that take one (`usaf export RUN`): anything else is refused, naming what
-    it is."""
+    """A usaf run folder, for the commands that take one (`usaf export RUN`): a model of another kind is refused,
+    naming what it is."""
     source = model_source(given)
-    if not source.is_run:
-        found = "no folder" if not Path(given).expanduser().is_dir() else f"a {_KIND_NAMES[source.kind]}"
+    # a model is named as such; any other path is left to the run's reader, which names what is missing
+    if not source.is_run and (Path(source.path) / "config.json").is_file():
         raise UsafError(
-            f"{what} {given} is {found}, not a usaf run (a folder `usaf train --out` wrote); export a run, or "
+            f"{what} {given} is a {_KIND_NAMES[source.kind]}, not a usaf run (a folder `usaf train --out` wrote); export a run, or "
             "use `usaf apply BASE DELTA OUT_DIR` for a delta file."
         )
     return source.path
