@@ -99,12 +99,14 @@ def open_target(target: str, delta: str | None, base_dir: str | None, overrides:
         checked = source.base_path if source.kind == STORE else config.model.path
         if checked is not None and Path(checked).is_dir():
             check_delta_base(delta, checked, unchecked_base=True)
-    if config.model.quant != "none":
-        # a quantized base trains (and so generates) through usaf's engine: the delta becomes its trained values
+    quant = config.model.quant if source.quant == "none" else source.quant
+    if quant != "none":
+        # a quantized base (a store, a published checkpoint, model.quant) trains, and so generates, through usaf's
+        # engine: the delta becomes its trained values
         model = load_model(config, device, dtype, recompute=False)
         if delta is not None:
             load_delta(model, delta, unchecked_base=True)
-        label, pending = f"{target} ({config.model.quant})", None
+        label, pending = f"{target} ({quant})", None
     else:
         check_model_files(config.model.path)
         model = load_causal_lm(config.model.path, dtype=dtype).to(device)
