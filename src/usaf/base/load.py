@@ -36,8 +36,8 @@ from usaf.store.quantized import QuantizedStore
 def load_for_training(
     config, device: torch.device, dtype: torch.dtype | None, calibration_batches=None, recompute: bool = False
 ):
-    """The model `usaf train` trains when `model.quant` is not "none", or model.path is a prepared store or a published MXFP4/FP8 checkpoint
-    (`config` is its RunConfig).
+    """The model `usaf train` trains when `model.quant` is not "none", or when model.path is a prepared store or a
+    published MXFP4/FP8 checkpoint (`config` is its RunConfig).
 
     `model.path` is either a prepared store (used as it is; the trained values start from the checkpoint it was
     prepared from, when that is still there) or a checkpoint directory (prepared now at `model.quant`, or taken
