@@ -4,7 +4,6 @@ tensors and positions, found by running transformers' load-time conversion on te
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -15,6 +14,7 @@ from usaf.io import shards
 from usaf.io.source import SourceCheckpoint, check_model_files
 from usaf.model.hf import WeightRenaming, build_skeleton, load_config
 from usaf.model.layout import expert_weight_names, find_moe_layers
+from usaf.model.source import read_store_metadata
 
 _CHUNK_BYTES = 64 << 20
 
@@ -28,7 +28,7 @@ class BaseCheckpoint:
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
         if (self.dir / STORE_FILE).exists():
-            source = json.loads((self.dir / STORE_FILE).read_text()).get("source", {}).get("dir")
+            source = read_store_metadata(self.dir)["source"]["dir"]
             raise UsafError(
                 f"{self.dir} is a usaf prepared (quantized) store; use the full-precision checkpoint it was prepared "
                 f"from ({source}) as the base: merged checkpoints are never re-quantized."

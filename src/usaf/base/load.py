@@ -7,7 +7,6 @@ the trained values from the source checkpoint's original full-precision weights 
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from usaf.base.writer import STORE_FORMAT_VERSION, ensure_prepared, file_stamp, files_of_entry
+from usaf.base.writer import ensure_prepared, file_stamp, files_of_entry
 from usaf.config import RESIDENCIES, UsafConfig
 from usaf.engine.state import PreparedStore, model_state
 from usaf.errors import UsafError
@@ -25,12 +24,12 @@ from usaf.io.guard import inside
 from usaf.io.source import SourceCheckpoint
 from usaf.model.hf import build_skeleton, compute_missing_buffers, load_config, mark_loaded
 from usaf.model.layout import expert_weight_names, find_moe_layers
+from usaf.model.source import model_source, read_store_metadata
 from usaf.prepare import enable_recomputation, prepare_model
 from usaf.quant import PUBLISHED, default_device, get_format
 from usaf.store.dense import StoredExpertTensor
 from usaf.store.offload import LayerStreamer, ResidentParts, StreamedParts, host_copy
 from usaf.store.quantized import QuantizedStore
-from usaf.version import __version__
 
 # ---- loading --------------------------------------------------------------------------------------------------
 
@@ -38,8 +37,8 @@ from usaf.version import __version__
 def load_for_training(
     config, device: torch.device, dtype: torch.dtype | None, calibration_batches=None, recompute: bool = False
 ):
-    """The model `usaf train` trains when `model.quant` is not "none" or the checkpoint is a published MXFP4/FP8 one
-    (`config` is its RunConfig).
+    """The model `usaf train` trains when `model.quant` is not "none", or when model.path is a prepared store or a
+    published MXFP4/FP8 checkpoint (`config` is its RunConfig).
 
     `model.path` is either a prepared store (used as it is; the trained values start from the checkpoint it was
     prepared from, when that is still there) or a checkpoint directory (prepared now at `model.quant`, or taken
@@ -49,12 +48,7 @@ def load_for_training(
     if (path / STORE_FILE).exists():
         store = path
         metadata = read_store_metadata(store)
-        published_store = metadata["quant"] in published.METHODS
-        if not published_store and config.model.quant not in (metadata["quant"], metadata["requested_quant"]):
-            raise UsafError(
-                f"{store} is a {metadata['quant']} store but model.quant is {config.model.quant!r}; set "
-                f"model.quant={metadata['quant']} or point model.path at the checkpoint to prepare it again."
-            )
+        model_source(str(store)).quant_for(config.model.quant)  # another format named: refused
         recorded = Path(metadata["source"]["dir"])
         source = recorded if (recorded / "config.json").exists() else None
         # a published format's dequantized base is the original: nothing is lost without the source
@@ -83,31 +77,6 @@ def load_for_training(
         calibration_batches=calibration_batches,
         recompute=recompute,
     )
-
-
-def read_store_metadata(prepared_dir: str | Path) -> dict:
-    path = Path(prepared_dir) / STORE_FILE
-    if not path.exists():
-        raise UsafError(
-            f"{prepared_dir} is not a prepared usaf store (no {STORE_FILE}); run `usaf prepare` first."
-        )
-    try:
-        metadata = json.loads(path.read_text())
-    except ValueError as err:  # not JSON, or not UTF-8
-        raise UsafError(f"{path} is corrupted ({err}); prepare the store again.") from err
-    if not isinstance(metadata, dict):
-        raise UsafError(f"{path} is corrupted (not a JSON object); prepare the store again.")
-    if metadata.get("format") != "usaf-store" or metadata.get("format_version", 0) > STORE_FORMAT_VERSION:
-        raise UsafError(
-            f"{path} is a store of format version {metadata.get('format_version')!r} made by usaf "
-            f"{metadata.get('usaf_version')}; this usaf {__version__} reads version {STORE_FORMAT_VERSION}: "
-            "prepare the store again."
-        )
-    if not all(isinstance(metadata.get(key), dict) for key in ("files", "tensors")):
-        raise UsafError(
-            f"{path} is corrupted (its files or tensors are not a mapping); prepare the store again."
-        )
-    return metadata
 
 
 def load_prepared(

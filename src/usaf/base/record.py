@@ -13,6 +13,7 @@ from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE, RUN_BASE_FILE, STORE_FILE
 from usaf.io import shards
 from usaf.io.guard import inside
+from usaf.model.source import read_store_metadata
 
 SAMPLE_BYTES = 4096  # a tensor that is not hashed whole is known by the sha256 of its first and last 4 KiB
 
@@ -23,7 +24,7 @@ def _base_and_store_checksums(model_dir) -> tuple[BaseCheckpoint, dict[str, str]
     store = Path(model_dir) / STORE_FILE
     if not store.exists():
         return BaseCheckpoint(model_dir), {}
-    metadata = json.loads(store.read_text())
+    metadata = read_store_metadata(store.parent)
     known = {key: info.get("sha256") for key, info in metadata.get("source_tensors", {}).items()}
     return BaseCheckpoint(metadata["source"]["dir"]), known
 
@@ -172,7 +173,7 @@ def run_base_dir(run_dir: Path, base_dir: str | Path | None = None) -> Path:
     model_path = Path(path)
     store = model_path / STORE_FILE
     if store.exists():
-        model_path = Path(json.loads(store.read_text())["source"]["dir"])
+        model_path = Path(read_store_metadata(model_path)["source"]["dir"])
     if not (model_path / "config.json").is_file():
         raise UsafError(
             f"The run in {run_dir} trained on {path!r}, which is not a local model directory (now); pass --base "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 from usaf.config import (
     DEFAULT_DENSITY,
@@ -16,6 +17,8 @@ from usaf.config import (
     RunConfig,
 )
 from usaf.errors import UsafError
+from usaf.files import CONFIG_FILE
+from usaf.model.source import STORE, model_source
 
 
 def add_arguments(parser) -> None:
@@ -245,13 +248,25 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_host=args.gpus_per_host,
     )
     model, residency = args.model, args.residency
-    if args.config is not None:
-        run_config = RunConfig.load(args.config)
+    run = model_source(model) if model else None
+    if run is not None and run.is_run:  # a run: its base, planned with the run's own configuration
+        model = None
+    if args.config is not None or (run is not None and run.is_run):
+        if args.config is not None:
+            run_config = RunConfig.load(args.config)
+        else:
+            run_config = RunConfig.load_saved(str(Path(run.path) / CONFIG_FILE))
         model = model or run_config.model.path
         residency = residency if residency != "auto" else run_config.model.residency
         settings = _given_flags_over(planner.settings_for_run(run_config, settings.dtype), settings, args)
     if not model:
         raise UsafError("usaf plan needs --model (or --config with a model.path).")
+    source = model_source(model)
+    if source.kind == STORE:  # its experts as stored: the store's format (another --quant is refused)
+        given = args.quant if args.quant != planner.PLAN_DEFAULTS["quant"] else "none"
+        settings = settings.replace(quant=source.quant_for(given))
+    if Path(source.path).is_dir():  # a cached hub id: its snapshot's config.json
+        model = source.path
     name, config = planner.load_model_config(model)
     method = published_method(config, model)  # any other quantization: refused as usaf train refuses it
     if method is not None:  # its experts are planned as published, as usaf train keeps them

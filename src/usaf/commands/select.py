@@ -32,12 +32,18 @@ def run(args) -> int:
     from usaf.selection.saved import save_selection
     from usaf.train import runtime
     from usaf.train.memory_plan import resolve_auto
-    from usaf.train.session import check_something_to_train, open_session, selection_summary
+    from usaf.train.session import (
+        check_something_to_train,
+        open_session,
+        selection_summary,
+        with_model_source,
+    )
 
     config = effective_config(args)
     if not config.data.train or not config.model.path:
         raise UsafError("usaf select needs --model and --data.")
     check_something_to_train(config)
+    config = with_model_source(config)  # a store's own quant format, a hub id's snapshot; a run is refused
     out = Path(args.out)
     if out.suffix != ".safetensors":
         raise UsafError(

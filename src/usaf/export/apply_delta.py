@@ -11,7 +11,7 @@ from usaf.base.checkpoint import BaseCheckpoint
 from usaf.engine.installed import sparse_modules
 from usaf.engine.sparse import ElementEntries
 from usaf.errors import UsafError
-from usaf.export.delta import check_base, check_base_recorded, read_delta, verify_checksums
+from usaf.export.delta import Delta, check_base, check_base_recorded, read_delta, verify_checksums
 from usaf.prepare import TensorChange
 
 # ---- applying a delta to a loaded model ----------------------------------------------------------------------------
@@ -43,9 +43,7 @@ def load_delta(
     if model_type is not None and made_for not in (None, model_type):
         raise UsafError(f"{path} was made for a {made_for} model; this model is {model_type}.")
     if base_dir is not None:
-        base = BaseCheckpoint(base_dir)
-        check_base(delta, base, unchecked_base=unchecked_base)
-        verify_checksums(delta, base)
+        check_delta_base(delta, base_dir, unchecked_base=unchecked_base)
     prepared = dict(sparse_modules(model))
     for name, change in delta.changes.items():
         shape = delta.info["changes"][name]["shape"]
@@ -64,6 +62,17 @@ def load_delta(
             )
         _write_entries(tensor.data, change, name)
     return model
+
+
+def check_delta_base(
+    delta: Delta | str | Path, base_dir: str | Path, *, unchecked_base: bool = False
+) -> None:
+    """Wherever a delta meets a base (usaf apply, generate and chat with --delta, load_delta): the same identity
+    check, `check_base`'s cheap facts and the full sha256 of the tensors recorded with one."""
+    delta = delta if isinstance(delta, Delta) else read_delta(delta)
+    base = BaseCheckpoint(base_dir)
+    check_base(delta, base, unchecked_base=unchecked_base)
+    verify_checksums(delta, base)
 
 
 def _write_entries(tensor: torch.Tensor, change: TensorChange, name: str) -> None:

@@ -1,5 +1,6 @@
 """What `usaf generate` and `usaf chat` run: a run folder (its latest trained values, without exporting), a
-merged export or any model folder, or a base plus `--delta` (a quantized base too, with `--set model.quant=...`).
+merged export or any model folder, or a base plus `--delta` (a prepared store too, or any base with
+`--set model.quant=...`); `usaf.model.source` says which.
 
 A `Target` gives the tuned model and, for `--compare-base`, its base: for a model usaf prepared (a run, a
 quantized base) the same weights with the trained entries switched off (`usaf.engine.base_weights`); for a plain
@@ -17,14 +18,14 @@ from usaf.config import RunConfig
 from usaf.engine.base_weights import base_weights
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
-from usaf.export.apply_delta import load_delta
+from usaf.export.apply_delta import check_delta_base, load_delta
 from usaf.files import CONFIG_FILE, SELECTION_FILE
-from usaf.io.guard import is_run
 from usaf.io.source import check_model_files
 from usaf.model.hf import load_causal_lm
+from usaf.model.source import STORE, model_source
 from usaf.train import checkpoint, runtime
 from usaf.train.checkpoint import restore_trainable
-from usaf.train.session import load_model, load_tokenizer, local_model_path
+from usaf.train.session import load_model, load_tokenizer, with_model_source
 
 
 class Target:
@@ -80,25 +81,32 @@ def _session(config: RunConfig):
 
 def open_target(target: str, delta: str | None, base_dir: str | None, overrides: list[str]) -> Target:
     """Load `target` for generation (see the module); nothing is written anywhere."""
-    folder = Path(target).expanduser()
-    if folder.is_dir() and (is_run(folder) or (folder / CONFIG_FILE).is_file()):
+    source = model_source(target)
+    if source.is_run:
         if delta is not None:
             raise UsafError(
                 f"{target} is a run: its trained values are used as they are; --delta goes with a base model."
             )
-        return _open_run(folder, overrides)
-    config = RunConfig.load(None, [("model.path", target), *overrides])
-    config.model.path = local_model_path(config.model.path)
+        return _open_run(Path(source.path), overrides)
+    config = with_model_source(RunConfig.load(None, [("model.path", target), *overrides]))
     device, dtype = _session(config)
     tokenizer = load_tokenizer(config.model.path)
-    if delta is not None and not Path(delta).expanduser().is_file():
-        raise UsafError(f"--delta {delta} is not a file; give a delta written by `usaf export --delta`.")
-    if config.model.quant != "none":
-        # a quantized base trains (and so generates) through usaf's engine: the delta becomes its trained values
+    if delta is not None:
+        if not Path(delta).expanduser().is_file():
+            raise UsafError(f"--delta {delta} is not a file; give a delta written by `usaf export --delta`.")
+        # the check usaf apply makes, before anything is generated: a store's base is the checkpoint it was
+        # prepared from (when it is gone, only load_delta's model-type and shape checks remain)
+        checked = source.base_path if source.kind == STORE else config.model.path
+        if checked is not None and Path(checked).is_dir():
+            check_delta_base(delta, checked, unchecked_base=True)
+    quant = config.model.quant if source.quant == "none" else source.quant
+    if quant != "none":
+        # a quantized base (a store, a published checkpoint, model.quant) trains, and so generates, through usaf's
+        # engine: the delta becomes its trained values
         model = load_model(config, device, dtype, recompute=False)
         if delta is not None:
             load_delta(model, delta, unchecked_base=True)
-        label, pending = f"{target} ({config.model.quant})", None
+        label, pending = f"{target} ({quant})", None
     else:
         check_model_files(config.model.path)
         model = load_causal_lm(config.model.path, dtype=dtype).to(device)
@@ -113,7 +121,7 @@ def _open_run(run_dir: Path, overrides: list[str]) -> Target:
     saved = checkpoint.latest(run_dir)
     if saved is None:
         raise UsafError(f"{run_dir} has no finished checkpoint yet: train it first (or wait for its first).")
-    config.model.path = local_model_path(config.model.path)
+    config = with_model_source(config)
     device, dtype = _session(config)
     tokenizer = load_tokenizer(config.model.path)
     model = load_model(config, device, dtype, selection_file=run_dir / SELECTION_FILE, recompute=False)

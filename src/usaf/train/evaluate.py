@@ -13,6 +13,7 @@ from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.preference import preference_loss
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE, SELECTION_FILE
+from usaf.model.source import model_source
 from usaf.train import checkpoint, runtime
 from usaf.train.checkpoint import restore_trainable
 from usaf.train.session import open_session
@@ -122,8 +123,8 @@ def supervised_units(batch: dict, pairs: bool) -> int:
 
 def evaluate_target(target: str, data_files: list[str], overrides: list[str]) -> dict:
     """`usaf eval`: a model directory as it is, or a run directory with its latest checkpoint applied."""
-    run_dir = Path(target)
-    is_run = (run_dir / CONFIG_FILE).exists()
+    source = model_source(target)
+    run_dir, is_run = Path(source.path), source.is_run
     if is_run:
         config = RunConfig.load_saved(str(run_dir / CONFIG_FILE), overrides)
         saved = checkpoint.latest(run_dir)

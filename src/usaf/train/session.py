@@ -23,10 +23,10 @@ from usaf.data.sources import absolute_name
 from usaf.data.templates import template_names
 from usaf.engine.state import model_state
 from usaf.errors import UsafError, first_line
-from usaf.io.published import checkpoint_method
 from usaf.io.source import cached_model_folder, check_model_files
 from usaf.model.hf import decoder_body, load_causal_lm, load_config
 from usaf.model.hf import load_tokenizer as hf_tokenizer
+from usaf.model.source import model_source
 from usaf.prepare import current_selection, enable_recomputation, prepare_model
 from usaf.selection.choose import resolved_selection
 from usaf.train import distributed, runtime
@@ -35,13 +35,11 @@ from usaf.train.tokenizer import has_tokenizer_files, model_vocabulary
 
 
 def absolute_paths(config: RunConfig) -> RunConfig:
-    """A copy of `config` with its local paths absolute (model.path, a cached hub id's its snapshot folder; data
+    """A copy of `config` with its local paths absolute (model.path as `with_model_source` resolves it; data
     files, select.file, a data.chat_template file)."""
-    config = copy.deepcopy(config)
+    config = with_model_source(config)
     if config.model.path and is_local_path(config.model.path):
         config.model.path = os.path.abspath(os.path.expanduser(config.model.path))
-    else:
-        config.model.path = local_model_path(config.model.path)
     config.data.train = [absolute_name(str(f)) for f in config.data.train]
     config.data.eval = [absolute_name(str(f)) for f in config.data.eval]
     if config.select.file:
@@ -49,6 +47,21 @@ def absolute_paths(config: RunConfig) -> RunConfig:
     template = config.data.chat_template
     if template and template not in template_names() and Path(template).expanduser().is_file():
         config.data.chat_template = os.path.abspath(os.path.expanduser(template))
+    return config
+
+
+def with_model_source(config: RunConfig) -> RunConfig:
+    """A copy of `config` whose model.path is the folder `model_source` says is read (a cached hub id's snapshot)
+    and whose model.quant is the one that load uses (a prepared store's own format: the user need not repeat it).
+    A run is not a base to start from: it is refused in one line."""
+    source = model_source(config.model.path)
+    if source.is_run:
+        raise UsafError(
+            f"model.path {source.given} is a usaf run, not a model: continue it with `usaf train --resume "
+            f"{source.given}`, or train on its merged export (`usaf export {source.given} --merged DIR`)."
+        )
+    config = copy.deepcopy(config)
+    config.model.path, config.model.quant = source.path, source.quant_for(config.model.quant)
     return config
 
 
@@ -136,8 +149,9 @@ def load_model(
     if selection_file is not None:
         config = copy.deepcopy(config)
         config.select.strategy, config.select.file = "file", str(selection_file)
-    # a published MXFP4/FP8 checkpoint trains on its own quantized experts, whatever model.quant says
-    if config.model.quant != "none" or checkpoint_method(path) is not None:
+    # a prepared store, or a published MXFP4/FP8 checkpoint (which trains on its own quantized experts, whatever
+    # model.quant says), loads through the quantized path as a folder asked for model.quant does
+    if config.model.quant != "none" or model_source(path).quant != "none":
         model = load_for_training(
             config, device, dtype, calibration_batches=calibration_batches, recompute=recompute
         )
@@ -290,9 +304,7 @@ def open_session(
     the packing check: a family whose attention ignores restarting position_ids (gpt-oss in transformers 5.24)
     would let packed documents attend to each other, so each document then gets its own row. `calibrate`: the
     selection calibrates on the training data (in its own order); `recompute`: None lets train.recompute decide."""
-    if (folder := local_model_path(config.model.path)) != config.model.path:
-        config = copy.deepcopy(config)
-        config.model.path = folder
+    config = with_model_source(config)
     kernels.use(config.train.kernels)
     device = distributed.local_device(
         runtime.resolve_device(config.model.device)

@@ -1,0 +1,71 @@
+"""Issue 35: what the model is, answered once (usaf.model.source). A delta meets a base only through the identity
+check `usaf apply` makes; a prepared store is known by its own metadata, which is checked (malformed, a list, or
+contradicted by model.quant: one line); a run or a model where the other is expected is named as such."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+from faults import Row, T, table_test
+
+from usaf.files import STORE_FILE
+
+
+def prompts(ctx, monkeypatch):
+    (ctx.tmp / "p.jsonl").write_text(json.dumps({"prompt": "copy: ab ->"}) + "\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/exit\n"))  # chat: never reached when refused
+
+
+def store_with(text: str):
+    """A copy of the workspace's int8 store, its metadata replaced by `text` (and a prompts file)."""
+
+    def setup(ctx, monkeypatch):
+        shutil.copytree(ctx.ws.store, ctx.tmp / "store")
+        (ctx.tmp / "store" / STORE_FILE).write_text(text)
+        prompts(ctx, monkeypatch)
+
+    return setup
+
+
+GEN = ["--prompts={tmp}/p.jsonl", "--out={tmp}/o.jsonl"]
+KEEP = ["{ws.altered}", "{ws.delta}", "{ws.finished}", "{ws.base}"]
+
+# fmt: off
+ROWS = [
+    # ---- a delta meets a base: the same identity check as usaf apply, whatever the command
+    Row("generate-delta-on-other-base", ["generate", "{ws.altered}", "--delta={ws.delta}", *GEN], 2,
+        ["differs from the base {ws.delta} was trained on"], setup=prompts, keeps=KEEP, absent=["{tmp}/o.jsonl"]),
+    Row("chat-delta-on-other-base", ["chat", "{ws.altered}", "--delta={ws.delta}"], 2,
+        ["differs from the base {ws.delta} was trained on"], setup=prompts, keeps=KEEP),
+    # ---- a store's format is its metadata's: another model.quant (or --quant) is refused, never half-honoured
+    Row("train-store-other-quant", T("--model={ws.store}", "--data={ws.data}", "--out={tmp}/run",
+        "--set=model.quant=nf4"), 2, ["{ws.store} is a store prepared as int8", "model.quant=nf4"],
+        keeps=["{ws.store}"], absent=["{tmp}/run"]),
+    Row("plan-store-other-quant", ["plan", "--model={ws.store}", "--quant=int4", "--vram=12GB"], 2,
+        ["{ws.store} is a store prepared as int8", "model.quant=int4"], keeps=["{ws.store}"]),
+    # ---- a store's metadata that is not what usaf prepare writes: one line naming it
+    Row("generate-store-metadata-malformed", ["generate", "{tmp}/store", *GEN], 2,
+        ["{tmp}/store/usaf_store.json is unreadable or corrupted"], setup=store_with('{"format": "usaf-st'),
+        absent=["{tmp}/o.jsonl"]),
+    Row("generate-store-metadata-list", ["generate", "{tmp}/store", *GEN], 2,
+        ["{tmp}/store/usaf_store.json holds a JSON list"], setup=store_with("[1, 2]"), absent=["{tmp}/o.jsonl"]),
+    Row("train-store-metadata-list", T("--model={tmp}/store", "--data={ws.data}", "--out={tmp}/run"), 2,
+        ["{tmp}/store/usaf_store.json holds a JSON list"], setup=store_with("[]"), absent=["{tmp}/run"]),
+    Row("eval-store-metadata-no-quant", ["eval", "{tmp}/store", "--data={ws.data}"], 2,
+        ["{tmp}/store/usaf_store.json has no valid 'quant'"],
+        setup=store_with(json.dumps({"format": "usaf-store", "format_version": 1}))),
+    Row("apply-store-metadata-list", ["apply", "{tmp}/store", "{ws.delta}", "{tmp}/out"], 2,
+        ["{tmp}/store/usaf_store.json holds a JSON list"], setup=store_with("[]"), absent=["{tmp}/out"]),
+    # ---- a run where a model is expected, a model where a run is
+    Row("train-on-a-run", T("--model={ws.finished}", "--data={ws.data}", "--out={tmp}/run"), 2,
+        ["model.path {ws.finished} is a usaf run, not a model", "--resume"], absent=["{tmp}/run"]),
+    Row("apply-on-a-run", ["apply", "{ws.finished}", "{ws.delta}", "{tmp}/out"], 2,
+        ["BASE_DIR {ws.finished} is a usaf run, not a base model"], absent=["{tmp}/out"]),
+    Row("export-a-model-folder", ["export", "{ws.base}", "--delta={tmp}/d.safetensors"], 2,
+        ["RUN_DIR {ws.base} is a model folder, not a usaf run"], absent=["{tmp}/d.safetensors"]),
+]
+# fmt: on
+
+test_fault = table_test(ROWS)
