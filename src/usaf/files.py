@@ -1,6 +1,7 @@
 """The names of the files usaf writes and reads, in one place."""
 
 STORE_FILE = "usaf_store.json"  # a prepared store's metadata (formats, source checksums, version)
+STORE_FORMAT_VERSION = 1  # the version of STORE_FILE this usaf writes and reads
 RUN_BASE_FILE = "base.json"  # a run's record of the base it trains on, written when the run starts
 CONFIG_FILE = "config.yaml"  # a run's configuration
 MERGED_METADATA_FILE = "usaf_delta.json"  # beside a merged checkpoint: what was written into it

@@ -1,4 +1,4 @@
-"""Issue 35: what the model is, answered once (usaf.model.source). A delta meets a base only through the identity
+"""Issue 35: what the model is, answered once (usaf.io.model_source). A delta meets a base only through the identity
 check `usaf apply` makes; a prepared store is known by its own metadata, which is checked (malformed, a list, or
 contradicted by model.quant: one line); a run or a model where the other is expected is named as such."""
 

@@ -141,7 +141,7 @@ ROWS = [
     Row("store-file-outside", STORE_TRAIN, 2,
         ["usaf_store.json's files", "'../outside.safetensors'", "outside {tmp}/store"],
         setup=store_names_outside, keeps=["{tmp}/store", "{tmp}/outside.safetensors"], absent=["{tmp}/run"]),
-    Row("store-metadata-list", STORE_TRAIN, 2, ["usaf_store.json is corrupted (not a JSON object)"],
+    Row("store-metadata-list", STORE_TRAIN, 2, ["usaf_store.json holds a JSON list, not a store's metadata"],
         setup=store_metadata_list, keeps=["{tmp}/store"], absent=["{tmp}/run"]),
     Row("index-relative-outside", TRAIN, 2, [f"{INDEX_FILE}'s weight_map", "'../x.safetensors'", "outside"],
         setup=index_names("relative"), keeps=KEEP, absent=["{tmp}/run"]),

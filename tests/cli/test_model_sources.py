@@ -15,7 +15,7 @@ from faults import SET_ARGS
 from helpers import make_model_dir, write_copy_task
 
 from usaf.cli import main
-from usaf.model.source import model_source
+from usaf.io.model_source import model_source
 from usaf.testing.published import make_mxfp4_gpt_oss
 
 HUB_ID = "tinyorg/tiny-moe"

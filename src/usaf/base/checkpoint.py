@@ -11,10 +11,10 @@ import torch
 from usaf.errors import UsafError
 from usaf.files import STORE_FILE
 from usaf.io import shards
+from usaf.io.model_source import read_store_metadata
 from usaf.io.source import SourceCheckpoint, check_model_files
 from usaf.model.hf import WeightRenaming, build_skeleton, load_config
 from usaf.model.layout import expert_weight_names, find_moe_layers
-from usaf.model.source import read_store_metadata
 
 _CHUNK_BYTES = 64 << 20
 

@@ -21,10 +21,10 @@ from usaf.errors import UsafError
 from usaf.files import STORE_FILE
 from usaf.io import published, shards
 from usaf.io.guard import inside
+from usaf.io.model_source import model_source, read_store_metadata
 from usaf.io.source import SourceCheckpoint
 from usaf.model.hf import build_skeleton, compute_missing_buffers, load_config, mark_loaded
 from usaf.model.layout import expert_weight_names, find_moe_layers
-from usaf.model.source import model_source, read_store_metadata
 from usaf.prepare import enable_recomputation, prepare_model
 from usaf.quant import PUBLISHED, default_device, get_format
 from usaf.store.dense import StoredExpertTensor

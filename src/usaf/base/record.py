@@ -13,7 +13,7 @@ from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE, RUN_BASE_FILE, STORE_FILE
 from usaf.io import shards
 from usaf.io.guard import inside
-from usaf.model.source import read_store_metadata
+from usaf.io.model_source import read_store_metadata
 
 SAMPLE_BYTES = 4096  # a tensor that is not hashed whole is known by the sha256 of its first and last 4 KiB
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from usaf.errors import UsafError
-from usaf.files import STORE_FILE
+from usaf.files import STORE_FILE, STORE_FORMAT_VERSION
 from usaf.io import published, shards
 from usaf.io.atomic import (
     atomic_dir,
@@ -37,7 +37,6 @@ from usaf.quant import FORMATS, default_device, format_constants, get_format, re
 from usaf.quant import int8 as int8_format
 from usaf.version import __version__
 
-STORE_FORMAT_VERSION = 1
 DEFAULT_FILE_BYTES = 4 << 30
 _PIECE_ELEMENTS = 1 << 18  # quantizers' temporaries are a few times this many values
 

@@ -23,8 +23,8 @@ def run(args) -> int:
     from usaf.base.checkpoint import BaseCheckpoint
     from usaf.export.merged import apply_delta, dequantized_note
     from usaf.io.atomic import terminate_as_interrupt
+    from usaf.io.model_source import base_folder
     from usaf.io.published import checkpoint_method
-    from usaf.model.source import base_folder
 
     args.base_dir = base_folder(args.base_dir, "BASE_DIR")  # a cached hub id's snapshot; a run refused
     with terminate_as_interrupt():  # a SIGTERM removes the partial output, as Ctrl-C does

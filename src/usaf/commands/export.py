@@ -54,7 +54,7 @@ def run(args) -> int:
     from usaf.export.trainer import trainer_checkpoint_delta
     from usaf.io.atomic import terminate_as_interrupt
     from usaf.io.guard import DELTA, GGUF, MERGED, check_output
-    from usaf.model.source import base_folder, run_folder
+    from usaf.io.model_source import base_folder, run_folder
 
     if args.run_dir:
         args.run_dir = run_folder(args.run_dir, "RUN_DIR")

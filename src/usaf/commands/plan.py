@@ -18,7 +18,7 @@ from usaf.config import (
 )
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE
-from usaf.model.source import STORE, model_source
+from usaf.io.model_source import STORE, model_source
 
 
 def add_arguments(parser) -> None:

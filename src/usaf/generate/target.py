@@ -1,6 +1,6 @@
 """What `usaf generate` and `usaf chat` run: a run folder (its latest trained values, without exporting), a
 merged export or any model folder, or a base plus `--delta` (a prepared store too, or any base with
-`--set model.quant=...`); `usaf.model.source` says which.
+`--set model.quant=...`); `usaf.io.model_source` says which.
 
 A `Target` gives the tuned model and, for `--compare-base`, its base: for a model usaf prepared (a run, a
 quantized base) the same weights with the trained entries switched off (`usaf.engine.base_weights`); for a plain
@@ -20,9 +20,9 @@ from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
 from usaf.export.apply_delta import check_delta_base, load_delta
 from usaf.files import CONFIG_FILE, SELECTION_FILE
+from usaf.io.model_source import STORE, model_source
 from usaf.io.source import check_model_files
 from usaf.model.hf import load_causal_lm
-from usaf.model.source import STORE, model_source
 from usaf.train import checkpoint, runtime
 from usaf.train.checkpoint import restore_trainable
 from usaf.train.session import load_model, load_tokenizer, with_model_source

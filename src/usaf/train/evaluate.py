@@ -13,7 +13,7 @@ from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.preference import preference_loss
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE, SELECTION_FILE
-from usaf.model.source import model_source
+from usaf.io.model_source import model_source
 from usaf.train import checkpoint, runtime
 from usaf.train.checkpoint import restore_trainable
 from usaf.train.session import open_session

@@ -23,10 +23,10 @@ from usaf.data.sources import absolute_name
 from usaf.data.templates import template_names
 from usaf.engine.state import model_state
 from usaf.errors import UsafError, first_line
-from usaf.io.source import cached_model_folder, check_model_files
+from usaf.io.model_source import is_local_path, model_source
+from usaf.io.source import check_model_files
 from usaf.model.hf import decoder_body, load_causal_lm, load_config
 from usaf.model.hf import load_tokenizer as hf_tokenizer
-from usaf.model.source import model_source
 from usaf.prepare import current_selection, enable_recomputation, prepare_model
 from usaf.selection.choose import resolved_selection
 from usaf.train import distributed, runtime
@@ -63,19 +63,6 @@ def with_model_source(config: RunConfig) -> RunConfig:
     config = copy.deepcopy(config)
     config.model.path, config.model.quant = source.path, source.quant_for(config.model.quant)
     return config
-
-
-def local_model_path(path: str) -> str:
-    """`path`, or for a hub id in the local cache its snapshot folder (read like any local checkpoint)."""
-    cached = cached_model_folder(path) if path and not is_local_path(path) else None
-    return str(cached) if cached is not None else path
-
-
-def is_local_path(path: str) -> bool:
-    """Anything but a hub id: an existing path, or a name not of the hub's `org/name` form."""
-    return Path(path).expanduser().exists() or not (
-        path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    )
 
 
 def load_tokenizer(path: str):

@@ -9,8 +9,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from usaf.config import read_yaml
 from usaf.errors import UsafError
-from usaf.files import CONFIG_FILE, MERGED_METADATA_FILE, STORE_FILE
+from usaf.files import CONFIG_FILE, MERGED_METADATA_FILE, STORE_FILE, STORE_FORMAT_VERSION
+from usaf.io.guard import is_run
+from usaf.io.published import METHODS, checkpoint_method
+from usaf.io.source import cached_model_folder
+from usaf.version import __version__
 
 FOLDER, HUB, STORE, PUBLISHED, RUN, MERGED = "folder", "hub", "store", "published", "run", "merged"
 
@@ -42,7 +47,7 @@ class ModelSource:
         A store given with another format is refused: a demanding user who names nf4 and points at an int8 store
         wants to be told, not to train on a format they did not ask for (the default "none" asks for nothing)."""
         if self.kind == STORE:
-            if self.quant in _published_methods() or requested in ("none", self.quant, self.requested_quant):
+            if self.quant in METHODS or requested in ("none", self.quant, self.requested_quant):
                 return self.quant
             raise UsafError(
                 f"{self.given} is a store prepared as {self.quant} (its {STORE_FILE}), but model.quant={requested}: drop "
@@ -51,11 +56,22 @@ class ModelSource:
         return requested
 
 
+def is_local_path(path: str) -> bool:
+    """Anything but a hub id: an existing path, or a name not of the hub's `org/name` form."""
+    return Path(path).expanduser().exists() or not (
+        path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    )
+
+
+def local_model_path(path: str) -> str:
+    """`path`, or for a hub id in the local cache its snapshot folder (read like any local checkpoint)."""
+    cached = cached_model_folder(path) if path and not is_local_path(path) else None
+    return str(cached) if cached is not None else path
+
+
 def model_source(given: str) -> ModelSource:
     """What `given` names (see the module). A path that does not exist, or a hub id that is not cached, is
     returned as it is (kind "folder" or "hub"): the loader names what is missing, as it always has."""
-    from usaf.train.session import is_local_path, local_model_path  # the hub's rules live with the session
-
     given = str(given)
     folder = Path(given).expanduser()
     if not folder.is_dir():
@@ -65,7 +81,7 @@ def model_source(given: str) -> ModelSource:
             return ModelSource(HUB if kind == FOLDER else kind, given, snapshot, quant)
         return ModelSource(FOLDER, given, given, "none")
     path = str(folder.resolve())
-    if _is_run(folder):
+    if is_run(folder):
         return ModelSource(RUN, given, path, "none", base_path=_run_model_path(folder))
     if (folder / STORE_FILE).is_file():
         metadata = read_store_metadata(folder)
@@ -77,31 +93,15 @@ def model_source(given: str) -> ModelSource:
 
 
 def _classify(folder: Path) -> tuple[str, str]:
-    from usaf.io.published import checkpoint_method
-
     if (folder / MERGED_METADATA_FILE).is_file():
         return MERGED, "none"  # written from the base's own tensors: a published base comes out in bf16
     method = checkpoint_method(folder)
     return (PUBLISHED, method) if method is not None else (FOLDER, "none")
 
 
-def _published_methods() -> tuple[str, ...]:
-    from usaf.io.published import METHODS
-
-    return METHODS
-
-
-def _is_run(folder: Path) -> bool:
-    from usaf.io.guard import is_run
-
-    return is_run(folder)
-
-
 def _run_model_path(run_dir: Path) -> str | None:
     """The model.path a run's config.yaml records (None when it cannot be read: the commands that need the base
     say so when they load it)."""
-    from usaf.config import read_yaml
-
     try:
         saved = read_yaml((run_dir / CONFIG_FILE).read_text(), str(run_dir / CONFIG_FILE))
     except (OSError, UsafError):
@@ -114,9 +114,6 @@ def read_store_metadata(store: str | Path) -> dict:
     """A prepared store's metadata (usaf_store.json), checked to be what `usaf prepare` writes: a JSON object of
     format usaf-store, of a version this usaf reads, naming its format and the checkpoint it was prepared from.
     Anything else is one line naming the file."""
-    from usaf.base.writer import STORE_FORMAT_VERSION
-    from usaf.version import __version__
-
     path = Path(store) / STORE_FILE
     if not path.is_file():
         raise UsafError(f"{store} is not a prepared usaf store (no {STORE_FILE}); run `usaf prepare` first.")
