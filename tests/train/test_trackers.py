@@ -3,6 +3,7 @@ metrics.jsonl and the run's configuration; a tracker defined outside usaf plugs 
 a one-line error before anything is written."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,17 @@ def wandb_records(path: Path):
             pending = b""
 
 
+def finished_wandb_records(path: Path, wait_s: float = 30.0) -> list:
+    """The records of an offline W&B run file once they end with the run's exit record: W&B's service writes the
+    file after `finish()` returns (in the background, and at the latest when the process exits)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = list(wandb_records(path))
+        if (records and records[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def test_wandb_offline_writes_its_run_folder(inputs, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -84,7 +96,7 @@ def test_wandb_offline_writes_its_run_folder(inputs, tmp_path, monkeypatch):
     assert train(inputs, run, "log.report_to=wandb") == 0
     (path,) = (run / "wandb").glob(f"offline-run-*-{trackers.run_id(run)}/run-*.wandb")
     logged, config = {}, {}
-    for record in wandb_records(path):
+    for record in finished_wandb_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
