@@ -139,7 +139,8 @@ def test_usaf_report_says_when_a_run_has_no_final_evaluation(ws, tmp_path, capsy
 @pytest.mark.parametrize(
     "how, steps",
     [
-        ("killed before step 3", STEPS),  # ws.unfinished: its log still has step 3's rows and final row
+        # ws.unfinished: its log still has step 3's rows and final row (the cut is also test_truncating_...)
+        pytest.param("killed before step 3", STEPS, marks=pytest.mark.slow),
         ("killed after the final row, before its summary", STEPS),
         ("extended by a step", STEPS + 1),
     ],

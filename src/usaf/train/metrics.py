@@ -58,9 +58,11 @@ class MetricsLog:
         self.path = Path(run_dir) / METRICS_FILE
         # first: a tracker that cannot start is an error before the log is opened
         self.trackers = Trackers(list(report_to), Path(run_dir), run_config or {}, start_step, self.warn)
-        self.file = _open_for_append(
-            self.path
-        )  # lives as long as the run; a resumed run continues the same log
+        try:  # the file lives as long as the run; a resumed run continues the same log
+            self.file = _open_for_append(self.path)
+        except BaseException:
+            self.trackers.close()
+            raise
         self.bar = (
             tqdm(
                 total=total_steps,
