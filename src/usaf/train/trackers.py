@@ -136,6 +136,8 @@ class WandB(Tracker):
         import wandb
 
         self.run = wandb.init(
+            # read now, not from the settings W&B kept when `check` first asked it (a process may change it since)
+            mode=os.environ.get("WANDB_MODE") or None,
             project=os.environ.get("WANDB_PROJECT", "usaf"),
             name=Path(run_dir).name,
             id=run_id(run_dir),
