@@ -3,6 +3,8 @@
 Inputs in the run directory:
 - metrics.jsonl: one JSON object per logged step ({"step": N, "loss": ..., "lr": ..., "eval/loss": ...,
   "tokens_per_s": ..., "router/cv_max": ...}); a resumed run appends, so a step logged twice keeps its last record.
+  Evaluations are eval/* keys: one before training (at the first step logged), periodic ones, and the final one
+  after training, in a row of its own marked "final": true.
 - router_load.json: {"layers": [decoder layer numbers], "before": [[share per expert] per layer],
   "after": [[...]]}, the share of routed tokens per expert before and after training (null: not observed);
   written by the trainer through `write_router_load`.
@@ -32,7 +34,9 @@ CURVES = (
     ("dead experts", ("router/dead",)),
     ("routing drift from base (KL)", ("router/drift",)),
     ("router losses", ("router/balance_loss", "router/z_loss")),
+    ("preference (DPO)", ("rewards/margins", "rewards/accuracies", "eval/margin", "eval/accuracy")),
 )
+FINAL_KEY = "final"  # the final evaluation's row (usaf.train.metrics)
 
 
 def write_router_load(run_dir: str | Path, before, after, layers) -> Path:
@@ -105,6 +109,37 @@ def render_report(run_dir: str | Path) -> list[Path]:
             )
         written.append(render_router_load(data, run_dir / ROUTER_LOAD_PNG))
     return written
+
+
+def eval_lines(run_dir: str | Path) -> list[str]:
+    """What `usaf report` prints of the run's evaluations: the final one (else the last, in a run that has not
+    finished) and the one before training, each with its step."""
+    metrics = Path(run_dir) / METRICS_FILE
+    if not metrics.exists():
+        return []
+    evals = [r for r in read_metrics(metrics) if any(_is_number(v) for k, v in r.items() if _is_eval(k))]
+    if not evals:
+        return []
+    last, first = evals[-1], evals[0]
+    said = "final eval" if last.get(FINAL_KEY) is True else "last eval (the run has no final evaluation yet)"
+    line = f"{said} at step {last['step']}: {_eval_numbers(last)}"
+    if first is not last:
+        when = "before training" if first["step"] == 0 else f"first at step {first['step']}"
+        line += f"; {when}: {_eval_numbers(first)}"
+    return [line]
+
+
+def _is_eval(key: str) -> bool:
+    return key.startswith("eval/")
+
+
+def _eval_numbers(record: dict) -> str:
+    """ "loss 2.9512, perplexity 19.13": the evaluation's measures (its counts of tokens or pairs left out)."""
+    return ", ".join(
+        f"{k[len('eval/') :]} {v:.4f}"
+        for k, v in record.items()
+        if _is_eval(k) and _is_number(v) and not isinstance(v, int)
+    )
 
 
 def render_curves(records: list[dict], out: Path) -> Path:

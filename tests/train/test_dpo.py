@@ -122,6 +122,12 @@ def test_dpo_moves_the_margin_the_right_way(inputs, tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all("rewards/margins" in r and "rewards/accuracies" in r for r in rows if "loss" in r)
     assert "eval margin before → after" in capsys.readouterr().out
+    (final,) = [
+        r for r in rows if r.get("final")
+    ]  # the final evaluation's row carries DPO's measures (issue 35)
+    assert final["step"] == 12 and {k: final[f"eval/{k}"] for k in ("loss", "margin", "accuracy")} == {
+        k: pytest.approx(summary[f"eval_{k}_after"]) for k in ("loss", "margin", "accuracy")
+    }
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ metrics.jsonl and the run's configuration; a tracker defined outside usaf plugs 
 a one-line error before anything is written."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,14 @@ def test_tensorboard_gets_every_scalar(inputs, tmp_path):
         got = {e.step: e.value for e in events.Scalars(tag)}
         assert got == pytest.approx(values, rel=1e-6), tag
     assert "config/text_summary" in events.Tags()["tensors"]
+    # the final evaluation (issue 35): its row of metrics.jsonl, at the last step, is in the event file
+    (final,) = [
+        json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"final"' in line
+    ]
+    assert final["step"] == STEPS and final["final"] is True
+    for tag in ("eval/loss", "eval/perplexity"):
+        assert events.Scalars(tag)[-1].step == STEPS
+        assert events.Scalars(tag)[-1].value == pytest.approx(final[tag], rel=1e-6)
 
 
 def wandb_records(path: Path):
@@ -76,6 +85,17 @@ def wandb_records(path: Path):
             pending = b""
 
 
+def finished_wandb_records(path: Path, wait_s: float = 30.0) -> list:
+    """The records of an offline W&B run file once they end with the run's exit record: W&B's service writes the
+    file after `finish()` returns (in the background, and at the latest when the process exits)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = list(wandb_records(path))
+        if (records and records[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def test_wandb_offline_writes_its_run_folder(inputs, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -84,7 +104,7 @@ def test_wandb_offline_writes_its_run_folder(inputs, tmp_path, monkeypatch):
     assert train(inputs, run, "log.report_to=wandb") == 0
     (path,) = (run / "wandb").glob(f"offline-run-*-{trackers.run_id(run)}/run-*.wandb")
     logged, config = {}, {}
-    for record in wandb_records(path):
+    for record in finished_wandb_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
@@ -116,6 +136,42 @@ def test_mlflow_keeps_its_store_in_the_run(inputs, tmp_path, monkeypatch):
         history = {m.step: m.value for m in client.get_metric_history(found.info.run_id, key)}
         assert history == pytest.approx(values, rel=1e-6), key
     assert found.data.params["schedule.max_steps"] == str(STEPS)
+
+
+@pytest.mark.parametrize("store", ["file", pytest.param("sqlite", marks=pytest.mark.slow)])
+def test_mlflow_takes_its_usual_stores(tmp_path, monkeypatch, store):
+    """MLFLOW_TRACKING_URI as MLflow's documentation gives it: a file store, a SQLite database (its first start
+    creates the tables: seconds). A server's URI is probed first: tests/cli/test_faults_trackers.py."""
+    mlflow = pytest.importorskip("mlflow")
+    uri = (tmp_path / "mlruns").as_uri() if store == "file" else f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sessions = {  # started, then resumed at step 2; the final evaluation's row as metrics.jsonl has it
+        0: [(1, {"loss": 2.5}), (2, {"loss": 2.25})],
+        2: [(3, {"loss": 2.0}), (3, {"eval/loss": 1.5, "final": True})],
+    }
+    for start_step, records in sessions.items():
+        started = trackers.Trackers(["mlflow"], run_dir, {"schedule": {"max_steps": 3}}, start_step)
+        for step, record in records:
+            started.log(step, record)
+        started.close()
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    (found,) = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        f"tags.usaf_run_id = '{trackers.run_id(run_dir)}'",
+    )
+    assert {m.step: m.value for m in client.get_metric_history(found.info.run_id, "loss")} == {
+        1: 2.5,
+        2: 2.25,
+        3: 2.0,
+    }
+    assert [(m.step, m.value) for m in client.get_metric_history(found.info.run_id, "eval/loss")] == [
+        (3, 1.5)
+    ]
+    assert found.data.params["schedule.max_steps"] == "3" and found.info.status == "FINISHED"
+    assert not (run_dir / "mlruns").exists()  # the user's store, not the run folder's
 
 
 def test_a_tracker_defined_outside_usaf_plugs_in(inputs, tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ from usaf.train.checkpoint import Checkpointer, restore_trainable
 from usaf.train.distributed import StepShare, gradient_reducer
 from usaf.train.evaluate import Evaluator, supervised_units
 from usaf.train.memory_plan import resolve_auto
-from usaf.train.metrics import open_metrics
+from usaf.train.metrics import eval_record, open_metrics
 from usaf.train.optim import (
     apply_resumed_schedule,
     build_optimizer,
@@ -269,10 +269,11 @@ class TrainingRun:
                     f"Resume with: usaf train --resume {self.run_dir}"
                 )
                 return {"stopped": True, "step": state.step, "signal": stop.signal_number}
+            stop.restore()  # a signal while finishing acts as it did after the loop (restoring again is harmless)
+            return self.finish()  # while the log is open: the final evaluation is a row of it
         finally:
             stop.restore()
             self.log.close()
-        return self.finish()
 
     def announce(self) -> None:
         """The run's first lines, flushed before the progress bar starts drawing on stderr, so that a terminal (or
@@ -296,7 +297,7 @@ class TrainingRun:
     def evaluate_before(self) -> None:
         if self.evaluator.available and self.state.eval_before is None:
             self.state.eval_before = self.evaluator.evaluate()
-            self.log.log(self.state.step, {f"eval/{k}": v for k, v in self.state.eval_before.items()})
+            self.log.log(self.state.step, eval_record(self.state.eval_before))
 
     def forward_backward(self) -> tuple[float, int]:
         """Forward and backward over this rank's micro-batches of the step; the loss is the mean over all
@@ -451,7 +452,7 @@ class TrainingRun:
             **router_record,
         }
         if self.evaluator.should_evaluate(state.step):
-            record.update({f"eval/{k}": v for k, v in self.evaluator.evaluate().items()})
+            record.update(eval_record(self.evaluator.evaluate()))
         if self.log.should_log(state.step, record):
             shown = {
                 "loss": f"{loss:.4f}",
@@ -467,6 +468,8 @@ class TrainingRun:
 
     def finish(self) -> dict:
         eval_after = self.evaluator.evaluate() if self.evaluator.available else None
+        if eval_after is not None:  # before the summary that marks the run finished (a resume rewrites it)
+            self.log.log(self.state.step, eval_record(eval_after, final=True))
         self.checkpointer.save(self.state.step, force=True)
         if self.prefix_cache is not None:
             self.state.prefix_cache_hits = self.prefix_cache.hits

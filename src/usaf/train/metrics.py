@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -14,6 +15,15 @@ from usaf.io.atomic import atomic_file, open_unfollowed
 from usaf.train.distributed import is_main
 from usaf.train.trackers import Trackers, report_to
 
+# metrics.jsonl's row of an evaluation: its numbers under eval/ (eval/loss, eval/perplexity; DPO's eval/loss,
+# eval/margin, eval/accuracy), in the row of the step it was taken at; the one after training also says "final": true
+EVAL_PREFIX, FINAL_KEY = "eval/", "final"
+
+
+def eval_record(result: dict, final: bool = False) -> dict:
+    """An evaluation's numbers as metrics.jsonl's row has them (and, `final`, marked as the run's last)."""
+    return {**{f"{EVAL_PREFIX}{k}": v for k, v in result.items()}, **({FINAL_KEY: True} if final else {})}
+
 
 def open_metrics(run_dir: Path, section, total_steps: int, start_step: int, resumed: bool, run_config: dict):
     """The run's log from `start_step` on: rank 0's MetricsLog with the trackers of log.report_to (a resume first
@@ -21,7 +31,7 @@ def open_metrics(run_dir: Path, section, total_steps: int, start_step: int, resu
     if not is_main():
         return NullLog(section.every_steps)
     if resumed:
-        truncate_metrics(Path(run_dir) / METRICS_FILE, start_step)
+        truncate_metrics(Path(run_dir) / METRICS_FILE, start_step, total_steps)
     return MetricsLog(
         run_dir,
         total_steps,
@@ -46,9 +56,13 @@ class MetricsLog:
     ):
         self.every_steps = every_steps  # 0: no step rows; evaluations are still written
         self.path = Path(run_dir) / METRICS_FILE
-        self.file = _open_for_append(
-            self.path
-        )  # lives as long as the run; a resumed run continues the same log
+        # first: a tracker that cannot start is an error before the log is opened
+        self.trackers = Trackers(list(report_to), Path(run_dir), run_config or {}, start_step, self.warn)
+        try:  # the file lives as long as the run; a resumed run continues the same log
+            self.file = _open_for_append(self.path)
+        except BaseException:
+            self.trackers.close()
+            raise
         self.bar = (
             tqdm(
                 total=total_steps,
@@ -61,12 +75,11 @@ class MetricsLog:
             if progress
             else None
         )
-        self.trackers = Trackers(list(report_to), Path(run_dir), run_config or {}, start_step)
 
     def should_log(self, step: int, record: dict) -> bool:
         """Whether step `step`'s row is due: every `log.every_steps`, and whenever it holds an evaluation."""
         every = self.every_steps
-        return bool(every and step % every == 0) or any(k.startswith("eval/") for k in record)
+        return bool(every and step % every == 0) or any(k.startswith(EVAL_PREFIX) for k in record)
 
     def log(self, step: int, record: dict, show: dict | None = None) -> None:
         self.file.write(json.dumps({"step": step, **record}) + "\n")
@@ -87,6 +100,12 @@ class MetricsLog:
             return
         with tqdm.external_write_mode(file=sys.stdout):
             print(text, flush=True)
+
+    def warn(self, text: str) -> None:
+        """A warning line on stderr, drawn clear of the bar."""
+        bar = getattr(self, "bar", None)  # None also while the trackers start, before the bar
+        with tqdm.external_write_mode(file=sys.stderr) if bar is not None else contextlib.nullcontext():
+            print(f"usaf: warning: {text}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -114,23 +133,28 @@ class NullLog(MetricsLog):
         pass
 
 
-def truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int, max_steps: int) -> None:
     """A resume continues the log from its checkpoint: rows a killed process wrote after it (steps the resume
-    trains again) are dropped, and so is a torn last line."""
+    trains again) are dropped, and so is a torn last line. The final evaluation's row is the resumed run's to
+    write: one at `max_steps` (written before the process died) is dropped, an earlier one (the run is extended)
+    stays as an evaluation at its step, no longer marked final."""
     if not path.exists():
         return
-    kept, dropped = [], 0
+    kept, changed = [], False
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             row = json.loads(line)
-            keep = int(row["step"]) <= step
+            row_step = int(row["step"])
         except (ValueError, KeyError, TypeError):
-            keep = False
-        if keep:
-            kept.append(line)
+            row, row_step = None, step + 1
+        if row_step > step or (row.get(FINAL_KEY) and row_step >= max_steps):
+            changed = True
+        elif row.get(FINAL_KEY):
+            kept.append(json.dumps({k: v for k, v in row.items() if k != FINAL_KEY}))
+            changed = True
         else:
-            dropped += 1
-    if dropped:
+            kept.append(line)
+    if changed:
         atomic_file(path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8"))
 
 

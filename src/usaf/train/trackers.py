@@ -3,9 +3,12 @@
 steps, and the run's configuration once.
 
 A tracker is a class in `TRACKERS` (a plug-in point: `register_tracker`): `available()` says whether its package
-is installed, checked when the run starts (a requested tracker that is missing is a one-line error then, not
-silence); `start`, `log` and `close` do the rest. Nothing a tracker writes leaves the run folder unless the user
-points it elsewhere through the tracker's own environment (WANDB_DIR, MLFLOW_TRACKING_URI, ...).
+is installed and `check()` whether it can start (credentials, a server that answers), both before anything is
+written; `start`, `log` and `close` do the rest. A tracker never hangs or ends a run: its start and close are given
+START_TIMEOUT_S, a start that fails is one line naming the setting to fix (before training), and a log or close
+that fails mid-run is one warning, after which the run goes on without it (metrics.jsonl keeps every row). Nothing
+a tracker writes leaves the run folder unless the user points it elsewhere through the tracker's own environment
+(WANDB_DIR, MLFLOW_TRACKING_URI, ...).
 """
 
 from __future__ import annotations
@@ -13,11 +16,22 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
-from usaf.errors import UsafError
+from usaf.errors import UsafError, first_line
 
 NONE = "none"
+# A tracker's start or close past this is given up: the trackers' own network timeouts run to minutes (a server
+# that does not answer is found sooner, by PROBE_TIMEOUT_S); MLflow's first sqlite:/// start migrates for seconds.
+START_TIMEOUT_S = 120.0
+# An MLflow server that does not answer within this is unreachable (per connect, per read).
+PROBE_TIMEOUT_S = 5.0
 
 
 class Tracker:
@@ -30,6 +44,16 @@ class Tracker:
     @classmethod
     def available(cls) -> bool:
         return importlib.util.find_spec(cls.package) is not None
+
+    @classmethod
+    def check(cls) -> None:
+        """Raise the one-line UsafError that says what to set when the tracker cannot start (no credentials, a
+        server that does not answer); quick, run before anything is written."""
+
+    @classmethod
+    def hint(cls) -> str:
+        """What a user whose tracker failed to start can do: the settings to fix, named."""
+        return f"leave {cls.name} out of log.report_to"
 
     def start(self, run_dir: Path, config: dict, start_step: int) -> None:
         raise NotImplementedError
@@ -65,7 +89,11 @@ class TensorBoard(Tracker):
     def start(self, run_dir: Path, config: dict, start_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step or None)
+        # a resume continues after its checkpoint's step: events written past it (by a killed process) are
+        # dropped, those at it kept, as metrics.jsonl keeps its rows up to that step
+        self.writer = SummaryWriter(
+            str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1 if start_step else None
+        )
         if not start_step:
             text = "\n".join(f"    {k}: {v}" for k, v in _flat(config).items())  # indented: markdown code
             self.writer.add_text("config", text, 0)
@@ -81,10 +109,35 @@ class TensorBoard(Tracker):
 class WandB(Tracker):
     name, package, install = "wandb", "wandb", "pip install 'usaf[wandb]'"
 
+    @classmethod
+    def check(cls) -> None:
+        if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+            return
+        import wandb
+
+        if not os.environ.get("WANDB_API_KEY"):
+            try:  # a key saved by `wandb login` (.netrc) or an identity token file, found without prompting
+                found = wandb.login(prompt=False, verify=False)
+            except TypeError:  # a wandb whose login always prompts: its init says what is missing
+                found = True
+            if not found:
+                raise UsafError(f"log.report_to=wandb, but W&B has no API key: {cls.hint()}.")
+        variable = "WANDB_BASE_URL"
+        _probe(os.environ.get(variable) or wandb.Settings().base_url, variable, cls)
+
+    @classmethod
+    def hint(cls) -> str:
+        return (
+            "run `wandb login` or set WANDB_API_KEY (and WANDB_BASE_URL for a server of your own), set "
+            "WANDB_MODE=offline to keep the run in the run folder, or leave wandb out of log.report_to"
+        )
+
     def start(self, run_dir: Path, config: dict, start_step: int) -> None:
         import wandb
 
         self.run = wandb.init(
+            # read now, not from the settings W&B kept when `check` first asked it (a process may change it since)
+            mode=os.environ.get("WANDB_MODE") or None,
             project=os.environ.get("WANDB_PROJECT", "usaf"),
             name=Path(run_dir).name,
             id=run_id(run_dir),
@@ -100,33 +153,103 @@ class WandB(Tracker):
         self.run.finish()
 
 
+# MLflow's URI schemes of a database store (SQLAlchemy's dialects): SQLAlchemy and Alembic are needed for them
+_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
 class MLflow(Tracker):
+    """MLflow through its client (no process-wide active run or tracking URI is set): the store of
+    MLFLOW_TRACKING_URI (a server, sqlite:///..., file:///...), else a file store in the run folder."""
+
     name, package, install = "mlflow", "mlflow", "pip install 'usaf[mlflow]'"
 
-    def start(self, run_dir: Path, config: dict, start_step: int) -> None:
-        import mlflow
+    @classmethod
+    def check(cls) -> None:
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        scheme = urllib.parse.urlparse(uri).scheme.split("+")[0]
+        if scheme in _DATABASE_SCHEMES and importlib.util.find_spec("sqlalchemy") is None:
+            raise UsafError(
+                f"MLFLOW_TRACKING_URI={uri} is a database store, which needs SQLAlchemy and Alembic: "
+                f"{cls.install}, or {cls.hint()}."
+            )
+        if scheme in ("http", "https"):
+            _probe(uri.rstrip("/") + "/health", "MLFLOW_TRACKING_URI", cls)
 
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            # MLflow's default store is in the working directory; the run folder is the only place usaf writes.
-            # Its file store is in maintenance mode but needs no database package: allowed for this default only.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            mlflow.set_tracking_uri((Path(run_dir).resolve() / "mlruns").as_uri())
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "usaf"))
-        found = mlflow.search_runs(
-            filter_string=f"tags.usaf_run_id = '{run_id(run_dir)}'", output_format="list"
+    @classmethod
+    def hint(cls) -> str:
+        return (
+            "set MLFLOW_TRACKING_URI to a server that answers, sqlite:///PATH or file:///PATH, unset it to keep "
+            "the store in the run folder, or leave mlflow out of log.report_to"
         )
-        if found:
-            self.run = mlflow.start_run(run_id=found[0].info.run_id)
+
+    def start(self, run_dir: Path, config: dict, start_step: int) -> None:
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            # MLflow's default store is in the working directory; the run folder is the only place usaf writes.
+            uri = (Path(run_dir).resolve() / "mlruns").as_uri()
+        if urllib.parse.urlparse(uri).scheme in ("", "file"):
+            # MLflow's file store is in maintenance mode but needs no database package; asked for, it is allowed
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         else:
-            self.run = mlflow.start_run(run_name=Path(run_dir).name, tags={"usaf_run_id": run_id(run_dir)})
-            mlflow.log_params(_flat(config))
-        self.mlflow = mlflow
+            # a server that stops answering mid-run costs tens of seconds once, not MLflow's minutes of retries
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        client = MlflowClient(tracking_uri=uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "usaf")
+        experiment = client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
+        found = client.search_runs([experiment_id], f"tags.usaf_run_id = '{run_id(run_dir)}'")
+        if found:
+            self.run_id = found[0].info.run_id
+            client.update_run(self.run_id, status="RUNNING")
+        else:
+            from mlflow.entities import Param
+
+            run = client.create_run(
+                experiment_id,
+                run_name=Path(run_dir).name,
+                tags={"usaf_run_id": run_id(run_dir)},
+            )
+            self.run_id = run.info.run_id
+            params = [Param(k, str(v)) for k, v in _flat(config).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+                client.log_batch(self.run_id, params=params[i : i + 100])
+        self.client = client
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.mlflow.log_metrics(scalars, step=step)
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
 
     def close(self) -> None:
-        self.mlflow.end_run()
+        self.client.set_terminated(self.run_id)
+
+
+def _probe(url: str, variable: str, tracker: type[Tracker]) -> None:
+    """One request to a tracker's server at `url` (any answer will do, an HTTP error included), bounded by
+    PROBE_TIMEOUT_S: a server that refuses or never answers is one line, naming `variable`, before the run
+    starts, not minutes of the tracker's own retries later."""
+    try:
+        with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S):
+            pass
+    except urllib.error.HTTPError:
+        pass  # it answered
+    except (OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)  # urllib wraps the socket's error
+        said = (
+            f"no answer in {PROBE_TIMEOUT_S:g} s"
+            if isinstance(reason, TimeoutError)
+            else first_line(reason)
+            if isinstance(reason, BaseException)
+            else str(reason)
+        )
+        shown = os.environ.get(variable) or url
+        raise UsafError(
+            f"log.report_to={tracker.name}, but {variable}={shown} does not answer ({said}): {tracker.hint()}."
+        ) from None
 
 
 TRACKERS: dict[str, type[Tracker]] = {t.name: t for t in (TensorBoard, WandB, MLflow)}
@@ -148,7 +271,8 @@ def report_to(log) -> list[str]:
 
 
 def check_report_to(names: list[str]) -> list[type[Tracker]]:
-    """The trackers of `log.report_to`, each installed; else the one-line error that says what to install."""
+    """The trackers of `log.report_to`, each installed and able to start; else the one-line error that says what
+    to install or set."""
     if NONE in names:
         if len(names) > 1:
             raise UsafError(
@@ -168,24 +292,88 @@ def check_report_to(names: list[str]) -> list[type[Tracker]]:
                 f"{name} out of log.report_to."
             )
         chosen.append(tracker)
+    for tracker in chosen:
+        _started(tracker, "check", tracker.check)
     return chosen
 
 
-class Trackers:
-    """The run's trackers together: started once, fed every logged row's numbers, closed with the run."""
+def _within(seconds: float, what: str, call, *args):
+    """`call(*args)` given `seconds`: its result or its exception, else TimeoutError. It runs in a daemon thread,
+    which a call that never returns is left in (nothing can stop it; it holds nothing of the run's)."""
+    box: dict = {}
 
-    def __init__(self, names: list[str], run_dir: Path, config: dict, start_step: int):
-        self.trackers = []
-        for tracker in check_report_to(names):
-            started = tracker()
-            started.start(Path(run_dir), config, start_step)
-            self.trackers.append(started)
+    def target():
+        try:
+            box["value"] = call(*args)
+        except BaseException as err:  # handed to the caller's thread
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name=f"usaf-tracker-{what}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer in {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _started(tracker, what: str, call, *args) -> None:
+    """A tracker's check or start, within START_TIMEOUT_S; any failure is the one line that names the tracker
+    and the settings to fix."""
+    try:
+        _within(START_TIMEOUT_S, f"{tracker.name}-{what}", call, *args)
+    except UsafError:
+        raise
+    except Exception as err:
+        raise UsafError(
+            f"log.report_to={tracker.name} did not start ({type(err).__name__}: {first_line(err)}): "
+            f"{tracker.hint()}."
+        ) from None
+
+
+def _warn(text: str) -> None:
+    print(f"usaf: warning: {text}", file=sys.stderr, flush=True)
+
+
+class Trackers:
+    """The run's trackers together: started once (each within START_TIMEOUT_S, or a one-line error), fed every
+    logged row's numbers, closed with the run. A tracker that fails mid-run is one warning through `warn` and is
+    dropped for the rest of the run: retrying would repeat the warning, and the wait, at every row, and
+    metrics.jsonl keeps every row anyway."""
+
+    def __init__(self, names: list[str], run_dir: Path, config: dict, start_step: int, warn=_warn):
+        self.trackers: list[Tracker] = []
+        self.warn = warn
+        try:
+            for tracker in check_report_to(names):
+                started = tracker()
+                _started(started, "start", started.start, Path(run_dir), config, start_step)
+                self.trackers.append(started)
+        except BaseException:
+            self.warn = lambda text: None  # the error says what went wrong; closing the others says nothing
+            self.close()
+            raise
 
     def log(self, step: int, record: dict) -> None:
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        for tracker in self.trackers:
-            tracker.log(step, scalars)
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(step, scalars)
+            except Exception as err:
+                self.trackers.remove(tracker)
+                self.warn(
+                    f"log.report_to={tracker.name} failed at step {step} ({type(err).__name__}: "
+                    f"{first_line(err)}); the run goes on without it, and metrics.jsonl has every row."
+                )
 
     def close(self) -> None:
         for tracker in self.trackers:
-            tracker.close()
+            try:
+                _within(START_TIMEOUT_S, f"{tracker.name}-close", tracker.close)
+            except Exception as err:
+                self.warn(
+                    f"log.report_to={tracker.name} did not close ({type(err).__name__}: {first_line(err)}); "
+                    "the run's own files are complete."
+                )
+        self.trackers = []
