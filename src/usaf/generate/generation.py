@@ -10,9 +10,8 @@ it is tokenized (bounded memory, records.TextLimit)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 
