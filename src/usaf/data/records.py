@@ -17,6 +17,16 @@ class BadRecord(Exception):
     """A problem with one record: an error naming its location, or a skip under skip_bad_records."""
 
 
+@contextmanager
+def answer_named(name: str):
+    """A preference pair's answer is read and encoded as a prompt/completion record's completion: its problems
+    name the pair's own key (an empty 'rejected' is said as such, not as an empty 'completion')."""
+    try:
+        yield
+    except BadRecord as problem:
+        raise BadRecord(str(problem).replace("'completion'", f"'{name}'")) from None
+
+
 def expect_str(record: dict, key: str) -> str:
     value = record[key]
     if not isinstance(value, str):
@@ -130,7 +140,10 @@ def encode_prompt_completion(record: dict, tokenizer) -> tuple[list[int], list[i
     if not completion.strip():
         raise BadRecord("'completion' is empty: nothing to learn")
     prompt_ids = token_ids(tokenizer, prompt, add_special_tokens=True)
-    completion_ids = with_eos(tokenizer, token_ids(tokenizer, completion, add_special_tokens=False))
+    completion_ids = token_ids(tokenizer, completion, add_special_tokens=False)
+    if not completion_ids:  # all of it dropped by the tokenizer's normalizer: only the EOS would be learned
+        raise BadRecord("'completion' is empty after tokenizing: nothing to learn")
+    completion_ids = with_eos(tokenizer, completion_ids)
     return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
 
 
