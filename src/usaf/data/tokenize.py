@@ -221,7 +221,7 @@ class Encoder:
             when, fix = (
                 (
                     f" after truncation to max_seq_len={self.settings.max_seq_len}",
-                    "raise data.max_seq_len or drop it",
+                    "shorten the prompt, or drop it",
                 )
                 if cut
                 else (" once tokenized", "drop it")
