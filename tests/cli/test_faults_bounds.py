@@ -336,6 +336,7 @@ def _spied():
 
 
 BIG = "ab cd " * 700_000  # 4.2 MB
+CALL_CHARS = 1 << 16  # the most a tokenizer call may take: ~13 MB at ~200 bytes a character
 FOUR_MB_RECORDS = {
     "text": ({"text": BIG}, False),
     "prompt/completion": ({"prompt": "q", "completion": BIG}, False),
@@ -350,7 +351,7 @@ FOUR_MB_RECORDS = {
 @pytest.mark.parametrize("long_documents", ["split", "truncate"])
 @pytest.mark.parametrize("shape", sorted(FOUR_MB_RECORDS))
 def test_a_4mb_record_never_goes_to_the_tokenizer_whole(shape, long_documents, tmp_path):
-    """No tokenizer call gets more than records.LONG_TEXT_CHARS characters of a 4 MB record, whatever its shape
+    """No tokenizer call gets more than CALL_CHARS characters of a 4 MB record, whatever its shape
     (memory of the order of 200 bytes a character given); truncated ones much less (cut before tokenizing).
     Failed before for text split into windows (250,000 characters a call)."""
     record, pairs = FOUR_MB_RECORDS[shape]
@@ -358,7 +359,7 @@ def test_a_4mb_record_never_goes_to_the_tokenizer_whole(shape, long_documents, t
     path.write_text(json.dumps(record) + "\n")
     tokenizer, spy = _spied()
     load_dataset([str(path)], tokenizer, 64, eval_fraction=0.0, long_documents=long_documents, pairs=pairs)
-    assert 0 < spy.longest <= records.LONG_TEXT_CHARS, spy.longest
+    assert 0 < spy.longest <= CALL_CHARS, spy.longest
     if shape != "text" or long_documents == "truncate":  # a chat's template adds a few characters
         assert spy.longest <= records.TextLimit.of(tokenizer, 64).chars + 64, spy.longest
 
