@@ -75,7 +75,14 @@ def sampling(args):
 
 def run(args) -> int:
     from usaf.errors import UsafError
-    from usaf.generate.generation import decode, generate_ids, prompt_ids, tokenizer_for_generation
+    from usaf.generate.generation import (
+        context_positions,
+        cut_line,
+        decode,
+        generate_ids,
+        prompt_ids,
+        tokenizer_for_generation,
+    )
     from usaf.generate.prompts import read_prompts
     from usaf.generate.target import open_target
     from usaf.io.atomic import atomic_file
@@ -100,8 +107,11 @@ def run(args) -> int:
         raise UsafError(f"--compare-base: {missing}.")
     tokenizer = target.tokenizer
     tokenizer_for_generation(tokenizer, target.config.data.chat_template)
-    encoded = [prompt_ids(tokenizer, p, f"{args.prompts}:{p.line}") for p in prompts]
+    positions = context_positions(target.model)  # a prompt and its new tokens fit the model's context
+    encoded = [prompt_ids(tokenizer, p, f"{args.prompts}:{p.line}", positions) for p in prompts]
     print(f"usaf generate: {len(prompts)} prompts with {target.label}", flush=True)
+    if (cut := cut_line(settings, [len(ids) for ids in encoded], positions)) is not None:
+        print(cut, flush=True)
 
     def run_all(model) -> list[list[int]]:
         return [generate_ids(model, ids, settings, tokenizer, target.device) for ids in encoded]

@@ -44,7 +44,7 @@ Tokenization: text and prompts are encoded with the tokenizer's own special toke
 to texts and completions so the model learns to stop. Labels are aligned with input_ids, as transformers
 expects: the model (or usaf.engine.loss) shifts them, so the target of position t is token t+1. The first label of
 every document is -100: nothing inside the document predicts it, and in a packed row it would otherwise be
-the target of the previous document's last token. Texts over a million characters are tokenized in pieces cut
+the target of the previous document's last token. Texts over 64 k characters are tokenized in pieces cut
 before a whitespace (bounded memory; see usaf.data.records); a record that is truncated has its texts cut before
 tokenizing, past what its first max_seq_len tokens can span (records.TextLimit). Chat templates render within
 bounds of output, time, loops and value sizes (usaf.data.render). Tokenized rows are cached in the datasets cache (see
@@ -55,7 +55,9 @@ max_seq_len tokens; each continuation window starts with max(stride, 1) tokens o
 (labels -100), so every token is a target exactly once. Chat and prompt/completion records are truncated instead
 (a window without its prompt would teach answers without questions), as everything is with
 long_documents=truncate: the first max_seq_len tokens are kept. Both are counted in DataStats, never silent. A
-record left with no supervised token is an error (or skipped, with skip_bad_records).
+record left with no supervised token is an error (or skipped, with skip_bad_records), as is a preference pair
+whose two documents are the same (DPO's loss ln 2, no gradient). load_run_data first clamps data.max_seq_len to
+the model's max_position_embeddings (load.fit_context, one note), for every objective and command.
 
 Packing (pack=True): best-fit decreasing, deterministic, documents never split. position_ids restart at 0 for
 every document. transformers 5.x turns such position_ids into a block-diagonal causal mask (documents do not

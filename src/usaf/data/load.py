@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -12,6 +14,7 @@ from usaf.data.sources import open_source
 from usaf.data.templates import use_chat_template
 from usaf.data.tokenize import DataStats, Documents, Settings, read_documents
 from usaf.errors import UsafError
+from usaf.io.text import read_text
 
 LONG_DOCUMENTS = ("split", "truncate")
 
@@ -145,12 +148,15 @@ def _rows(documents: Documents, max_seq_len: int, pack: bool, pad_id: int, pairs
 
 
 def load_run_data(config, tokenizer, pack: bool, files: list[str] | None = None, held_out: bool = True):
-    """load_dataset with a run's data settings (`config` is a RunConfig): what `usaf train`, `usaf eval` and
-    `usaf select` read. files: other files than data.train (eval); held_out=False: no eval split."""
+    """load_dataset with a run's data settings (`config` is a RunConfig): what `usaf train`, `usaf eval`,
+    `usaf select` and `usaf data` read. files: other files than data.train (eval); held_out=False: no eval
+    split. data.max_seq_len is first fitted to the model's context (`fit_context`; its line becomes a note of
+    the stats)."""
+    config, clamped = fit_context(config)
     data = config.data
     use_chat_template(tokenizer, data.chat_template)
     vocabulary = model_vocabulary(config.model.path)
-    return load_dataset(
+    train, held_out_rows, stats = load_dataset(
         list(files if files is not None else data.train),
         tokenizer,
         data.max_seq_len,
@@ -167,21 +173,61 @@ def load_run_data(config, tokenizer, pack: bool, files: list[str] | None = None,
         model_vocabulary=vocabulary,
         pairs=config.train.objective == "dpo",
     )
+    if clamped:
+        stats.notes.insert(0, clamped)
+    return train, held_out_rows, stats
 
 
-def model_vocabulary(path: str) -> tuple[int, str] | None:
-    """(vocab_size, config file) of a local model folder: the rows of its embedding, which token ids index.
-    None where there is no readable one (a hub id; the model's loader reports a broken config)."""
-    import json
-    from pathlib import Path
+def fit_context(config):
+    """`config` (a RunConfig) with data.max_seq_len at most the model's max_position_embeddings, and the line
+    that says so when it was above (else None): the one rule of every objective and command, applied before
+    anything is tokenized. Clamped rather than refused: the default (512) is above many small models' context,
+    and a longer window (a DPO pair, an SFT window or packed row) would only hold positions the model never saw;
+    longer records are then split or truncated, and counted, as at any max_seq_len. `usaf train` fits its
+    config before config.yaml records it, so a resume reads the effective value."""
+    import copy
 
+    context = model_positions(config.model.path)
+    if context is None or config.data.max_seq_len <= context[0]:
+        return config, None
+    limit, config_file = context
+    line = (
+        f"data.max_seq_len={config.data.max_seq_len} is above the model's {limit} positions ({config_file} "
+        f"max_position_embeddings): using {limit}"
+    )
+    config = copy.deepcopy(config)
+    config.data.max_seq_len = limit
+    return config, line
+
+
+def _text_config(path: str) -> tuple[dict, dict, str] | None:
+    """(config.json, its text part, the file) of a local model folder (or prepared store); None where there is
+    no readable one (a hub id; the model's loader reports a broken config)."""
     config_file = Path(path).expanduser() / "config.json"
     try:
-        config = json.loads(config_file.read_text())
+        config = json.loads(read_text(config_file))
     except (OSError, ValueError):
         return None
     if not isinstance(config, dict):
         return None
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return config, text, str(config_file)
+
+
+def model_vocabulary(path: str) -> tuple[int, str] | None:
+    """(vocab_size, config file) of a local model folder: the rows of its embedding, which token ids index."""
+    if (found := _text_config(path)) is None:
+        return None
+    config, text, config_file = found
     size = text.get("vocab_size", config.get("vocab_size"))
-    return (size, str(config_file)) if type(size) is int and size > 0 else None
+    return (size, config_file) if type(size) is int and size > 0 else None
+
+
+def model_positions(path: str) -> tuple[int, str] | None:
+    """(max_position_embeddings, config file) of a local model folder: the longest sequence it was made for
+    (its text model's, as transformers' get_text_config reads it)."""
+    if (found := _text_config(path)) is None:
+        return None
+    _, text, config_file = found
+    size = text.get("max_position_embeddings")
+    return (size, config_file) if type(size) is int and size > 0 else None

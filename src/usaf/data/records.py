@@ -17,6 +17,16 @@ class BadRecord(Exception):
     """A problem with one record: an error naming its location, or a skip under skip_bad_records."""
 
 
+@contextmanager
+def answer_named(name: str):
+    """A preference pair's answer is read and encoded as a prompt/completion record's completion: its problems
+    name the pair's own key (an empty 'rejected' is said as such, not as an empty 'completion')."""
+    try:
+        yield
+    except BadRecord as problem:
+        raise BadRecord(str(problem).replace("'completion'", f"'{name}'")) from None
+
+
 def expect_str(record: dict, key: str) -> str:
     value = record[key]
     if not isinstance(value, str):
@@ -25,10 +35,12 @@ def expect_str(record: dict, key: str) -> str:
 
 
 # A text longer than this is tokenized in pieces of _PIECE_CHARS, cut before a whitespace where there is one: a
-# tokenizer's whole-text encoding costs ~200 bytes a character (a 4 MB line would take 800 MB). Tokens can
-# differ from the whole-text encoding only at the few cuts, in documents of a million characters or more.
-LONG_TEXT_CHARS = 1_000_000
-_PIECE_CHARS = 250_000
+# tokenizer's whole-text encoding costs ~200 bytes a character (a 700 k-character text took 140 MB, a 4 MB line
+# would take 800 MB), so no call gets more than LONG_TEXT_CHARS (~13 MB). What is cut before tokenizing
+# (TextLimit) is shorter still; a text split into windows keeps every token and goes in pieces. Tokens can differ
+# from the whole-text encoding only at the cuts, one per 32 k characters of documents over 64 k.
+LONG_TEXT_CHARS = 1 << 16
+_PIECE_CHARS = 1 << 15
 
 
 def _pieces(text: str) -> list[str]:
@@ -130,7 +142,10 @@ def encode_prompt_completion(record: dict, tokenizer) -> tuple[list[int], list[i
     if not completion.strip():
         raise BadRecord("'completion' is empty: nothing to learn")
     prompt_ids = token_ids(tokenizer, prompt, add_special_tokens=True)
-    completion_ids = with_eos(tokenizer, token_ids(tokenizer, completion, add_special_tokens=False))
+    completion_ids = token_ids(tokenizer, completion, add_special_tokens=False)
+    if not completion_ids:  # all of it dropped by the tokenizer's normalizer: only the EOS would be learned
+        raise BadRecord("'completion' is empty after tokenizing: nothing to learn")
+    completion_ids = with_eos(tokenizer, completion_ids)
     return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
 
 

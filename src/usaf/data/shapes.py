@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 
-from usaf.data.records import BadRecord
+from usaf.data.records import BadRecord, answer_named
 from usaf.data.templates import MESSAGE_KEYS
 
 # A shape is recognised by any of its trigger keys; then its required keys must all be there.
@@ -150,7 +150,17 @@ def normalize_pair(
     if prompt is None:
         raise BadRecord("a preference pair of texts needs its 'prompt'")
     tools = {"tools": record["tools"]} if "tools" in record else {}
-    pieces = [normalize({"prompt": prompt, "completion": answer, **tools}) for answer in (chosen, rejected)]
+    pieces = []
+    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        if isinstance(answer, str) and not answer.strip():
+            raise BadRecord(f"'{name}' is empty: a preference pair compares two answers")
+        with answer_named(name):
+            pieces.append(normalize({"prompt": prompt, "completion": answer, **tools}))
+    if pieces[0][1] == pieces[1][1]:
+        raise BadRecord(
+            "'chosen' and 'rejected' are the same answer: the pair teaches nothing (its DPO loss is ln 2 with no "
+            "gradient); drop it or give the answer to prefer against"
+        )
     if pieces[0][0] != pieces[1][0]:
         raise BadRecord("'chosen' and 'rejected' must both be text or both conversations")
     ignored = {key for key in record if key not in used | optional} | set(pieces[0][2]) | set(pieces[1][2])

@@ -25,6 +25,7 @@ from pathlib import Path
 from usaf.data.cache import cache_root, drop_torn, full_cache
 from usaf.errors import UsafError, first_line
 from usaf.io.source import cached_snapshot
+from usaf.io.text import ENCODING, decode
 from usaf.version import __version__
 
 # read here (records located by line or index)
@@ -111,7 +112,7 @@ def _open(path: Path, compression: str | None):
 
 def _decode(path: Path, number: int, raw: bytes) -> str:
     try:
-        return raw.decode("utf-8")
+        return decode(raw)
     except UnicodeDecodeError as error:
         raise UsafError(f"{path}:{number}: not UTF-8 ({error}).") from None
 
@@ -122,7 +123,7 @@ def _read_jsonl(path: Path, handle) -> Iterator[tuple[str, str, str]]:
     for number, raw in enumerate(handle, start=1):
         where = f"{path}:{number}"
         try:
-            line = raw.decode("utf-8")
+            line = decode(raw)
         except UnicodeDecodeError as error:
             yield where, "", f"not UTF-8 ({error})"
             continue
@@ -224,7 +225,9 @@ def _own_file(path: Path, kind: str, compression: str | None, show_progress: boo
 def _csv_header(path: Path, compression: str | None, sep: str) -> list[str]:
     try:
         with _open(path, compression) as handle:
-            return next(csv.reader(io.TextIOWrapper(handle, encoding="utf-8", newline=""), delimiter=sep), [])
+            return next(
+                csv.reader(io.TextIOWrapper(handle, encoding=ENCODING, newline=""), delimiter=sep), []
+            )
     except Exception as error:  # not UTF-8, a corrupt archive, ...
         raise UsafError(f"{path}: cannot read: {first_line(error)}") from None
 

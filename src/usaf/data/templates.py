@@ -22,6 +22,7 @@ from usaf.data.records import BadRecord, TextLimit, text_limit
 from usaf.data.render import RenderBounds, TemplateBoundError, rendering
 from usaf.engine.loss import IGNORE_INDEX
 from usaf.errors import UsafError, first_line
+from usaf.io.text import read_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # one reasoning text under the names templates read: Qwen3, GLM and DeepSeek read reasoning_content, gpt-oss thinking
@@ -194,7 +195,7 @@ def _read_setting(setting: str) -> str:
     templates = _trl_templates()
     name = _TEMPLATE_ALIASES.get(setting, setting)
     if name in templates:
-        return templates[name].read_text(encoding="utf-8")
+        return read_text(templates[name])
     path = Path(os.path.expanduser(setting))
     if not path.is_file():
         looks_like_file = path.suffix or os.sep in setting or "/" in setting
@@ -206,7 +207,7 @@ def _read_setting(setting: str) -> str:
     if path.stat().st_size > _MAX_TEMPLATE_BYTES:
         raise UsafError(f"data.chat_template={setting}: over 1 MB, not a chat template.")
     try:
-        return path.read_text(encoding="utf-8")
+        return read_text(path)
     except (OSError, UnicodeDecodeError) as error:
         raise UsafError(f"data.chat_template={setting}: cannot read it: {first_line(error)}.") from None
 
@@ -227,11 +228,8 @@ def _training_variant(tokenizer) -> str | None:
         template = template.get("default", "") if isinstance(template, dict) else template
         templates = _trl_templates()
         for name, path in templates.items():
-            if (
-                f"{name}_training" in templates
-                and path.read_text(encoding="utf-8").strip() == template.strip()
-            ):
-                return templates[f"{name}_training"].read_text(encoding="utf-8")
+            if f"{name}_training" in templates and read_text(path).strip() == template.strip():
+                return read_text(templates[f"{name}_training"])
     return variant
 
 

@@ -20,6 +20,7 @@ from usaf.data.cache import cache_root, cache_writes, drop_torn
 from usaf.data.records import (
     BadRecord,
     TextLimit,
+    answer_named,
     encode_pretokenized,
     encode_prompt_completion,
     encode_text,
@@ -209,18 +210,32 @@ class Encoder:
         self._check_tokenizer(where, kind)
         documents, cut = [], 0
         for name, part in (("chosen", chosen), ("rejected", rejected)):
-            with limited(self.text_limit(kind)) as limit:
+            with limited(self.text_limit(kind)) as limit, answer_named(name):
                 ids, labels = ENCODERS[kind](part, self.tokenizer)
             labels[0] = IGNORE_INDEX
             (document,), dropped = fit(ids, labels, kind, self.settings)  # a pair's kinds are never split
-            cut += dropped + (limit.dropped_tokens(len(ids)) if limit is not None else 0)
+            dropped += limit.dropped_tokens(len(ids)) if limit is not None else 0
+            cut += dropped
             if all(label == IGNORE_INDEX for label in document[1]):
-                raise BadRecord(
-                    f"the {name} answer has no tokens left after truncation to max_seq_len="
-                    f"{self.settings.max_seq_len}"
-                )
+                raise BadRecord(f"'{name}' has no supervised tokens{self._after_truncation(dropped)}")
             documents.append(document)
+        if documents[0] == documents[1]:  # answers that differ only past max_seq_len: no gradient either
+            when, fix = (
+                (
+                    f" after truncation to max_seq_len={self.settings.max_seq_len}",
+                    "shorten the prompt, or drop it",
+                )
+                if cut
+                else (" once tokenized", "drop it")
+            )
+            raise BadRecord(
+                f"'chosen' and 'rejected' are the same{when}: the pair teaches nothing (its DPO loss is ln 2 with "
+                f"no gradient); {fix}"
+            )
         return documents, cut, [f"{shape}:{key}" for key in sorted({*ignored, *self.unused})]
+
+    def _after_truncation(self, cut: int) -> str:
+        return f" left after truncation to max_seq_len={self.settings.max_seq_len}" if cut else ""
 
     def _check_tokenizer(self, where: str, kind: str) -> None:
         tokenizer = self.tokenizer
@@ -241,8 +256,7 @@ class Encoder:
         if limit is not None:
             cut += limit.dropped_tokens(len(ids))
         if not windows or all(label == IGNORE_INDEX for label in windows[0][1]):
-            why = f" left after truncation to max_seq_len={self.settings.max_seq_len}" if cut else ""
-            raise BadRecord(f"the record has no supervised tokens{why}")
+            raise BadRecord(f"the record has no supervised tokens{self._after_truncation(cut)}")
         return windows, cut, [f"{shape}:{key}" for key in sorted({*ignored, *self.unused})]
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:

@@ -21,6 +21,7 @@ import torch
 
 from usaf.config import RunConfig
 from usaf.data import Batches, collate, load_run_data
+from usaf.data.load import fit_context
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.preference import preference_loss
 from usaf.engine.state import streamed_bytes
@@ -114,10 +115,13 @@ class _Progress:
 
 
 def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress | None = None) -> dict:
-    auto_lines: list[str] = []
+    # the data's windows fit the model's context before the memory plan sizes them and config.yaml records them
+    config, context_line = fit_context(config)
+    auto_lines = [context_line] if context_line else []
     if not resume:  # auto becomes a number before config.yaml records it (a resume takes the recorded one)
         device = distributed.local_device(runtime.resolve_device(config.model.device))
-        config, auto_lines = resolve_auto(config, device, runtime.resolve_dtype(config.model.dtype, device))
+        config, lines = resolve_auto(config, device, runtime.resolve_dtype(config.model.dtype, device))
+        auto_lines += lines
     config, changes = open_run_dir(config, run_dir, resume)
     if resume:
         if (finished := finished_run(run_dir, config)) is not None:

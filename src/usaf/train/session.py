@@ -246,18 +246,19 @@ def selection_summary(model, config: RunConfig) -> dict:
 
 
 def check_positions(model_config, config: RunConfig, *datasets) -> None:
-    """Refuse documents longer than the model's max_position_embeddings (positions it never saw in training);
-    a larger data.max_seq_len alone is harmless, since packed documents restart their positions at 0."""
+    """The data's rows within the model's max_position_embeddings, as loaded: what `usaf.data.load.fit_context`
+    made sure of from config.json before tokenizing, checked again on the loaded model's config (a source whose
+    config.json was not read there)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     limit = getattr(text, "max_position_embeddings", None)
-    if not isinstance(limit, int) or limit <= 0 or config.data.max_seq_len <= limit:
+    if not isinstance(limit, int) or limit <= 0:
         return
-    longest = max(int(d.position_ids.max()) + 1 for d in datasets if d is not None and len(d))
+    longest = max((d.max_seq_len for d in datasets if d is not None and len(d)), default=0)
     if longest > limit:
         raise UsafError(
-            f"data.max_seq_len={config.data.max_seq_len} is above the model's max_position_embeddings={limit} "
-            f"(config.json), and documents reach {longest} tokens, positions the model has never seen; set "
-            f"data.max_seq_len={limit} or less (longer records are truncated and counted)."
+            f"data.max_seq_len={longest} is above the model's max_position_embeddings={limit} (config.json): "
+            f"positions the model has never seen; set data.max_seq_len={limit} or less (longer records are split "
+            "or truncated, and counted)."
         )
 
 
