@@ -16,9 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 from helpers import FAST_RUN, make_model_dir, write_copy_task
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from usaf.cli import main
+from usaf.export.delta import _payload_digest
 
 SETS = [*FAST_RUN, "checkpoint.every_steps=1", "checkpoint.keep_last=0"]
 SET_ARGS = [f"--set={s}" for s in SETS]
@@ -174,3 +176,16 @@ def check_row(row: Row, ws, tmp_path: Path, monkeypatch, capsys) -> None:
     # nothing half-written beside the outputs: no temporaries of usaf's left in the row's folder
     leftovers = [p for p in tmp_path.rglob("*") if "usaf-tmp" in p.name or p.name.startswith(".tmp-")]
     assert not leftovers, leftovers
+
+
+def delta_parts(path: Path) -> tuple[dict, dict]:
+    """A delta file's tensors and its usaf metadata."""
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    return load_file(str(path)), json.loads(metadata["usaf"])
+
+
+def write_delta(path: Path, tensors: dict, info: dict) -> None:
+    """A delta file of `tensors` and `info`, its payload checksum recomputed (so only what a row changed is bad)."""
+    info = {**info, "payload_sha256": _payload_digest(tensors)}
+    save_file(tensors, str(path), {"format": "usaf-delta", "format_version": "1", "usaf": json.dumps(info)})

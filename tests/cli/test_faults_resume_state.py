@@ -8,18 +8,15 @@ import errno
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from faults import NEW, SET_ARGS, Row, T, table_test, train_args
+from faults import NEW, SET_ARGS, Row, T, delta_parts, table_test, train_args, write_delta
 from helpers import write_copy_task
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from usaf.cli import main
 from usaf.errors import UsafError
-from usaf.export.delta import _payload_digest
 
 LAST = "checkpoints/step-00000002"  # the unfinished run's latest checkpoint
 
@@ -47,17 +44,6 @@ def edit_config(key: str, value: str):
     return setup
 
 
-def _delta_parts(path: Path) -> tuple[dict, dict]:
-    with safe_open(str(path), "pt") as f:
-        metadata = f.metadata()
-    return load_file(str(path)), json.loads(metadata["usaf"])
-
-
-def _write_delta(path: Path, tensors: dict, info: dict) -> None:
-    info = {**info, "payload_sha256": _payload_digest(tensors)}  # a checksum recomputed over the bad content
-    save_file(tensors, str(path), {"format": "usaf-delta", "format_version": "1", "usaf": json.dumps(info)})
-
-
 def _indexed_name(tensors: dict) -> str:
     return sorted(k for k in tensors if k.endswith(":flat_indices") and tensors[k].numel() > 2)[0][
         : -len(":flat_indices")
@@ -68,7 +54,7 @@ def bad_delta(how: str):
     """{tmp}/bad.safetensors: the workspace's delta with one tensor's content made bad, its checksum recomputed."""
 
     def setup(ctx, monkeypatch):
-        tensors, info = _delta_parts(ctx.ws.delta)
+        tensors, info = delta_parts(ctx.ws.delta)
         name = _indexed_name(tensors)
         indices, values = tensors[f"{name}:flat_indices"].clone(), tensors[f"{name}:values"].clone()
         if how == "negative":
@@ -86,7 +72,7 @@ def bad_delta(how: str):
         elif how == "stripped":
             info = {k: v for k, v in info.items() if k != "base"}
         tensors[f"{name}:flat_indices"], tensors[f"{name}:values"] = indices, values
-        _write_delta(ctx.tmp / "bad.safetensors", tensors, info)
+        write_delta(ctx.tmp / "bad.safetensors", tensors, info)
 
     return setup
 

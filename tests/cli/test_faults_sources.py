@@ -8,7 +8,7 @@ import io
 import json
 import shutil
 
-from faults import Row, T, table_test
+from faults import Row, T, delta_parts, table_test, write_delta
 
 from usaf.files import STORE_FILE
 
@@ -29,6 +29,13 @@ def store_with(text: str):
     return setup
 
 
+def delta_without_base_record(ctx, monkeypatch):
+    """{tmp}/stripped.safetensors: the workspace's delta with no record of its base (as usaf apply refuses it)."""
+    tensors, info = delta_parts(ctx.ws.delta)
+    write_delta(ctx.tmp / "stripped.safetensors", tensors, {k: v for k, v in info.items() if k != "base"})
+    prompts(ctx, monkeypatch)
+
+
 GEN = ["--prompts={tmp}/p.jsonl", "--out={tmp}/o.jsonl"]
 KEEP = ["{ws.altered}", "{ws.delta}", "{ws.finished}", "{ws.base}"]
 
@@ -39,6 +46,15 @@ ROWS = [
         ["differs from the base {ws.delta} was trained on"], setup=prompts, keeps=KEEP, absent=["{tmp}/o.jsonl"]),
     Row("chat-delta-on-other-base", ["chat", "{ws.altered}", "--delta={ws.delta}"], 2,
         ["differs from the base {ws.delta} was trained on"], setup=prompts, keeps=KEEP),
+    Row("generate-delta-without-base-record", ["generate", "{ws.base}", "--delta={tmp}/stripped.safetensors", *GEN],
+        2, ["has no record of the base it was trained on", "--unchecked-base"], setup=delta_without_base_record,
+        keeps=KEEP, absent=["{tmp}/o.jsonl"]),
+    Row("chat-delta-without-base-record", ["chat", "{ws.base}", "--delta={tmp}/stripped.safetensors"], 2,
+        ["has no record of the base it was trained on", "--unchecked-base"], setup=delta_without_base_record,
+        keeps=KEEP),
+    Row("generate-delta-without-base-record-unchecked", ["generate", "{ws.base}",
+        "--delta={tmp}/stripped.safetensors", "--unchecked-base", *GEN], 0, ["wrote 1 rows"],
+        setup=delta_without_base_record, keeps=KEEP),
     # ---- a store's format is its metadata's: another model.quant (or --quant) is refused, never half-honoured
     Row("train-store-other-quant", T("--model={ws.store}", "--data={ws.data}", "--out={tmp}/run",
         "--set=model.quant=nf4"), 2, ["{ws.store} is a store prepared as int8", "model.quant=nf4"],

@@ -33,7 +33,7 @@ def run(args) -> int:
     from usaf.generate.target import open_target
 
     settings = sampling(args)
-    target = open_target(args.target, args.delta, None, args.set)
+    target = open_target(args.target, args.delta, None, args.set, unchecked_base=args.unchecked_base)
     tokenizer = target.tokenizer
     tokenizer_for_generation(tokenizer, target.config.data.chat_template)
     if not has_chat_template(tokenizer):

@@ -43,6 +43,11 @@ def add_target(parser) -> None:
     parser.add_argument(
         "--delta", metavar="DELTA", help="a delta file (usaf export --delta) written into the base"
     )
+    parser.add_argument(
+        "--unchecked-base",
+        action="store_true",
+        help="use a --delta that has no record of its base (the base cannot be checked), as usaf apply takes it",
+    )
     for field in fields(Sampling):
         option, what = "--" + field.name.replace("_", "-"), SAMPLING_HELP[field.name]
         if isinstance(field.default, bool):
@@ -102,7 +107,7 @@ def run(args) -> int:
         ],
     )
     prompts = read_prompts(args.prompts)
-    target = open_target(args.target, args.delta, args.base, args.set)
+    target = open_target(args.target, args.delta, args.base, args.set, unchecked_base=args.unchecked_base)
     if args.compare_base and (missing := target.can_compare()) is not None:
         raise UsafError(f"--compare-base: {missing}.")
     tokenizer = target.tokenizer

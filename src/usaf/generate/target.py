@@ -79,8 +79,17 @@ def _session(config: RunConfig):
     return device, runtime.resolve_dtype(config.model.dtype, device)
 
 
-def open_target(target: str, delta: str | None, base_dir: str | None, overrides: list[str]) -> Target:
-    """Load `target` for generation (see the module); nothing is written anywhere."""
+def open_target(
+    target: str,
+    delta: str | None,
+    base_dir: str | None,
+    overrides: list[str],
+    *,
+    unchecked_base: bool = False,
+) -> Target:
+    """Load `target` for generation (see the module); nothing is written anywhere. A `delta` meets its base
+    as in `usaf apply`: checked to be the base it was trained on, and refused without a base record unless
+    `unchecked_base`."""
     source = model_source(target)
     if source.is_run:
         if delta is not None:
@@ -95,10 +104,15 @@ def open_target(target: str, delta: str | None, base_dir: str | None, overrides:
         if not Path(delta).expanduser().is_file():
             raise UsafError(f"--delta {delta} is not a file; give a delta written by `usaf export --delta`.")
         # the check usaf apply makes, before anything is generated: a store's base is the checkpoint it was
-        # prepared from (when it is gone, only load_delta's model-type and shape checks remain)
+        # prepared from
         checked = source.base_path if source.kind == STORE else config.model.path
         if checked is not None and Path(checked).is_dir():
-            check_delta_base(delta, checked, unchecked_base=True)
+            check_delta_base(delta, checked, unchecked_base=unchecked_base)
+        elif not unchecked_base:
+            raise UsafError(
+                f"--delta {delta}: {target} is a store whose source checkpoint ({checked}) is gone, so the delta's "
+                "base cannot be checked; restore that folder, or pass --unchecked-base to use the delta unchecked."
+            )
     quant = config.model.quant if source.quant == "none" else source.quant
     if quant != "none":
         # a quantized base (a store, a published checkpoint, model.quant) trains, and so generates, through usaf's
