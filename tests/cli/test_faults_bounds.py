@@ -79,6 +79,14 @@ def sample(*options: str) -> Row:
     )
 
 
+ANSWER = {"role": "assistant", "content": "yo"}
+
+
+def chat_pair(chosen: list, rejected: list) -> dict:
+    """A preference pair of conversations after one user turn."""
+    return {"prompt": [{"role": "user", "content": "hi"}], "chosen": chosen, "rejected": rejected}
+
+
 ROWS = [
     # A. the context window: one rule for every command (failed before: data said nothing, eval/select refused,
     # generate ran past the context)
@@ -151,13 +159,7 @@ ROWS = [
         ["{tmp}/pairs.jsonl:1", "the same"],
         setup=writes(
             "pairs.jsonl",
-            [
-                {
-                    "prompt": [{"role": "user", "content": "hi"}],
-                    "chosen": [{"role": "assistant", "content": "yo"}],
-                    "rejected": [{"role": "assistant", "content": "yo"}],
-                }
-            ],
+            [chat_pair([ANSWER], [ANSWER])],
         ),
     ),
     Row(
@@ -174,13 +176,7 @@ ROWS = [
         ["{tmp}/pairs.jsonl:1", "'chosen' must be a non-empty"],
         setup=writes(
             "pairs.jsonl",
-            [
-                {
-                    "prompt": [{"role": "user", "content": "hi"}],
-                    "chosen": [],
-                    "rejected": [{"role": "assistant", "content": "yo"}],
-                }
-            ],
+            [chat_pair([], [ANSWER])],
         ),
     ),
     Row(

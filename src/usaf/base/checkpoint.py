@@ -37,7 +37,8 @@ class BaseCheckpoint:
             raise UsafError(
                 f"{self.dir} has no config.json; pass the Hugging Face model directory the model was trained from."
             )
-        check_model_files(str(self.dir))  # an unreadable config.json or an unknown model_type: one line
+        # an unreadable config.json or an unknown model_type: one line (the weights are mapped just below)
+        check_model_files(str(self.dir), weights=False)
         self.config = load_config(self.dir)
         self.skeleton = build_skeleton(self.config)
         self.layers = find_moe_layers(self.skeleton)

@@ -22,15 +22,13 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from usaf.base.checkpoint import BaseCheckpoint
     from usaf.export.merged import apply_delta, dequantized_note
-    from usaf.io.atomic import terminate_as_interrupt
     from usaf.io.model_source import base_folder
     from usaf.io.published import checkpoint_method
 
     args.base_dir = base_folder(args.base_dir, "BASE_DIR")  # a cached hub id's snapshot; a run refused
-    with terminate_as_interrupt():  # a SIGTERM removes the partial output, as Ctrl-C does
-        path = apply_delta(
-            args.base_dir, args.delta, args.out_dir, force=args.force, unchecked_base=args.unchecked_base
-        )
+    path = apply_delta(
+        args.base_dir, args.delta, args.out_dir, force=args.force, unchecked_base=args.unchecked_base
+    )
     print(f"merged checkpoint: {path}")
     if checkpoint_method(args.base_dir) is not None:
         print(dequantized_note(BaseCheckpoint(args.base_dir), path))

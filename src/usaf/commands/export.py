@@ -52,7 +52,6 @@ def run(args) -> int:
     from usaf.export.gguf import OUTTYPES, find_converter
     from usaf.export.merged import dequantized_note, write_merged
     from usaf.export.trainer import trainer_checkpoint_delta
-    from usaf.io.atomic import terminate_as_interrupt
     from usaf.io.guard import DELTA, GGUF, MERGED, check_output
     from usaf.io.model_source import base_folder, run_folder
 
@@ -95,17 +94,16 @@ def run(args) -> int:
         delta, base = run_delta_and_base(args.run_dir, args.base)
     else:
         raise UsafError("give RUN_DIR (a usaf run directory) or --from-trainer CKPT_DIR --base MODEL_DIR.")
-    with terminate_as_interrupt():  # a SIGTERM removes the partial output, as Ctrl-C does
-        if args.delta:
-            path = write_delta(delta, base, args.delta, fp32=args.fp32, force=args.force)
-            print(f"delta: {path} ({_size(path)}, {sum(c.count for c in delta.changes.values()):,} values)")
-        if args.merged:
-            path = write_merged(base, delta, args.merged, force=args.force)
-            print(f"merged checkpoint: {path}")
-            if (note := dequantized_note(base, path)) is not None:
-                print(note)
-        if args.gguf:
-            _write_gguf(args, base, delta, converter)
+    if args.delta:
+        path = write_delta(delta, base, args.delta, fp32=args.fp32, force=args.force)
+        print(f"delta: {path} ({_size(path)}, {sum(c.count for c in delta.changes.values()):,} values)")
+    if args.merged:
+        path = write_merged(base, delta, args.merged, force=args.force)
+        print(f"merged checkpoint: {path}")
+        if (note := dequantized_note(base, path)) is not None:
+            print(note)
+    if args.gguf:
+        _write_gguf(args, base, delta, converter)
     if args.run_dir:
         print(_which_step(Path(args.run_dir), delta))
     return 0

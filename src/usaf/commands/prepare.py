@@ -39,7 +39,6 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from usaf.base.load import read_store_metadata
     from usaf.base.writer import prepare_store
-    from usaf.io.atomic import terminate_as_interrupt
     from usaf.io.guard import STORE, check_output
     from usaf.planner.sizes import format_size
     from usaf.quant import PUBLISHED
@@ -48,16 +47,15 @@ def run(args) -> int:
     inputs = [("the checkpoint directory", args.model_dir)]
     check_output(args.out, STORE, flag="--out", force=args.force, inputs=inputs)
     start = time.time()
-    with terminate_as_interrupt():  # a SIGTERM removes the partial store, as Ctrl-C does
-        out = prepare_store(
-            args.model_dir,
-            args.out,
-            args.quant,
-            args.quant_dense,
-            force=args.force,
-            device=_device(args.device),
-            progress=True,
-        )
+    out = prepare_store(
+        args.model_dir,
+        args.out,
+        args.quant,
+        args.quant_dense,
+        force=args.force,
+        device=_device(args.device),
+        progress=True,
+    )
     metadata = read_store_metadata(out)
     stored = sum(info["size"] for info in metadata["files"].values())
     source = sum(Path(args.model_dir, name).stat().st_size for name in metadata["source"]["files"])
@@ -87,7 +85,8 @@ def _check_model_dir(folder: Path) -> None:
             f"MODEL_DIR {folder}: no such model directory; usaf prepare reads a local folder (config.json and "
             "*.safetensors): download a hub model first (hf download ORG/NAME --local-dir DIR)."
         )
-    check_model_files(str(folder))  # an unreadable config.json, an unknown model_type, a truncated shard
+    # an unreadable config.json, an unknown model_type, a truncated shard (prepare_store maps the weights itself)
+    check_model_files(str(folder), weights=False)
 
 
 def _device(name: str | None):

@@ -26,7 +26,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from usaf.data import load_run_data
-    from usaf.io.atomic import expect_at, identity, terminate_as_interrupt
+    from usaf.io.atomic import expect_at, identity
     from usaf.io.guard import SELECTION, check_output, check_placement
     from usaf.prepare import current_selection
     from usaf.selection.saved import save_selection
@@ -73,8 +73,7 @@ def run(args) -> int:
     )
     model, config, stats = session.model, session.config, session.data_stats
     summary = selection_summary(model, config)
-    with terminate_as_interrupt():
-        save_selection(out, current_selection(model), summary)
+    save_selection(out, current_selection(model), summary)
     for line in auto_lines:  # said once it is done: a failing command says one line, its error
         print(line, file=sys.stderr)
     counts = summary["entries"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -185,8 +186,6 @@ def fit_context(config):
     and a longer window (a DPO pair, an SFT window or packed row) would only hold positions the model never saw;
     longer records are then split or truncated, and counted, as at any max_seq_len. `usaf train` fits its
     config before config.yaml records it, so a resume reads the effective value."""
-    import copy
-
     context = model_positions(config.model.path)
     if context is None or config.data.max_seq_len <= context[0]:
         return config, None

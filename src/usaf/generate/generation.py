@@ -19,6 +19,7 @@ from usaf.data.records import TextLimit
 from usaf.data.templates import bounded_render, use_chat_template
 from usaf.errors import UsafError, first_line
 from usaf.generate.prompts import Prompt
+from usaf.model.hf import max_positions
 
 MAX_NEW_TOKENS = 1 << 16
 # below this, logits / temperature overflow (1e-300 is 0 in float32) and sampling fails; a temperature this low
@@ -96,10 +97,7 @@ def has_chat_template(tokenizer) -> bool:
 
 def context_positions(model) -> int | None:
     """The model's max_position_embeddings (its text model's), or None where its config does not say."""
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    positions = getattr(text, "max_position_embeddings", None)
-    return positions if isinstance(positions, int) and positions > 0 else None
+    return max_positions(model.config)
 
 
 class OverContext(UsafError):

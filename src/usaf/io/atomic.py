@@ -18,7 +18,6 @@ import re
 import secrets
 import shutil
 import signal
-import threading
 from pathlib import Path
 
 from usaf.errors import UsafError
@@ -185,27 +184,10 @@ def output_error(err: BaseException, path: Path | None = None, tmp: Path | None 
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM while an output is written: raised where Ctrl-C would be, so the same clean-up runs."""
+    """SIGTERM during a command (usaf.cli raises it from its handler): raised where Ctrl-C would be, so the same
+    clean-up runs (a partial output removed)."""
 
     signum = signal.SIGTERM
-
-
-@contextlib.contextmanager
-def terminate_as_interrupt():
-    """Within the block SIGTERM interrupts like Ctrl-C (temporaries removed, exit 128+15) instead of ending the
-    process where it stands, which would leave a hidden partial output behind."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------
@@ -346,7 +328,7 @@ def atomic_json(path: Path, data: dict) -> None:
 def atomic_dir(out_dir: Path, tmp: Path | None = None):
     """A folder written under a temporary name beside `out_dir` (`tmp`, else a fresh one, the temporaries of dead
     writers removed first): the block writes into the yielded path; when it ends the folder is synced and renamed
-    into place, and when it raises (a full disk, Ctrl-C, SIGTERM under `terminate_as_interrupt`) it is removed."""
+    into place, and when it raises (a full disk, Ctrl-C, SIGTERM: usaf.cli raises it as Terminated) it is removed."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if tmp is None:
         remove_stale_temporaries(out_dir)

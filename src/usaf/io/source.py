@@ -411,9 +411,11 @@ def _strict_reason(err: BaseException) -> str:
     return lines[0] if lines else ""
 
 
-def check_model_files(path: str) -> None:
+def check_model_files(path: str, weights: bool = True) -> None:
     """A local model folder's config.json and weight files, checked before transformers reads them: an unknown
-    model_type or a truncated shard is one line naming the file, not a traceback from deep inside the loader."""
+    model_type or a truncated shard is one line naming the file, not a traceback from deep inside the loader.
+    `weights`: the tensors are also mapped onto the model config.json describes (`SourceCheckpoint`: missing,
+    unexpected or misshapen ones named); False where the caller maps them itself next."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         return  # a hub id: transformers downloads and checks it
@@ -427,7 +429,7 @@ def check_model_files(path: str) -> None:
         raise UsafError(f"{config_file} is not a readable JSON object ({first_line(err)}).") from None
     check_model_config(config, str(config_file))
     try:
-        load_config(folder)
+        model_config = load_config(folder)
     except UsafError:
         raise
     except StrictDataclassError as err:  # a field of the wrong type (huggingface_hub's strict dataclasses)
@@ -443,7 +445,5 @@ def check_model_files(path: str) -> None:
         raise UsafError(f"{config_file} cannot be read: {first_line(err)}") from None
     for shard in sorted(folder.glob("*.safetensors")):
         shards.read_header(shard)  # checked against the file's size: a truncated copy is named here
-    if not (folder / STORE_FILE).is_file():  # a prepared store is checked against its own metadata
-        SourceCheckpoint(
-            folder, build_skeleton(load_config(folder)), set()
-        )  # the weights against config.json
+    if weights and not (folder / STORE_FILE).is_file():  # a prepared store is checked against its metadata
+        SourceCheckpoint(folder, build_skeleton(model_config), set())

@@ -62,6 +62,17 @@ def load_config(path, **kwargs):
         raise _custom_code_error(path, err) from None
 
 
+def text_config(config):
+    """The config of a model's text part (a composite config's text_config; the config itself otherwise)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def max_positions(config) -> int | None:
+    """The model's max_position_embeddings (its text part's), or None where its config does not say."""
+    positions = getattr(text_config(config), "max_position_embeddings", None)
+    return positions if isinstance(positions, int) and positions > 0 else None
+
+
 def load_tokenizer(path, **kwargs):
     """AutoTokenizer.from_pretrained without model code."""
     try:

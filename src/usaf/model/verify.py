@@ -15,6 +15,7 @@ from pathlib import Path
 from torch import nn
 
 from usaf.errors import UsafError
+from usaf.model.hf import text_config
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -31,10 +32,6 @@ _WIDTHS = (
 _RESTORE = "restore the model's original config.json, or the weights that belong to it"
 
 
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _value(config, name: str):
     value = getattr(config, name, None)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
@@ -42,7 +39,7 @@ def _value(config, name: str):
 
 def _dimension_fields(config) -> dict[int, list[str]]:
     """{dimension: the config fields (or products of them) that set it}."""
-    config = _text_config(config)
+    config = text_config(config)
     out: dict[int, list[str]] = {}
 
     def add(value, name):
@@ -118,7 +115,7 @@ def check_unexpected(folder: Path, model: nn.Module, keys: Iterable[str]) -> Non
 
 def _field_of(name: str, config) -> str:
     """The config field a tensor's existence depends on, as `field = value`."""
-    text = _text_config(config)
+    text = text_config(config)
     if _LAYER.search(name) is not None:
         layers = _value(text, "num_hidden_layers")
         return f"num_hidden_layers = {layers}"

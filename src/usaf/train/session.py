@@ -25,7 +25,7 @@ from usaf.engine.state import model_state
 from usaf.errors import UsafError, first_line
 from usaf.io.model_source import is_local_path, model_source
 from usaf.io.source import check_model_files
-from usaf.model.hf import decoder_body, load_causal_lm, load_config
+from usaf.model.hf import decoder_body, load_causal_lm, load_config, max_positions
 from usaf.model.hf import load_tokenizer as hf_tokenizer
 from usaf.prepare import current_selection, enable_recomputation, prepare_model
 from usaf.selection.choose import resolved_selection
@@ -249,9 +249,7 @@ def check_positions(model_config, config: RunConfig, *datasets) -> None:
     """The data's rows within the model's max_position_embeddings, as loaded: what `usaf.data.load.fit_context`
     made sure of from config.json before tokenizing, checked again on the loaded model's config (a source whose
     config.json was not read there)."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    limit = getattr(text, "max_position_embeddings", None)
-    if not isinstance(limit, int) or limit <= 0:
+    if (limit := max_positions(model_config)) is None:
         return
     longest = max((d.max_seq_len for d in datasets if d is not None and len(d)), default=0)
     if longest > limit:

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, processors
 from transformers import PreTrainedTokenizerFast
 
 from usaf.errors import UsafError, first_line
-from usaf.model.hf import load_config
+from usaf.model.hf import load_config, text_config
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
@@ -129,7 +129,7 @@ def model_vocabulary(folder: str) -> NoTokenizer:
         raise
     except (OSError, ValueError, KeyError) as err:
         raise UsafError(f"cannot read {folder}/config.json: {first_line(err)}") from None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     vocab = getattr(text, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1:
         raise UsafError(

@@ -271,8 +271,18 @@ def report_to(log) -> list[str]:
 
 
 def check_report_to(names: list[str]) -> list[type[Tracker]]:
-    """The trackers of `log.report_to`, each installed and able to start; else the one-line error that says what
-    to install or set."""
+    """The trackers of `log.report_to`, each installed and able to start (its `check`: credentials, a server that
+    answers); else the one-line error that says what to install or set. `usaf train` calls it before anything is
+    written; the run's `Trackers` then start what it chose without asking the servers again."""
+    chosen = chosen_trackers(names)
+    for tracker in chosen:
+        _started(tracker, "check", tracker.check)
+    return chosen
+
+
+def chosen_trackers(names: list[str]) -> list[type[Tracker]]:
+    """The trackers of `log.report_to`, each known and installed; else the one-line error that says what to
+    install."""
     if NONE in names:
         if len(names) > 1:
             raise UsafError(
@@ -292,8 +302,6 @@ def check_report_to(names: list[str]) -> list[type[Tracker]]:
                 f"{name} out of log.report_to."
             )
         chosen.append(tracker)
-    for tracker in chosen:
-        _started(tracker, "check", tracker.check)
     return chosen
 
 
@@ -346,7 +354,7 @@ class Trackers:
         self.trackers: list[Tracker] = []
         self.warn = warn
         try:
-            for tracker in check_report_to(names):
+            for tracker in chosen_trackers(names):  # checked when the run began (check_report_to)
                 started = tracker()
                 _started(started, "start", started.start, Path(run_dir), config, start_step)
                 self.trackers.append(started)
