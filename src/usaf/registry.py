@@ -10,28 +10,48 @@ the config as an object, which registers it under its `name`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from usaf.errors import UsafError
 
+T = TypeVar("T")
 
-class Registry:
-    """Plug-ins by name, in registration order. `required`: the attributes a plug-in must have."""
 
-    def __init__(self, kind: str, required: tuple[str, ...] = ()):
-        self.kind = kind
-        self.required = ("name", *required)
-        self._plugins: dict[str, object] = {}
+def protocol_members(protocol: type) -> tuple[str, ...]:
+    """The members a runtime-checkable Protocol declares (methods and annotated attributes, its bases' too)."""
+    names: list[str] = []
+    for cls in reversed(protocol.__mro__):
+        if cls in (object, Protocol, Generic) or not getattr(cls, "_is_protocol", False):
+            continue
+        for name in [*getattr(cls, "__annotations__", {}), *vars(cls)]:
+            if not name.startswith("_") and name not in names:
+                names.append(name)
+    return tuple(names)
 
-    def register(self, plugin, replace: bool = False):
-        """Make `plugin` (an object with the registry's attributes) known by `plugin.name`; returns it.
-        Registering the same object again is a no-op; another object under a taken name needs `replace=True`."""
-        missing = [a for a in self.required if not hasattr(plugin, a)]
-        if missing:
+
+class Registry(Generic[T]):
+    """Plug-ins of one kind by name, in registration order, each checked against the kind's Protocol when it is
+    registered (a missing member is named then, not found missing in the middle of a run). `key`: a plug-in's
+    name (its `name` attribute unless the kind names its plug-ins otherwise)."""
+
+    def __init__(self, kind: str, protocol: type[T], key: Callable[[T], str] | None = None):
+        if not getattr(protocol, "_is_runtime_protocol", False):
+            raise TypeError(f"{protocol!r} is not a runtime-checkable Protocol")
+        self.kind, self.protocol = kind, protocol
+        self._key = key or (lambda plugin: plugin.name)
+        self._plugins: dict[str, T] = {}
+
+    def register(self, plugin: T, replace: bool = False) -> T:
+        """Make `plugin` (an object with the registry's protocol) known by its name; returns it. Registering the
+        same object again is a no-op; another object under a taken name needs `replace=True`."""
+        missing = [m for m in protocol_members(self.protocol) if not hasattr(plugin, m)]
+        if missing or not isinstance(plugin, self.protocol):
             raise UsafError(
-                f"{plugin!r} is not a {self.kind}: it lacks {', '.join(missing)} (see {self.kind}'s protocol)."
+                f"{plugin!r} is not a {self.kind}: it lacks {', '.join(missing) or 'members'} "
+                f"(see {self.protocol.__module__}.{self.protocol.__qualname__})."
             )
-        name = plugin.name
+        name = self._key(plugin)
         if not isinstance(name, str) or not name:
             raise UsafError(f"A {self.kind}'s name must be a non-empty string, got {name!r}.")
         known = self._plugins.get(name)
@@ -46,11 +66,17 @@ class Registry:
     def unregister(self, name: str) -> None:
         self._plugins.pop(name, None)
 
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> T:
         try:
             return self._plugins[name]
         except KeyError:
             raise UsafError(f"No {self.kind} named {name!r}; known: {', '.join(self._plugins)}.") from None
+
+    def get(self, name: str, default: T | None = None) -> T | None:
+        return self._plugins.get(name, default)
+
+    def items(self) -> list[tuple[str, T]]:
+        return list(self._plugins.items())
 
     def __contains__(self, name) -> bool:
         return isinstance(name, str) and name in self._plugins
@@ -86,9 +112,40 @@ class Choices:
         return len(self.extra) + len(self.registry)
 
 
+@runtime_checkable
+class Strategy(Protocol):
+    """How a selection spreads its budget (`usaf.selection.strategies` has the protocol's prose)."""
+
+    name: str
+    needs: Any
+
+    def domains(self, units, budgets, context) -> list: ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """How entries are chosen inside a budget (`usaf.selection.scorers`)."""
+
+    name: str
+    needs: Any
+
+    def pick(self, domain, context) -> dict: ...
+
+    def neuron_scores(self, unit, context) -> Any: ...
+
+
+@runtime_checkable
+class TargetRole(Protocol):
+    """A role a weight beyond the experts plays (`usaf.model.targets.TargetKind`)."""
+
+    name: str
+    kind: str
+    claims: Callable
+
+
 # how a selection spreads its budget over tensors, experts or the whole model (usaf.selection.strategies)
-STRATEGIES = Registry("selection strategy", ("needs", "domains"))
+STRATEGIES: Registry[Strategy] = Registry("selection strategy", Strategy)
 # how entries are chosen inside a budget (usaf.selection.scorers)
-SCORERS = Registry("selection scorer", ("needs", "pick", "neuron_scores"))
+SCORERS: Registry[Scorer] = Registry("selection scorer", Scorer)
 # which weights beyond the experts may hold trained entries (usaf.model.targets)
-TARGET_KINDS = Registry("target kind", ("kind", "claims"))
+TARGET_KINDS: Registry[TargetRole] = Registry("target kind", TargetRole)
