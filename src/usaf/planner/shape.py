@@ -121,11 +121,6 @@ class ModelShape:
     def largest_expert_matrix(self) -> int:
         return max(r * c for _, r, c in self.expert_matrices)
 
-    @property
-    def largest_expert_tensor(self) -> int:
-        """Entries of the largest fused tensor ([E, A, B]: one layer's gate_up, usually)."""
-        return self.num_experts * self.largest_expert_matrix
-
 
 def model_shape(config: dict, name: str = "model") -> ModelShape:
     """Shapes from the transformers skeleton on the meta device; config formulas where transformers cannot build

@@ -87,18 +87,6 @@ class Counts:
     def top(self, n: int = 8) -> list[tuple[str, int]]:
         return self.names.most_common(n)
 
-    def as_dict(self, top: int = 12) -> dict:
-        return {
-            "ops": self.ops,
-            "syncs": self.syncs,
-            "shape_syncs": self.shape_syncs,
-            "cpu_only_syncs": self.cpu_only_syncs,
-            "method": self.method,
-            "top_ops": dict(self.names.most_common(top)),
-            "sync_sites": dict(self.sync_sites.most_common(top)),
-            "shape_sync_ops": dict(self.shape_sync_ops.most_common(top)),
-        }
-
 
 def _minus(a: Counter, b: Counter) -> Counter:
     out = Counter(a)
