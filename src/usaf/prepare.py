@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from usaf.config import UsafConfig
+from usaf.engine.costs import keeps_base
 from usaf.engine.experts import IMPLEMENTATION_NAME, SparseExperts, register
 from usaf.engine.installed import sparse_experts, sparse_modules, sparse_weights
 from usaf.engine.router import make_routers_fp32
@@ -190,7 +191,7 @@ def install_selection(model: nn.Module, chosen: dict, original_values=None) -> N
         base = original_values(key, flat) if original_values is not None else store.read(flat)
         base = base.to(store.dtype)
         if axis is None:  # a resident store is written into: only there must the base be kept to revert to
-            entries = ElementEntries(store.shape, flat, base, keep_base=store.resident)
+            entries = ElementEntries(store.shape, flat, base, keep_base=keeps_base(True, store.resident))
         else:
             entries = LineEntries(store.shape, axis, indices, base.view(indices.numel(), -1))
         states[path][name] = entries.to(device)

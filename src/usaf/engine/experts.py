@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from usaf import kernels
+from usaf.engine.costs import experts_per_chunk, routed_per_chunk
 from usaf.engine.sparse import ElementEntries
 from usaf.engine.state import SparseState
 from usaf.kernels import Segments
@@ -50,7 +51,7 @@ class RoutingPlan:
         """How a projection's routed experts are materialized: a resident store is used whole (grouped matmul
         skips empty experts); otherwise only experts that received tokens, as many at a time as fit the
         workspace. Made once per plan and workspace: the forward and the backward share it."""
-        per_chunk = None if resident else max(1, workspace_bytes // max(1, bytes_per_expert))
+        per_chunk = None if resident else experts_per_chunk(workspace_bytes, bytes_per_expert)
         if per_chunk not in self._chunkings:
             self._chunkings[per_chunk] = Chunking(self.rows, per_chunk)
         return self._chunkings[per_chunk]
@@ -97,7 +98,7 @@ class Chunking:
         if not active:  # no rows at all: nothing to materialize
             self.chunks = []
             return
-        take = max(1, per_chunk - 1)  # with the scratch expert
+        take = routed_per_chunk(per_chunk)  # with the scratch expert
         groups = [active[i : i + take] for i in range(0, len(active), take)]
         counts = [[rows.counts[e] for e in group] + [0] for group in groups]
         host = [o for c in counts for o in (0, *itertools.accumulate(c))]

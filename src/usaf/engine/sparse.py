@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from usaf import kernels
+from usaf.engine.costs import VALUE_DTYPE, index_dtype
 from usaf.kernels import Segments
 
 # torch's sampled dense-dense product needs a CSR pattern; building one warns on every call.
@@ -42,7 +43,7 @@ class _Entries(nn.Module):
             self.register_buffer("base_values", initial.detach().clone())
         else:
             self.base_values = None
-        self.values = nn.Parameter(initial.detach().float().clone())
+        self.values = nn.Parameter(initial.detach().to(VALUE_DTYPE).clone())
         self._grouping: tuple | None = None
 
     @property
@@ -78,7 +79,7 @@ class _Entries(nn.Module):
         if self.keeps_base:
             self.base_values = base_values.to(device=device, dtype=self.base_values.dtype)
         start = base_values if values is None else values
-        self.values.data = start.detach().to(device=device, dtype=torch.float32).clone()
+        self.values.data = start.detach().to(device=device, dtype=VALUE_DTYPE).clone()
         self.values.grad = None
         self._grouping = None
 
@@ -104,8 +105,7 @@ class ElementEntries(_Entries):
         super().__init__(shape, base_values, keep_base)
         _, rows_a, cols_b = self.shape
         self.per_expert = rows_a * cols_b
-        # within an expert, an int32 index when a matrix has fewer than 2^31 entries (every known model)
-        self.index_dtype = torch.int32 if self.per_expert < 2**31 else torch.int64
+        self.index_dtype = index_dtype(self.per_expert)
         self.register_buffer("local_indices", torch.zeros(0, dtype=self.index_dtype), persistent=False)
         self.register_buffer("expert_offsets", torch.zeros(0, dtype=torch.int64), persistent=False)
         self._set_indices(flat_indices)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from usaf.base.checkpoint import BaseCheckpoint
+from usaf.engine.costs import keeps_base
 from usaf.engine.installed import sparse_modules
 from usaf.engine.sparse import ElementEntries
 from usaf.errors import UsafError
@@ -108,7 +109,10 @@ def _load_into_entries(state, attr: str, change: TensorChange, name: str, path: 
             old.values.data.copy_(old.base_values.to(old.values.dtype).view_as(old.values))
             old.write_into(store.full(), None)
     entries = ElementEntries(
-        store.shape, flat.to(store.device), store.read(flat.to(store.device)), keep_base=store.resident
+        store.shape,
+        flat.to(store.device),
+        store.read(flat.to(store.device)),
+        keep_base=keeps_base(True, store.resident),
     )
     entries.values.data.copy_(values.to(entries.values.dtype).view_as(entries.values))
     entries.values.requires_grad_(old.values.requires_grad if old is not None else False)

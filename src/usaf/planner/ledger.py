@@ -28,7 +28,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from usaf.config import OPTIMIZER_BUCKET_ENTRIES
+from usaf.engine.costs import (
+    VALUE_DTYPE,
+    EntryBytes,
+    bucket_limit,
+    chunk_experts,
+    decay_centre_bytes,
+    entry_bytes,
+    experts_per_chunk,
+    keeps_base,
+    moment_bytes,
+)
 from usaf.errors import UsafError
 from usaf.kernels.torch_path import MIN_PADDED_ROWS, PADDING_FACTOR
 from usaf.planner.settings import (
@@ -41,7 +51,6 @@ from usaf.planner.settings import (
     GPU_ALLOCATOR_SLACK,
     GPU_HOST_FRAMEWORK,
     MEMORY_EFFICIENCY,
-    VALUE_MOMENT_BYTES,
     Device,
     PlanSettings,
 )
@@ -183,6 +192,13 @@ def trained_entries(shape: ModelShape, settings: PlanSettings) -> int:
 def _entries_by_kind(shape: ModelShape, s: PlanSettings) -> tuple[int, int]:
     """(expert entries, entries of the other targets): `density` of each, or `num_entries` split by size (as
     `usaf.prepare` spreads a global budget), over the layers `layers` names."""
+    experts, others = _eligible(shape, s)
+    density = _density(shape, s)
+    return round(density * experts), round(density * others)
+
+
+def _eligible(shape: ModelShape, s: PlanSettings) -> tuple[float, float]:
+    """(expert weights, weights of the other targets) that the selection chooses among."""
     moe_share, decoder_share = _layer_shares(shape, s)
     experts = (shape.expert_weights + shape.expert_biases) * moe_share if "experts" in s.targets else 0
     others = 0.0
@@ -193,9 +209,26 @@ def _entries_by_kind(shape: ModelShape, s: PlanSettings) -> tuple[int, int]:
             others += params * (
                 0.0 if outside and s.layers is not None else 1.0 if outside else decoder_share
             )
-    eligible = experts + others
-    density = s.density if s.num_entries is None else min(1.0, s.num_entries / eligible) if eligible else 0.0
-    return round(density * experts), round(density * others)
+    return experts, others
+
+
+def _density(shape: ModelShape, s: PlanSettings) -> float:
+    """The share of every eligible weight trained: `density`, or `num_entries` over all of them."""
+    if s.num_entries is None:
+        return s.density
+    eligible = sum(_eligible(shape, s))
+    return min(1.0, s.num_entries / eligible) if eligible else 0.0
+
+
+def _largest_trained_tensor(shape: ModelShape, s: PlanSettings) -> float:
+    """Entries of the largest trained values tensor (the optimizer's bucket rule reads it): one layer's largest
+    fused expert tensor, or the embedding or output layer where they are trained whole-model weights."""
+    candidates = (
+        [shape.num_experts * shape.largest_expert_matrix * _expert_share(s)] if "experts" in s.targets else []
+    )
+    if s.layers is None:
+        candidates += [shape.target_params.get(t, 0) for t in ("embeddings", "lm_head") if t in s.targets]
+    return _density(shape, s) * max(candidates, default=0)
 
 
 def _layer_shares(shape: ModelShape, s: PlanSettings) -> tuple[float, float]:
@@ -328,13 +361,22 @@ class _Trained:
     routers: int
 
 
+def _entry_cost(s: PlanSettings, element: bool, resident: bool) -> EntryBytes:
+    """What one trained entry costs in this run (`usaf.engine.costs.entry_bytes`): resident weights keep the base."""
+    base = DTYPE_BYTES[s.dtype] if keeps_base(element, resident) else 0
+    return entry_bytes(element, s.run.optim.moments, s.run.optim.eight_bit, base)
+
+
+def _cost_detail(cost: EntryBytes) -> str:
+    index = f", int32 index {cost.index}" if cost.index else ""
+    return f"value {cost.value}{index}, grad {cost.grad}, moments {cost.moments}"
+
+
 def _sparse_state(ledger: _Ledger, shape: ModelShape, s: PlanSettings) -> _Trained:
     """The trained values with their indices, gradients and moments; reselection's probes; the routers."""
-    d = DTYPE_BYTES[s.dtype]
     entries, beyond = _entries_by_kind(shape, s)
-    moments = VALUE_MOMENT_BYTES[s.optimizer]
     if beyond:  # entries of attention, embeddings, ...: elements of resident weights, which keep their base
-        element_bytes = 4 + 4 + 4 + moments + d
+        cost = _entry_cost(s, element=True, resident=True)
         targets = ", ".join(
             t
             for t in s.targets
@@ -342,40 +384,12 @@ def _sparse_state(ledger: _Ledger, shape: ModelShape, s: PlanSettings) -> _Train
         )
         ledger.add(
             "sparse state beyond the experts",
-            beyond * element_bytes,
-            f"{format_count(beyond)} entries of {targets} x {element_bytes} B (value 4, index 4, grad 4, "
-            f"moments {moments}, base {d}: resident weights are written into)",
+            beyond * cost.total,
+            f"{format_count(beyond)} entries of {targets} x {cost.total} B ({_cost_detail(cost)}, base "
+            f"{cost.base}: resident weights are written into)",
         )
     entries = entries * _expert_share(s)  # expert entries live with their experts
-    base = (
-        d if s.quant == "none" else 0
-    )  # a quantized store gives the base back; a resident one is overwritten
-    kept = f", base {d}" if base else ", no base (the quantized store gives it back)"
-    if s.granularity == "element":
-        per_entry = 4 + 4 + 4 + moments + base
-        detail = f"{format_count(entries)} entries x {per_entry} B (value 4, int32 index 4, grad 4, moments {moments}{kept})"
-    else:
-        per_entry = 4 + 4 + moments + d
-        detail = (
-            f"{format_count(entries)} entries x {per_entry} B (value 4, base {d}, grad 4, moments {moments}); "
-            "whole neurons need no per-entry index"
-        )
-    ledger.add("sparse state + optimizer", entries * per_entry, detail)
-    if not base and s.run.optim.decay_to_base:
-        ledger.add(
-            "decay centres",
-            entries * d,
-            f"{format_count(entries)} entries x {d} B: the starting values optim.decay_to_base pulls toward, read "
-            "once per selection from the quantized base and kept in host memory",
-            where="host",
-        )
-    if s.granularity == "element" and entries:
-        old_bytes = 4 + d + 8 + 8 + 4 + (2 if s.optimizer == "adamw8bit" else 8)
-        ledger.notes.append(
-            f"{per_entry} B per trained expert entry where usaf 0.1.0 kept {old_bytes} (an int64 flat index, "
-            f"cached int32 rows and columns, a base copy, fp32 moments): {format_size(entries * (old_bytes - per_entry))}"
-            " freed at this density"
-        )
+    _expert_state(ledger, s, entries)
     if s.reselect:
         # a probe window (select.reselect_probe_steps before each reselection) sums |gradient| over candidate
         # lines: oversample x the share regrown x the entries, fp32, largest at the first reselection
@@ -386,15 +400,46 @@ def _sparse_state(ledger: _Ledger, shape: ModelShape, s: PlanSettings) -> _Train
             f"candidates' gradient sums during a probe window: {share:g} x the trained entries x 4 B "
             "(select.oversample x select.reselect_fraction, at the first reselection)",
         )
-    router_moments = 2 if s.optimizer == "adamw8bit" else 8
     routers = trained_router_params(shape, s)
+    d, router_moments = DTYPE_BYTES[s.dtype], moment_bytes("fp32", s.run.optim.eight_bit, compact=False)
+    master = VALUE_DTYPE.itemsize
     ledger.add(
         "routers (trainable)",
-        routers * (4 - d + 4 + router_moments),
-        f"{format_count(routers)} parameters in fp32: master weight +{4 - d} B over the dense weights' {d} B, grad 4 B, "
-        f"moments {router_moments} B",
+        routers * (master - d + master + router_moments),
+        f"{format_count(routers)} parameters in fp32: master weight +{master - d} B over the dense weights' {d} B, "
+        f"grad {master} B, moments {router_moments} B",
     )
     return _Trained(entries, beyond, routers)
+
+
+def _expert_state(ledger: _Ledger, s: PlanSettings, entries: float) -> None:
+    """The expert entries' state and, where they keep no base, the centres optim.decay_to_base holds for them."""
+    d, element, resident = DTYPE_BYTES[s.dtype], s.granularity == "element", s.quant == "none"
+    cost = _entry_cost(s, element, resident)
+    if not cost.base:
+        kept = ", no base (the quantized store gives it back)"
+    else:
+        kept = f", base {cost.base}" + ("" if element else "; whole neurons need no per-entry index")
+    ledger.add(
+        "sparse state + optimizer",
+        entries * cost.total,
+        f"{format_count(entries)} entries x {cost.total} B ({_cost_detail(cost)}{kept})",
+    )
+    if s.run.optim.decay_to_base and (centres := decay_centre_bytes(entries, bool(cost.base), d)):
+        ledger.add(
+            "decay centres",
+            centres,
+            f"{format_count(entries)} entries x {d} B: the starting values optim.decay_to_base pulls toward, read "
+            "once per selection from the quantized base and kept in host memory",
+            where="host",
+        )
+    if element and entries:
+        old_bytes = 4 + d + 8 + 8 + 4 + (2 if s.optimizer == "adamw8bit" else 8)
+        ledger.notes.append(
+            f"{cost.total} B per trained expert entry where usaf 0.1.0 kept {old_bytes} (an int64 flat index, "
+            f"cached int32 rows and columns, a base copy, fp32 moments): "
+            f"{format_size(entries * (old_bytes - cost.total))} freed at this density"
+        )
 
 
 def _activations(ledger: _Ledger, shape: ModelShape, s: PlanSettings) -> None:
@@ -438,14 +483,19 @@ def _workspace(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: s
     """The dequantized routed-expert workspace and the streaming buffers."""
     d, tokens = DTYPE_BYTES[s.dtype], s.seq * s.batch
     if s.quant != "none" or residency != "device":
-        routed = _routed_experts(shape, tokens)
-        chunk_bytes = min(s.workspace_mb * MiB, routed * shape.largest_expert_matrix * d)
-        elements = chunk_bytes / d
+        routed, workspace = _routed_experts(shape, tokens), s.workspace_mb * MiB
+        # each projection's largest chunk as the engine cuts it (usaf.engine.costs), the largest of them
+        elements = max(
+            chunk_experts(experts_per_chunk(workspace, rows * cols * d), routed, shape.num_experts)
+            * rows
+            * cols
+            for _, rows, cols in shape.expert_matrices
+        )
         ledger.add(
             "dequant workspace",
             elements * (2 * d + descriptor(s.quant).temporaries),
-            f"routed experts of one projection in chunks of <= {s.workspace_mb} MB: the chunk being built with its "
-            "temporaries while the last is alive",
+            f"routed experts of one projection in chunks of <= {s.workspace_mb} MB (one expert at least, and a "
+            "scratch expert): the chunk being built with its temporaries while the last is alive",
             phases=frozenset({LAYER}),
         )
     if residency in ("host", "mmap"):
@@ -531,10 +581,9 @@ def _framework(
         return
     values = trained.experts + trained.beyond
     if s.optimizer == "adamw":  # a bucket at a time: fp32 moments, denominator, rounding noise
-        per_layer = values // max(1, shape.num_moe_layers)
         bucket = min(
-            values, max(OPTIMIZER_BUCKET_ENTRIES, 2 * per_layer)
-        )  # usaf.train.optim's (see _buckets)
+            values, bucket_limit(round(_largest_trained_tensor(shape, s)))
+        )  # as usaf.train.optim cuts them
         step_bytes = 16 * bucket + 4 * trained.routers
         step_detail = (
             f"bf16 moments widened to fp32 for a bucket of <= {format_count(bucket)} values at a time; the routers' "

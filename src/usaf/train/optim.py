@@ -22,14 +22,15 @@ import weakref
 import torch
 
 from usaf import kernels
-from usaf.config import OPTIMIZER_BUCKET_ENTRIES, RunConfig
+from usaf.config import RunConfig
 from usaf.engine.base_weights import starting_values
+from usaf.engine.costs import MOMENT_DTYPES, bucket_limit
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
 from usaf.model.hf import transformers_scheduler
 from usaf.model.layout import find_moe_layers
 
-COMPACT_DTYPE = torch.bfloat16
+COMPACT_DTYPE = MOMENT_DTYPES["bf16"]
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -104,11 +105,10 @@ class CompactAdamW(torch.optim.AdamW):
         return loss
 
     def _buckets(self, pending):
-        """Consecutive parameters of one group and one step count, up to `OPTIMIZER_BUCKET_ENTRIES` values together:
-        each bucket is updated as one flat vector, a fixed number of ops for many parameters."""
-        # a bucket holds at least two of the largest parameters (a layer's worth: the planner's estimate of the
-        # step's temporaries), so a density that grows the parameters does not multiply the buckets
-        limit = max(OPTIMIZER_BUCKET_ENTRIES, 2 * max((param.numel() for param, _, _ in pending), default=0))
+        """Consecutive parameters of one group and one step count, up to `usaf.engine.costs.bucket_limit` values
+        together (the planner's bound on the step's temporaries): each bucket is updated as one flat vector, a fixed
+        number of ops for many parameters."""
+        limit = bucket_limit(max((param.numel() for param, _, _ in pending), default=0))
         bucket, size, key = [], 0, None
         for param, group, index in pending:
             step = self._next_step(param, index)
@@ -223,7 +223,7 @@ def decay_toward_base(params: list[torch.Tensor], rate: float, base_of) -> None:
     bucket's entries (the temporaries stay the update's); a centre kept in host memory comes to the device one
     piece at a time."""
     pairs = [(p, centre) for p in params if (centre := base_of(p)) is not None]
-    limit = max(OPTIMIZER_BUCKET_ENTRIES, 2 * max((p.numel() for p, _ in pairs), default=0))
+    limit = bucket_limit(max((p.numel() for p, _ in pairs), default=0))
     start, size = 0, 0
     for end, (param, _) in enumerate(pairs, start=1):
         size += param.numel()
