@@ -2,7 +2,8 @@
 
 Parameter shapes come from the transformers skeleton built on the meta device (exact and generic: the engine's own
 `find_moe_layers` tells experts and routers apart); model types transformers does not know fall back to formulas
-over the config's fields. The ledger models what the usaf engine allocates:
+over the config's fields. The ledger models what the usaf engine allocates, with the engine's own rules where it
+has them (`usaf.engine.costs`: bytes per entry, optimizer buckets, workspace chunks, decay centres):
 
 - frozen experts at the stores' own layouts (`usaf.quant`), where the residency keeps them (device, pinned host
   memory, memory map), and their quantization constants;
@@ -222,7 +223,7 @@ def _density(shape: ModelShape, s: PlanSettings) -> float:
 
 def _largest_trained_tensor(shape: ModelShape, s: PlanSettings) -> float:
     """Entries of the largest trained values tensor (the optimizer's bucket rule reads it): one layer's largest
-    fused expert tensor, or the embedding or output layer where they are trained whole-model weights."""
+    fused expert tensor, or the embedding or the output layer where they are trained (not when `layers` is set)."""
     candidates = (
         [shape.num_experts * shape.largest_expert_matrix * _expert_share(s)] if "experts" in s.targets else []
     )
@@ -581,9 +582,8 @@ def _framework(
         return
     values = trained.experts + trained.beyond
     if s.optimizer == "adamw":  # a bucket at a time: fp32 moments, denominator, rounding noise
-        bucket = min(
-            values, bucket_limit(round(_largest_trained_tensor(shape, s)))
-        )  # as usaf.train.optim cuts them
+        # the largest bucket usaf.train.optim may cut
+        bucket = min(values, bucket_limit(round(_largest_trained_tensor(shape, s))))
         step_bytes = 16 * bucket + 4 * trained.routers
         step_detail = (
             f"bf16 moments widened to fp32 for a bucket of <= {format_count(bucket)} values at a time; the routers' "
