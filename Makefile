@@ -35,7 +35,8 @@ $(LOWEST_STAMP): | $(STAMP)
 test-lowest: $(STAMP) $(LOWEST_STAMP)
 	PYTHONPATH=$(LOWEST_DIR):src $(BIN)/python -c "import transformers as t; from packaging.version import Version as V; \
 		assert V(t.__version__) == V('$(LOWEST_TRANSFORMERS)'), t.__version__; print('transformers', t.__version__)"
-	PYTHONPATH=$(LOWEST_DIR):src $(BIN)/python -m pytest -m "not slow" $(LOWEST_TESTS)
+	# tests/export on the path: tests/engine/test_targets.py borrows test_export's helpers (found there in the full suite)
+	PYTHONPATH=$(LOWEST_DIR):src:tests/export $(BIN)/python -m pytest -m "not slow" $(LOWEST_TESTS)
 
 demo: $(STAMP)
 	$(BIN)/usaf demo
