@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.usaf-installed
 # A CPU build of PyTorch when none is installed; users bring their own CUDA/ROCm build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup test demo bench bench-compare bench-quality bench-scale bench-launches lint clean
+.PHONY: setup test test-lowest demo bench bench-compare bench-quality bench-scale bench-launches lint clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,24 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The engine tests (and the import guard's) on the lowest transformers version pyproject.toml allows, read from its
+# "transformers>=X" alone; installed beside .venv's own copy (not over it) and put first on the path.
+LOWEST_TRANSFORMERS := $(shell sed -n 's/^ *"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)
+LOWEST_DIR ?= $(VENV)/lowest-transformers
+LOWEST_STAMP := $(LOWEST_DIR)/.installed-$(LOWEST_TRANSFORMERS)
+LOWEST_TESTS ?= tests/engine tests/package/test_hf_guard.py tests/package/test_layers.py
+
+$(LOWEST_STAMP): | $(STAMP)
+	rm -rf $(LOWEST_DIR)
+	$(BIN)/python -m pip install --quiet --no-deps --target $(LOWEST_DIR) "transformers==$(LOWEST_TRANSFORMERS)"
+	touch $@
+
+test-lowest: $(STAMP) $(LOWEST_STAMP)
+	PYTHONPATH=$(LOWEST_DIR):src $(BIN)/python -c "import transformers as t; from packaging.version import Version as V; \
+		assert V(t.__version__) == V('$(LOWEST_TRANSFORMERS)'), t.__version__; print('transformers', t.__version__)"
+	# tests/export on the path: tests/engine/test_targets.py borrows test_export's helpers (found there in the full suite)
+	PYTHONPATH=$(LOWEST_DIR):src:tests/export $(BIN)/python -m pytest -m "not slow" $(LOWEST_TESTS)
 
 demo: $(STAMP)
 	$(BIN)/usaf demo

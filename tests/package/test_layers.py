@@ -2,12 +2,15 @@
 (imports inside functions included), and transformers' private names only in the one module that adapts it."""
 
 import ast
+import functools
 import re
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+
+from usaf.model import hf_guard
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -36,16 +39,20 @@ STAGES = [
 ]
 # where an import inside a function is fine: the command line defers its commands to start fast
 DEFERRED_ALLOWED = ("usaf.cli", "usaf.commands")
-TRANSFORMERS_ADAPTER = "usaf.model.hf"
+# the adapter, and the table of the private names it relies on (checked at import)
+TRANSFORMERS_ADAPTER = ("usaf.model.hf", "usaf.model.hf_guard")
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(SRC).with_suffix("").parts
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache  # parsed once for the tests of this file (none changes the trees)
 def modules(root: Path = SRC) -> dict[str, ast.Module]:
-    return {module_name(p): ast.parse(p.read_text(), str(p)) for p in sorted((root / "usaf").rglob("*.py"))}
+    return {
+        module_name(p, root): ast.parse(p.read_text(), str(p)) for p in sorted((root / "usaf").rglob("*.py"))
+    }
 
 
 def usaf_imports(name: str, tree: ast.Module, known) -> list[tuple[str, bool, int]]:
@@ -121,14 +128,17 @@ def order_violations(trees: dict[str, ast.Module]) -> list[str]:
     return bad
 
 
+def _placed(name: str) -> bool:
+    try:
+        stage_of(name)
+    except AssertionError:
+        return False
+    return True
+
+
 def test_every_module_is_placed_in_a_stage():
     """Modules that import nothing of usaf too (a new package must be placed in the pipeline to be checked)."""
-    unplaced = []
-    for name in modules():
-        try:
-            stage_of(name)
-        except AssertionError:
-            unplaced.append(name)
+    unplaced = [name for name in modules() if not _placed(name)]
     assert unplaced == [], f"{unplaced} belong to no stage: add them to STAGES"
 
 
@@ -151,38 +161,41 @@ def test_the_rules_catch_a_cycle_and_an_import_against_the_order(tmp_path):
         "def f():\n    from usaf.train.loop import train\n"
     )
     (tmp_path / "usaf" / "train" / "loop.py").write_text("from usaf.engine.sparse import f\n")
-    global SRC
-    saved, SRC = SRC, tmp_path
-    try:
-        trees = modules(tmp_path)
-        assert find_cycle(import_graph(trees)) == [
-            "usaf.engine.sparse",
-            "usaf.train.loop",
-            "usaf.engine.sparse",
-        ]
-        assert order_violations(trees) == [
-            "usaf.engine.sparse:2 imports usaf.train.loop, a later stage",
-            "usaf.engine.sparse:2 imports usaf.train.loop inside a function",
-        ]
-    finally:
-        SRC = saved
+    trees = modules(tmp_path)
+    assert find_cycle(import_graph(trees)) == [
+        "usaf.engine.sparse",
+        "usaf.train.loop",
+        "usaf.engine.sparse",
+    ]
+    assert order_violations(trees) == [
+        "usaf.engine.sparse:2 imports usaf.train.loop, a later stage",
+        "usaf.engine.sparse:2 imports usaf.train.loop inside a function",
+    ]
 
 
 # ---- transformers' private API ----------------------------------------------------------------------------------
 
 TRANSFORMERS_DIR = Path(transformers.__file__).parent
+# where transformers defines what usaf touches: its top level, integrations (the experts registry), utils (the
+# chat-template compiler)
+TRANSFORMERS_SOURCES = [TRANSFORMERS_DIR / d for d in ("", "integrations", "utils")]
+# torch's private API that usaf relies on beyond nn.Module's own: DDP's ignore list
+DDP_SOURCE = Path(torch.nn.parallel.distributed.__file__)
 
 
-def _transformers_private_names(candidates: set[str]) -> set[str]:
-    """Which of `candidates` (attribute names with a leading underscore) transformers itself defines or uses, less
-    torch's own (a module's `_buffers`, a scheduler's `_last_lr`: torch's API, not transformers')."""
+def _library_private_names(candidates: set[str], paths: list[Path]) -> set[str]:
+    """Which of `candidates` (attribute names with a leading underscore) the library files `paths` (folders: their
+    .py files) define or use, less torch's own (`torch._foreach_add_`, a module's `_buffers`, a scheduler's
+    `_last_lr`: torch's API)."""
     param = torch.nn.Parameter(torch.zeros(1))
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([param]), lambda step: 1.0)
-    torch_owned = {*dir(torch.nn.Module()), *dir(param), *dir(scheduler)}
+    torch_owned = {*dir(torch), *dir(torch.nn.Module()), *dir(param), *dir(scheduler)}
     candidates = candidates - torch_owned
+    if not candidates:
+        return set()
     found = set()
     pattern = re.compile(r"\b(" + "|".join(sorted(map(re.escape, candidates))) + r")\b")
-    for path in [*TRANSFORMERS_DIR.glob("*.py"), *(TRANSFORMERS_DIR / "integrations").glob("*.py")]:
+    for path in [f for p in paths for f in (sorted(p.glob("*.py")) if p.is_dir() else [p])]:
         found |= set(pattern.findall(path.read_text(errors="ignore")))
     return found
 
@@ -206,8 +219,9 @@ def _own_names(trees) -> set[str]:
     return own
 
 
-def test_transformers_internals_only_in_the_adapter():
-    trees = modules()
+def _uses_of_libraries(trees) -> dict[str, list[str]]:
+    """Per module: its imports of transformers' submodules ('line N: ...') and the attributes with one leading
+    underscore it reads or writes that usaf does not define itself."""
     own = _own_names(trees)
     uses: dict[str, list[str]] = {}
     for name, tree in trees.items():
@@ -226,17 +240,64 @@ def test_transformers_internals_only_in_the_adapter():
                 and not node.attr.startswith("__")
             ) and node.attr not in own:
                 uses.setdefault(name, []).append(node.attr)
-    private = _transformers_private_names(
-        {n for found in uses.values() for n in found if not n.startswith("line")}
-    )
+    return uses
+
+
+def _private_attributes(uses: dict[str, list[str]]) -> set[str]:
+    return {n for found in uses.values() for n in found if not n.startswith("line")}
+
+
+def test_transformers_internals_only_in_the_adapter():
+    uses = _uses_of_libraries(modules())
+    private = _library_private_names(_private_attributes(uses), TRANSFORMERS_SOURCES)
     outside = {
         name: [use for use in found if use.startswith("line") or use in private]
         for name, found in uses.items()
-        if name != TRANSFORMERS_ADAPTER
+        if name not in TRANSFORMERS_ADAPTER
     }
     assert {name: found for name, found in outside.items() if found} == {}
 
 
-@pytest.mark.parametrize("name", ["usaf.engine.sparse", "usaf.train.loop", "usaf.model.hf"])
-def test_every_module_belongs_to_a_stage(name):
-    assert name in modules() and stage_of(name) >= 0
+def unguarded_and_stale(trees) -> tuple[set[str], set[str]]:
+    """(private names of transformers and DDP that the source uses without a row in usaf.model.hf_guard's table,
+    rows whose name the source no longer uses)."""
+    used = _private_attributes(_uses_of_libraries(trees))
+    private = _library_private_names(used, [*TRANSFORMERS_SOURCES, DDP_SOURCE])
+    guarded = {internal.attr for internal in hf_guard.INTERNALS}
+    return private - guarded, guarded - used
+
+
+def test_every_private_name_usaf_uses_is_checked_at_import():
+    assert unguarded_and_stale(modules()) == (set(), set())
+
+
+def test_an_unguarded_private_name_is_found(tmp_path):
+    """The check above fails when broken on purpose: a module reading transformers' `_attn_implementation_internal`
+    (no row in the table)."""
+    (tmp_path / "usaf" / "model").mkdir(parents=True)
+    (tmp_path / "usaf" / "model" / "hf.py").write_text(
+        "def attention(config):\n    return config._attn_implementation_internal\n"
+    )
+    unguarded, stale = unguarded_and_stale(modules(tmp_path))
+    assert unguarded == {"_attn_implementation_internal"}
+    assert stale == {internal.attr for internal in hf_guard.INTERNALS}
+
+
+# ---- every module in the map ------------------------------------------------------------------------------------
+
+
+def test_every_stage_entry_names_a_module():
+    """A stage entry that names no module (renamed, removed) would place nothing and hide the move."""
+    names = set(modules())
+    assert [prefix for stage in STAGES for prefix in stage if prefix not in names] == []
+
+
+def test_a_module_outside_the_map_is_named(tmp_path):
+    """A new package no stage names fails the map check, by name."""
+    (tmp_path / "usaf" / "newpart").mkdir(parents=True)
+    for name in ("__init__", "version", "newpart/__init__", "newpart/thing"):
+        (tmp_path / "usaf" / f"{name}.py").write_text("")
+    unplaced = [name for name in modules(tmp_path) if not _placed(name)]
+    assert unplaced == ["usaf.newpart", "usaf.newpart.thing"]
+    with pytest.raises(AssertionError, match=r"usaf\.newpart\.thing belongs to no stage"):
+        stage_of("usaf.newpart.thing")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 from usaf.files import STORE_FILE
 from usaf.io import shards
 from usaf.io.model_source import read_store_metadata
@@ -29,12 +29,12 @@ class BaseCheckpoint:
         self.dir = Path(model_dir)
         if (self.dir / STORE_FILE).exists():
             source = read_store_metadata(self.dir)["source"]["dir"]
-            raise UsafError(
+            raise ModelError(
                 f"{self.dir} is a usaf prepared (quantized) store; use the full-precision checkpoint it was prepared "
                 f"from ({source}) as the base: merged checkpoints are never re-quantized."
             )
         if not (self.dir / "config.json").is_file():
-            raise UsafError(
+            raise ModelError(
                 f"{self.dir} has no config.json; pass the Hugging Face model directory the model was trained from."
             )
         # an unreadable config.json or an unknown model_type: one line (the weights are mapped just below)
@@ -60,7 +60,7 @@ class BaseCheckpoint:
     def _target(self, name: str):
         target = self.source.targets.get(name)
         if target is None:
-            raise UsafError(
+            raise ModelError(
                 f"The delta changes '{name}', which the model in {self.dir} does not have: it was trained on "
                 "another model."
             )
@@ -119,7 +119,7 @@ class BaseCheckpoint:
         out = torch.empty(numel, dtype=self.dtype(name))
         for key, positions, picked in self.locate(name, torch.arange(numel)):
             if key not in entries:
-                raise UsafError(f"Tensor '{key}' (part of '{name}') is missing from {where or self.dir}.")
+                raise ModelError(f"Tensor '{key}' (part of '{name}') is missing from {where or self.dir}.")
             out[picked] = shards.read_tensor(entries[key]).reshape(-1)[positions].to(out.dtype)
         return out.reshape(shape)
 
@@ -140,10 +140,10 @@ def _position_ids(source, group, sources: dict[str, list[str]], name: str) -> tu
     try:
         ids = source._convert(group, sources, ids_of)[name]
     except Exception as err:
-        raise UsafError(f"Cannot map '{name}' onto the checkpoint tensors {keys[:3]}: {err}") from err
+        raise ModelError(f"Cannot map '{name}' onto the checkpoint tensors {keys[:3]}: {err}") from err
     flat = ids.reshape(-1)
     if flat.dtype != torch.int64 or torch.unique(flat).numel() != flat.numel():
-        raise UsafError(
+        raise ModelError(
             f"The checkpoint's conversion into '{name}' does not just move values ({type(group.transform).__name__}); "
             "usaf cannot write entries back into this checkpoint layout."
         )

@@ -17,7 +17,7 @@ from torch import nn
 from usaf.base.writer import ensure_prepared, file_stamp, files_of_entry
 from usaf.config import RESIDENCIES, UsafConfig
 from usaf.engine.state import PreparedStore, model_state
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, ModelError
 from usaf.files import STORE_FILE
 from usaf.io import published, shards
 from usaf.io.guard import inside
@@ -62,7 +62,7 @@ def load_for_training(
         quant = published.quant_for(path, config.model.quant)
         store, source = ensure_prepared(path, quant, progress=True), path
     else:
-        raise UsafError(
+        raise ModelError(
             f"model.path {str(path)!r} is not a local directory; a quantized base is prepared from a local "
             "checkpoint (download it first, e.g. with `hf download`)."
         )
@@ -107,7 +107,7 @@ def load_prepared(
     prepared_dir = Path(prepared_dir)
     metadata = read_store_metadata(prepared_dir)
     if residency not in RESIDENCIES:
-        raise UsafError(f"residency must be one of {RESIDENCIES}, got {residency!r}.")
+        raise ConfigError(f"residency must be one of {RESIDENCIES}, got {residency!r}.")
     device = torch.device(device) if device is not None else default_device()
     entries = _store_entries(prepared_dir, metadata)
     tensors = metadata["tensors"]
@@ -117,7 +117,9 @@ def load_prepared(
     experts = expert_weight_names(find_moe_layers(model))
     missing = sorted(set(experts) - {n for n, t in tensors.items() if t["kind"] == "experts"})
     if missing:
-        raise UsafError(f"The store in {prepared_dir} has no expert tensor '{missing[0]}'; prepare it again.")
+        raise ModelError(
+            f"The store in {prepared_dir} has no expert tensor '{missing[0]}'; prepare it again."
+        )
     source = _open_source(Path(source_dir), metadata, model, experts) if source_dir is not None else None
 
     _load_dense(model, entries, tensors, device)
@@ -128,7 +130,7 @@ def load_prepared(
     compute_missing_buffers(model)
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if leftover:
-        raise UsafError(f"The store in {prepared_dir} lacks {leftover[:3]}; prepare it again.")
+        raise ModelError(f"The store in {prepared_dir} lacks {leftover[:3]}; prepare it again.")
     model.to(device)  # buffers the model computed itself
     original_values = None
     if source is not None:
@@ -196,9 +198,9 @@ def _store_entries(prepared_dir: Path, metadata: dict) -> dict[str, shards.Tenso
     for file, info in metadata["files"].items():
         path = inside(prepared_dir, file, f"{prepared_dir / STORE_FILE}'s files")
         if not path.exists():
-            raise UsafError(f"{path} is missing from the prepared store; prepare it again.")
+            raise ModelError(f"{path} is missing from the prepared store; prepare it again.")
         if path.stat().st_size != info["size"]:
-            raise UsafError(
+            raise ModelError(
                 f"{path} has {path.stat().st_size} bytes, the store recorded {info['size']}: it is truncated or "
                 "corrupted; prepare the store again."
             )
@@ -207,7 +209,7 @@ def _store_entries(prepared_dir: Path, metadata: dict) -> dict[str, shards.Tenso
     for info in metadata["tensors"].values():
         for key in info["stored"]:
             if key not in entries:
-                raise UsafError(f"The prepared store {prepared_dir} lacks '{key}'; prepare it again.")
+                raise ModelError(f"The prepared store {prepared_dir} lacks '{key}'; prepare it again.")
     return entries
 
 
@@ -243,18 +245,18 @@ def _open_source(source_dir: Path, metadata: dict, model: nn.Module, experts: di
     """The source checkpoint, checked against the store: same tensors, and the same bytes in every file that
     changed since preparation; tensors read later are checked as they are read."""
     if not source_dir.is_dir():
-        raise UsafError(f"Source checkpoint {source_dir} does not exist.")
+        raise ModelError(f"Source checkpoint {source_dir} does not exist.")
     source = SourceCheckpoint(source_dir, model, set(experts))
     recorded = metadata["source_tensors"]
     for key, info in recorded.items():
         entry = source.entries.get(key)
         if entry is None:
-            raise UsafError(
+            raise ModelError(
                 f"Tensor '{key}' (in {info['file']} when the store was prepared) is missing from {source_dir}; "
                 "pass the checkpoint the store was prepared from."
             )
         if list(entry.shape) != info["shape"] or shards.DTYPE_NAMES[entry.dtype] != info["dtype"]:
-            raise UsafError(
+            raise ModelError(
                 f"Tensor '{key}' in {entry.file} is {shards.DTYPE_NAMES[entry.dtype]} {list(entry.shape)}, the store "
                 f"was prepared from {info['dtype']} {info['shape']}; pass the checkpoint the store was prepared from."
             )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from usaf.base.checkpoint import BaseCheckpoint
 from usaf.config import read_yaml
-from usaf.errors import UsafError
+from usaf.errors import ModelError, RunStateError
 from usaf.files import CONFIG_FILE, RUN_BASE_FILE, STORE_FILE
 from usaf.io import shards
 from usaf.io.guard import inside
@@ -92,7 +92,7 @@ def sample_sha256(entry: shards.TensorEntry) -> str:
             f.seek(begin)
             block = f.read(end - begin)
             if len(block) != end - begin:
-                raise UsafError(
+                raise ModelError(
                     f"{entry.file} ended early while reading tensor '{entry.name}'; re-download it."
                 )
             hasher.update(block)
@@ -149,9 +149,11 @@ def read_run_base_record(run_dir: Path) -> dict | None:
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise UsafError(f"{path} is unreadable ({err}); the run's record of its base is damaged.") from None
+        raise RunStateError(
+            f"{path} is unreadable ({err}); the run's record of its base is damaged."
+        ) from None
     if not isinstance(record, dict):
-        raise UsafError(
+        raise RunStateError(
             f"{path} holds a JSON {type(record).__name__}, not the run's record of its base (an object): it is "
             "damaged; restore it from a copy of the run."
         )
@@ -165,7 +167,7 @@ def run_base_dir(run_dir: Path, base_dir: str | Path | None = None) -> Path:
         return Path(base_dir)
     config_file = Path(run_dir) / CONFIG_FILE
     if not config_file.exists():
-        raise UsafError(
+        raise RunStateError(
             f"{run_dir} has no config.yaml: is it a usaf run directory? Pass --base MODEL_DIR otherwise."
         )
     saved = read_yaml(config_file.read_text(), str(config_file))
@@ -175,7 +177,7 @@ def run_base_dir(run_dir: Path, base_dir: str | Path | None = None) -> Path:
     if store.exists():
         model_path = Path(read_store_metadata(model_path)["source"]["dir"])
     if not (model_path / "config.json").is_file():
-        raise UsafError(
+        raise ModelError(
             f"The run in {run_dir} trained on {path!r}, which is not a local model directory (now); pass --base "
             "MODEL_DIR with the full-precision checkpoint it was trained from."
         )

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from usaf.errors import UsafError
+from usaf.errors import ModelError, UsafError
 from usaf.files import STORE_FILE, STORE_FORMAT_VERSION
 from usaf.io import published, shards
 from usaf.io.atomic import (
@@ -82,7 +82,7 @@ def prepare_store(
     device = torch.device(device) if device is not None else default_device()
     _check_output(model_dir, out_dir, force)
     if not (model_dir / "config.json").exists():
-        raise UsafError(f"{model_dir} has no config.json; pass a Hugging Face model directory.")
+        raise ModelError(f"{model_dir} has no config.json; pass a Hugging Face model directory.")
     config = load_config(model_dir)
     method = published.checkpoint_method(model_dir)
     fmt_name = _store_format(model_dir, method, quant, device)
@@ -135,7 +135,7 @@ def _store_format(model_dir: Path, method: str | None, quant: str, device: torch
     """The experts' format in the store: a published MXFP4/FP8 checkpoint keeps its own (the store holds their
     bytes as published); otherwise `quant`, resolved for `device`, which a published format never is."""
     if method is None and quant in published.METHODS:
-        raise UsafError(
+        raise ModelError(
             f"{model_dir} is not a published {quant} checkpoint (its config.json has no quantization_config "
             f"{quant}); usaf reads {quant} as published and never quantizes into it: choose one of "
             f"{', '.join(FORMATS)}."
@@ -209,7 +209,7 @@ def _check_published_layout(source: SourceCheckpoint, name: str, layout: dict) -
     )
     got = {part: tuple(s) for part, (_, s) in layout.items()}
     if got != {part: tuple(s) for part, (_, s) in want.items()}:
-        raise UsafError(
+        raise ModelError(
             f"The published {source.published} parts of '{name}' in {source.dir} fuse into {got}, not the layout "
             f"{ {part: tuple(s) for part, (_, s) in want.items()} } that dequantization reads (quantization blocks "
             "straddle fused projections); usaf cannot keep them as published: use the bf16 checkpoint."
@@ -323,7 +323,7 @@ def _check_finite(
 ) -> None:
     if value.is_floating_point() and not bool(torch.isfinite(value).all()):
         files = sorted({str(source.entries[k].file) for k in keys})
-        raise UsafError(
+        raise ModelError(
             f"Non-finite values in {what}'{name}' (checkpoint tensors {keys[:3]}{'...' if len(keys) > 3 else ''} "
             f"in {', '.join(files)}): the shard is corrupted; re-download it."
         )

@@ -7,7 +7,7 @@ import torch
 
 from usaf.data.pack import TokenizedDataset
 from usaf.engine.loss import IGNORE_INDEX
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, DataError
 
 
 def collate(rows: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -48,9 +48,9 @@ class Batches:
         epochs: int | None = None,
     ):
         if batch_size < 1:
-            raise UsafError(f"batch_size must be >= 1, got {batch_size}.")
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}.")
         if len(dataset) == 0:
-            raise UsafError("cannot batch an empty data set.")
+            raise DataError("cannot batch an empty data set.")
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = seed
@@ -103,7 +103,7 @@ class Batches:
         mine = self.state_dict()
         for key in ("seed", "shuffle", "batch_size", "rows", "fingerprint"):
             if state.get(key) != mine[key]:
-                raise UsafError(
+                raise DataError(
                     f"cannot resume the data position: {key} was {state.get(key)!r} in the checkpoint but is "
                     f"{mine[key]!r} now (the data, its tokenization or the batch settings changed)."
                 )

@@ -14,7 +14,7 @@ from usaf.data.pairs import PreferencePairs
 from usaf.data.sources import open_source
 from usaf.data.templates import use_chat_template
 from usaf.data.tokenize import DataStats, Documents, Settings, read_documents
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, DataError
 from usaf.io.text import read_text
 
 LONG_DOCUMENTS = ("split", "truncate")
@@ -26,7 +26,7 @@ def split_documents(documents: Documents, eval_fraction: float, seed: int) -> tu
     count = len(records)
     eval_count = max(1, round(eval_fraction * count))
     if count - eval_count < 1:
-        raise UsafError(
+        raise DataError(
             f"the data set is too small to hold out {eval_fraction:.0%} for evaluation ({count} documents); "
             "add data, give an eval file, or set eval_fraction to 0."
         )
@@ -82,7 +82,7 @@ def load_dataset(
 
     train_docs = read(paths)
     if not train_docs.ids:
-        raise UsafError(
+        raise DataError(
             f"the data set is empty: no usable records in {', '.join(map(str, paths))}"
             + (
                 f" ({stats.skipped_records} bad records skipped; the first: {stats.first_skipped[0]})"
@@ -106,24 +106,26 @@ def load_dataset(
 def _check_arguments(paths, eval_paths, max_seq_len, eval_fraction, long_documents, stride, columns) -> None:
     """load_dataset's arguments, each fault one clear error naming the setting."""
     if isinstance(paths, str) or isinstance(eval_paths, str):
-        raise UsafError("load_dataset: paths and eval_paths must be lists of file names.")
+        raise ConfigError("load_dataset: paths and eval_paths must be lists of file names.")
     if not paths:
-        raise UsafError("no training data files were given.")
+        raise ConfigError("no training data files were given.")
     if not isinstance(max_seq_len, int) or max_seq_len < 2:
-        raise UsafError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}.")
+        raise ConfigError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}.")
     if not 0.0 <= eval_fraction < 1.0:
-        raise UsafError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}.")
+        raise ConfigError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}.")
     if long_documents not in LONG_DOCUMENTS:
-        raise UsafError(f"long_documents must be one of {', '.join(LONG_DOCUMENTS)}, got {long_documents!r}.")
+        raise ConfigError(
+            f"long_documents must be one of {', '.join(LONG_DOCUMENTS)}, got {long_documents!r}."
+        )
     if not isinstance(stride, int) or not 0 <= stride < max_seq_len - 1:
-        raise UsafError(
+        raise ConfigError(
             f"data.stride={stride!r} must be in [0, max_seq_len - 1) = [0, {max_seq_len - 1}): each window needs a "
             "new token to learn."
         )
     if not isinstance(columns, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in columns.items()
     ):
-        raise UsafError(
+        raise DataError(
             f"data.columns must map usaf record keys to column names, e.g. {{prompt: question}}, got {columns!r}."
         )
 
@@ -134,7 +136,7 @@ def _held_out(train_docs: Documents, eval_paths, eval_fraction: float, seed: int
     if eval_paths:
         eval_docs = read(eval_paths)
         if not eval_docs.ids:
-            raise UsafError(
+            raise DataError(
                 f"the eval data set is empty: no usable records in {', '.join(map(str, eval_paths))}."
             )
         return train_docs, eval_docs

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from usaf.data.cache import cache_root, drop_torn, full_cache
-from usaf.errors import UsafError, first_line
+from usaf.errors import DataError, UsafError, first_line
 from usaf.io.source import cached_snapshot
 from usaf.io.text import ENCODING, decode
 from usaf.version import __version__
@@ -83,7 +83,7 @@ def file_kind(path: Path) -> tuple[str, str | None]:
     suffix = (suffixes[-2] if len(suffixes) > 1 else "") if compression else path.suffix.lower()
     kind = FILE_KINDS.get(suffix)
     if kind is None:
-        raise UsafError(
+        raise DataError(
             f"{path}: unknown data file type '{''.join(path.suffixes[-2:] if compression else path.suffixes[-1:])}'; "
             f"use one of {', '.join(sorted(FILE_KINDS))} (compressed with {', '.join(COMPRESSIONS)} or not), "
             "a datasets save_to_disk folder or a hub dataset id."
@@ -107,14 +107,14 @@ def _open(path: Path, compression: str | None):
     try:
         return fsspec.open(str(path), "rb", compression=compression).open()
     except (ValueError, ImportError) as error:  # zstd/lz4 need their python package
-        raise UsafError(f"{path}: cannot open {compression} data: {first_line(error)}") from None
+        raise DataError(f"{path}: cannot open {compression} data: {first_line(error)}") from None
 
 
 def _decode(path: Path, number: int, raw: bytes) -> str:
     try:
         return decode(raw)
     except UnicodeDecodeError as error:
-        raise UsafError(f"{path}:{number}: not UTF-8 ({error}).") from None
+        raise DataError(f"{path}:{number}: not UTF-8 ({error}).") from None
 
 
 def _read_jsonl(path: Path, handle) -> Iterator[tuple[str, str, str]]:
@@ -136,15 +136,15 @@ def _read_json(path: Path, handle) -> Iterator[tuple[str, str, str]]:
     try:
         records = json.loads(_decode(path, 1, data))
     except json.JSONDecodeError as error:  # a broken file has no records to skip
-        raise UsafError(f"{path}:{error.lineno}: invalid JSON: {error.msg}.") from None
+        raise DataError(f"{path}:{error.lineno}: invalid JSON: {error.msg}.") from None
     except RecursionError:
-        raise UsafError(
+        raise DataError(
             f"{path}: the JSON is nested too deeply to read (thousands of levels); no data needs that."
         ) from None
     if isinstance(records, dict) and isinstance(records.get("data"), list):
         records = records["data"]
     if not isinstance(records, list):
-        raise UsafError(f'{path}: a .json data file must hold a list of records or {{"data": [records]}}.')
+        raise DataError(f'{path}: a .json data file must hold a list of records or {{"data": [records]}}.')
     for index, record in enumerate(records):
         yield f"{path}[{index}]", json.dumps(record), ""
 
@@ -185,7 +185,7 @@ def _raw_rows(path: str, kind: str, compression: str | None) -> Iterator[dict]:
     except UsafError:
         raise
     except Exception as error:  # a corrupt or truncated archive: OSError, EOFError, lzma.LZMAError, ...
-        raise UsafError(f"{path}: cannot read: {first_line(error)}") from None
+        raise DataError(f"{path}: cannot read: {first_line(error)}") from None
 
 
 def _own_file(path: Path, kind: str, compression: str | None, show_progress: bool) -> Source:
@@ -217,8 +217,8 @@ def _own_file(path: Path, kind: str, compression: str | None, show_progress: boo
         if (full := full_cache(error)) is not None:  # the cache's disk is full, not the file unreadable
             raise full from None
         if isinstance(cause, UsafError):
-            raise UsafError(str(cause)) from None
-        raise UsafError(f"{path}: cannot read: {first_line(cause or error)}") from None
+            raise DataError(str(cause)) from None
+        raise DataError(f"{path}: cannot read: {first_line(cause or error)}") from None
     return Source(str(path), rows, digest, located=True)
 
 
@@ -229,7 +229,7 @@ def _csv_header(path: Path, compression: str | None, sep: str) -> list[str]:
                 csv.reader(io.TextIOWrapper(handle, encoding=ENCODING, newline=""), delimiter=sep), []
             )
     except Exception as error:  # not UTF-8, a corrupt archive, ...
-        raise UsafError(f"{path}: cannot read: {first_line(error)}") from None
+        raise DataError(f"{path}: cannot read: {first_line(error)}") from None
 
 
 def _table_file(path: Path, kind: str, compression: str | None, show_progress: bool) -> Source:
@@ -250,13 +250,13 @@ def _table_file(path: Path, kind: str, compression: str | None, show_progress: b
     except Exception as error:  # pyarrow, pandas and datasets each raise their own kinds
         if (full := full_cache(error)) is not None:
             raise full from None
-        raise UsafError(f"{path}: cannot read {_TABLE_LABELS[kind]}: {first_line(error)}") from None
+        raise DataError(f"{path}: cannot read {_TABLE_LABELS[kind]}: {first_line(error)}") from None
     return Source(str(path), rows, _file_digest(path), located=False, blank_is_absent=blank_is_absent)
 
 
 def _pick_split(name: str, splits: list[str], split: str):
     if split not in splits:
-        raise UsafError(
+        raise DataError(
             f"{name} has no split '{split}'; its splits are {', '.join(splits)} (set data.split, or add "
             f":SPLIT to the name, e.g. {name}:{splits[0]})."
         )
@@ -269,7 +269,7 @@ def _saved_folder(path: Path, split: str, show_progress: bool) -> Source:
         with progress_bars(show_progress):
             saved = datasets.load_from_disk(str(path))
     except Exception as error:
-        raise UsafError(f"{path}: cannot read the save_to_disk folder: {first_line(error)}") from None
+        raise DataError(f"{path}: cannot read the save_to_disk folder: {first_line(error)}") from None
     if isinstance(saved, datasets.DatasetDict):
         _pick_split(str(path), list(saved), split)
         saved = saved[split]
@@ -291,7 +291,7 @@ def _hub_dataset(name: str, split: str, show_progress: bool) -> Source:
         )
     except ValueError as error:
         if "Couldn't find cache" not in str(error):
-            raise UsafError(f"{name}: cannot read the cached hub dataset: {first_line(error)}") from None
+            raise DataError(f"{name}: cannot read the cached hub dataset: {first_line(error)}") from None
         builder = None
     if builder is not None:
         splits = list(builder.info.splits or {})
@@ -301,7 +301,7 @@ def _hub_dataset(name: str, split: str, show_progress: bool) -> Source:
         return Source(name, rows, rows._fingerprint, located=False)
     folder = cached_snapshot(name, repo_type="dataset")
     if folder is None:
-        raise UsafError(
+        raise DataError(
             f"{name} is neither a local path nor a hub dataset in the local caches ({cache}, or the hub cache); "
             f'usaf reads the hub offline: download it first, e.g. python -c "import datasets; '
             f"datasets.load_dataset('{name}')\"."
@@ -310,7 +310,7 @@ def _hub_dataset(name: str, split: str, show_progress: bool) -> Source:
         with progress_bars(show_progress):  # a local folder: datasets infers its splits from the file names
             loaded = datasets.load_dataset(str(folder), cache_dir=str(cache))
     except Exception as error:
-        raise UsafError(
+        raise DataError(
             f"{name}: cannot read its files in the hub cache ({folder}): {first_line(error)}"
         ) from None
     _pick_split(name, list(loaded), split)
@@ -336,7 +336,7 @@ def open_source(name: str, split: str = "train", show_progress: bool = False) ->
             return _saved_folder(path, split, show_progress)
         inside = sorted(str(f) for f in path.iterdir() if f.is_file() and f.suffix.lower() in FILE_KINDS)
         example = ",".join(inside[:2]) if inside else f"{path}/train.jsonl"
-        raise UsafError(
+        raise DataError(
             f"{path} is a folder; give the data files in it, comma separated (e.g. --data {example}), or a "
             "datasets save_to_disk folder."
         )
@@ -344,7 +344,7 @@ def open_source(name: str, split: str = "train", show_progress: bool = False) ->
         return _hub_dataset(name, split, show_progress)
     kind, compression = file_kind(path)
     if not path.is_file():
-        raise UsafError(f"{path}: data file not found.")
+        raise DataError(f"{path}: data file not found.")
     if kind in READERS:
         return _own_file(path, kind, compression, show_progress)
     return _table_file(path, kind, compression, show_progress)

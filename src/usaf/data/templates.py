@@ -21,7 +21,7 @@ from pathlib import Path
 from usaf.data.records import BadRecord, TextLimit, text_limit
 from usaf.data.render import RenderBounds, TemplateBoundError, rendering
 from usaf.engine.loss import IGNORE_INDEX
-from usaf.errors import UsafError, first_line
+from usaf.errors import DataError, first_line
 from usaf.io.text import read_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -200,16 +200,16 @@ def _read_setting(setting: str) -> str:
     if not path.is_file():
         looks_like_file = path.suffix or os.sep in setting or "/" in setting
         what = "no such file" if looks_like_file else "not a template name"
-        raise UsafError(
+        raise DataError(
             f"data.chat_template={setting}: {what}; give a .jinja file or one of TRL's templates: "
             f"{', '.join(template_names())}."
         )
     if path.stat().st_size > _MAX_TEMPLATE_BYTES:
-        raise UsafError(f"data.chat_template={setting}: over 1 MB, not a chat template.")
+        raise DataError(f"data.chat_template={setting}: over 1 MB, not a chat template.")
     try:
         return read_text(path)
     except (OSError, UnicodeDecodeError) as error:
-        raise UsafError(f"data.chat_template={setting}: cannot read it: {first_line(error)}.") from None
+        raise DataError(f"data.chat_template={setting}: cannot read it: {first_line(error)}.") from None
 
 
 def _training_variant(tokenizer) -> str | None:
@@ -271,9 +271,9 @@ def _check_compiles(tokenizer, text: str, setting: str) -> None:
                 add_generation_prompt=True,
             )
     except TemplateBoundError as error:
-        raise UsafError(f"data.chat_template={setting}: the template {error}; {_BOUND_HINT}.") from None
+        raise DataError(f"data.chat_template={setting}: the template {error}; {_BOUND_HINT}.") from None
     except TemplateSyntaxError as error:
-        raise UsafError(
+        raise DataError(
             f"data.chat_template={setting}: not a valid Jinja template: line {error.lineno}: {error.message}."
         ) from None
     except Exception:  # a template may refuse this probe (raise_exception); records will tell
@@ -571,10 +571,10 @@ def encode_messages(record: dict, tokenizer, context: int = 0) -> tuple[list[int
 
 def check_chat_support(tokenizer, where: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
-        raise UsafError(
+        raise DataError(
             f"{where}: chat records ('messages') need a tokenizer with a chat template, and this one has "
             "none; set data.chat_template (a .jinja file or a name such as chatml) or use "
             "{'prompt', 'completion'} records."
         )
     if not getattr(tokenizer, "is_fast", False):
-        raise UsafError(f"{where}: chat records need a fast (tokenizers-backed) tokenizer for token offsets.")
+        raise DataError(f"{where}: chat records need a fast (tokenizers-backed) tokenizer for token offsets.")

@@ -30,7 +30,7 @@ from usaf.data.shapes import EXPECTED, RECORD_KEYS, normalize, normalize_pair, p
 from usaf.data.sources import Source, progress_bars
 from usaf.data.templates import check_chat_support, encode_messages
 from usaf.engine.loss import IGNORE_INDEX
-from usaf.errors import UsafError
+from usaf.errors import DataError
 from usaf.version import __version__
 
 _KEPT_SKIP_MESSAGES = 5
@@ -277,7 +277,7 @@ class Encoder:
                 if isinstance(problem, _Located):
                     where, problem = problem.where, problem.problem
                 if not self.skip:
-                    raise UsafError(f"{where}: {problem}{SKIP_HINT}") from None
+                    raise DataError(f"{where}: {problem}{SKIP_HINT}") from None
                 add(where, [], [], error=str(problem))  # counted and quoted by read_documents
                 continue
             for number, (ids, labels) in enumerate(windows):
@@ -333,11 +333,11 @@ def _renamed(source: Source, settings: Settings) -> tuple[object, list[str]]:
         # no row can be a record: one error for the source, not one skipped record per row
         missing = [column for column in mapping if column not in present]
         if missing:
-            raise UsafError(
+            raise DataError(
                 f"{source.name} has no column(s) {', '.join(missing)} (data.columns); its columns are "
                 f"{', '.join(rows.column_names)}."
             )
-        raise UsafError(f"{source.name}: unknown record columns {rows.column_names}; {EXPECTED}.")
+        raise DataError(f"{source.name}: unknown record columns {rows.column_names}; {EXPECTED}.")
     mapping = present  # data.columns applies to every source: one may use usaf's names already
     # the mapped column replaces one of the same name; columns no shape reads are not even decoded (images...)
     unused = [key for key in mapping.values() if key in rows.column_names and key not in mapping]
@@ -431,7 +431,7 @@ def check_vocabulary(table, tokenizer, source: str, vocab_size: int, config_file
         if ids and max(ids) >= vocab_size
     )
     folder = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
-    raise UsafError(
+    raise DataError(
         f"{where}: token id {largest} is outside the model's vocabulary: {config_file} has vocab_size "
         f"{vocab_size}, and the tokenizer ({folder}, {len(tokenizer)} tokens) makes larger ids; use the model's "
         "own tokenizer (and pre-tokenized ids below vocab_size)."
@@ -462,7 +462,7 @@ def read_documents(
         if errors.num_rows:
             first = f"{errors['where'][0].as_py()}: {errors['error'][0].as_py()}"
             if not skip_bad_records:  # a cache written under skip_bad_records holds the bad records
-                raise UsafError(first + SKIP_HINT)
+                raise DataError(first + SKIP_HINT)
             stats.skipped_records += errors.num_rows
             kept = errors.slice(0, max(0, _KEPT_SKIP_MESSAGES - len(stats.first_skipped)))
             stats.first_skipped += [
@@ -472,7 +472,7 @@ def read_documents(
             if errors.num_rows == len(source.rows) and len(sources) > 1:
                 # every record bad: the source's shape or the settings, not its records (nothing is dropped
                 # silently beside the good sources)
-                raise UsafError(
+                raise DataError(
                     f"{source.name}: no usable records ({errors.num_rows} bad records skipped; the first: {first})."
                 )
         good = table.filter(pc.invert(bad))

@@ -11,7 +11,7 @@ from usaf.base.checkpoint import BaseCheckpoint
 from usaf.engine.costs import keeps_base
 from usaf.engine.installed import sparse_modules
 from usaf.engine.sparse import ElementEntries
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 from usaf.export.delta import Delta, check_base, check_base_recorded, read_delta, verify_checksums
 from usaf.prepare import TensorChange
 
@@ -42,7 +42,7 @@ def load_delta(
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     made_for = (delta.base_record or {}).get("model_type")
     if model_type is not None and made_for not in (None, model_type):
-        raise UsafError(f"{path} was made for a {made_for} model; this model is {model_type}.")
+        raise ModelError(f"{path} was made for a {made_for} model; this model is {model_type}.")
     if base_dir is not None:
         check_delta_base(delta, base_dir, unchecked_base=unchecked_base)
     prepared = dict(sparse_modules(model))
@@ -56,9 +56,9 @@ def load_delta(
         try:
             tensor = model.get_parameter(name)
         except AttributeError:
-            raise UsafError(f"{path} changes '{name}', which this model does not have.") from None
+            raise ModelError(f"{path} changes '{name}', which this model does not have.") from None
         if list(tensor.shape) != shape:
-            raise UsafError(
+            raise ModelError(
                 f"{path} changes '{name}' of shape {shape}; this model's is {list(tensor.shape)}."
             )
         _write_entries(tensor.data, change, name)
@@ -81,7 +81,7 @@ def _write_entries(tensor: torch.Tensor, change: TensorChange, name: str) -> Non
         tensor.copy_(change.values.reshape(tensor.shape).to(tensor.dtype))
         return
     if not tensor.is_contiguous():
-        raise UsafError(f"'{name}' is not contiguous in this model; load it with contiguous weights.")
+        raise ModelError(f"'{name}' is not contiguous in this model; load it with contiguous weights.")
     flat = tensor.view(-1)
     flat[change.flat_indices.to(flat.device)] = change.values.to(device=flat.device, dtype=flat.dtype)
 
@@ -92,7 +92,7 @@ def _load_into_entries(state, attr: str, change: TensorChange, name: str, path: 
     numel = store.shape[0] * store.shape[1] * store.shape[2]
     flat = change.flat_indices if change.flat_indices is not None else torch.arange(numel)
     if flat.numel() and int(flat.max()) >= numel:
-        raise UsafError(f"{path} changes entries of '{name}' beyond its shape {list(store.shape)}.")
+        raise ModelError(f"{path} changes entries of '{name}' beyond its shape {list(store.shape)}.")
     values = change.values.reshape(-1)
     old = state[attr] if attr in state else None  # noqa: SIM401 (ModuleDict has no .get)
     if old is not None:

@@ -15,7 +15,7 @@ import torch
 from usaf.base.checkpoint import BaseCheckpoint
 from usaf.base.record import read_run_base_record, run_base_dir, structural_difference, tensor_facts
 from usaf.engine.sparse import line_flat_indices
-from usaf.errors import UsafError
+from usaf.errors import ModelError, RunStateError, UsafError
 from usaf.files import DELTA_FORMAT, SUMMARY_FILE
 from usaf.io import shards
 from usaf.io.atomic import atomic_file
@@ -52,9 +52,11 @@ def delta_from_run(run_dir: str | Path) -> Delta:
     """The trained entries and routers of a run's latest finished checkpoint."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
-        raise UsafError(f"{run_dir} is a file, not a run directory; pass the --out folder of `usaf train`.")
+        raise RunStateError(
+            f"{run_dir} is a file, not a run directory; pass the --out folder of `usaf train`."
+        )
     if not run_dir.is_dir():
-        raise UsafError(f"Run directory {run_dir} does not exist; pass the --out folder of `usaf train`.")
+        raise RunStateError(f"Run directory {run_dir} does not exist; pass the --out folder of `usaf train`.")
     latest, saved = _load_latest(run_dir)
     trainable = saved["trainable"]
     changes: dict[str, TensorChange] = {}
@@ -72,7 +74,7 @@ def delta_from_run(run_dir: str | Path) -> Delta:
         if key in claimed:
             continue
         if ".usaf." in key:
-            raise UsafError(
+            raise RunStateError(
                 f"Checkpoint {latest} holds '{key}' but no selection layout for it (made by an older usaf); "
                 "resume the run for one step with this version to re-save it."
             )
@@ -96,7 +98,7 @@ def _load_latest(run_dir: Path) -> tuple[Path, dict]:
     for _ in range(5):
         latest = checkpoint.latest(run_dir)
         if latest is None:
-            raise UsafError(
+            raise RunStateError(
                 f"{run_dir} has no finished checkpoint (checkpoints/step-*/state.json): train it first, or resume "
                 "it with `usaf train --resume` until it saves one."
             )
@@ -105,7 +107,7 @@ def _load_latest(run_dir: Path) -> tuple[Path, dict]:
         except UsafError:
             if checkpoint.latest(run_dir) == latest:
                 raise  # still the latest: damaged, not rotated away
-    raise UsafError(
+    raise RunStateError(
         f"the checkpoints of {run_dir} were rotated away while this export read them (the run is still training "
         "and keeps only the newest, checkpoint.keep_last); nothing is wrong with them: run the export again, or "
         "once the run has finished."
@@ -118,7 +120,7 @@ def _read_summary(path: Path) -> dict:
     except (OSError, ValueError) as err:
         summary = err
     if not isinstance(summary, dict):
-        raise UsafError(
+        raise RunStateError(
             f"{path} is damaged (not the JSON object `usaf train` writes); delete it and run `usaf train --resume "
             f"{path.parent}` to rewrite it."
         )
@@ -179,7 +181,7 @@ def _put_change(name: str, change, base: BaseCheckpoint, fp32: bool, tensors: di
     values_dtype = torch.float32 if fp32 else base_dtype
     flat = change.flat_indices if change.flat_indices is not None else torch.arange(numel)
     if change.count != flat.numel() or (flat.numel() and int(flat.max()) >= numel):
-        raise UsafError(f"The trained entries of '{name}' do not fit its shape {list(shape)} in {base.dir}.")
+        raise ModelError(f"The trained entries of '{name}' do not fit its shape {list(shape)} in {base.dir}.")
     entry = {"kind": "full" if change.flat_indices is None else "entries", "shape": list(shape)}
     if change.flat_indices is None:
         tensors[f"{name}:full"] = change.values.to(values_dtype).reshape(shape).contiguous()
@@ -209,7 +211,7 @@ def _checked_source(key: str, base: BaseCheckpoint, delta: Delta) -> dict:
     }
     want = ((delta.base_record or {}).get("tensors") or {}).get(key, {}).get("sha256")
     if want is not None and facts["sha256"] != want:
-        raise UsafError(checksum_message(key, source_entry.file, delta.origin))
+        raise ModelError(checksum_message(key, source_entry.file, delta.origin))
     return facts
 
 
@@ -217,27 +219,27 @@ def read_delta(path: str | Path) -> Delta:
     """A delta file, checked: a truncated or altered file fails here, naming the file."""
     path = Path(path)
     if not path.is_file():
-        raise UsafError(f"Delta file {path} does not exist.")
+        raise ModelError(f"Delta file {path} does not exist.")
     try:
         entries, metadata = shards.read_header(path)
     except UsafError as err:
-        raise UsafError(f"{err} ({path} is a usaf delta: export it again.)") from None
+        raise ModelError(f"{err} ({path} is a usaf delta: export it again.)") from None
     if metadata.get("format") != DELTA_FORMAT:
-        raise UsafError(f"{path} is not a usaf delta file (made by `usaf export --delta`).")
+        raise ModelError(f"{path} is not a usaf delta file (made by `usaf export --delta`).")
     try:
         info = json.loads(metadata["usaf"])
     except (KeyError, json.JSONDecodeError) as err:
-        raise UsafError(
+        raise ModelError(
             f"{path} is corrupted: its usaf metadata is unreadable ({err}); export it again."
         ) from None
     if int(info.get("format_version", 0)) > DELTA_FORMAT_VERSION:
-        raise UsafError(
+        raise ModelError(
             f"{path} is a delta of format version {info.get('format_version')} (usaf {info.get('usaf_version')}); "
             f"this usaf {__version__} reads version {DELTA_FORMAT_VERSION}: upgrade usaf."
         )
     tensors = {name: shards.read_tensor(entry) for name, entry in entries.items()}
     if _payload_digest(tensors) != info.get("payload_sha256"):
-        raise UsafError(
+        raise ModelError(
             f"{path} is corrupted: its tensors do not match the checksum recorded when it was written; export it "
             "again."
         )
@@ -256,7 +258,7 @@ def read_delta(path: str | Path) -> Delta:
                 change = TensorChange(change.flat_indices.to(torch.int64), change.values)
             changes[name] = change
     except (KeyError, TypeError, AttributeError) as err:
-        raise UsafError(
+        raise ModelError(
             f"{path} is corrupted: its tensor list is unreadable ({err!r}); export it again."
         ) from None
     return Delta(changes, info, base_record=info.get("base"), origin=str(path))
@@ -269,8 +271,8 @@ def check_change(change: TensorChange, name: str, shape, where: str, fix: str) -
     """The content of one changed tensor, as any reader of a delta or checkpoint must see it before writing it into
     a model: integer flat indices, each once, inside the tensor's `shape`; as many values, all finite."""
 
-    def bad(what: str) -> UsafError:
-        return UsafError(f"{where}: tensor '{name}' {what}; it cannot be applied ({fix}).")
+    def bad(what: str) -> ModelError:
+        return ModelError(f"{where}: tensor '{name}' {what}; it cannot be applied ({fix}).")
 
     if not isinstance(shape, list | tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
         raise bad(f"has no valid shape ({shape!r})")
@@ -351,15 +353,15 @@ def check_base(delta: Delta, base: BaseCheckpoint, *, unchecked_base: bool = Fal
         if not unchecked_base:
             check_base_recorded(delta, str(base.dir), UNCHECKED_BASE_FLAG)
     elif not isinstance(recorded, dict):
-        raise UsafError(f"{delta_path} is corrupted: its base record is not a mapping; export it again.")
+        raise ModelError(f"{delta_path} is corrupted: its base record is not a mapping; export it again.")
     elif recorded.get("model_type") != (model_type := getattr(base.config, "model_type", None)):
-        raise UsafError(
+        raise ModelError(
             f"{delta_path} was made for a {recorded.get('model_type')} model, but {base.dir} is {model_type}; use "
             "the model it was trained from."
         )
     for name, entry in (delta.info.get("changes") or {}).items():
         if list(base.shape(name)) != entry["shape"]:  # recorded or not: the indices must fit the target
-            raise UsafError(
+            raise ModelError(
                 f"{delta_path} changes '{name}' of shape {entry['shape']}, but in {base.dir} it is "
                 f"{list(base.shape(name))}; use the model it was trained from."
             )
@@ -372,7 +374,7 @@ def check_base(delta: Delta, base: BaseCheckpoint, *, unchecked_base: bool = Fal
     entry = base.source.entries.get(key)
     info = (recorded.get("tensors") or {}).get(key)
     if info is None:  # a shard file of another size
-        raise UsafError(
+        raise ModelError(
             f"{delta_path} was made against a base whose shard {key} is {recorded['files'][key]} bytes, but "
             f"{what}: this is another model or a modified copy. Use the exact checkpoint it was made from."
         )
@@ -381,18 +383,18 @@ def check_base(delta: Delta, base: BaseCheckpoint, *, unchecked_base: bool = Fal
         or shards.DTYPE_NAMES[entry.dtype] != info["dtype"]
         or list(entry.shape) != info["shape"]
     ):
-        raise UsafError(
+        raise ModelError(
             f"{delta_path} was made against a base whose tensor '{key}' is {info['dtype']} {info['shape']}; "
             f"{base.dir} {'lacks it' if entry is None else 'differs'}. Use the model it was trained from."
         )
-    raise UsafError(checksum_message(key, entry.file, delta_path, "its first and last bytes differ"))
+    raise ModelError(checksum_message(key, entry.file, delta_path, "its first and last bytes differ"))
 
 
 def check_base_recorded(delta: Delta, target: str, flag: str) -> None:
     """A delta file stripped of its base record: whatever it is applied to cannot be checked; only `flag` (off by
     default) applies it unchecked. A run without base.json (trained from the hub) is checked on its own terms."""
     if delta.base_record is None and delta.info.get("format") == DELTA_FORMAT:
-        raise UsafError(
+        raise ModelError(
             f"{delta.origin} has no record of the base it was trained on (its metadata lacks 'base'), so {target} "
             f"cannot be checked to be that model; pass {flag} to apply it anyway."
         )
@@ -403,7 +405,7 @@ def verify_checksums(delta: Delta, base: BaseCheckpoint) -> None:
     the others are compared by `check_base`'s cheap facts."""
     for key, info in ((delta.base_record or {}).get("tensors") or {}).items():
         if "sha256" in info and base.sha256(key) != info["sha256"]:
-            raise UsafError(checksum_message(key, base.source.entries[key].file, delta.origin))
+            raise ModelError(checksum_message(key, base.source.entries[key].file, delta.origin))
 
 
 def checksum_message(key: str, file: Path, delta_path: Path | str, how: str = "sha256 mismatch") -> str:

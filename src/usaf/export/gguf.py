@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, UsafError
 from usaf.io.atomic import atomic_file
 from usaf.io.guard import GGUF
 
@@ -66,7 +66,7 @@ def find_converter(llama_cpp: str | None) -> Path:
 def convert(merged_dir: Path, out: Path, outtype: str, converter: Path) -> Path:
     """Run the converter on `merged_dir`; the GGUF appears at `out` only when it succeeded and is one."""
     if outtype not in OUTTYPES:
-        raise UsafError(f"--outtype must be one of {', '.join(OUTTYPES)}, not {outtype!r}.")
+        raise ConfigError(f"--outtype must be one of {', '.join(OUTTYPES)}, not {outtype!r}.")
     command = [sys.executable, str(converter), str(merged_dir), "--outtype", outtype]
 
     def write(tmp: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from usaf.base.checkpoint import BaseCheckpoint
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 from usaf.export.delta import (
     Delta,
     check_base,
@@ -97,7 +97,7 @@ def write_merged(
             _write_shard(base.dir / file, tmp / file, edits, expected, report, delta.origin, entries)
         missing = sorted(set(edits) - set(report))
         if missing:
-            raise UsafError(f"Tensor '{missing[0]}' was not found in the shards of {base.dir}.")
+            raise ModelError(f"Tensor '{missing[0]}' was not found in the shards of {base.dir}.")
         copy_side_files(base.dir, tmp, keep_shard_index=not derived, skip=(MERGED_METADATA_FILE,))
         if derived:
             _write_dequantized_config(base, tmp)
@@ -127,7 +127,7 @@ def _edits_by_checkpoint_key(
         numel = torch.Size(base.shape(name)).numel()
         flat = change.flat_indices if change.flat_indices is not None else torch.arange(numel)
         if change.count != flat.numel():
-            raise UsafError(f"The delta for '{name}' has {change.count} values for {flat.numel()} entries.")
+            raise ModelError(f"The delta for '{name}' has {change.count} values for {flat.numel()} entries.")
         for key, positions, picked in base.locate(name, flat):
             dtype = base.source.entries[key].dtype
             pieces.setdefault(key, []).append((positions, change.values[picked].to(dtype)))
@@ -172,7 +172,7 @@ def _write_shard(
             digest = before.hexdigest()
             want = (expected or {}).get(name, {}).get("sha256")
             if want is not None and digest != want:
-                raise UsafError(checksum_message(name, source, origin))
+                raise ModelError(checksum_message(name, source, origin))
             report[name] = {
                 "file": source.name,
                 "dtype": shards.DTYPE_NAMES[entry.dtype],

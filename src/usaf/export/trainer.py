@@ -9,7 +9,7 @@ import torch
 
 from usaf.base.checkpoint import BaseCheckpoint
 from usaf.engine.sparse import line_flat_indices
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 from usaf.export.delta import Delta, sorted_change, write_delta
 from usaf.io import shards
 from usaf.io.source import list_shards
@@ -42,11 +42,11 @@ def trainer_checkpoint_delta(checkpoint_dir: str | Path, base: BaseCheckpoint) -
 
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
-        raise UsafError(f"Trainer checkpoint {checkpoint_dir} does not exist.")
+        raise ModelError(f"Trainer checkpoint {checkpoint_dir} does not exist.")
     saved = list_shards(checkpoint_dir)
     selections = _usaf_keys_by_tensor(saved, base, checkpoint_dir)
     if not selections:
-        raise UsafError(
+        raise ModelError(
             f"{checkpoint_dir} holds no usaf trained entries: was the model prepared with usaf.prepare_model before "
             "training, and is this the checkpoint folder (checkpoint-N) the Trainer wrote?"
         )
@@ -62,7 +62,7 @@ def trainer_checkpoint_delta(checkpoint_dir: str | Path, base: BaseCheckpoint) -
             axis = _line_axis(layers[path], tensor, shape3, values.shape[-1], checkpoint_dir)
             flat = line_flat_indices(shape3, axis, shards.read_tensor(saved[keys["line_ids"]]))
         else:
-            raise UsafError(f"{checkpoint_dir} has values for {path}.{tensor} but no selection for them.")
+            raise ModelError(f"{checkpoint_dir} has values for {path}.{tensor} but no selection for them.")
         changes[f"{path}.{tensor}"] = sorted_change(flat, values)
     for layer in base.layers:
         if layer.router is None:
@@ -95,7 +95,7 @@ def _usaf_keys_by_tensor(
         if f"{path}.{tensor}" not in base.source.targets:
             path = apply_renamings(key, renamings).partition(".usaf.")[0]
         if f"{path}.{tensor}" not in base.source.targets:
-            raise UsafError(
+            raise ModelError(
                 f"'{key}' in {where} belongs to no weight of the model in {base.dir}: pass the base the "
                 "Trainer's model was loaded from."
             )
@@ -109,7 +109,7 @@ def _line_axis(layer, tensor: str, shape3, line_length: int, where: Path) -> int
     _, rows_a, cols_b = shape3
     if rows_a != cols_b:
         if line_length not in (rows_a, cols_b):
-            raise UsafError(
+            raise ModelError(
                 f"{where}: lines of {line_length} values do not fit {layer.experts_name}.{tensor}."
             )
         return 1 if line_length == cols_b else 2

@@ -17,7 +17,7 @@ import torch
 
 from usaf.data.records import TextLimit
 from usaf.data.templates import bounded_render, use_chat_template
-from usaf.errors import UsafError, first_line
+from usaf.errors import ConfigError, DataError, ModelError, first_line
 from usaf.generate.prompts import Prompt
 from usaf.model.hf import max_positions
 
@@ -43,24 +43,24 @@ class Sampling:
     def check(self) -> Sampling:
         """Each option in its range, or one line naming it and the range."""
         if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
-            raise UsafError(
+            raise ConfigError(
                 f"--max-new-tokens must be from 1 to {MAX_NEW_TOKENS:,}, not {self.max_new_tokens}."
             )
         if not (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE):
-            raise UsafError(
+            raise ConfigError(
                 f"--temperature must be a finite number from {MIN_TEMPERATURE:g} up, not {self.temperature:g} "
                 "(for the most likely token every time, leave out --do-sample)."
             )
         if not 0 < self.top_p <= 1:
-            raise UsafError(f"--top-p must be in (0, 1], not {self.top_p:g}.")
+            raise ConfigError(f"--top-p must be in (0, 1], not {self.top_p:g}.")
         if self.top_k < 0:
-            raise UsafError(f"--top-k must be 0 (off) or more, not {self.top_k}.")
+            raise ConfigError(f"--top-k must be 0 (off) or more, not {self.top_k}.")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise UsafError(
+            raise ConfigError(
                 f"--repetition-penalty must be a finite number above 0, not {self.repetition_penalty:g}."
             )
         if not 0 <= self.seed <= MAX_SEED:
-            raise UsafError(f"--seed must be an integer from 0 to {MAX_SEED:,}, not {self.seed}.")
+            raise ConfigError(f"--seed must be an integer from 0 to {MAX_SEED:,}, not {self.seed}.")
         return self
 
     def arguments(self, tokenizer) -> dict:
@@ -84,7 +84,7 @@ class Sampling:
 def tokenizer_for_generation(tokenizer, chat_template_setting: str = "") -> None:
     """Check that `tokenizer` can read prompts and write text, and give it the run's chat template."""
     if getattr(tokenizer, "missing", False):
-        raise UsafError(
+        raise ModelError(
             "this model folder has no tokenizer files: usaf generate needs the tokenizer to read prompts and "
             "write text; copy the base's tokenizer files beside it."
         )
@@ -100,7 +100,7 @@ def context_positions(model) -> int | None:
     return max_positions(model.config)
 
 
-class OverContext(UsafError):
+class OverContext(DataError):
     """A prompt that leaves the model no position to generate in."""
 
 
@@ -130,14 +130,14 @@ def _prompt_ids(tokenizer, prompt: Prompt, where: str) -> list[int]:
     if prompt.messages is None:
         return list(tokenizer(prompt.text)["input_ids"])
     if not has_chat_template(tokenizer):
-        raise UsafError(
+        raise DataError(
             f'{where}: a chat prompt, but the model has no chat template; give {{"prompt": "..."}} text, or '
             "a template with --set data.chat_template=FILE.jinja."
         )
     try:
         text = bounded_render(tokenizer, list(prompt.messages), None, add_generation_prompt=True)
     except Exception as err:  # jinja errors, a template's raise_exception(), a bound met
-        raise UsafError(f"{where}: the chat template failed: {first_line(err)}") from None
+        raise DataError(f"{where}: the chat template failed: {first_line(err)}") from None
     # the rendered chat carries its own special tokens, as apply_chat_template(tokenize=True) leaves them
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

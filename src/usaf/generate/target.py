@@ -17,7 +17,7 @@ from usaf import kernels
 from usaf.config import RunConfig
 from usaf.engine.base_weights import base_weights
 from usaf.engine.installed import sparse_modules
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, ModelError, RunStateError
 from usaf.export.apply_delta import check_delta_base, load_delta
 from usaf.files import CONFIG_FILE, SELECTION_FILE
 from usaf.io.model_source import STORE, model_source
@@ -57,7 +57,7 @@ class Target:
     def base(self):
         """The base model, for as long as the block lasts."""
         if (missing := self.can_compare()) is not None:
-            raise UsafError(f"--compare-base: {missing}.")
+            raise ModelError(f"--compare-base: {missing}.")
         if self.prepared:
             with base_weights(self.model) as model:
                 yield model
@@ -93,7 +93,7 @@ def open_target(
     source = model_source(target)
     if source.is_run:
         if delta is not None:
-            raise UsafError(
+            raise ConfigError(
                 f"{target} is a run: its trained values are used as they are; --delta goes with a base model."
             )
         return _open_run(Path(source.path), overrides)
@@ -102,14 +102,14 @@ def open_target(
     tokenizer = load_tokenizer(config.model.path)
     if delta is not None:
         if not Path(delta).expanduser().is_file():
-            raise UsafError(f"--delta {delta} is not a file; give a delta written by `usaf export --delta`.")
+            raise ModelError(f"--delta {delta} is not a file; give a delta written by `usaf export --delta`.")
         # the check usaf apply makes, before anything is generated: a store's base is the checkpoint it was
         # prepared from
         checked = source.base_path if source.kind == STORE else config.model.path
         if checked is not None and Path(checked).is_dir():
             check_delta_base(delta, checked, unchecked_base=unchecked_base)
         elif not unchecked_base:
-            raise UsafError(
+            raise ModelError(
                 f"--delta {delta}: {target} is a store whose source checkpoint ({checked}) is gone, so the delta's "
                 "base cannot be checked; restore that folder, or pass --unchecked-base to use the delta unchecked."
             )
@@ -134,7 +134,9 @@ def _open_run(run_dir: Path, overrides: list[str]) -> Target:
     config = RunConfig.load_saved(str(run_dir / CONFIG_FILE), overrides)
     saved = checkpoint.latest(run_dir)
     if saved is None:
-        raise UsafError(f"{run_dir} has no finished checkpoint yet: train it first (or wait for its first).")
+        raise RunStateError(
+            f"{run_dir} has no finished checkpoint yet: train it first (or wait for its first)."
+        )
     config = with_model_source(config)
     device, dtype = _session(config)
     tokenizer = load_tokenizer(config.model.path)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from usaf.config import read_yaml
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, ModelError, RunStateError, UsafError
 from usaf.files import CONFIG_FILE, MERGED_METADATA_FILE, STORE_FILE, STORE_FORMAT_VERSION
 from usaf.io.guard import is_run
 from usaf.io.published import METHODS, checkpoint_method
@@ -49,7 +49,7 @@ class ModelSource:
         if self.kind == STORE:
             if self.quant in METHODS or requested in ("none", self.quant, self.requested_quant):
                 return self.quant
-            raise UsafError(
+            raise ConfigError(
                 f"{self.given} is a store prepared as {self.quant} (its {STORE_FILE}), but model.quant={requested}: drop "
                 f"model.quant (the store's format is used), or prepare the checkpoint again with --quant {requested}."
             )
@@ -116,13 +116,13 @@ def read_store_metadata(store: str | Path) -> dict:
     Anything else is one line naming the file."""
     path = Path(store) / STORE_FILE
     if not path.is_file():
-        raise UsafError(f"{store} is not a prepared usaf store (no {STORE_FILE}); run `usaf prepare` first.")
+        raise ModelError(f"{store} is not a prepared usaf store (no {STORE_FILE}); run `usaf prepare` first.")
     try:
         metadata = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise UsafError(f"{path} is unreadable or corrupted ({err}); prepare the store again.") from None
+        raise ModelError(f"{path} is unreadable or corrupted ({err}); prepare the store again.") from None
     if not isinstance(metadata, dict):
-        raise UsafError(
+        raise ModelError(
             f"{path} holds a JSON {type(metadata).__name__}, not a store's metadata (an object): it is damaged; "
             "prepare the store again."
         )
@@ -132,7 +132,7 @@ def read_store_metadata(store: str | Path) -> dict:
         or not isinstance(version, int)
         or version > STORE_FORMAT_VERSION
     ):
-        raise UsafError(
+        raise ModelError(
             f"{path} is a store of format version {version!r} made by usaf {metadata.get('usaf_version')}; this "
             f"usaf {__version__} reads version {STORE_FORMAT_VERSION}: prepare the store again."
         )
@@ -144,12 +144,12 @@ def read_store_metadata(store: str | Path) -> dict:
     }
     for name, value in fields.items():
         if not isinstance(value, str) or not value:
-            raise UsafError(
+            raise ModelError(
                 f"{path} has no valid '{name}' (a string): it is damaged; prepare the store again."
             )
     for name in ("files", "tensors", "source_tensors"):
         if not isinstance(metadata.get(name, {}), dict):
-            raise UsafError(
+            raise ModelError(
                 f"{path} has no valid '{name}' (an object): it is damaged; prepare the store again."
             )
     return metadata
@@ -161,7 +161,7 @@ def base_folder(given: str, what: str) -> str:
     names the checkpoint it was prepared from)."""
     source = model_source(given)
     if source.is_run:
-        raise UsafError(
+        raise ModelError(
             f"{what} {given} is a usaf run, not a base model: give the checkpoint it was trained on (its merged "
             f"model is `usaf export {given} --merged DIR`)."
         )
@@ -174,7 +174,7 @@ def run_folder(given: str, what: str) -> str:
     source = model_source(given)
     # a model is named as such; any other path is left to the run's reader, which names what is missing
     if not source.is_run and (Path(source.path) / "config.json").is_file():
-        raise UsafError(
+        raise RunStateError(
             f"{what} {given} is a {_KIND_NAMES[source.kind]}, not a usaf run (a folder `usaf train --out` wrote); export a run, or "
             "use `usaf apply BASE DELTA OUT_DIR` for a delta file."
         )

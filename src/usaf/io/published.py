@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 from usaf.io import shards
 from usaf.quant import PUBLISHED, fp8, mxfp4
 
@@ -44,12 +44,12 @@ def published_method(config, where: str | Path) -> str | None:
         return None
     method = qc.get("quant_method")
     if method == "fp8" and not _fp8_block(qc):
-        raise UsafError(
+        raise ModelError(
             f"{Path(where) / 'config.json'}: quantization_config has no weight_block_size [rows, cols]: usaf reads "
             "block-scaled FP8 (DeepSeek-V3, Qwen3-*-FP8), not per-tensor FP8; use the bf16 checkpoint instead."
         )
     if method not in METHODS:
-        raise UsafError(
+        raise ModelError(
             f"{Path(where) / 'config.json'}: quantization_config.quant_method is {method!r}; usaf trains on "
             "full-precision checkpoints and on published MXFP4 (gpt-oss) and block-scaled FP8 (DeepSeek-V3, "
             "Qwen3-*-FP8) ones: use the model's bf16 checkpoint."
@@ -130,8 +130,8 @@ def derive_entries(entries: dict[str, shards.TensorEntry], config, model_dir: Pa
     return _fp8_entries(entries, dtype, _fp8_block(quantization_config(config)))
 
 
-def _refuse(entry: shards.TensorEntry, what: str) -> UsafError:
-    return UsafError(
+def _refuse(entry: shards.TensorEntry, what: str) -> ModelError:
+    return ModelError(
         f"Tensor '{entry.name}' in {entry.file} {what}, which is not the published layout its config.json's "
         "quantization_config declares; re-download the checkpoint."
     )

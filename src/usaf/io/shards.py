@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -90,22 +90,22 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorEntry], dict[str, str
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise UsafError(f"{path} is not a safetensors file (only {size} bytes); re-download it.")
+                raise ModelError(f"{path} is not a safetensors file (only {size} bytes); re-download it.")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > min(_MAX_HEADER, size - 8):
-                raise UsafError(
+                raise ModelError(
                     f"{path} is truncated or corrupted: its header claims {header_len} bytes but the file has "
                     f"{size}; re-download or re-create it."
                 )
             raw = f.read(header_len)
     except OSError as err:
-        raise UsafError(f"Cannot read {path}: {err}.") from err
+        raise ModelError(f"Cannot read {path}: {err}.") from err
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UsafError(f"{path} is corrupted: its safetensors header is not valid JSON ({err}).") from err
+        raise ModelError(f"{path} is corrupted: its safetensors header is not valid JSON ({err}).") from err
     if not isinstance(header, dict):
-        raise UsafError(f"{path} is corrupted: its safetensors header is not a JSON object.")
+        raise ModelError(f"{path} is corrupted: its safetensors header is not a JSON object.")
     metadata = header.pop("__metadata__", None) or {}
     data_start = 8 + header_len
     entries: dict[str, TensorEntry] = {}
@@ -115,17 +115,17 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorEntry], dict[str, str
             shape = tuple(int(s) for s in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as err:
-            raise UsafError(f"{path} is corrupted: bad header entry for tensor '{name}' ({err!r}).") from err
+            raise ModelError(f"{path} is corrupted: bad header entry for tensor '{name}' ({err!r}).") from err
         numel = 1
         for s in shape:
             numel *= s
         if end - begin != numel * dtype.itemsize or begin < 0:
-            raise UsafError(
+            raise ModelError(
                 f"{path} is corrupted: tensor '{name}' has {end - begin} bytes for shape {list(shape)} "
                 f"{info['dtype']}."
             )
         if data_start + end > size:
-            raise UsafError(
+            raise ModelError(
                 f"{path} is truncated: tensor '{name}' ends at byte {data_start + end} but the file has {size} "
                 "bytes; re-download or re-create it."
             )
@@ -143,7 +143,7 @@ def read_bytes(entry: TensorEntry, begin: int, end: int, hasher=None) -> torch.T
         while done < len(view):
             n = f.readinto(view[done : done + _READ_CHUNK])
             if not n:
-                raise UsafError(
+                raise ModelError(
                     f"{entry.file} ended early while reading tensor '{entry.name}'; re-download it."
                 )
             done += n
@@ -189,7 +189,7 @@ def sha256_of(entry: TensorEntry) -> str:
         while left:
             block = f.read(min(left, _READ_CHUNK))
             if not block:
-                raise UsafError(f"{entry.file} ended early while reading tensor '{entry.name}'.")
+                raise ModelError(f"{entry.file} ended early while reading tensor '{entry.name}'.")
             hasher.update(block)
             left -= len(block)
     return hasher.hexdigest()

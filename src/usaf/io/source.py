@@ -23,7 +23,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
-from usaf.errors import UsafError, first_line
+from usaf.errors import ModelError, UsafError, first_line
 from usaf.files import INDEX_FILE, STORE_FILE
 from usaf.io import published, shards
 from usaf.io.guard import inside
@@ -70,9 +70,9 @@ def list_shards(model_dir: Path) -> dict[str, shards.TensorEntry]:
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise UsafError(f"{index_path} is not a valid safetensors index ({err!r}).") from err
+            raise ModelError(f"{index_path} is not a valid safetensors index ({err!r}).") from err
         if not isinstance(weight_map, dict):
-            raise UsafError(
+            raise ModelError(
                 f"{index_path} is not a valid safetensors index (its weight_map is not a mapping)."
             )
         for key, name in weight_map.items():
@@ -84,26 +84,26 @@ def list_shards(model_dir: Path) -> dict[str, shards.TensorEntry]:
     if not files:
         pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
         if pickles:
-            raise UsafError(
+            raise ModelError(
                 f"{model_dir} holds its weights only as pickles ({', '.join(pickles[:3])}), which usaf never reads "
                 "(loading a pickle runs code): convert them to safetensors (e.g. save_pretrained(..., "
                 "safe_serialization=True) in a trusted environment) or download the model's .safetensors files."
             )
-        raise UsafError(f"No safetensors weights in {model_dir}.")
+        raise ModelError(f"No safetensors weights in {model_dir}.")
     entries: dict[str, shards.TensorEntry] = {}
     for name in files:
         path = model_dir / name
         if not path.exists():
-            raise UsafError(f"{path} is listed in {INDEX_FILE} but missing; re-download the checkpoint.")
+            raise ModelError(f"{path} is listed in {INDEX_FILE} but missing; re-download the checkpoint.")
         found, _ = shards.read_header(path)
         for key, entry in found.items():
             if key in entries:
-                raise UsafError(f"Tensor '{key}' is stored twice: in {entries[key].file} and in {path}.")
+                raise ModelError(f"Tensor '{key}' is stored twice: in {entries[key].file} and in {path}.")
             entries[key] = entry
     if weight_map is not None:
         for key, name in weight_map.items():
             if entries.get(key) is None or entries[key].file.name != name:
-                raise UsafError(
+                raise ModelError(
                     f"Tensor '{key}' is missing from {model_dir / name} (listed there by {INDEX_FILE}); "
                     "the shard is incomplete: re-download the checkpoint."
                 )
@@ -214,11 +214,11 @@ class SourceCheckpoint:
             if missing:
                 example = list(parts[0])
                 example[varying[0]] = str(missing[0])
-                raise UsafError(
+                raise ModelError(
                     f"The checkpoint in {self.dir} lacks tensor '{'.'.join(example)}' (expert {missing[0]} of "
                     f"'{group.name}', {len(missing)} missing in all); the checkpoint is incomplete: re-download it."
                 )
-        raise UsafError(
+        raise ModelError(
             f"The checkpoint in {self.dir} has {len(keys)} tensors matching '{pattern}' for '{group.name}', "
             f"which has {num_experts} experts; the checkpoint is incomplete or from another config."
         )
@@ -265,7 +265,7 @@ class SourceCheckpoint:
     def _record(self, key: str, digest: str) -> None:
         expected = self.expected_checksums.get(key)
         if expected is not None and digest != expected:
-            raise UsafError(
+            raise ModelError(
                 f"Tensor '{key}' in {self.entries[key].file} differs from the one the store was prepared from "
                 f"(sha256 {digest[:12]}... != {expected[:12]}...): the checkpoint changed since `usaf prepare`. "
                 "Pass the checkpoint the store was prepared from, or prepare the store again."
@@ -335,7 +335,7 @@ class SourceCheckpoint:
 
             def read(key, i=i):
                 if not isinstance(self.entries[key], shards.DerivedEntry):
-                    raise UsafError(
+                    raise ModelError(
                         f"Tensor '{key}' in {self.entries[key].file} is not quantized although the checkpoint "
                         f"declares {self.published} experts; use the model's bf16 checkpoint."
                     )
@@ -421,28 +421,28 @@ def check_model_files(path: str, weights: bool = True) -> None:
         return  # a hub id: transformers downloads and checks it
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise UsafError(f"{folder} has no config.json; give the folder of a Hugging Face model.")
+        raise ModelError(f"{folder} has no config.json; give the folder of a Hugging Face model.")
     try:
         config = json.loads(config_file.read_text())
         model_type = config.get("model_type")
     except (OSError, ValueError, AttributeError) as err:
-        raise UsafError(f"{config_file} is not a readable JSON object ({first_line(err)}).") from None
+        raise ModelError(f"{config_file} is not a readable JSON object ({first_line(err)}).") from None
     check_model_config(config, str(config_file))
     try:
         model_config = load_config(folder)
     except UsafError:
         raise
     except StrictDataclassError as err:  # a field of the wrong type (huggingface_hub's strict dataclasses)
-        raise UsafError(f"{config_file}: {first_line(err)} {_strict_reason(err)}; correct it.") from None
+        raise ModelError(f"{config_file}: {first_line(err)} {_strict_reason(err)}; correct it.") from None
     except (OSError, ValueError, KeyError) as err:
         if "does not recognize this architecture" in str(err) or isinstance(err, KeyError):
             import transformers
 
-            raise UsafError(
+            raise ModelError(
                 f"{config_file}: model_type {model_type!r} is not known to transformers {transformers.__version__}; "
                 "upgrade transformers (pip install -U transformers) or correct model_type."
             ) from None
-        raise UsafError(f"{config_file} cannot be read: {first_line(err)}") from None
+        raise ModelError(f"{config_file} cannot be read: {first_line(err)}") from None
     for shard in sorted(folder.glob("*.safetensors")):
         shards.read_header(shard)  # checked against the file's size: a truncated copy is named here
     if weights and not (folder / STORE_FILE).is_file():  # a prepared store is checked against its metadata

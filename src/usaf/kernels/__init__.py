@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.kernels import torch_path, triton_path  # triton_path imports without Triton (then unavailable)
 
 CHOICES = ("auto", "triton", "torch")
@@ -111,7 +111,7 @@ def use(name: str) -> None:
     """Choose the implementation for later calls (see the module's docstring)."""
     global _choice
     if name not in CHOICES:
-        raise UsafError(f"train.kernels must be one of {', '.join(CHOICES)}, got {name!r}.")
+        raise ConfigError(f"train.kernels must be one of {', '.join(CHOICES)}, got {name!r}.")
     if name == "triton":
         triton_path.require()
     _choice = name

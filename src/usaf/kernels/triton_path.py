@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 
 try:  # optional: `import usaf.kernels.triton_path` must work without Triton (available() is then False)
     import triton
@@ -52,7 +52,7 @@ def available(device) -> bool:
 
 def require() -> None:
     if triton is None:
-        raise UsafError(
+        raise ConfigError(
             "train.kernels=triton needs Triton, which is not importable: install it (pip install triton; CUDA "
             "and ROCm builds of PyTorch usually bring it) or set train.kernels=auto or torch."
         )

@@ -6,7 +6,7 @@ the loader, at the first forward, or plan a model that is not there. Here it is 
 
 from __future__ import annotations
 
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 
 # the shape every MoE decoder has; a family's config class tells which of these (and which spelling) it uses
 REQUIRED = ("hidden_size", "num_hidden_layers", "vocab_size")
@@ -36,10 +36,10 @@ def text_fields(config: dict) -> dict:
 
 
 def check_model_config(config: dict, where: str) -> None:
-    """Raise a UsafError naming `where` (the config.json) and the field when the model's shape is missing, not a
+    """Raise a ModelError naming `where` (the config.json) and the field when the model's shape is missing, not a
     positive integer, or impossible (more experts per token than experts)."""
     if not isinstance(config, dict):
-        raise UsafError(f"{where} does not hold a JSON object; restore the model's original config.json.")
+        raise ModelError(f"{where} does not hold a JSON object; restore the model's original config.json.")
     text = text_fields(config)
     aliases, family_fields = _family(config)
     canonical = {key: aliases.get(key, key) for key in text}
@@ -59,7 +59,7 @@ def check_model_config(config: dict, where: str) -> None:
             what = f"the number of experts ({' or '.join(spellings)})"
         else:
             what = repr(name)
-        raise UsafError(
+        raise ModelError(
             f"{where} lacks {what}; restore the model's original config.json (transformers would silently use a "
             "default that the weights do not fit)."
         )
@@ -68,14 +68,14 @@ def check_model_config(config: dict, where: str) -> None:
             continue
         value = text[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UsafError(
+            raise ModelError(
                 f"{where}: {name!r} must be a positive integer, got {value!r}; correct it (the model's original "
                 "config.json has its value)."
             )
     experts = next((text[k] for k in EXPERT_COUNTS if text.get(k) is not None), None)
     per_token = next(((k, text[k]) for k in EXPERTS_PER_TOKEN if text.get(k) is not None), None)
     if experts is not None and per_token is not None and per_token[1] > experts:
-        raise UsafError(
+        raise ModelError(
             f"{where}: {per_token[0]} = {per_token[1]} is more than the model's {experts} experts; correct it (at "
             f"most {experts})."
         )

@@ -2,7 +2,8 @@
 renamings and conversions, the model skeleton and its initialisation, the decoder body; and the loaders of a
 model's config, tokenizer and weights (`load_config`, `load_tokenizer`, `load_causal_lm`), which never run code
 that a model folder ships (config.json's `auto_map`). A transformers release that moves one of them is mended here
-alone (tests/package/test_layers.py keeps the rest of usaf off these names)."""
+alone (tests/package/test_layers.py keeps the rest of usaf off these names); `usaf.model.hf_guard` lists them and
+checks them at import, and each use below first requires its name (one line, not an AttributeError mid-step)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from transformers.core_model_loading import (
 from transformers.integrations.moe import ExpertsInterface
 from transformers.utils import chat_template_utils, logging
 
-from usaf.errors import UsafError
+from usaf.errors import ModelError
+from usaf.model.hf_guard import require
 
 __all__ = [
     "WeightConverter",
@@ -90,7 +92,7 @@ def load_causal_lm(path, **kwargs) -> nn.Module:
 
 
 def _custom_code_error(path, err: ValueError) -> Exception:
-    """transformers' refusal of a model's own code as usaf's one line (UsafError); any other error as it was."""
+    """transformers' refusal of a model's own code as usaf's one line (ModelError); any other error as it was."""
     if "trust_remote_code" not in str(err):
         return err
     folder = Path(path).expanduser()
@@ -103,7 +105,7 @@ def _custom_code_error(path, err: ValueError) -> Exception:
         if auto_map:
             named = f"{folder / name}'s auto_map ({', '.join(sorted(map(str, auto_map)))})"
             break
-    return UsafError(
+    return ModelError(
         f"{named} asks to run the model folder's own Python code, and usaf never runs model code; use a "
         "model whose model_type transformers knows (upgrade transformers if it is newer), or a copy of the "
         "model converted to one."
@@ -115,6 +117,7 @@ def _custom_code_error(path, err: ValueError) -> Exception:
 
 def register_experts_implementation(name: str, forward) -> None:
     """Make `name` a valid `experts_implementation` that runs `forward` (idempotent)."""
+    require("_global_mapping")
     if name not in ExpertsInterface._global_mapping:
         ExpertsInterface.register(name, forward)
 
@@ -122,6 +125,7 @@ def register_experts_implementation(name: str, forward) -> None:
 def use_experts_implementation(model: nn.Module, experts_modules, name: str) -> None:
     """Dispatch every fused experts module of `model` to the implementation `name`, including modules whose own
     config was copied before the model-wide switch (their config's private field decides)."""
+    require("_experts_implementation", "_experts_implementation_internal")
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(name)
     for experts in experts_modules:
@@ -132,6 +136,7 @@ def use_experts_implementation(model: nn.Module, experts_modules, name: str) -> 
 
 def gated_activation(experts: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """act(gate) * up of a fused gate_up projection, as the experts module itself combines them."""
+    require("_apply_gate")
     return experts._apply_gate(h)
 
 
@@ -164,6 +169,7 @@ def compute_missing_buffers(model: nn.Module) -> None:
     """Buffers no checkpoint holds (rotary frequencies, embedding scales) are made real and computed by the
     model's own initialisation, as `from_pretrained` does; loaded tensors carry `mark_loaded`, which that
     initialisation respects."""
+    require("_init_weights")
     for module in model.modules():
         missing = [n for n, b in module._buffers.items() if b is not None and b.device.type == "meta"]
         if missing:
@@ -174,6 +180,7 @@ def compute_missing_buffers(model: nn.Module) -> None:
 
 def mark_loaded(tensor: torch.Tensor) -> None:
     """Tell transformers' initialisation to leave a loaded tensor alone."""
+    require("_is_hf_initialized")
     tensor._is_hf_initialized = True
 
 
@@ -201,6 +208,7 @@ def quiet_progress_bars() -> None:
 
 def chat_template_environment():
     """transformers' own Jinja environment for chat templates (its extensions, filters, globals and tests)."""
+    require("_cached_compile_jinja_template")
     return chat_template_utils._cached_compile_jinja_template("").environment
 
 
@@ -208,6 +216,7 @@ def chat_template_environment():
 def chat_template_compiler(compile_template):
     """transformers' chat-template compiler replaced by `compile_template` for the duration: transformers has no
     hook for the environment a template renders in, and usaf renders templates within bounds (usaf.data.render)."""
+    require("_compile_jinja_template")
     saved = chat_template_utils._compile_jinja_template
     chat_template_utils._compile_jinja_template = compile_template
     try:

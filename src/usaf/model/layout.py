@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 from usaf.store.dense import StoredExpertTensor
 
 LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
@@ -154,7 +154,7 @@ def expert_tensors(experts: nn.Module, where: str) -> tuple[ExpertTensor, ...]:
         tensor = getattr(experts, name, None)
         want_dim = 2 if is_bias else 3
         if not isinstance(tensor, (torch.Tensor, StoredExpertTensor)) or tensor.dim() != want_dim:
-            raise UsafError(
+            raise ModelError(
                 f"Unknown experts layout at '{where}' ({type(experts).__name__}): expected a {want_dim}-D tensor "
                 f"'{name}' for flags {layout_of(experts)}, found {type(tensor).__name__}. "
                 "usaf supports experts classes that transformers dispatches through ExpertsInterface."
@@ -162,9 +162,9 @@ def expert_tensors(experts: nn.Module, where: str) -> tuple[ExpertTensor, ...]:
         found.append(ExpertTensor(name, is_bias, is_input))
     for flag in LAYOUT_FLAGS:
         if not isinstance(getattr(experts, flag, False), bool):
-            raise UsafError(f"Unknown experts layout at '{where}': flag {flag}={getattr(experts, flag)!r}.")
+            raise ModelError(f"Unknown experts layout at '{where}': flag {flag}={getattr(experts, flag)!r}.")
     if getattr(experts, "has_post_expert_norm", False) and not hasattr(experts, "post_expert_norm"):
-        raise UsafError(
+        raise ModelError(
             f"Unknown experts layout at '{where}': has_post_expert_norm without a post_expert_norm."
         )
     return tuple(found)
@@ -215,7 +215,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
             continue
         tensors = expert_tensors(module, path)
         if getattr(module, "_is_expert_parallel", False):
-            raise UsafError(
+            raise ModelError(
                 f"'{path}' is sharded for expert parallelism; usaf trains unsharded experts only."
             )
         num_experts, hidden = module.down_proj.shape[0], hidden_size(module)
@@ -245,7 +245,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
             if old_style
             else " usaf fine-tunes Mixture-of-Experts models; for a dense model use a dense fine-tuning method."
         )
-        raise UsafError(f"{kind} has no Mixture-of-Experts layers with fused experts.{hint}")
+        raise ModelError(f"{kind} has no Mixture-of-Experts layers with fused experts.{hint}")
     return layers
 
 

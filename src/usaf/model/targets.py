@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 from usaf.model.layout import MoELayer, layer_number
 from usaf.registry import TARGET_KINDS
 
@@ -65,7 +65,7 @@ def _is_linear(path: str, module: nn.Module, scan: Scan) -> bool:
 
 def _embedding_check(path: str, module: nn.Module) -> None:
     if not isinstance(module, nn.Embedding):
-        raise UsafError(
+        raise ModelError(
             f"The input embedding '{path}' is a {type(module).__name__}, not an nn.Embedding; usaf cannot "
             "train its rows. Leave 'embeddings' out of select.targets."
         )
@@ -73,7 +73,7 @@ def _embedding_check(path: str, module: nn.Module) -> None:
 
 def _output_layer_check(path: str, module: nn.Module) -> None:
     if not isinstance(module, nn.Linear):
-        raise UsafError(
+        raise ModelError(
             f"The output layer '{path}' is a {type(module).__name__}, not an nn.Linear; leave 'lm_head' "
             "out of select.targets."
         )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch import nn
 
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 from usaf.model.hf import text_config
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -71,27 +71,27 @@ def _blame(config, got: tuple[int, ...], want: tuple[int, ...]) -> str:
     return "shape fields"
 
 
-def misshapen(folder: Path, keys: list[str], name: str, got, want, config) -> UsafError:
+def misshapen(folder: Path, keys: list[str], name: str, got, want, config) -> ModelError:
     if keys == [name]:
         what = f"tensor '{name}' is {list(got)}"
     else:
         what = f"tensors '{keys[0]}', ... ({len(keys)}) make '{name}' {list(got)}"
-    return UsafError(
+    return ModelError(
         f"{folder}: {what}, but config.json's {_blame(config, got, want)} makes it {list(want)}: the config and "
         f"the weights disagree; {_RESTORE}."
     )
 
 
-def unmappable(folder: Path, keys: list[str], name: str, want, err: Exception) -> UsafError:
-    return UsafError(
+def unmappable(folder: Path, keys: list[str], name: str, want, err: Exception) -> ModelError:
+    return ModelError(
         f"{folder}: tensors '{keys[0]}', ... ({len(keys)}) cannot form '{name}' {list(want)} as config.json "
         f"describes it ({str(err).splitlines()[0] if str(err) else type(err).__name__}): the config and the weights "
         f"disagree; {_RESTORE}."
     )
 
 
-def missing(folder: Path, name: str, config) -> UsafError:
-    return UsafError(
+def missing(folder: Path, name: str, config) -> ModelError:
+    return ModelError(
         f"{folder}: the weights have no tensor for '{name}', which config.json asks for ({_field_of(name, config)})"
         f": the config and the weights disagree (transformers would initialise it at random); {_RESTORE}."
     )
@@ -107,7 +107,7 @@ def check_unexpected(folder: Path, model: nn.Module, keys: Iterable[str]) -> Non
             continue
         if key.endswith("position_ids"):
             continue
-        raise UsafError(
+        raise ModelError(
             f"{folder}: the weights hold tensor '{key}', which config.json does not expect "
             f"({_field_of(key, model.config)}): the config and the weights disagree; {_RESTORE}."
         )

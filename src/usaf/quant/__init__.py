@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.quant import fp8, int4, int8, mxfp4, nf4, none
 from usaf.quant.descriptor import Descriptor
 
@@ -68,7 +68,7 @@ def get_format(name: str) -> ModuleType:
     try:
         return FORMATS.get(name) or PUBLISHED[name]
     except KeyError:
-        raise UsafError(
+        raise ConfigError(
             f"Unknown quantization format {name!r}; choose one of {sorted(FORMATS | PUBLISHED)}."
         ) from None
 

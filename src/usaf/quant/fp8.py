@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.quant.descriptor import Descriptor
 
 BLOCK = (128, 128)
@@ -33,7 +33,7 @@ def layout(rows: int, cols: int, source_dtype: torch.dtype, block=BLOCK) -> dict
 
 
 def quantize(weight: torch.Tensor):
-    raise UsafError("fp8 is read as a checkpoint publishes it; usaf does not quantize into it.")
+    raise ConfigError("fp8 is read as a checkpoint publishes it; usaf does not quantize into it.")
 
 
 def dequantize(

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.quant.descriptor import Descriptor
 
 BLOCK_SIZE = 32
@@ -34,7 +34,7 @@ def layout(rows: int, cols: int, source_dtype: torch.dtype) -> dict:
 
 
 def quantize(weight: torch.Tensor):
-    raise UsafError("mxfp4 is read as a checkpoint publishes it; usaf does not quantize into it.")
+    raise ConfigError("mxfp4 is read as a checkpoint publishes it; usaf does not quantize into it.")
 
 
 @functools.cache

@@ -190,8 +190,18 @@ def calibrate(model, batches, num_batches: int, with_gradients: bool) -> Calibra
     return calibration
 
 
-def probe_lines(model, candidates: dict[str, tuple[int, torch.Tensor]], batches, num_batches: int) -> dict:
-    """Gradient magnitudes of candidate lines: {tensor key: (flat indices, summed |grad|)}.
+@dataclass(frozen=True)
+class ProbedLines:
+    """The entries of a tensor's candidate lines and their summed |gradient| over the calibration batches."""
+
+    flat_indices: torch.Tensor  # [n] int64, into the flattened tensor
+    score: torch.Tensor  # [n]
+
+
+def probe_lines(
+    model, candidates: dict[str, tuple[int, torch.Tensor]], batches, num_batches: int
+) -> dict[str, ProbedLines]:
+    """Gradient magnitudes of candidate lines, by tensor key.
 
     candidates: {"<experts path>.<tensor name>": (axis, sorted line ids)}.
     """
@@ -207,7 +217,9 @@ def probe_lines(model, candidates: dict[str, tuple[int, torch.Tensor]], batches,
     try:
         run_batches(model, batches, num_batches, backward=True)
         return {
-            key: (state.probes[name].flat_indices().cpu(), state.probes[name].score.reshape(-1).cpu())
+            key: ProbedLines(
+                state.probes[name].flat_indices().cpu(), state.probes[name].score.reshape(-1).cpu()
+            )
             for state, name, key in installed
         }
     finally:

@@ -152,10 +152,10 @@ class Gradient:
         )
 
     def pick(self, domain, context) -> dict[str, torch.Tensor]:
-        scores = context.cache["probed"]
+        probed = context.cache["probed"]
         flat_all, score_all, owner = [], [], []
         for u in domain.units:
-            flat, score = scores[u.key]
+            flat, score = probed[u.key].flat_indices, probed[u.key].score
             if domain.experts is not None:
                 per_expert = u.numel // u.num_experts
                 keep = torch.isin(flat // per_expert, torch.tensor(domain.experts))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 
 
 class DenseStore:
@@ -29,7 +29,7 @@ class DenseStore:
         self._view: tuple | None = None
         tensor = self.tensor
         if not tensor.is_contiguous():
-            raise UsafError(
+            raise ModelError(
                 f"'{name}' is not contiguous; trained values are written through a flat view. "
                 "Load the model with contiguous weights."
             )
@@ -97,7 +97,7 @@ class StoredExpertTensor:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        raise UsafError(
+        raise ModelError(
             f"{getattr(func, '__name__', func)} was called on an expert tensor that lives in a usaf store (a prepared "
             "quantized base); such a model runs only through usaf's experts implementation."
         )
