@@ -138,8 +138,9 @@ class PlanSettings:
     properties below) and what only a plan is told: the compute dtype, a published checkpoint's format, the
     GPUs, --quant-dense.
 
-    `PlanSettings(run)` plans a run's configuration (a RunConfig or a PlannedRun); `PlanSettings(seq=4096, quant="int4", ...)` sets the run
-    options those flags stand for on a run with `usaf plan`'s defaults (PLAN_DEFAULTS)."""
+    `PlanSettings(run)` plans a run's configuration (a run's or a PlannedRun); `PlanSettings(seq=4096,
+    quant="int4", ...)` sets the run options those flags stand for on a run with `usaf plan`'s defaults
+    (PLAN_DEFAULTS)."""
 
     run: PlannedRun
     dtype: str = "bf16"

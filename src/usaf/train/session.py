@@ -22,6 +22,7 @@ from usaf.data.sources import absolute_name
 from usaf.data.templates import template_names
 from usaf.engine.state import model_state
 from usaf.errors import UsafError, first_line
+from usaf.files import CONFIG_FILE
 from usaf.io.model_source import is_local_path, model_source
 from usaf.io.source import check_model_files
 from usaf.model.hf import decoder_body, load_causal_lm, load_config, max_positions
@@ -62,6 +63,17 @@ def with_model_source(config: RunConfig) -> RunConfig:
             f"{source.given}`, or train on its merged export (`usaf export {source.given} --merged DIR`)."
         )
     return config.replace({"model.path": source.path, "model.quant": source.quant_for(config.model.quant)})
+
+
+def config_for_model(path: str, overrides: list) -> RunConfig:
+    """The configuration of a command that runs the model at `path` outside a run (eval, generate, chat): the
+    defaults with `--set` overrides, model.path as `with_model_source` resolves it."""
+    return with_model_source(RunConfig.load(None, [("model.path", path), *overrides]))
+
+
+def config_of_run(run_dir: Path, overrides: list) -> RunConfig:
+    """A run's own config.yaml with `--set` overrides (model.path as the run recorded it)."""
+    return RunConfig.load_saved(str(run_dir / CONFIG_FILE), overrides)
 
 
 def load_tokenizer(path: str):
