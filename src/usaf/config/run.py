@@ -95,7 +95,8 @@ class RunConfig:
         return dataclasses.replace(self, **built)
 
     def check(self, source: str = "config") -> None:
-        """Every option's choices and range, and the rules between them (for configs changed in Python)."""
+        """Every option's choices and range, and the rules between them, checked again (a config made in Python was
+        checked when made, under its classes' names; this names its sections)."""
         for name in SECTIONS:
             getattr(self, name).validate(f"{source}: {name}")
 
