@@ -67,7 +67,7 @@ def planned(run_dir: Path) -> float:
     config = RunConfig.load(str(run_dir / "config.yaml"))
     name, model_config = planner.load_model_config(config.model.path)
     shape = planner.model_shape(model_config, name)
-    settings = planner.settings_for_run(config, "fp32")
+    settings = planner.settings_for_run(planner.PlannedRun.of(config), "fp32")
     return planner.plan(shape, settings, planner.DEVICES["cpu"]).device_peak
 
 

@@ -196,11 +196,9 @@ def test_layers_all_a_range_or_a_comma_list_are_read():
     assert UsafConfig(layers="0,1").layers == [0, 1]
 
 
-def test_a_run_config_changed_in_python_is_type_checked_by_check():
-    config = RunConfig()
-    config.data.max_seq_len = "long"
+def test_a_run_config_changed_in_python_is_type_checked():
     with pytest.raises(UsafError, match=r"data\.max_seq_len must be an integer, got 'long'"):
-        config.check()
+        RunConfig().replace({"data.max_seq_len": "long"})
 
 
 def test_paths_in_a_config_file_are_expanded(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 when the config is read or a section is made, `--list-options` shows them with their help, and a config file
 that is not a mapping of sections gets one clear line."""
 
+import dataclasses
 import json
 import re
 from dataclasses import fields
@@ -16,7 +17,7 @@ from helpers import (
 
 from usaf.cli import main
 from usaf.config import SECTIONS, DataSection, ModelSection, OptimSection, RunConfig, UsafConfig
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, UsafError
 from usaf.train.loop import train
 
 BASE = FAST_RUN
@@ -116,12 +117,14 @@ def test_the_cli_refuses_a_bad_range_before_making_the_run_folder(workspace, tmp
     assert not out.exists()
 
 
-def test_a_config_changed_in_python_is_checked_by_train(workspace, tmp_path):
+def test_a_config_changed_in_python_is_checked(workspace):
+    """Sections are frozen: a change is a checked copy (`RunConfig.replace`), never a bad value set in place."""
     config = config_for(workspace)
-    config.optim.lr = -1.0
-    with pytest.raises(UsafError, match=r"optim\.lr must be > 0, got -1\.0"):
-        train(config, tmp_path / "run")
-    assert not (tmp_path / "run").exists()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.optim.lr = -1.0
+    with pytest.raises(ConfigError, match=r"optim\.lr must be > 0, got -1\.0"):
+        config.replace({"optim.lr": -1.0})
+    assert config.optim.lr == 1e-2
 
 
 def test_every_numeric_run_option_has_a_range_shown_by_list_options(capsys):

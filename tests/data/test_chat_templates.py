@@ -347,7 +347,7 @@ def test_load_run_data_applies_the_setting(tmp_path):
     tokenizer.chat_template = None
     from usaf.data import load_run_data
 
-    train, _, _ = load_run_data(config, tokenizer, pack=False)
+    train, _, _ = load_run_data(config.data, config.model, config.train, tokenizer, pack=False)
     row = train[0]
     assert supervised(tokenizer, row["input_ids"].tolist(), row["labels"].tolist()) == EXPECTED["llama3"]
     # the same file through load_dataset without the setting: no template, so the record is refused

@@ -404,37 +404,37 @@ def rel(a, b):
 
 def test_training_loads_a_checkpoint_through_the_cache_of_prepared_stores(qwen, tmp_path, monkeypatch):
     from usaf.base.load import load_for_training
-    from usaf.config import RunConfig
+    from usaf.config import ModelSection
 
     reference, src, store = qwen
     monkeypatch.setenv("USAF_CACHE", str(tmp_path / "cache"))
-    config = RunConfig()
-    config.model.path, config.model.quant, config.select = str(src), "int8", usaf.UsafConfig(**CONFIG)
-    first = load_for_training(config, torch.device("cpu"), torch.float32)
+    select = usaf.UsafConfig(**CONFIG)
+    model = ModelSection(path=str(src), quant="int8")
+    first = load_for_training(model, select, torch.device("cpu"), torch.float32)
     cached = list((tmp_path / "cache" / "prepared").iterdir())
     assert len(cached) == 1 and read_store_metadata(cached[0])["quant"] == "int8"
     stamp = (cached[0] / "usaf_store.json").stat().st_mtime_ns
     again = load_for_training(
-        config, torch.device("cpu"), torch.float32
+        model, select, torch.device("cpu"), torch.float32
     )  # from the cache: not prepared again
     assert (cached[0] / "usaf_store.json").stat().st_mtime_ns == stamp
     with torch.no_grad():
         assert torch.equal(first(IDS).logits, again(IDS).logits)
-    config.model.path, config.model.quant = str(store), "nf4"  # a prepared store, used as it is
-    model = load_for_training(config, torch.device("cpu"), torch.float32)
-    for name, delta in usaf.get_delta(model).items():  # from the recorded source: the original values
+    stored = ModelSection(path=str(store), quant="nf4")  # a prepared store, used as it is
+    loaded = load_for_training(stored, select, torch.device("cpu"), torch.float32)
+    for name, delta in usaf.get_delta(loaded).items():  # from the recorded source: the original values
         assert torch.equal(
             delta.values.detach().reshape(-1), reference.state_dict()[name].reshape(-1)[delta.flat_indices]
         )
     # experts streamed from host memory with a device cache, set from the run's config: the same model
-    config.model.residency, config.model.cache_mb = "host", 1
-    streamed = load_for_training(config, torch.device("cpu"), torch.float32)
+    host = ModelSection(path=str(store), quant="nf4", residency="host", cache_mb=1)
+    streamed = load_for_training(host, select, torch.device("cpu"), torch.float32)
     with torch.no_grad():
-        assert torch.equal(streamed(IDS).logits, model(IDS).logits)
-    config.model.residency, config.model.cache_mb = "device", 0
-    config.model.quant = "int8"
+        assert torch.equal(streamed(IDS).logits, loaded(IDS).logits)
     with pytest.raises(UsafError, match=r"is a store prepared as nf4 .*, but model\.quant=int8"):
-        load_for_training(config, torch.device("cpu"), torch.float32)
+        load_for_training(
+            ModelSection(path=str(store), quant="int8"), select, torch.device("cpu"), torch.float32
+        )
 
 
 def _entry_bytes(model, optimizer) -> dict[str, float]:

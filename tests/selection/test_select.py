@@ -1,5 +1,7 @@
 """Choosing what to train: strategies honour the budget, routing skips cold experts, calibration accumulates."""
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import EXPERTS_AND_ROUTERS
@@ -175,5 +177,5 @@ def test_a_file_selection_after_a_calibrated_one_reports_no_calibration(tmp_path
     from_file = usaf.prepare_model(
         tiny_model("qwen3_moe"), usaf.UsafConfig(strategy="file", file=str(tmp_path / "sel.safetensors"))
     )
-    run.select = model_state(from_file).config
+    run = dataclasses.replace(run, select=model_state(from_file).config)
     assert selection_summary(from_file, run)["calibration"] is None

@@ -151,9 +151,11 @@ def test_resume_refuses_incompatible_config_and_other_base(workspace, tmp_path):
     other = make_model_dir(tmp_path / "other", seed=7)
     with pytest.raises(UsafError, match="is not the base the run started from"):
         moved = RunConfig.load(str(run / "config.yaml"), [f"model.path={other}", "schedule.max_steps=4"])
-        saved = RunConfig.load(str(run / "config.yaml"))
-        saved.model = moved.model  # same settings, other weights behind the path (as --set model.path gives)
-        saved.schedule.max_steps = 4  # a finished run would say so before loading anything
+        # same settings, other weights behind the path (as --set model.path gives); a finished run would say so
+        # before loading anything
+        saved = RunConfig.load(str(run / "config.yaml")).replace(
+            {"model.path": moved.model.path, "schedule.max_steps": 4}
+        )
         train(saved, run, resume=True)
     with pytest.raises(UsafError, match="already holds a run"):
         train(config_for(workspace, "schedule.max_steps=2"), run)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from usaf.base.writer import ensure_prepared, file_stamp, files_of_entry
-from usaf.config import RESIDENCIES, UsafConfig
+from usaf.config import RESIDENCIES, ModelSection, UsafConfig
 from usaf.engine.state import PreparedStore, model_state
 from usaf.errors import ConfigError, ModelError
 from usaf.files import STORE_FILE
@@ -35,20 +35,25 @@ from usaf.store.quantized import QuantizedStore
 
 
 def load_for_training(
-    config, device: torch.device, dtype: torch.dtype | None, calibration_batches=None, recompute: bool = False
+    model: ModelSection,
+    select: UsafConfig,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    calibration_batches=None,
+    recompute: bool = False,
 ):
     """The model `usaf train` trains when `model.quant` is not "none", or when model.path is a prepared store or a
-    published MXFP4/FP8 checkpoint (`config` is its RunConfig).
+    published MXFP4/FP8 checkpoint (`model`: the run's model section; `select`: what to train).
 
     `model.path` is either a prepared store (used as it is; the trained values start from the checkpoint it was
     prepared from, when that is still there) or a checkpoint directory (prepared now at `model.quant`, or taken
     from the cache of earlier preparations).
     """
-    path = Path(config.model.path)
+    path = Path(model.path)
     if (path / STORE_FILE).exists():
         store = path
         metadata = read_store_metadata(store)
-        model_source(str(store)).quant_for(config.model.quant)  # another format named: refused
+        model_source(str(store)).quant_for(model.quant)  # another format named: refused
         recorded = Path(metadata["source"]["dir"])
         source = recorded if (recorded / "config.json").exists() else None
         # a published format's dequantized base is the original: nothing is lost without the source
@@ -59,7 +64,7 @@ def load_for_training(
                 stacklevel=2,
             )
     elif path.is_dir():
-        quant = published.quant_for(path, config.model.quant)
+        quant = published.quant_for(path, model.quant)
         store, source = ensure_prepared(path, quant, progress=True), path
     else:
         raise ModelError(
@@ -69,11 +74,11 @@ def load_for_training(
     return load_prepared(
         store,
         source,
-        config.select,
+        select,
         device=device,
         dtype=dtype,
-        residency=config.model.residency,
-        cache_mb=config.model.cache_mb,
+        residency=model.residency,
+        cache_mb=model.cache_mb,
         calibration_batches=calibration_batches,
         recompute=recompute,
     )

@@ -35,7 +35,7 @@ def run(args) -> int:
     settings = sampling(args)
     target = open_target(args.target, args.delta, None, args.set, unchecked_base=args.unchecked_base)
     tokenizer = target.tokenizer
-    tokenizer_for_generation(tokenizer, target.config.data.chat_template)
+    tokenizer_for_generation(tokenizer, target.chat_template)
     if not has_chat_template(tokenizer):
         raise UsafError(
             f"{args.target} has no chat template; give one with --set data.chat_template=FILE.jinja, or use "

@@ -68,7 +68,9 @@ def run(args) -> int:
             "usaf data needs --model and --data (or a --config that sets model.path and data.train)."
         )
     tokenizer = load_tokenizer(config.model.path)
-    data, _, stats = load_run_data(config, tokenizer, pack=False, held_out=False)
+    data, _, stats = load_run_data(
+        config.data, config.model, config.train, tokenizer, pack=False, held_out=False
+    )
     color = not args.json and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     for index in range(min(args.show, len(data))):
         row = data[index]

@@ -111,7 +111,7 @@ def run(args) -> int:
     if args.compare_base and (missing := target.can_compare()) is not None:
         raise UsafError(f"--compare-base: {missing}.")
     tokenizer = target.tokenizer
-    tokenizer_for_generation(tokenizer, target.config.data.chat_template)
+    tokenizer_for_generation(tokenizer, target.chat_template)
     positions = context_positions(target.model)  # a prompt and its new tokens fit the model's context
     encoded = [prompt_ids(tokenizer, p, f"{args.prompts}:{p.line}", positions) for p in prompts]
     print(f"usaf generate: {len(prompts)} prompts with {target.label}", flush=True)

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from usaf.config import (
+    AUTO,
     DEFAULT_DENSITY,
     DEFAULT_LOGITS_CHUNK,
     DEFAULT_TARGETS,
@@ -258,7 +259,9 @@ def run(args: argparse.Namespace) -> int:
             run_config = RunConfig.load_saved(str(Path(run.path) / CONFIG_FILE))
         model = model or run_config.model.path
         residency = residency if residency != "auto" else run_config.model.residency
-        settings = _given_flags_over(planner.settings_for_run(run_config, settings.dtype), settings, args)
+        settings = _given_flags_over(
+            planner.settings_for_run(planner.PlannedRun.of(run_config), settings.dtype), settings, args
+        )
     if not model:
         raise UsafError("usaf plan needs --model (or --config with a model.path).")
     source = model_source(model)
@@ -272,10 +275,10 @@ def run(args: argparse.Namespace) -> int:
     if method is not None:  # its experts are planned as published, as usaf train keeps them
         settings = settings.replace(quant=method)
     shape = planner.model_shape(config, name)
-    if settings.run.select.density == "auto" and settings.num_entries is None:  # as usaf train resolves it
+    if settings.run.select.density is AUTO and settings.num_entries is None:  # as usaf train resolves it
         settings, why = planner.auto_density(shape, settings, device, vram, ram, residency=residency)
         print(f"select.density=auto: {settings.density:.2%}, {why}")
-    if settings.run.select.workspace_mb == "auto":  # then the workspace, at that density
+    if settings.run.select.workspace_mb is AUTO:  # then the workspace, at that density
         settings, why = planner.auto_workspace(shape, settings, device, vram, ram, residency=residency)
         if why is not None:
             print(f"select.workspace_mb=auto: {settings.workspace_mb} MB, {why}")

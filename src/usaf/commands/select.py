@@ -25,7 +25,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from usaf.data import load_run_data
     from usaf.io.atomic import expect_at, identity
     from usaf.io.guard import SELECTION, check_output, check_placement
     from usaf.prepare import current_selection
@@ -35,6 +34,7 @@ def run(args) -> int:
     from usaf.train.session import (
         check_something_to_train,
         open_session,
+        run_data,
         selection_summary,
         with_model_source,
     )
@@ -68,7 +68,7 @@ def run(args) -> int:
     config, auto_lines = resolve_auto(config, device, runtime.resolve_dtype(config.model.dtype, device))
     session = open_session(
         config,
-        lambda config, tokenizer, pack: load_run_data(config, tokenizer, pack, held_out=False),
+        lambda config, tokenizer, pack: run_data(config, tokenizer, pack, held_out=False),
         recompute=False,  # nothing is trained here
     )
     model, config, stats = session.model, session.config, session.data_stats

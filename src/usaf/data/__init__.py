@@ -8,8 +8,9 @@ Public API
                eval_fraction=0.05, seed=0, split="train", columns=None, long_documents="split", stride=0,
                num_proc=None) -> (train, eval | None, DataStats)
       The one entry point. `eval` is None only when no eval file is given and eval_fraction == 0.
-  load_run_data(config, tokenizer, pack, files=None, held_out=True)
-      load_dataset with a run's data settings (config.data), for train, eval and select.
+  load_run_data(data, model, train, tokenizer, pack, files=None, held_out=True)
+      load_dataset with a run's sections (data; model.path, train.seed and train.objective), for train, eval
+      and select.
   TokenizedDataset   the rows to train on; dataset[i] -> {"input_ids", "labels", "position_ids"} (1-D int64)
   Batches(dataset, batch_size, seed=0, shuffle=True, epochs=None)
       Seeded batch iterator with state_dict() / load_state_dict() for exact resume.

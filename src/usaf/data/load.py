@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from usaf.config import DataSection, ModelSection, TrainSection
 from usaf.data.pack import TokenizedDataset
 from usaf.data.pairs import PreferencePairs
 from usaf.data.sources import open_source
@@ -150,16 +150,23 @@ def _rows(documents: Documents, max_seq_len: int, pack: bool, pad_id: int, pairs
     return PreferencePairs(rows) if pairs else rows
 
 
-def load_run_data(config, tokenizer, pack: bool, files: list[str] | None = None, held_out: bool = True):
-    """load_dataset with a run's data settings (`config` is a RunConfig): what `usaf train`, `usaf eval`,
-    `usaf select` and `usaf data` read. files: other files than data.train (eval); held_out=False: no eval
-    split. data.max_seq_len is first fitted to the model's context (`fit_context`; its line becomes a note of
-    the stats)."""
-    config, clamped = fit_context(config)
-    data = config.data
+def load_run_data(
+    data: DataSection,
+    model: ModelSection,
+    train: TrainSection,
+    tokenizer,
+    pack: bool,
+    files: list[str] | None = None,
+    held_out: bool = True,
+):
+    """load_dataset with a run's data settings (`data`; the model's folder from `model`, the seed and objective
+    from `train`): what `usaf train`, `usaf eval`, `usaf select` and `usaf data` read. files: other files than
+    data.train (eval); held_out=False: no eval split. data.max_seq_len is first fitted to the model's context
+    (`fit_context`; its line becomes a note of the stats)."""
+    data, clamped = fit_context(data, model.path)
     use_chat_template(tokenizer, data.chat_template)
-    vocabulary = model_vocabulary(config.model.path)
-    train, held_out_rows, stats = load_dataset(
+    vocabulary = model_vocabulary(model.path)
+    train_rows, held_out_rows, stats = load_dataset(
         list(files if files is not None else data.train),
         tokenizer,
         data.max_seq_len,
@@ -167,38 +174,36 @@ def load_run_data(config, tokenizer, pack: bool, files: list[str] | None = None,
         skip_bad_records=data.skip_bad_records,
         eval_paths=(data.eval or None) if held_out else None,
         eval_fraction=data.eval_fraction if held_out else 0.0,
-        seed=config.train.seed,
+        seed=train.seed,
         split=data.split,
         columns=data.columns,
         long_documents=data.long_documents,
         stride=data.stride,
         num_proc=data.num_proc or None,
         model_vocabulary=vocabulary,
-        pairs=config.train.objective == "dpo",
+        pairs=train.objective == "dpo",
     )
     if clamped:
         stats.notes.insert(0, clamped)
-    return train, held_out_rows, stats
+    return train_rows, held_out_rows, stats
 
 
-def fit_context(config):
-    """`config` (a RunConfig) with data.max_seq_len at most the model's max_position_embeddings, and the line
-    that says so when it was above (else None): the one rule of every objective and command, applied before
+def fit_context(data: DataSection, model_path: str) -> tuple[DataSection, str | None]:
+    """`data` with max_seq_len at most the model's max_position_embeddings (the model at `model_path`), and the
+    line that says so when it was above (else None): the one rule of every objective and command, applied before
     anything is tokenized. Clamped rather than refused: the default (512) is above many small models' context,
     and a longer window (a DPO pair, an SFT window or packed row) would only hold positions the model never saw;
     longer records are then split or truncated, and counted, as at any max_seq_len. `usaf train` fits its
     config before config.yaml records it, so a resume reads the effective value."""
-    context = model_positions(config.model.path)
-    if context is None or config.data.max_seq_len <= context[0]:
-        return config, None
+    context = model_positions(model_path)
+    if context is None or data.max_seq_len <= context[0]:
+        return data, None
     limit, config_file = context
     line = (
-        f"data.max_seq_len={config.data.max_seq_len} is above the model's {limit} positions ({config_file} "
+        f"data.max_seq_len={data.max_seq_len} is above the model's {limit} positions ({config_file} "
         f"max_position_embeddings): using {limit}"
     )
-    config = copy.deepcopy(config)
-    config.data.max_seq_len = limit
-    return config, line
+    return data.replaced({"max_seq_len": limit}, "data"), line
 
 
 def _text_config(path: str) -> tuple[dict, dict, str] | None:

@@ -14,25 +14,26 @@ import contextlib
 from pathlib import Path
 
 from usaf import kernels
-from usaf.config import RunConfig
+from usaf.config import ModelSection, TrainSection
 from usaf.engine.base_weights import base_weights
 from usaf.engine.installed import sparse_modules
 from usaf.errors import ConfigError, ModelError, RunStateError
 from usaf.export.apply_delta import check_delta_base, load_delta
-from usaf.files import CONFIG_FILE, SELECTION_FILE
+from usaf.files import SELECTION_FILE
 from usaf.io.model_source import STORE, model_source
 from usaf.io.source import check_model_files
 from usaf.model.hf import load_causal_lm
 from usaf.train import checkpoint, runtime
 from usaf.train.checkpoint import restore_trainable
-from usaf.train.session import load_model, load_tokenizer, with_model_source
+from usaf.train.session import config_for_model, config_of_run, load_model, load_tokenizer, with_model_source
 
 
 class Target:
     """A model to generate with: `tuned()` the fine-tune, `base()` a context giving its base (see the module)."""
 
-    def __init__(self, config: RunConfig, model, tokenizer, device, label: str, delta=None, base_dir=None):
-        self.config, self.model, self.tokenizer, self.device = config, model, tokenizer, device
+    def __init__(self, chat_template: str, model, tokenizer, device, label: str, delta=None, base_dir=None):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.chat_template = chat_template  # data.chat_template: how prompts given as messages are rendered
         self.label = label  # what the first line says was loaded
         self._pending_delta, self._base_dir = delta, base_dir
 
@@ -73,10 +74,10 @@ class Target:
                 del model
 
 
-def _session(config: RunConfig):
-    kernels.use(config.train.kernels)
-    device = runtime.resolve_device(config.model.device)
-    return device, runtime.resolve_dtype(config.model.dtype, device)
+def _session(model: ModelSection, train: TrainSection):
+    kernels.use(train.kernels)
+    device = runtime.resolve_device(model.device)
+    return device, runtime.resolve_dtype(model.dtype, device)
 
 
 def open_target(
@@ -97,8 +98,8 @@ def open_target(
                 f"{target} is a run: its trained values are used as they are; --delta goes with a base model."
             )
         return _open_run(Path(source.path), overrides)
-    config = with_model_source(RunConfig.load(None, [("model.path", target), *overrides]))
-    device, dtype = _session(config)
+    config = config_for_model(target, overrides)
+    device, dtype = _session(config.model, config.train)
     tokenizer = load_tokenizer(config.model.path)
     if delta is not None:
         if not Path(delta).expanduser().is_file():
@@ -127,20 +128,22 @@ def open_target(
         label, pending = target, delta
     model.eval()
     label += f" + {delta}" if delta is not None else ""
-    return Target(config, model, tokenizer, device, label, delta=pending, base_dir=base_dir)
+    return Target(
+        config.data.chat_template, model, tokenizer, device, label, delta=pending, base_dir=base_dir
+    )
 
 
 def _open_run(run_dir: Path, overrides: list[str]) -> Target:
-    config = RunConfig.load_saved(str(run_dir / CONFIG_FILE), overrides)
+    config = config_of_run(run_dir, overrides)
     saved = checkpoint.latest(run_dir)
     if saved is None:
         raise RunStateError(
             f"{run_dir} has no finished checkpoint yet: train it first (or wait for its first)."
         )
     config = with_model_source(config)
-    device, dtype = _session(config)
+    device, dtype = _session(config.model, config.train)
     tokenizer = load_tokenizer(config.model.path)
     model = load_model(config, device, dtype, selection_file=run_dir / SELECTION_FILE, recompute=False)
     restore_trainable(model, checkpoint.load(saved)["trainable"], saved)
     model.eval()
-    return Target(config, model, tokenizer, device, f"{run_dir} at {saved.name}")
+    return Target(config.data.chat_template, model, tokenizer, device, f"{run_dir} at {saved.name}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import yaml
 
+from usaf.config import plain
 from usaf.planner.ledger import Plan
 from usaf.planner.search import Verdict
 from usaf.planner.settings import PlanSettings, default_dtype
@@ -68,7 +69,7 @@ def run_config(model: str, p: Plan) -> str:
         },
         "data": {"max_seq_len": run.data.max_seq_len, "batch_size": run.data.batch_size},
         "select": {
-            key: getattr(select, key)
+            key: plain(getattr(select, key))  # auto as the word
             for key in ("density", "num_entries", "layers", "granularity", "workspace_mb", "targets")
             if getattr(select, key) is not None
         },

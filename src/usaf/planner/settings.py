@@ -4,9 +4,19 @@ settings (`PlanSettings`, or a run's own configuration)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from usaf.config import DEFAULT_DENSITY, DEFAULT_RESELECT_EVERY, SECTIONS, RunConfig, check_option
+from usaf.config import (
+    DEFAULT_DENSITY,
+    DEFAULT_RESELECT_EVERY,
+    SECTIONS,
+    DataSection,
+    ModelSection,
+    OptimSection,
+    TrainSection,
+    UsafConfig,
+    check_option,
+)
 from usaf.errors import UsafError
 from usaf.io.published import checkpoint_method
 from usaf.planner.sizes import GiB, MiB
@@ -99,6 +109,23 @@ RUN_OPTIONS = {
 }
 
 
+@dataclass(frozen=True)
+class PlannedRun:
+    """The sections of a run the planner reads: a run's own (`PlannedRun.of(run_config)`), or `usaf plan`'s
+    defaults. Only these travel into the planner, never the whole run configuration."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    select: UsafConfig = field(default_factory=UsafConfig)
+    optim: OptimSection = field(default_factory=OptimSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    @classmethod
+    def of(cls, run) -> PlannedRun:
+        """The planner's sections of `run` (a run configuration, or a PlannedRun)."""
+        return cls(**{spec.name: getattr(run, spec.name) for spec in dataclasses.fields(cls)})
+
+
 def _run_option(name: str) -> property:
     """A plan setting that is the run option RUN_OPTIONS names, read from the run."""
     section, key = RUN_OPTIONS[name]
@@ -107,14 +134,15 @@ def _run_option(name: str) -> property:
 
 @dataclass(frozen=True, init=False)
 class PlanSettings:
-    """A run as the planner sees it: the run's own configuration (`RunConfig`, the one model of a run, read through
-    the properties below) and what only a plan is told: the compute dtype, a published checkpoint's format, the
+    """A run as the planner sees it: the sections of the run's own configuration (`PlannedRun`, read through the
+    properties below) and what only a plan is told: the compute dtype, a published checkpoint's format, the
     GPUs, --quant-dense.
 
-    `PlanSettings(run)` plans a run's configuration; `PlanSettings(seq=4096, quant="int4", ...)` sets the run
-    options those flags stand for on a run with `usaf plan`'s defaults (PLAN_DEFAULTS)."""
+    `PlanSettings(run)` plans a run's configuration (a run's or a PlannedRun); `PlanSettings(seq=4096,
+    quant="int4", ...)` sets the run options those flags stand for on a run with `usaf plan`'s defaults
+    (PLAN_DEFAULTS)."""
 
-    run: RunConfig
+    run: PlannedRun
     dtype: str = "bf16"
     published: str | None = None  # a published checkpoint's expert format (mxfp4, fp8), kept as published
     quant_dense: bool = False
@@ -124,7 +152,7 @@ class PlanSettings:
 
     def __init__(
         self,
-        run: RunConfig | None = None,
+        run=None,
         *,
         dtype: str = "bf16",
         published: str | None = None,
@@ -135,7 +163,8 @@ class PlanSettings:
         **options,
     ):
         if run is None:
-            run, options = RunConfig(), {**PLAN_DEFAULTS, **options}
+            run, options = PlannedRun(), {**PLAN_DEFAULTS, **options}
+        run = PlannedRun.of(run)
         if "quant" in options:
             quant = options.pop("quant")
             if quant not in quant_formats():
@@ -218,7 +247,7 @@ class PlanSettings:
 
     @property
     def optimizer(self) -> str:
-        return run_optimizer(self.run)
+        return run_optimizer(self.run.optim)
 
     @property
     def ranks_per_host(self) -> int:
@@ -231,7 +260,7 @@ class PlanSettings:
         return PlanSettings(self.run, **{**own, **changes})
 
 
-def _with_options(run: RunConfig, options: dict) -> RunConfig:
+def _with_options(run: PlannedRun, options: dict) -> PlannedRun:
     """A copy of `run` with plan settings set on the run options they stand for (each checked as that option
     declares, under its flag's name: --density, --logits-chunk); sections nothing changes are shared."""
     changes: dict[str, dict] = {}
@@ -264,18 +293,18 @@ def default_dtype(device: Device) -> str:
     return "bf16" if device.fast_bf16 else "fp16"
 
 
-def settings_for_run(config: RunConfig, dtype: str) -> PlanSettings:
-    """The plan of a run's configuration (`usaf plan --config run.yaml`, and `train.recompute=auto`): the same
+def settings_for_run(run: PlannedRun, dtype: str) -> PlanSettings:
+    """The plan of a run's sections (`usaf plan --config run.yaml`, and `train.recompute=auto`): the same
     sequence, batch, selection, storage, chunking and optimizer state the run will have; a published checkpoint's
     experts keep their own format."""
-    return PlanSettings(config, dtype=dtype, published=checkpoint_method(config.model.path))
+    return PlanSettings(run, dtype=dtype, published=checkpoint_method(run.model.path))
 
 
-def run_optimizer(config: RunConfig) -> str:
+def run_optimizer(optim: OptimSection) -> str:
     """The planner's name for a run's optimizer state (`usaf.train.optim.build_optimizer`)."""
-    if config.optim.eight_bit:
+    if optim.eight_bit:
         return "adamw8bit"
-    return "adamw" if config.optim.moments == "bf16" else "adamw-fp32"
+    return "adamw" if optim.moments == "bf16" else "adamw-fp32"
 
 
 DEVICES: dict[str, Device] = {

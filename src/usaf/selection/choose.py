@@ -8,7 +8,7 @@ whole stack.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -93,9 +93,7 @@ def resolved_selection(config, has_data: bool) -> str:
 def with_resolved_selection(config, has_data: bool):
     if config.selection != "auto":
         return config
-    resolved = copy.copy(config)
-    resolved.selection = resolved_selection(config, has_data)
-    return resolved
+    return dataclasses.replace(config, selection=resolved_selection(config, has_data))
 
 
 def choose(
@@ -159,8 +157,7 @@ def _tensor_unit(key, layer, name, store, target="experts") -> TensorUnit:
 
 
 def _with_budget(context: SelectionContext, entries: int) -> SelectionContext:
-    config = copy.copy(context.config)
-    config.num_entries = max(1, entries)
+    config = dataclasses.replace(context.config, num_entries=max(1, entries))
     return SelectionContext(config, context.calibration, context.batches, context.model)
 
 

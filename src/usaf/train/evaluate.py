@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from usaf.config import RunConfig
-from usaf.data import Batches, TokenizedDataset, load_run_data
+from usaf.data import Batches, TokenizedDataset
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.preference import preference_loss
 from usaf.errors import UsafError
@@ -16,7 +16,7 @@ from usaf.files import CONFIG_FILE, SELECTION_FILE
 from usaf.io.model_source import model_source
 from usaf.train import checkpoint, runtime
 from usaf.train.checkpoint import restore_trainable
-from usaf.train.session import open_session
+from usaf.train.session import open_session, run_data
 
 
 class Evaluator:
@@ -134,7 +134,7 @@ def evaluate_target(target: str, data_files: list[str], overrides: list[str]) ->
         config = RunConfig.load(None, [("model.path", target), *overrides])
     session = open_session(  # no backward here: nothing to recompute; the run's own selection, or none
         config,
-        lambda config, tokenizer, pack: load_run_data(config, tokenizer, pack, data_files, held_out=False),
+        lambda config, tokenizer, pack: run_data(config, tokenizer, pack, data_files, held_out=False),
         calibrate=False,
         selection_file=run_dir / SELECTION_FILE if is_run else None,
         recompute=False,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from usaf.config import RunConfig
-from usaf.data import Batches, collate, load_run_data
+from usaf.data import Batches, collate
 from usaf.data.load import fit_context
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.preference import preference_loss
@@ -64,6 +64,7 @@ from usaf.train.session import (
     check_finite_base,
     check_trainable_entries,
     open_session,
+    run_data,
 )
 from usaf.train.state import TrainState, target_entries
 from usaf.train.stop import StopRequest
@@ -116,7 +117,8 @@ class _Progress:
 
 def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress | None = None) -> dict:
     # the data's windows fit the model's context before the memory plan sizes them and config.yaml records them
-    config, context_line = fit_context(config)
+    data, context_line = fit_context(config.data, config.model.path)
+    config = config.replace({"data.max_seq_len": data.max_seq_len})
     auto_lines = [context_line] if context_line else []
     if not resume:  # auto becomes a number before config.yaml records it (a resume takes the recorded one)
         device = distributed.local_device(runtime.resolve_device(config.model.device))
@@ -172,7 +174,7 @@ class TrainingRun:
         self.recompute = choose_recompute(config, device, dtype)
         session = open_session(
             config,
-            load_run_data,
+            run_data,
             # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
             selection_file=run_dir / SELECTION_FILE if resume else None,
             recompute=self.recompute.recompute,
@@ -198,6 +200,7 @@ class TrainingRun:
         self.length = f"{config.schedule.max_steps} steps"  # what the first line says (schedule.epochs: how)
         if config.schedule.epochs:
             self._steps_from_epochs(config)
+            config = self.config
         # a resume restores the trained values and routers first: the optimizer is built on what they now are
         restored = self.restore_values(*self.checkpointer.load_latest()) if resume else None
         self.optimizer = build_optimizer(self.model, config)
@@ -236,9 +239,8 @@ class TrainingRun:
             f"{config.data.batch_size} an epoch, {per_step} a step)"
         )
         if steps != config.schedule.max_steps:
-            config.schedule.max_steps = steps
-            given = RunConfig.from_dict(self.run_config)
-            given.schedule.max_steps = steps
+            self.config = config.replace({"schedule.max_steps": steps})
+            given = RunConfig.from_dict(self.run_config).replace({"schedule.max_steps": steps})
             self.run_config = given.to_dict()
             self.checkpointer.write_with_next(self.run_dir / CONFIG_FILE, given.to_yaml())
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from usaf import planner
-from usaf.config import DEFAULT_DENSITY, DEFAULT_WORKSPACE_MB, RunConfig
+from usaf.config import AUTO, DEFAULT_DENSITY, DEFAULT_WORKSPACE_MB, RunConfig
 from usaf.errors import UsafError, first_line
 from usaf.model.hf import load_config
 from usaf.planner.shape import load_model_config
@@ -49,9 +49,9 @@ def run_plan(config: RunConfig, device: torch.device, dtype: torch.dtype) -> Run
             warnings.simplefilter("ignore")
             shape = planner.model_shape(_model_config(config.model.path), Path(config.model.path).name)
         # under torchrun each rank also holds the gradient buckets it sums with the others
-        settings = planner.settings_for_run(config, _DTYPES.get(dtype, "fp32")).replace(
-            gpus=distributed.world_size()
-        )
+        settings = planner.settings_for_run(
+            planner.PlannedRun.of(config), _DTYPES.get(dtype, "fp32")
+        ).replace(gpus=distributed.world_size())
     except Exception as err:
         raise UsafError(f"the planner cannot read this model: {first_line(err)}") from None
     return RunPlan(shape, settings, planned_device, budget, where)
@@ -90,7 +90,7 @@ def _resolved(
 ) -> tuple[RunConfig, str | None]:
     """`config` with select.<key>=auto resolved by the planner's `choose` (else `fallback`, with the reason the
     plan failed), and the line that says so; as given where it is not auto."""
-    if getattr(config.select, key) != "auto":
+    if getattr(config.select, key) is not AUTO:
         return config, None
     try:
         run = run_plan(config, device, dtype)
@@ -100,9 +100,8 @@ def _resolved(
         value, why = getattr(chosen, key), why and f"{why}; budget: {run.where}"
     except UsafError as err:
         value, why = fallback, str(err)
-    select = dataclasses.replace(config.select, **{key: value})
     line = why and f"select.{key}=auto: {shown(value)}, {why}"  # None: nothing worth a line (unused)
-    return dataclasses.replace(config, select=select), line
+    return config.replace({f"select.{key}": value}), line
 
 
 def resolve_auto(config: RunConfig, device: torch.device, dtype: torch.dtype) -> tuple[RunConfig, list[str]]:

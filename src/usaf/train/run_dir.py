@@ -3,7 +3,6 @@ the record of the base a run trains on."""
 
 from __future__ import annotations
 
-import copy
 import fcntl
 import json
 import os
@@ -13,7 +12,7 @@ from pathlib import Path
 import torch
 
 from usaf.base.record import base_difference, base_record, read_run_base_record
-from usaf.config import RunConfig
+from usaf.config import AUTO, RunConfig
 from usaf.data.sources import is_missing
 from usaf.errors import UsafError, first_line
 from usaf.files import (
@@ -76,10 +75,12 @@ def open_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[RunCon
         # the settings the run last trained with, from its (checksummed) checkpoint; a checkpoint of a usaf
         # that did not record them is compared with config.yaml as found
         recorded = checkpoint.read_state(latest).get(checkpoint.RUN_CONFIG_KEY)
-        config = copy.deepcopy(config)
-        for key in ("density", "workspace_mb"):  # what an auto resolved to when the run started
-            if getattr(config.select, key) == "auto":
-                setattr(config.select, key, (recorded or found)["select"][key])
+        resolved = {  # what an auto resolved to when the run started
+            f"select.{key}": (recorded or found)["select"][key]
+            for key in ("density", "workspace_mb")
+            if getattr(config.select, key) is AUTO
+        }
+        config = config.replace(resolved)
         return config, check_resumable(recorded or found, config, found, saved_config)
     if not distributed.is_main():  # [usaf.distributed] rank 0 marks and writes the folder
         return config, []

@@ -4,7 +4,6 @@ between them: positions the model never saw, packed documents that would attend 
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 from collections.abc import Callable
@@ -18,11 +17,12 @@ import torch
 from usaf import kernels
 from usaf.base.load import load_for_training
 from usaf.config import RunConfig
-from usaf.data import Batches, TokenizedDataset
+from usaf.data import Batches, TokenizedDataset, load_run_data
 from usaf.data.sources import absolute_name
 from usaf.data.templates import template_names
 from usaf.engine.state import model_state
 from usaf.errors import UsafError, first_line
+from usaf.files import CONFIG_FILE
 from usaf.io.model_source import is_local_path, model_source
 from usaf.io.source import check_model_files
 from usaf.model.hf import decoder_body, load_causal_lm, load_config, max_positions
@@ -38,16 +38,18 @@ def absolute_paths(config: RunConfig) -> RunConfig:
     """A copy of `config` with its local paths absolute (model.path as `with_model_source` resolves it; data
     files, select.file, a data.chat_template file)."""
     config = with_model_source(config)
+    changes = {
+        "data.train": [absolute_name(str(f)) for f in config.data.train],
+        "data.eval": [absolute_name(str(f)) for f in config.data.eval],
+    }
     if config.model.path and is_local_path(config.model.path):
-        config.model.path = os.path.abspath(os.path.expanduser(config.model.path))
-    config.data.train = [absolute_name(str(f)) for f in config.data.train]
-    config.data.eval = [absolute_name(str(f)) for f in config.data.eval]
+        changes["model.path"] = os.path.abspath(os.path.expanduser(config.model.path))
     if config.select.file:
-        config.select.file = os.path.abspath(os.path.expanduser(config.select.file))
+        changes["select.file"] = os.path.abspath(os.path.expanduser(config.select.file))
     template = config.data.chat_template
     if template and template not in template_names() and Path(template).expanduser().is_file():
-        config.data.chat_template = os.path.abspath(os.path.expanduser(template))
-    return config
+        changes["data.chat_template"] = os.path.abspath(os.path.expanduser(template))
+    return config.replace(changes)
 
 
 def with_model_source(config: RunConfig) -> RunConfig:
@@ -60,9 +62,18 @@ def with_model_source(config: RunConfig) -> RunConfig:
             f"model.path {source.given} is a usaf run, not a model: continue it with `usaf train --resume "
             f"{source.given}`, or train on its merged export (`usaf export {source.given} --merged DIR`)."
         )
-    config = copy.deepcopy(config)
-    config.model.path, config.model.quant = source.path, source.quant_for(config.model.quant)
-    return config
+    return config.replace({"model.path": source.path, "model.quant": source.quant_for(config.model.quant)})
+
+
+def config_for_model(path: str, overrides: list) -> RunConfig:
+    """The configuration of a command that runs the model at `path` outside a run (eval, generate, chat): the
+    defaults with `--set` overrides, model.path as `with_model_source` resolves it."""
+    return with_model_source(RunConfig.load(None, [("model.path", path), *overrides]))
+
+
+def config_of_run(run_dir: Path, overrides: list) -> RunConfig:
+    """A run's own config.yaml with `--set` overrides (model.path as the run recorded it)."""
+    return RunConfig.load_saved(str(run_dir / CONFIG_FILE), overrides)
 
 
 def load_tokenizer(path: str):
@@ -134,13 +145,17 @@ def load_model(
     if recompute is None:
         recompute = choose_recompute(config, device, dtype).recompute
     if selection_file is not None:
-        config = copy.deepcopy(config)
-        config.select.strategy, config.select.file = "file", str(selection_file)
+        config = config.replace({"select.strategy": "file", "select.file": str(selection_file)})
     # a prepared store, or a published MXFP4/FP8 checkpoint (which trains on its own quantized experts, whatever
     # model.quant says), loads through the quantized path as a folder asked for model.quant does
     if config.model.quant != "none" or model_source(path).quant != "none":
         model = load_for_training(
-            config, device, dtype, calibration_batches=calibration_batches, recompute=recompute
+            config.model,
+            config.select,
+            device,
+            dtype,
+            calibration_batches=calibration_batches,
+            recompute=recompute,
         )
     else:
         if config.model.residency != "device":  # host/mmap keep a quantized store's experts off the device
@@ -260,6 +275,12 @@ def check_positions(model_config, config: RunConfig, *datasets) -> None:
         )
 
 
+def run_data(config: RunConfig, tokenizer, pack: bool, files: list[str] | None = None, held_out: bool = True):
+    """`usaf.data.load_run_data` handed the run's sections it reads (data, model, train): the `load_data` of
+    `open_session` for a run."""
+    return load_run_data(config.data, config.model, config.train, tokenizer, pack, files, held_out)
+
+
 PACKING_OFF = "this model lets packed documents attend to each other: packing is off for this run"
 
 
@@ -317,7 +338,6 @@ def open_session(
     notes = []
     if config.data.pack and not packed_documents_are_isolated(model, device):
         notes.append(PACKING_OFF)
-        config = copy.deepcopy(config)
-        config.data.pack = False
+        config = config.replace({"data.pack": False})
         train_data, eval_data, stats = load_data(config, tokenizer, False)
     return Session(config, device, dtype, tokenizer, model, train_data, eval_data, stats, notes)

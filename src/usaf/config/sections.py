@@ -1,0 +1,255 @@
+"""The sections of a `usaf train` run beside `select` (usaf.config.select): model, router, optim, schedule, data,
+checkpoint, log and train."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from usaf.config.options import (
+    DEFAULT_LOGITS_CHUNK,
+    GUARD_ACTIONS,
+    RESIDENCIES,
+    SCHEDULES,
+    TOKENS_MOST,
+    option,
+)
+from usaf.config.section import Section
+from usaf.config.values import parse_size
+from usaf.quant import FORMATS
+
+
+@dataclass(frozen=True)
+class ModelSection(Section):
+    NAME = "model"
+
+    path: str = option(
+        "", "model directory, prepared store, or hub id (the hub needs the network)", path=True
+    )
+    dtype: str = option("auto", "weights and compute dtype", ("auto", "float32", "bfloat16", "float16"))
+    # a live view of the registry: a format registered later (usaf.quant.register_format) is a choice too
+    quant: str = option("none", "frozen expert storage", FORMATS.keys())
+    residency: str = option("device", "where frozen experts live", RESIDENCIES)
+    cache_mb: int = option(
+        0,
+        "with residency host/mmap: device memory (MB) keeping the most-routed experts resident",
+        most=1 << 30,
+    )
+    device: str = option("auto", "compute device: auto, cpu, cuda, cuda:1, mps, xpu ...")
+
+
+@dataclass(frozen=True)
+class RouterSection(Section):
+    NAME = "router"
+
+    lr_multiplier: float = option(
+        0.1, "router learning rate = optim.lr x this (with routers in select.targets)"
+    )
+    freeze_steps: int = option(0, "keep routers frozen for the first N optimizer steps")
+    balance_coef: float = option(0.01, "Switch load-balancing loss coefficient, raw router logits (0: off)")
+    z_coef: float = option(0.001, "router z-loss coefficient (0: off)")
+    health_every_steps: int = option(
+        10, "router health (loads, cv, entropy, dead, drift) every N steps (0: off)"
+    )
+    health_window_steps: int = option(
+        20, "steps of routed tokens the load statistics cover", bounds="[1, inf)"
+    )
+    guard_max_cv: float = option(2.0, "collapse guard: max coefficient of variation of layer loads (0: off)")
+    guard_min_entropy: float = option(
+        0.5, "collapse guard: min normalised entropy of layer loads (0: off)", bounds="[0, 1]"
+    )
+    guard_max_dead_share: float = option(
+        0.5, "collapse guard: max share of experts without tokens (1: off)", bounds="[0, 1]"
+    )
+    guard_action: str = option("warn", "collapse guard action", GUARD_ACTIONS)
+    guard_balance_cap: float = option(0.1, "raise_balance doubles balance_coef up to this")
+
+
+@dataclass(frozen=True)
+class OptimSection(Section):
+    NAME = "optim"
+
+    # lr > 0: a zero or negative rate would silently not train, or climb the loss
+    lr: float = option(
+        1e-2, "peak learning rate of trained values (sparse entries move far from few)", bounds="(0, inf)"
+    )
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay (towards zero, applied to values)")
+    decay_to_base: float = option(
+        4.0,
+        "decoupled decay of each trained value toward its base value, value -= lr x this x (value - base): "
+        "forgets less of what the model knew (a quantized base's are read once into host memory; 0: off)",
+    )
+    beta1: float = option(0.9, "AdamW beta1", bounds="[0, 1)")
+    beta2: float = option(0.999, "AdamW beta2", bounds="[0, 1)")
+    eps: float = option(1e-8, "AdamW epsilon", bounds="(0, inf)")
+    moments: str = option(
+        "bf16",
+        "how AdamW keeps the trained values' moments: bf16 with stochastic rounding (4 B an entry) or fp32 (8 B)",
+        choices=("bf16", "fp32"),
+    )
+    eight_bit: bool = option(False, "8-bit optimizer state via bitsandbytes (where it has kernels)")
+    clip_grad_norm: float = option(1.0, "clip the global gradient norm to this (0: off)")
+
+
+@dataclass(frozen=True)
+class ScheduleSection(Section):
+    NAME = "schedule"
+
+    # at least one step: a run of zero steps would look finished without having trained
+    max_steps: int = option(100, "optimizer steps to run", bounds="[1, inf)")
+    name: str = option(
+        "cosine",
+        "learning-rate schedule after the warm-up: cosine (down to min_lr_ratio; usaf's default), or one of "
+        "transformers' get_scheduler: linear, constant_with_warmup, cosine_with_min_lr, warmup_stable_decay",
+        choices=SCHEDULES,
+    )
+    warmup_steps: int = option(10, "linear warm-up steps (0: none)")
+    warmup_ratio: float = option(
+        0.0, "warm-up as a share of max_steps, rounded up; above 0 it replaces warmup_steps", bounds="[0, 1)"
+    )
+    min_lr_ratio: float = option(
+        0.1,
+        "final learning rate as a share of the peak (cosine, cosine_with_min_lr, warmup_stable_decay)",
+        bounds="[0, 1]",
+    )
+    decay_ratio: float = option(
+        0.1, "warmup_stable_decay: the share of max_steps that decays at the end", bounds="[0, 1]"
+    )
+    grad_accum: int = option(1, "micro-batches per optimizer step", bounds="[1, inf)")
+    epochs: float = option(
+        0.0,
+        "passes over the training data; above 0 it sets max_steps from the data and the global batch (said on the "
+        "first lines)",
+    )
+
+
+@dataclass(frozen=True)
+class DataSection(Section):
+    NAME = "data"
+
+    train: list = option(
+        [],
+        "training data: files (jsonl, json, csv, tsv, parquet, arrow, txt, md; also .gz/.bz2/.xz/.zst), "
+        "datasets save_to_disk folders or hub dataset ids from the local cache (NAME:SPLIT picks a split); "
+        "records: text, messages (OpenAI or sharegpt), prompt/completion (plain or conversational), "
+        "prompt/chosen/rejected, alpaca instruction/input/output, input_ids",
+        path=True,
+    )
+    eval: list = option(
+        [], "held-out data (as train); empty: split eval_fraction off the training data", path=True
+    )
+    # two tokens at least: a causal LM learns from next-token pairs
+    max_seq_len: int = option(
+        512,
+        "tokens per sequence; longer records are split into windows or truncated (long_documents), and counted",
+        bounds="[2, inf)",
+        most=TOKENS_MOST,
+    )
+    pack: bool = option(True, "pack short records into full sequences (no attention across records)")
+    batch_size: int = option(4, "sequences per micro-batch", bounds="[1, inf)", most=TOKENS_MOST)
+    eval_fraction: float = option(
+        0.05, "share of training records held out when no eval file is given (0: none)", bounds="[0, 1)"
+    )
+    eval_batches: int = option(0, "batches per evaluation (0: all)")
+    split: str = option("train", "split of a save_to_disk DatasetDict or a hub dataset")
+    columns: dict = option(
+        {}, "usaf record keys from other column names, e.g. {prompt: question, completion: answer}"
+    )
+    long_documents: str = option(
+        "split",
+        "records longer than max_seq_len: split text and input_ids records into windows, or truncate them "
+        "(chat and prompt/completion records are always truncated)",
+        ("split", "truncate"),
+    )
+    stride: int = option(
+        0,
+        "tokens a window repeats from the one before as context (at least 1; never supervised twice)",
+        most=TOKENS_MOST,
+    )
+    num_proc: int = option(0, "processes that tokenize (0: one; the result is cached either way)", most=1024)
+    skip_bad_records: bool = option(False, "skip malformed records (and report how many) instead of failing")
+    chat_template: str = option(
+        "",
+        "chat template of 'messages' records: a .jinja file or a name of TRL's templates (qwen3, llama3, chatml, "
+        "...); empty: the tokenizer's own (TRL's training variant of it when it has no generation markers)",
+        path=True,
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointSection(Section):
+    NAME = "checkpoint"
+
+    every_steps: int = option(
+        50,
+        "save a checkpoint every N optimizer steps (0: off; the last step and SIGINT/SIGTERM always save)",
+    )
+    keep_last: int = option(2, "checkpoints to keep (0: all)")
+
+
+@dataclass(frozen=True)
+class LogSection(Section):
+    NAME = "log"
+
+    every_steps: int = option(1, "write metrics every N steps (0: off; evaluations are still written)")
+    eval_every_steps: int = option(0, "evaluate every N steps (0: only before and after)")
+    progress: bool = option(True, "live progress bar")
+    report_to: list = option(
+        ["tensorboard"],
+        "experiment trackers, as transformers' report_to: tensorboard, wandb, mlflow (each given the scalars of "
+        "metrics.jsonl and the run's configuration), or none; a tracker that is not installed is an error at start",
+    )
+    tensorboard: bool = option(True, "false leaves tensorboard out of report_to (the older switch for it)")
+
+
+@dataclass(frozen=True)
+class TrainSection(Section):
+    NAME = "train"
+
+    seed: int = option(
+        0,
+        "seed of the data order, the eval split, calibration batches, the optimizer's stochastic rounding and "
+        "torch's RNG (select.seed seeds a random selection)",
+    )
+    precision: str = option("auto", "autocast dtype", ("auto", "none", "bf16", "fp16"))
+    recompute: str | bool = option(
+        "auto",
+        "per-layer recomputation (activation checkpointing); auto: on exactly when the planner's ledger says the "
+        "activations without it would not fit train.memory_limit",
+        ("auto", True, False),
+    )
+    memory_limit: str = option(
+        "",
+        "memory recompute=auto plans against, e.g. 12GB (empty: the GPU's memory, or the machine's RAM on CPU)",
+        parse=lambda text: parse_size(text),  # "lots" fails when the config is read, not when planned
+    )
+    max_bad_steps: int = option(10, "stop after this many steps with NaN/Inf loss or gradients")
+    logits_chunk_tokens: int = option(
+        DEFAULT_LOGITS_CHUNK,
+        "tokens per chunk of the output layer in the loss",
+        bounds="[1, inf)",
+        most=TOKENS_MOST,
+    )
+    prefix_cache: str = option(
+        "off", "cache hidden states entering the lowest trained layer", ("off", "ram", "disk")
+    )
+    objective: str = option(
+        "sft",
+        "sft: next-token loss on the supervised tokens; dpo: preference tuning on prompt/chosen/rejected pairs, the "
+        "base itself the reference (no second model: one extra forward without gradients)",
+        ("sft", "dpo"),
+    )
+    dpo_beta: float = option(
+        0.1, "dpo: the strength of the pull toward the reference (DPO's beta)", bounds="(0, inf)"
+    )
+    kernels: str = option(
+        "auto",
+        "the engine's gradient kernels: auto is Triton on CUDA/ROCm when Triton is installed, else PyTorch; triton "
+        "insists (an error when it is not installed); torch never uses Triton",
+        ("auto", "triton", "torch"),
+    )
+    distributed_backend: str = option(
+        "auto",
+        "torch.distributed backend under torchrun (WORLD_SIZE > 1): auto is nccl on CUDA/ROCm, gloo on CPU; "
+        "$USAF_DISTRIBUTED_BACKEND overrides it",
+        ("auto", "nccl", "gloo"),
+    )
