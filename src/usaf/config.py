@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from usaf.errors import UsafError, first_line
 from usaf.quant import FORMATS
-from usaf.registry import SCORERS, TARGET_KINDS, Choices
+from usaf.registry import SCORERS, TARGET_KINDS, TRACKERS, Choices
 from usaf.registry import STRATEGIES as STRATEGY_REGISTRY
 
 RESIDENCIES = ("device", "host", "mmap")  # where a quantized base's experts live (see usaf.store.offload)
@@ -293,7 +293,7 @@ class ModelSection(Section):
     )
     dtype: str = option("auto", "weights and compute dtype", ("auto", "float32", "bfloat16", "float16"))
     # a live view of the registry: a format registered later (usaf.quant.register_format) is a choice too
-    quant: str = option("none", "frozen expert storage", FORMATS.keys())
+    quant: str = option("none", "frozen expert storage", FORMATS.choices())
     residency: str = option("device", "where frozen experts live", RESIDENCIES)
     cache_mb: int = option(
         0,
@@ -463,6 +463,8 @@ class LogSection(Section):
         ["tensorboard"],
         "experiment trackers, as transformers' report_to: tensorboard, wandb, mlflow (each given the scalars of "
         "metrics.jsonl and the run's configuration), or none; a tracker that is not installed is an error at start",
+        # each name a registered tracker's (usaf.train.trackers registers the built-ins), [] allowed, order kept
+        parse=TRACKERS.choices("none").check,
     )
     tensorboard: bool = option(True, "false leaves tensorboard out of report_to (the older switch for it)")
 
@@ -791,7 +793,7 @@ def check_option(spec, value, where: str):
     if isinstance(choices, Choices) and not isinstance(value, (str, list, dict, tuple, type(None))):
         # a plug-in object given from Python (a strategy or scorer): registered under its name, which is kept
         try:
-            value = choices.registry.register(value).name
+            value = choices.registry.key(choices.registry.register(value))
         except UsafError as err:
             raise UsafError(f"{where}: {err}") from None
     value = _coerce(value, spec, where)
