@@ -305,7 +305,11 @@ def _swap_class(module: nn.Module, kind: str) -> None:
         sub = type(
             family.__name__,
             (family,),
-            {"forward": FORWARDS[kind].forward, "__module__": family.__module__, "__qualname__": family.__qualname__},
+            {
+                "forward": FORWARDS[kind].forward,
+                "__module__": family.__module__,
+                "__qualname__": family.__qualname__,
+            },
         )
         _SUBCLASSES[key], _SWAPPED[sub] = sub, (family, kind)
     module.__class__ = _SUBCLASSES[key]
