@@ -12,13 +12,16 @@ import sys
 import threading
 from pathlib import Path
 
-from usaf.commands import command_texts
+from usaf.commands import Command, command_name, command_texts
 from usaf.errors import UsafError
 from usaf.io.atomic import Terminated, check_destination, output_error
+from usaf.registry import Registry
 from usaf.version import __version__
 
 # One module of usaf.commands per command, in the order `usaf --help` lists them (the protocol: usaf.commands).
-COMMANDS: tuple[str, ...] = (
+# Their own imports are deferred into their functions: importing them all here costs what `usaf --help` did.
+COMMANDS: Registry[Command] = Registry("usaf command", Command, command_name)
+for _name in (
     "plan",
     "train",
     "eval",
@@ -31,7 +34,8 @@ COMMANDS: tuple[str, ...] = (
     "select",
     "data",
     "demo",
-)
+):
+    COMMANDS.register(importlib.import_module(f"usaf.commands.{_name}"))
 
 
 class UsageError(UsafError):
@@ -53,8 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"usaf {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
-        module = importlib.import_module(f"usaf.commands.{name}")
+    for name, module in COMMANDS.items():
         help_line, description = command_texts(module)
         command = sub.add_parser(name, help=help_line, description=description)
         module.add_arguments(command)

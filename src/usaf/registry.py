@@ -1,11 +1,16 @@
-"""Named plug-ins of one kind (selection strategies, scorers, target kinds): a registry each, read by the config
-for its choices and by the code that runs them.
+"""Named plug-ins of one kind: every plug-in point of usaf is a `Registry` checked against a runtime-checkable
+Protocol, read by the config for its choices and by the code that runs them.
 
-The registries are declared here, at the bottom of the package, so that `usaf.config` can offer their names as
-choices; the built-in plug-ins register themselves where they are implemented (`usaf.selection.strategies`,
-`usaf.selection.scorers`, `usaf.model.targets`), which `import usaf` always loads before any config is made. A
-plug-in written outside the package registers the same way (`STRATEGIES.register(MyStrategy())`), or is passed to
-the config as an object, which registers it under its `name`.
+The plug-in points: selection strategies and scorers, target kinds and trackers (declared here), quantization
+formats (`usaf.quant.FORMATS`, `PUBLISHED`), the forwards of target kinds (`usaf.engine.sparse_weights.FORWARDS`)
+and the command line's commands (`usaf.cli.COMMANDS`). The registries the config offers as choices are declared
+here, at the bottom of the package, with their Protocols (string annotations for the higher stages' types); the
+built-in plug-ins register themselves where they are implemented (`usaf.selection.strategies`,
+`usaf.selection.scorers`, `usaf.model.targets`, `usaf.train.trackers`), which `import usaf` always loads before any
+config is made. A plug-in written outside the package registers the same way (`STRATEGIES.register(MyStrategy())`),
+or is passed to the config as an object, which registers it under its `name`. A Protocol's optional members are
+declared like the others: the kind's small base class (`BaseStrategy`, `BaseScorer`, `Tracker`) gives their no-op
+default.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Registry(Generic[T]):
         self.kind, self.protocol = kind, protocol
         self._key = key or (lambda plugin: plugin.name)
         self._plugins: dict[str, T] = {}
+        self._rules: list[Callable[[T], None]] = []
 
     def register(self, plugin: T, replace: bool = False) -> T:
         """Make `plugin` (an object with the registry's protocol) known by its name; returns it. Registering the
@@ -51,9 +57,11 @@ class Registry(Generic[T]):
                 f"{plugin!r} is not a {self.kind}: it lacks {', '.join(missing) or 'members'} "
                 f"(see {self.protocol.__module__}.{self.protocol.__qualname__})."
             )
-        name = self._key(plugin)
+        name = self.key(plugin)
         if not isinstance(name, str) or not name:
             raise UsafError(f"A {self.kind}'s name must be a non-empty string, got {name!r}.")
+        for rule in self._rules:
+            rule(plugin)
         known = self._plugins.get(name)
         if known is not None and known is not plugin and not replace:
             raise UsafError(
@@ -63,8 +71,29 @@ class Registry(Generic[T]):
         self._plugins[name] = plugin
         return plugin
 
+    def key(self, plugin: T) -> str:
+        """The name `plugin` is (or would be) registered under."""
+        return self._key(plugin)
+
+    def require(self, rule: Callable[[T], None]) -> None:
+        """Add a check every plug-in must pass (it raises a one-line UsafError), for a constraint a later stage
+        owns (the engine: every target kind has a forward); the plug-ins registered already are checked now."""
+        for plugin in self._plugins.values():
+            rule(plugin)
+        self._rules.append(rule)
+
     def unregister(self, name: str) -> None:
         self._plugins.pop(name, None)
+
+    def __setitem__(self, name: str, plugin: T) -> None:
+        """`registry[name] = plugin`: register (replacing) under its own name, so that `monkeypatch.setitem` adds
+        a plug-in for one test and takes it away after."""
+        if self.key(plugin) != name:
+            raise UsafError(f"A {self.kind} named {self.key(plugin)!r} cannot be registered as {name!r}.")
+        self.register(plugin, replace=True)
+
+    def __delitem__(self, name: str) -> None:
+        del self._plugins[name]
 
     def __getitem__(self, name: str) -> T:
         try:
@@ -111,20 +140,31 @@ class Choices:
     def __len__(self) -> int:
         return len(self.extra) + len(self.registry)
 
+    def check(self, names) -> None:
+        """Refuse the first of `names` that is not a choice, in one line (a list option's check that keeps the
+        list's order and allows it empty, as log.report_to does)."""
+        unknown = [name for name in names if name not in self]
+        if unknown:
+            raise UsafError(f"unknown {self.registry.kind} {unknown[0]!r}; known: {', '.join(self)}.")
+
 
 @runtime_checkable
 class Strategy(Protocol):
-    """How a selection spreads its budget (`usaf.selection.strategies` has the protocol's prose)."""
+    """How a selection spreads its budget (`usaf.selection.strategies` has the protocol's prose; its
+    `BaseStrategy` gives `load`'s default)."""
 
     name: str
     needs: Any
 
     def domains(self, units, budgets, context) -> list: ...
 
+    def load(self, context) -> dict | None: ...
+
 
 @runtime_checkable
 class Scorer(Protocol):
-    """How entries are chosen inside a budget (`usaf.selection.scorers`)."""
+    """How entries are chosen inside a budget (`usaf.selection.scorers`; its `BaseScorer` gives `begin`'s
+    default)."""
 
     name: str
     needs: Any
@@ -132,6 +172,8 @@ class Scorer(Protocol):
     def pick(self, domain, context) -> dict: ...
 
     def neuron_scores(self, unit, context) -> Any: ...
+
+    def begin(self, domains, context) -> None: ...
 
 
 @runtime_checkable
@@ -143,9 +185,33 @@ class TargetRole(Protocol):
     claims: Callable
 
 
+@runtime_checkable
+class Tracker(Protocol):
+    """An experiment tracker of `log.report_to`: a class, started once per run (`usaf.train.trackers` has the
+    protocol's prose; its base class `Tracker` gives the defaults of `available`, `check`, `hint` and `close`)."""
+
+    name: str
+    package: str
+    install: str
+
+    def available(self) -> bool: ...
+
+    def check(self) -> None: ...
+
+    def hint(self) -> str: ...
+
+    def start(self, run_dir, config: dict, start_step: int) -> None: ...
+
+    def log(self, step: int, scalars: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
 # how a selection spreads its budget over tensors, experts or the whole model (usaf.selection.strategies)
 STRATEGIES: Registry[Strategy] = Registry("selection strategy", Strategy)
 # how entries are chosen inside a budget (usaf.selection.scorers)
 SCORERS: Registry[Scorer] = Registry("selection scorer", Scorer)
 # which weights beyond the experts may hold trained entries (usaf.model.targets)
 TARGET_KINDS: Registry[TargetRole] = Registry("target kind", TargetRole)
+# the experiment trackers of log.report_to (usaf.train.trackers): classes, started by the run
+TRACKERS: Registry[type[Tracker]] = Registry("tracker", Tracker)

@@ -87,7 +87,7 @@ def tracker_whose_start(does):
             does()
 
     def setup(ctx, monkeypatch):
-        monkeypatch.setattr(trackers, "TRACKERS", {**trackers.TRACKERS, "fake": Fake})
+        monkeypatch.setitem(trackers.TRACKERS, Fake.name, Fake)
         monkeypatch.setattr(trackers, "START_TIMEOUT_S", 1.0)
 
     return setup

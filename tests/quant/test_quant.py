@@ -212,7 +212,7 @@ class Toy8:
 def toy8():
     register_format(Toy8)
     yield Toy8
-    FORMATS.pop("toy8")
+    FORMATS.unregister("toy8")
 
 
 def test_a_format_registered_from_outside_is_a_config_choice_planned_and_stored(toy8, tmp_path):

@@ -14,7 +14,7 @@ from usaf.engine.installed import sparse_experts
 from usaf.registry import SCORERS
 from usaf.registry import STRATEGIES as STRATEGY_REGISTRY
 from usaf.selection.scorers import PerTensorScorer
-from usaf.selection.strategies import Domain, Needs
+from usaf.selection.strategies import BaseStrategy, Domain, Needs
 
 
 def test_config_choices_are_the_registries():
@@ -46,7 +46,7 @@ class FirstEntries(PerTensorScorer):
         )
 
 
-class OnlyExpertZero:
+class OnlyExpertZero(BaseStrategy):
     """A strategy from outside: every expert tensor's budget goes to its expert 0; other weights keep theirs."""
 
     name, needs = "only_expert_zero_test", Needs()

@@ -66,7 +66,8 @@ def run(ws, tmp_path_factory):
     out = tmp_path_factory.mktemp("final-eval") / "run"
     err = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err):
-        mp.setattr(trackers, "TRACKERS", {t.name: t for t in (Healthy, FailsMidRun, FailsAtClose)})
+        for tracker in (Healthy, FailsMidRun, FailsAtClose):
+            mp.setitem(trackers.TRACKERS, tracker.name, tracker)
         rc = main(
             [
                 "train",

@@ -187,10 +187,12 @@ def test_a_tracker_defined_outside_usaf_plugs_in(inputs, tmp_path, monkeypatch):
             for key, value in values.items():
                 seen.setdefault(key, {})[step] = value
 
-    monkeypatch.setattr(trackers, "TRACKERS", dict(trackers.TRACKERS))
     register_tracker(Notebook)
     run = tmp_path / "run"
-    assert train(inputs, run, "log.report_to=[notebook]") == 0
+    try:
+        assert train(inputs, run, "log.report_to=[notebook]") == 0
+    finally:
+        trackers.TRACKERS.unregister(Notebook.name)
     assert {k: v for k, v in seen.items() if k != "config"} == scalars(run)
     assert seen["config"]["schedule"]["max_steps"] == STEPS
 

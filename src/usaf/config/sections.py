@@ -16,6 +16,7 @@ from usaf.config.options import (
 from usaf.config.section import Section
 from usaf.config.values import parse_size
 from usaf.quant import FORMATS
+from usaf.registry import TRACKERS
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class ModelSection(Section):
     )
     dtype: str = option("auto", "weights and compute dtype", ("auto", "float32", "bfloat16", "float16"))
     # a live view of the registry: a format registered later (usaf.quant.register_format) is a choice too
-    quant: str = option("none", "frozen expert storage", FORMATS.keys())
+    quant: str = option("none", "frozen expert storage", FORMATS.choices())
     residency: str = option("device", "where frozen experts live", RESIDENCIES)
     cache_mb: int = option(
         0,
@@ -197,6 +198,8 @@ class LogSection(Section):
         ["tensorboard"],
         "experiment trackers, as transformers' report_to: tensorboard, wandb, mlflow (each given the scalars of "
         "metrics.jsonl and the run's configuration), or none; a tracker that is not installed is an error at start",
+        # each name a registered tracker's (usaf.train.trackers registers the built-ins), [] allowed, order kept
+        parse=TRACKERS.choices("none").check,
     )
     tensorboard: bool = option(True, "false leaves tensorboard out of report_to (the older switch for it)")
 

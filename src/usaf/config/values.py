@@ -23,7 +23,7 @@ def check_option(spec, value, where: str):
     if isinstance(choices, Choices) and not isinstance(value, (str, list, dict, tuple, type(None))):
         # a plug-in object given from Python (a strategy or scorer): registered under its name, which is kept
         try:
-            value = choices.registry.register(value).name
+            value = choices.registry.key(choices.registry.register(value))
         except UsafError as err:
             raise ConfigError(f"{where}: {err}") from None
     value = _coerce(value, spec, where)

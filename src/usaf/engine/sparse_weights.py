@@ -16,9 +16,17 @@ the weight through these functions, and its state lives in `module.usaf` (a `Spa
 `usaf.engine.state.SparseState`). No forward deletes or reassigns a module's parameter by hand: a norm's family
 forward sees the effective weight through `torch.func.functional_call` (torch's own reparametrization, which holds
 the weight's slot for the call's duration, restores it, and which torch.compile traces).
+
+The forward of each kind of weight (`usaf.model.targets.TargetKind.kind`: "linear", "rows", "vector") is a
+plug-in of `FORWARDS` (the protocol `SparseForward`: a `name` and the `forward(module, *args, **kwargs)` the
+module's class is given); a target kind whose `kind` has no forward here is refused when it is registered.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +35,9 @@ from torch import nn
 from usaf import kernels
 from usaf.engine.sparse import ElementEntries
 from usaf.engine.state import SparseState, module_state, share_state
+from usaf.errors import UsafError
 from usaf.kernels import Segments
+from usaf.registry import TARGET_KINDS, Registry
 from usaf.store.dense import DenseStore
 
 
@@ -239,8 +249,40 @@ def _vector_forward(self, *args, **kwargs):
     )
 
 
+@runtime_checkable
+class SparseForward(Protocol):
+    """The forward a prepared module of one kind of weight runs (its class's `forward`, with `self` the module)."""
+
+    name: str
+    forward: Callable
+
+
+@dataclass(frozen=True)
+class WeightForward:
+    name: str
+    forward: Callable
+
+
 # the forward of each kind of weight (`usaf.model.targets.TargetKind.kind`); a new kind registers here
-FORWARDS = {"linear": _linear_forward, "rows": _rows_forward, "vector": _vector_forward}
+FORWARDS: Registry[SparseForward] = Registry("sparse forward", SparseForward)
+for _forward in (
+    WeightForward("linear", _linear_forward),
+    WeightForward("rows", _rows_forward),
+    WeightForward("vector", _vector_forward),
+):
+    FORWARDS.register(_forward)
+
+
+def _has_forward(role) -> None:
+    """A target kind's weights are trained by a registered forward (checked when the kind is registered)."""
+    if role.kind not in FORWARDS:
+        raise UsafError(
+            f"Target kind {role.name!r} has kind {role.kind!r}, which no sparse forward is registered as; known: "
+            f"{', '.join(FORWARDS)} (usaf.engine.sparse_weights.FORWARDS)."
+        )
+
+
+TARGET_KINDS.require(_has_forward)
 # swapped subclass -> (the family's class, kind); made once per (class, kind), so no attribute marks a class
 _SWAPPED: dict[type, tuple[type, str]] = {}
 _SUBCLASSES: dict[tuple[type, str], type] = {}
@@ -263,7 +305,11 @@ def _swap_class(module: nn.Module, kind: str) -> None:
         sub = type(
             family.__name__,
             (family,),
-            {"forward": FORWARDS[kind], "__module__": family.__module__, "__qualname__": family.__qualname__},
+            {
+                "forward": FORWARDS[kind].forward,
+                "__module__": family.__module__,
+                "__qualname__": family.__qualname__,
+            },
         )
         _SUBCLASSES[key], _SWAPPED[sub] = sub, (family, kind)
     module.__class__ = _SUBCLASSES[key]

@@ -42,10 +42,11 @@ class TargetKind:
     """A role a weight beyond the experts plays, one of select.targets' values: which modules play it (`claims`,
     asked of every module outside experts and routers, in module order; one role per module: of those that
     claim it, the one registered last), the forward that trains their weight (`kind`, a key of
-    `usaf.engine.sparse_weights.FORWARDS`: "linear", "rows" or "vector"), an optional `check` that refuses a
-    weight usaf cannot train (one clear error), and the planner's count of the role's parameters from a
-    config's fields (`formula`, given the planner's counts: layers, hidden, vocab, attention (one layer's
-    weights), mlp (every dense MLP's), tied; None: counted only from the model's skeleton).
+    `usaf.engine.sparse_weights.FORWARDS`: "linear", "rows" or "vector"; a role whose kind has no forward there
+    is refused when it is registered), an optional `check` that refuses a weight usaf cannot train (one clear
+    error), and the planner's count of the role's parameters from a config's fields (`formula`, given the
+    planner's counts: layers, hidden, vocab, attention (one layer's weights), mlp (every dense MLP's), tied;
+    None: counted only from the model's skeleton).
 
     Adding a role is one `TARGET_KINDS.register(TargetKind(...))`, here or from the code that defines it."""
 

@@ -12,8 +12,10 @@ bytes as the parts, and their `quantize` refuses. Every format has a `DESCRIPTOR
 name, stored bits, temporaries and constants, read by the config (`model.quant`'s choices), the prepared store and
 the planner.
 
-Adding a format is a module with the functions above and a `DESCRIPTOR`, and one `register_format` call (below,
-or from the code that defines it).
+Adding a format is a module (or any object) with the functions above and a `DESCRIPTOR` (the protocol
+`QuantFormat`; a published format: `PublishedFormat`, without `pieces`), and one `register_format` call (below, or
+from the code that defines it): it joins `FORMATS` or `PUBLISHED`, the registries the config, the store and the
+planner read, by its descriptor's `published` flag.
 
 Parts are plain tensors, so a stack of experts is stored as one tensor per part ([E, *shape]) and any subset of
 experts is dequantized by indexing those tensors: nothing ever needs a whole layer in full precision.
@@ -21,24 +23,54 @@ experts is dequantized by indexing those tensors: nothing ever needs a whole lay
 
 from __future__ import annotations
 
-from types import ModuleType
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from usaf.errors import ConfigError
 from usaf.quant import fp8, int4, int8, mxfp4, nf4, none
 from usaf.quant.descriptor import Descriptor
+from usaf.registry import Registry
 
-FORMATS: dict[str, ModuleType] = {}  # usaf quantizes into these
-PUBLISHED: dict[str, ModuleType] = {}  # read as checkpoints publish them
+
+@runtime_checkable
+class PublishedFormat(Protocol):
+    """A format read as a checkpoint publishes it: its parts are the checkpoint's own tensors."""
+
+    DESCRIPTOR: Descriptor
+
+    def layout(self, rows: int, cols: int, source_dtype: torch.dtype) -> dict: ...
+
+    def dequantize(self, parts: dict, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class QuantFormat(PublishedFormat, Protocol):
+    """A format usaf quantizes into (the functions of the module docstring)."""
+
+    def quantize(self, weight: torch.Tensor) -> dict: ...
+
+    def pieces(self, weight: torch.Tensor, max_elements: int) -> Iterator[torch.Tensor]: ...
+
+
+def _format_name(fmt: PublishedFormat) -> str:
+    return fmt.DESCRIPTOR.name
+
+
+FORMATS: Registry[QuantFormat] = Registry("quantization format", QuantFormat, _format_name)  # usaf's own
+PUBLISHED: Registry[PublishedFormat] = Registry(  # read as checkpoints publish them
+    "published quantization format", PublishedFormat, _format_name
+)
 
 
 def register_format(module):
     """Make a format (a module, or any object with the functions above and a `DESCRIPTOR`) known by its name to
-    the config, the store and the planner."""
-    descriptor = module.DESCRIPTOR
-    (PUBLISHED if descriptor.published else FORMATS)[descriptor.name] = module
-    return module
+    the config, the store and the planner; returns it. A name is one format's, published or not."""
+    registry, other = (PUBLISHED, FORMATS) if module.DESCRIPTOR.published else (FORMATS, PUBLISHED)
+    if _format_name(module) in other:
+        raise ConfigError(f"A {other.kind} named {_format_name(module)!r} is registered already.")
+    return registry.register(module)
 
 
 # this order is the one `model.quant` lists its choices in
@@ -48,7 +80,7 @@ for _module in (none, nf4, int8, int4, mxfp4, fp8):
 
 def by_precision() -> tuple[str, ...]:
     """usaf's own formats, most to least precise (more stored bits first; ties in registration order)."""
-    return tuple(sorted(FORMATS, key=lambda name: -FORMATS[name].DESCRIPTOR.bits))
+    return tuple(sorted(FORMATS, key=lambda name: -descriptor(name).bits))
 
 
 def descriptor(name: str) -> Descriptor:
@@ -59,18 +91,19 @@ def format_constants() -> dict:
     """The block and group sizes of usaf's own formats, as a store's metadata records them ("nf4_block_size")."""
     return {
         f"{name}_{key}": value
-        for name, module in FORMATS.items()
-        for key, value in module.DESCRIPTOR.constants.items()
+        for name, fmt in FORMATS.items()
+        for key, value in fmt.DESCRIPTOR.constants.items()
     }
 
 
-def get_format(name: str) -> ModuleType:
-    try:
-        return FORMATS.get(name) or PUBLISHED[name]
-    except KeyError:
+def get_format(name: str) -> PublishedFormat:
+    """The format named `name`, usaf's own or published."""
+    fmt = FORMATS.get(name) or PUBLISHED.get(name)
+    if fmt is None:
         raise ConfigError(
-            f"Unknown quantization format {name!r}; choose one of {sorted(FORMATS | PUBLISHED)}."
-        ) from None
+            f"Unknown quantization format {name!r}; choose one of {sorted([*FORMATS, *PUBLISHED])}."
+        )
+    return fmt
 
 
 def resolve_format(name: str, device: torch.device | str | None = None) -> str:

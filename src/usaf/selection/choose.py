@@ -107,7 +107,7 @@ def choose(
     config = with_resolved_selection(config, batches is not None and model is not None)
     strategy, scorer = STRATEGIES[config.strategy], SCORERS[config.selection]
     context = SelectionContext(config, model=model)
-    saved = getattr(strategy, "load", lambda context: None)(context)
+    saved = strategy.load(context)
     if saved is not None:
         return saved, None
     train_experts = "experts" in config.targets
@@ -163,7 +163,7 @@ def _with_budget(context: SelectionContext, entries: int) -> SelectionContext:
 
 def _choose_elements(units: list[TensorUnit], strategy, scorer, context) -> dict[str, Chosen]:
     domains = strategy.domains(units, weight_budgets(units, context.config), context)
-    getattr(scorer, "begin", lambda domains, context: None)(domains, context)
+    scorer.begin(domains, context)
     picked: dict[str, list[torch.Tensor]] = {u.key: [] for u in units}
     for domain in domains:
         for key, flat in scorer.pick(domain, context).items():

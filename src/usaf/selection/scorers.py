@@ -2,7 +2,7 @@
 
 The protocol, for a scorer written outside usaf:
 
-    class MyScorer:
+    class MyScorer(BaseScorer):          # its `begin` by default (below)
         name = "mine"                        # select.selection's value
         needs = Needs(gradient=False)        # the calibration statistics it reads
         def pick(self, domain, context) -> dict[str, torch.Tensor]: ...
@@ -10,10 +10,13 @@ The protocol, for a scorer written outside usaf:
             # `domain.experts` when given
         def neuron_scores(self, unit, context) -> torch.Tensor: ...
             # neuron granularity: [E, I] scores of an experts layer's neurons (the best are trained)
-        # optional: called once with every domain before any pick (the gradient scorer probes candidates here)
+        # called once with every domain before any pick (the gradient scorer probes candidates here)
         def begin(self, domains, context) -> None: ...
 
     usaf.registry.SCORERS.register(MyScorer())        # or UsafConfig(selection=MyScorer())
+
+Every member is the protocol's (`usaf.registry.Scorer`), checked when the scorer is registered; `BaseScorer` gives
+`begin` its default (nothing to prepare), for the built-ins and for a scorer written outside that subclasses it.
 
 `PerTensorScorer` is a base for scorers that pick inside one tensor at a time: it splits a domain's count over
 its tensors by size and asks `pick_in(unit, expert, count, context)` (expert None: the whole tensor) for local
@@ -68,7 +71,14 @@ def magnitude_flat_indices(store, count: int) -> torch.Tensor:
     return best_index.sort().values
 
 
-class PerTensorScorer:
+class BaseScorer:
+    """The defaults of a scorer's optional members: nothing to prepare before the picks."""
+
+    def begin(self, domains, context) -> None:
+        pass
+
+
+class PerTensorScorer(BaseScorer):
     """A scorer that picks inside one tensor (or one expert of it) at a time; see the module docstring."""
 
     needs = Needs()
@@ -139,7 +149,7 @@ class Magnitude(PerTensorScorer):
         return scores
 
 
-class Gradient:
+class Gradient(BaseScorer):
     """Exact gradient magnitudes over calibration batches, probed only on candidate lines: the neurons (rows of
     other weights) of highest first-order importance (`usaf.selection.candidates`), `oversample` x the budget."""
 

@@ -4,14 +4,18 @@ A strategy turns the units of a selection (a weight tensor's entries, or an expe
 unit's budget into `Domain`s: shares of the budget that a scorer (`usaf.selection.scorers`) then fills with the
 best entries of the share. The protocol, for a strategy written outside usaf:
 
-    class MyStrategy:
+    class MyStrategy(BaseStrategy):     # its `load` by default (below)
         name = "mine"                       # select.strategy's value
         needs = Needs(routing=True)         # the calibration statistics `domains` reads
         def domains(self, units, budgets, context) -> list[Domain]: ...
-        # optional: a complete selection that replaces choosing (a saved file), else None
+        # a complete selection that replaces choosing (a saved file), else None
         def load(self, context) -> dict[str, Chosen] | None: ...
 
     usaf.registry.STRATEGIES.register(MyStrategy())   # or UsafConfig(strategy=MyStrategy())
+
+Every member is the protocol's (`usaf.registry.Strategy`), checked when the strategy is registered;
+`BaseStrategy` gives `load` its default (None: choose), for the built-ins and for a strategy written outside that
+subclasses it.
 
 A unit has `key` (the tensor's or layer's name), `layer` (its `MoELayer`; None for a weight beyond the experts),
 `per_expert` (the budget one expert can hold) and `num_experts`; `context.calibration` holds the statistics asked
@@ -43,7 +47,14 @@ class Domain(NamedTuple):
     count: int
 
 
-class Uniform:
+class BaseStrategy:
+    """The defaults of a strategy's optional members: no saved selection, so the entries are chosen."""
+
+    def load(self, context):
+        return None
+
+
+class Uniform(BaseStrategy):
     """Every tensor (layer) keeps its own budget, spread over all its experts."""
 
     name, needs = "uniform", Needs()
@@ -52,7 +63,7 @@ class Uniform:
         return [Domain([u], None, budgets[u.key]) for u in units]
 
 
-class Routing:
+class Routing(BaseStrategy):
     """Experts covering `routing_coverage` of the task's routed tokens share their layer's budget in proportion
     to their share (cold experts get nothing); weights beyond the experts keep their own budget."""
 
@@ -73,7 +84,7 @@ class Routing:
         return out
 
 
-class GlobalGradient:
+class GlobalGradient(BaseStrategy):
     """One global top-k by gradient importance across every unit decides where the budget goes."""
 
     name, needs = "gradient", Needs(gradient=True)
@@ -82,7 +93,7 @@ class GlobalGradient:
         return [Domain(list(units), None, sum(budgets[u.key] for u in units))]
 
 
-class SavedFile:
+class SavedFile(BaseStrategy):
     """A selection saved by a run or `usaf select` (select.file), used as it is."""
 
     name, needs = "file", Needs()

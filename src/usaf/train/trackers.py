@@ -2,9 +2,17 @@
 `report_to` (TensorBoard, Weights & Biases, MLflow; "none"). Each gets the scalars metrics.jsonl gets, at the same
 steps, and the run's configuration once.
 
-A tracker is a class in `TRACKERS` (a plug-in point: `register_tracker`): `available()` says whether its package
-is installed and `check()` whether it can start (credentials, a server that answers), both before anything is
-written; `start`, `log` and `close` do the rest. A tracker never hangs or ends a run: its start and close are given
+A tracker is a class in `TRACKERS` (`usaf.registry.TRACKERS`, whose names are log.report_to's choices: a name
+that is not registered is refused when the config is read), with the protocol `usaf.registry.Tracker`:
+
+    @register_tracker
+    class MyTracker(Tracker):           # the base class: `available`, `check`, `hint` and `close` by default
+        name, package, install = "mine", "mypackage", "pip install mypackage"   # log.report_to's value
+        def start(self, run_dir, config, start_step) -> None: ...    # config: the run's, as nested dicts
+        def log(self, step, scalars) -> None: ...                     # a row of metrics.jsonl's numbers
+
+`available()` says whether its package is installed and `check()` whether it can start (credentials, a server
+that answers), both before anything is written; `start`, `log` and `close` do the rest. A tracker never hangs or ends a run: its start and close are given
 START_TIMEOUT_S, a start that fails is one line naming the setting to fix (before training), and a log or close
 that fails mid-run is one warning, after which the run goes on without it (metrics.jsonl keeps every row). Nothing
 a tracker writes leaves the run folder unless the user points it elsewhere through the tracker's own environment
@@ -25,6 +33,7 @@ import urllib.request
 from pathlib import Path
 
 from usaf.errors import UsafError, first_line
+from usaf.registry import TRACKERS
 
 NONE = "none"
 # A tracker's start or close past this is given up: the trackers' own network timeouts run to minutes (a server
@@ -35,7 +44,8 @@ PROBE_TIMEOUT_S = 5.0
 
 
 class Tracker:
-    """One tracker of a run. `package`: what `available` looks for; `install`: what to tell a user without it."""
+    """The base of a tracker (`usaf.registry.Tracker`, the protocol): `package` is what `available` looks for,
+    `install` what to tell a user without it; `check` and `close` do nothing unless a tracker needs them to."""
 
     name: str
     package: str
@@ -252,13 +262,13 @@ def _probe(url: str, variable: str, tracker: type[Tracker]) -> None:
         ) from None
 
 
-TRACKERS: dict[str, type[Tracker]] = {t.name: t for t in (TensorBoard, WandB, MLflow)}
-
-
 def register_tracker(tracker: type[Tracker]) -> type[Tracker]:
     """Add a tracker under its `name` (usable in log.report_to); returns it, so it can decorate the class."""
-    TRACKERS[tracker.name] = tracker
-    return tracker
+    return TRACKERS.register(tracker)
+
+
+for _tracker in (TensorBoard, WandB, MLflow):
+    register_tracker(_tracker)
 
 
 def report_to(log) -> list[str]:
@@ -291,11 +301,7 @@ def chosen_trackers(names: list[str]) -> list[type[Tracker]]:
         return []
     chosen = []
     for name in names:
-        tracker = TRACKERS.get(name)
-        if tracker is None:
-            raise UsafError(
-                f"log.report_to: unknown tracker {name!r}; known: {', '.join([*TRACKERS, NONE])}."
-            )
+        tracker = TRACKERS[name]  # the config has checked the name against the registry's choices
         if not tracker.available():
             raise UsafError(
                 f"log.report_to={name}, but {tracker.package} is not installed: {tracker.install}, or leave "
