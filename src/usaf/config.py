@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from usaf.errors import UsafError, first_line
 from usaf.quant import FORMATS
-from usaf.registry import SCORERS, TARGET_KINDS, Choices
+from usaf.registry import OBJECTIVES, SCORERS, TARGET_KINDS, Choices
 from usaf.registry import STRATEGIES as STRATEGY_REGISTRY
 
 RESIDENCIES = ("device", "host", "mmap")  # where a quantized base's experts live (see usaf.store.offload)
@@ -502,7 +502,7 @@ class TrainSection(Section):
         "sft",
         "sft: next-token loss on the supervised tokens; dpo: preference tuning on prompt/chosen/rejected pairs, the "
         "base itself the reference (no second model: one extra forward without gradients)",
-        ("sft", "dpo"),
+        OBJECTIVES.choices(),
     )
     dpo_beta: float = option(
         0.1, "dpo: the strength of the pull toward the reference (DPO's beta)", bounds="(0, inf)"
