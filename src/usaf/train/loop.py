@@ -188,7 +188,7 @@ class TrainingRun:
         self.autocast = runtime.autocast(config.train.precision, device, self.dtype)
         self.scaler = runtime.loss_scaler(config.train.precision, device, self.dtype)
         self.evaluator = Evaluator(self.model, session.eval_data, config, self.device, self.autocast)
-        self.parts = [part for kind in LOOP_PARTS.items() if (part := kind[1].build(self)) is not None]
+        self.parts = [part for _, kind in LOOP_PARTS.items() if (part := kind.build(self)) is not None]
         restored = self.restore_values(*self.checkpointer.load_latest()) if self.resume else None
         self.optimizer = build_optimizer(self.model, config)
         self.scheduler = build_scheduler(self.optimizer, config)
