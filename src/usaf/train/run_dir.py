@@ -176,9 +176,8 @@ class NewRunFolder(enum.Enum):
 
     NEW = "new"  # not there yet
     EMPTY = "empty"
-    DEAD_START = (
-        "dead start"  # usaf's, without a checkpoint: a start that was killed (known dead under the lock)
-    )
+    # usaf's, without a checkpoint: a start that was killed (only under the lock is it known to be dead)
+    DEAD_START = "dead start"
     FORCED = "forced"  # other files, and --force
 
 
