@@ -215,3 +215,24 @@ SCORERS: Registry[Scorer] = Registry("selection scorer", Scorer)
 TARGET_KINDS: Registry[TargetRole] = Registry("target kind", TargetRole)
 # the experiment trackers of log.report_to (usaf.train.trackers): classes, started by the run
 TRACKERS: Registry[type[Tracker]] = Registry("tracker", Tracker)
+
+
+@runtime_checkable
+class Objective(Protocol):
+    """What a run minimizes, chosen by `train.objective` (`usaf.train.objectives` has the built-ins and the
+    protocol's prose). Declared here, with its registry, so that the config offers its names as choices."""
+
+    name: str
+    pairs: bool  # trains on preference pairs: a batch's chosen rows, then its rejected rows
+
+    def check(self, train) -> None: ...
+
+    def loss_sum(self, model, batch: dict, train) -> tuple: ...
+
+    def supervised_units(self, batch: dict) -> int: ...
+
+    def step_metrics(self, extras: list, supervised: int, total: Callable) -> dict: ...
+
+
+# what a run minimizes (usaf.train.objectives)
+OBJECTIVES: Registry[Objective] = Registry("objective", Objective)

@@ -187,7 +187,7 @@ def test_prefix_cache_gives_equal_losses(workspace, tmp_path):
     "precision", ["none", "fp16"]
 )  # fp16: a skipped step must still close the loss scaler
 def test_nan_steps_are_skipped_then_the_run_stops(workspace, tmp_path, monkeypatch, precision):
-    import usaf.train.loop as train_module
+    import usaf.train.objectives as train_module  # sft's loss
 
     real = train_module.causal_lm_loss
     calls = {"n": 0}

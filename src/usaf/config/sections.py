@@ -16,7 +16,7 @@ from usaf.config.options import (
 from usaf.config.section import Section
 from usaf.config.values import parse_size
 from usaf.quant import FORMATS
-from usaf.registry import TRACKERS
+from usaf.registry import OBJECTIVES, TRACKERS
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ class TrainSection(Section):
         "sft",
         "sft: next-token loss on the supervised tokens; dpo: preference tuning on prompt/chosen/rejected pairs, the "
         "base itself the reference (no second model: one extra forward without gradients)",
-        ("sft", "dpo"),
+        OBJECTIVES.choices(),
     )
     dpo_beta: float = option(
         0.1, "dpo: the strength of the pull toward the reference (DPO's beta)", bounds="(0, inf)"

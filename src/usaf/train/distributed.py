@@ -156,20 +156,19 @@ class StepShare:
     def take(self) -> list[tuple[dict, list[int]]]:
         return take_micro_batches(self.batches, self.accumulation)
 
-    def total(self, *values):
+    def total(self, *values: float) -> tuple:
         return sum_scalars(*values)
 
 
-def sum_scalars(*values):
-    """Each value summed over the ranks (ints stay ints)."""
+def sum_scalars(*values: float) -> tuple:
+    """Each value summed over the ranks (ints stay ints), always as a tuple: `(total,) = sum_scalars(x)`."""
     if not active():
-        return values if len(values) > 1 else values[0]
+        return values
     summed = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device())
     dist.all_reduce(summed)
-    out = tuple(
+    return tuple(
         round(s) if isinstance(v, int) else float(s) for v, s in zip(values, summed.tolist(), strict=True)
     )
-    return out if len(out) > 1 else out[0]
 
 
 # ------------------------------------------------------------------------------------------------------ gradients
@@ -278,7 +277,9 @@ class GradientReducer:
             for bucket, (_, _, recorded) in zip(self.buckets, self.sent, strict=True)
             for p, (grad, version) in zip(bucket, recorded, strict=True)
         )
-        if sum_scalars(int(stale)):  # some rank's gradient moved after it left: sum again, all ranks together
+        if sum_scalars(int(stale))[
+            0
+        ]:  # some rank's gradient moved after it left: sum again, all ranks together
             # the sent buckets' work handles go now: kept until the process exits, gloo's handle outlived its
             # process group and aborted the process ("terminate called without an active exception")
             self.sent = []

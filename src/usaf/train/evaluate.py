@@ -14,6 +14,7 @@ from usaf.engine.preference import preference_loss
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE, SELECTION_FILE
 from usaf.io.model_source import model_source
+from usaf.registry import OBJECTIVES
 from usaf.train import checkpoint, runtime
 from usaf.train.checkpoint import restore_trainable
 from usaf.train.session import open_session, run_data
@@ -52,7 +53,7 @@ class Evaluator:
             self.autocast,
             config.data.eval_batches,
             config.train.logits_chunk_tokens,
-            config.train.dpo_beta if config.train.objective == "dpo" else None,
+            config.train.dpo_beta if OBJECTIVES[config.train.objective].pairs else None,
         )
 
 

@@ -3,9 +3,10 @@
 set up the run dir -> load and prepare the model -> load the data -> optimizer and schedule -> (resume) ->
 evaluate -> loop { micro-batches, backward, skip bad steps, clip, step, log, checkpoint } -> evaluate -> summary.
 
-The loop's components decide their own cadence and do their own sync across ranks (the Checkpointer, Evaluator,
-metrics log, RouterTraining, Reselector, prefix cache, gradient reducer, StepShare, StopRequest): nothing below
-calls usaf.train.distributed but joining the job.
+The loop names no optional part: reselection, the prefix cache, the routers, evaluation, stop requests, the metrics
+log and checkpoints are `usaf.train.parts`, called at their hooks, each deciding its own cadence and doing its own
+sync across ranks (as do the gradient reducer and StepShare): nothing below calls usaf.train.distributed but joining
+the job. What the run minimizes is its objective's (`usaf.train.objectives`).
 """
 
 from __future__ import annotations
@@ -20,34 +21,30 @@ from pathlib import Path
 import torch
 
 from usaf.config import RunConfig
-from usaf.data import Batches, collate
+from usaf.data import Batches
 from usaf.data.load import fit_context
-from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
-from usaf.engine.preference import preference_loss
 from usaf.engine.state import streamed_bytes
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE, SELECTION_FILE
 from usaf.prepare import trainable_summary
-from usaf.selection.reselect import Reselector
 from usaf.train import checkpoint, distributed, runtime
 from usaf.train.checkpoint import Checkpointer, restore_trainable
 from usaf.train.distributed import StepShare, gradient_reducer
-from usaf.train.evaluate import Evaluator, supervised_units
+from usaf.train.evaluate import Evaluator
 from usaf.train.memory_plan import resolve_auto
 from usaf.train.metrics import eval_record, open_metrics
+from usaf.train.objectives import OBJECTIVES  # with the built-in objectives registered
 from usaf.train.optim import (
     apply_resumed_schedule,
     build_optimizer,
     build_scheduler,
     clip_gradients,
-    router_params,
     schedule_notes,
 )
-from usaf.train.prefix_cache import FrozenPrefixCache
+from usaf.train.parts import LOOP_PARTS, Checkpoint, Log, StepDone, Stop, StopRun
 from usaf.train.recompute import choose_recompute
-from usaf.train.router_health import RouterCollapse
-from usaf.train.router_training import RouterTraining
 from usaf.train.run_dir import (
+    NewRunFolder,
     RunLock,
     check_moved_base,
     check_new_run,
@@ -78,8 +75,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
     run_dir = Path(run_dir)
     config.check()  # a config built or changed in Python gets the same range checks as a file
     check_report_to(report_to(config.log))  # a tracker that is not installed is said now, not after loading
-    if config.train.objective == "dpo" and config.train.prefix_cache != "off":
-        raise UsafError("train.prefix_cache caches one forward per row; train.objective=dpo needs it off.")
+    OBJECTIVES[config.train.objective].check(config.train)  # what it cannot train with, before anything loads
     config = absolute_paths(config)  # the run's config.yaml must not depend on the working directory
     # [usaf.distributed] join torchrun's job; a rank > 0 neither checks, locks nor cleans the folder (rank 0 does)
     if distributed.init(config) and not distributed.is_main():
@@ -91,7 +87,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
         check_new_run(config, run_dir, force)  # before anything is written, lock file included
     with RunLock(run_dir) as lock:
         # again under the lock (another start may have got here first); a dead start is cleared
-        if not resume and check_new_run(config, run_dir, force) == "dead start":
+        if not resume and check_new_run(config, run_dir, force) is NewRunFolder.DEAD_START:
             remove_run_files(run_dir, keep=set())
         present = set(os.listdir(run_dir))
         progress = _Progress()
@@ -130,28 +126,17 @@ def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress |
             return finished  # nothing to do, and nothing written: the run's files stay as they are
         if any(c.startswith("model.path ") for c in changes):
             check_moved_base(run_dir, config.model.path)
-    return TrainingRun(config, run_dir, resume, changes, progress or _Progress(), auto_lines).train()
-
-
-def _router_training(model, config: RunConfig, session, device, micro_batches: int) -> RouterTraining:
-    """The routers' losses, health and guard; their drift is measured on a fixed reference batch, the first rows
-    of the eval data (else of the training data)."""
-    rows = session.eval_data if session.eval_data is not None else session.train_data
-    reference = collate([rows[i] for i in range(min(4, len(rows)))], rows.pad_id)
-    return RouterTraining(
-        model,
-        config.router,
-        router_params(model),
-        {k: v.to(device) for k, v in reference.items()},
-        micro_batches,
-    )
+    run = TrainingRun(config, run_dir, resume, changes, progress or _Progress(), auto_lines)
+    run.setup()
+    return run.train()
 
 
 class TrainingRun:
-    """One run, built from its folder (new, or resumed from its latest checkpoint) and trained step by step.
-    Building it writes nothing; `train` records a new run's start in the folder, then reads top to bottom; each
-    step is `forward_backward`, `optimizer_step` (with its skip policy) and `after_step` (reselection, router
-    health, logging, evaluation, checkpoint, each at its own cadence)."""
+    """One run in its folder (new, or resumed from its latest checkpoint): built cheaply from its settings,
+    loaded by `setup()` (writing nothing), trained by `train()`, which records a new run's start in the folder and
+    reads top to bottom. Each step is `forward_backward`, `optimizer_step` (with its skip policy) and `after_step`;
+    everything else a step does is a part's (`usaf.train.parts`: reselection, prefix cache, routers, evaluation,
+    stop requests, the metrics log, checkpoints), called at its hooks."""
 
     def __init__(
         self,
@@ -162,87 +147,87 @@ class TrainingRun:
         progress: _Progress,
         auto_lines: list[str] | None = None,  # what the memory plan's autos chose, for the first lines
     ):
-        self.run_dir, self.resume, self.notes, self.progress = run_dir, resume, [], progress
-        self.auto_lines = auto_lines or []
-        device = distributed.local_device(runtime.resolve_device(config.model.device))  # this rank's device
-        dtype = runtime.resolve_dtype(config.model.dtype, device)
+        self.given, self.run_dir, self.resume, self.changes, self.progress = (
+            config,
+            run_dir,
+            resume,
+            changes,
+            progress,
+        )
+        self.auto_lines, self.notes = auto_lines or [], []
+
+    def setup(self) -> None:
+        """Seed, load the model and the data, resolve the run's length once into the effective config, then build
+        the parts and (resuming) put the checkpoint back: the trained values and the parts' state first, since
+        the optimizer is built on what they leave trainable."""
+        given = self.given
+        device = distributed.local_device(runtime.resolve_device(given.model.device))  # this rank's device
+        dtype = runtime.resolve_dtype(given.model.dtype, device)
         # the settings as given (a note may turn packing off for this process only): what config.yaml states and
         # every checkpoint records, for a resume to compare with
-        self.run_config, run_yaml = config.to_dict(), config.to_yaml()
-        runtime.seed_everything(config.train.seed)
+        self.run_config, run_yaml = given.to_dict(), given.to_yaml()
+        runtime.seed_everything(given.train.seed)
         # decided before loading: calibration recomputes as training does
-        self.recompute = choose_recompute(config, device, dtype)
-        session = open_session(
-            config,
+        self.recompute = choose_recompute(given, device, dtype)
+        self.session = session = open_session(
+            given,
             run_data,
             # a resumed run starts from the selection it saved (the checkpoint then restores the current one)
-            selection_file=run_dir / SELECTION_FILE if resume else None,
+            selection_file=self.run_dir / SELECTION_FILE if self.resume else None,
             recompute=self.recompute.recompute,
         )
-        self.config, self.model, self.device, self.dtype = (
-            session.config,
-            session.model,
-            session.device,
-            session.dtype,
-        )
-        config = self.config
-        check_trainable_entries(self.model, config)
-        self.data_stats = session.data_stats
-        self.notes += session.notes
-        self.batches = Batches(session.train_data, config.data.batch_size, seed=config.train.seed)
-        self.share = StepShare(self.batches, config.schedule.grad_accum)
-        self.prefix_cache = FrozenPrefixCache.for_run(self.model, config, run_dir)
+        self.model, self.device, self.dtype = session.model, session.device, session.dtype
+        check_trainable_entries(self.model, session.config)
+        self.data_stats, self.notes = session.data_stats, self.notes + session.notes
+        self.batches = Batches(session.train_data, session.config.data.batch_size, seed=given.train.seed)
+        self.share = StepShare(self.batches, session.config.schedule.grad_accum)
+        self.checkpointer = Checkpointer(self.run_dir, session.config.checkpoint, self.checkpoint_parts)
+        self.config = config = self._resolve_length(session.config)  # not changed after this
+        self.objective = OBJECTIVES[config.train.objective]
         # gradients summed across ranks, overlapped with the last backward of each step
         self.reducer = gradient_reducer(self.model)
-
-        self.routers = _router_training(self.model, config, session, device, self.share.micro_batches)
-        self.checkpointer = Checkpointer(run_dir, config.checkpoint, self.checkpoint_parts)
-        self.length = f"{config.schedule.max_steps} steps"  # what the first line says (schedule.epochs: how)
-        if config.schedule.epochs:
-            self._steps_from_epochs(config)
-            config = self.config
-        # a resume restores the trained values and routers first: the optimizer is built on what they now are
-        restored = self.restore_values(*self.checkpointer.load_latest()) if resume else None
-        self.optimizer = build_optimizer(self.model, config)
-        self.scheduler = build_scheduler(self.optimizer, config)
-        self.notes += schedule_notes(config)
         self.autocast = runtime.autocast(config.train.precision, device, self.dtype)
         self.scaler = runtime.loss_scaler(config.train.precision, device, self.dtype)
         self.evaluator = Evaluator(self.model, session.eval_data, config, self.device, self.autocast)
-        self.reselector = None
-        if config.select.reselect_every:
-            self.reselector = Reselector(
-                self.model, config.select, config.schedule.max_steps, config.optim.eight_bit
-            )
+        self.parts = [part for _, kind in LOOP_PARTS.items() if (part := kind.build(self)) is not None]
+        restored = self.restore_values(*self.checkpointer.load_latest()) if self.resume else None
+        self.optimizer = build_optimizer(self.model, config)
+        self.scheduler = build_scheduler(self.optimizer, config)
+        self.notes += schedule_notes(config)
         self.state = TrainState()
         if restored is not None:
-            self._resume_from(restored, changes, run_yaml)
+            self._resume_from(restored, run_yaml)
         self.entries = trainable_summary(self.model)
 
-    def _resume_from(self, restored, changes: list[str], run_yaml: str) -> None:
+    def _resume_from(self, restored, run_yaml: str) -> None:
         """The loop's state from the latest checkpoint; config.yaml states the run as resumed (changes, or a --set
         that put an edit back) from the next checkpoint on, which records the same settings: the two never
         disagree for a later resume."""
         self.restore_loop(restored)
-        if changes:
-            self.notes.append("resumed with " + ", ".join(changes))
+        if self.changes:
+            self.notes.append("resumed with " + ", ".join(self.changes))
         if (self.run_dir / CONFIG_FILE).read_text(errors="replace") != run_yaml:
             self.checkpointer.write_with_next(self.run_dir / CONFIG_FILE, run_yaml)
 
-    def _steps_from_epochs(self, config: RunConfig) -> None:
-        """schedule.epochs: max_steps from the batches an epoch and the micro-batches a step (all ranks); the run's
-        config.yaml states the steps with the next checkpoint, so that a resume finds the same length."""
+    def _resolve_length(self, config: RunConfig) -> RunConfig:
+        """The effective config of the run's length: schedule.epochs gives max_steps from the batches an epoch and
+        the micro-batches a step (all ranks); the run's config.yaml states the steps with the next checkpoint, so
+        that a resume finds the same length. `config` itself is left as it is."""
+        self.length = f"{config.schedule.max_steps} steps"  # what the first line says (schedule.epochs: how)
+        if not config.schedule.epochs:
+            return config
         per_step = self.share.micro_batches
         steps = max(1, math.ceil(config.schedule.epochs * len(self.batches) / per_step))
         self.length = (
             f"{steps} steps (schedule.epochs={config.schedule.epochs:g}: {len(self.batches)} batches of "
             f"{config.data.batch_size} an epoch, {per_step} a step)"
         )
-        if steps != config.schedule.max_steps:
-            self.config = config.replace({"schedule.max_steps": steps})
-            given = RunConfig.from_dict(self.run_config).replace({"schedule.max_steps": steps})
-            self.run_config = given.to_dict()
-            self.checkpointer.write_with_next(self.run_dir / CONFIG_FILE, given.to_yaml())
+        if steps == config.schedule.max_steps:
+            return config
+        given = RunConfig.from_dict(self.run_config).replace({"schedule.max_steps": steps})
+        self.run_config = given.to_dict()
+        self.checkpointer.write_with_next(self.run_dir / CONFIG_FILE, given.to_yaml())
+        return config.replace({"schedule.max_steps": steps})
 
     # ---- the run ----------------------------------------------------------------------------------------------
 
@@ -254,32 +239,33 @@ class TrainingRun:
         self.log = open_metrics(
             self.run_dir, config.log, config.schedule.max_steps, state.step, self.resume, self.run_config
         )
-        stop = StopRequest()
+        stop = Stop(StopRequest(), self.run_dir)
+        # the frame's parts: a stop request is seen before anything else of a step; the row is logged, then saved
+        self.parts = [stop, *self.parts, Log(self.log), Checkpoint(self.checkpointer)]
         try:
             self.evaluate_before()
             self.model.train()
-            while state.step < config.schedule.max_steps and not stop.agreed():
-                started, streamed_before = time.perf_counter(), streamed_bytes(self.model)
-                loss, tokens = self.forward_backward()
-                grad_norm = self.optimizer_step(loss)
-                if grad_norm is None:
-                    continue  # skipped: no step taken
-                if (
-                    stopped := self.after_step(loss, tokens, grad_norm, started, streamed_before)
-                ) is not None:
-                    return stopped
-            if stop.requested:
-                path = self.checkpointer.save(state.step, force=True)
-                self.log.message(
-                    f"stopped at step {state.step} ({stop.signal_name}); checkpoint {path}. "
-                    f"Resume with: usaf train --resume {self.run_dir}"
-                )
-                return {"stopped": True, "step": state.step, "signal": stop.signal_number}
-            stop.restore()  # a signal while finishing acts as it did after the loop (restoring again is harmless)
+            try:
+                while state.step < config.schedule.max_steps:
+                    self.step()
+                if stop.request.requested:  # asked during the last step
+                    stop.stop(state.step)
+            except StopRun as stopped:
+                self.log.message(stopped.message(self.checkpointer.save(state.step, force=True)))
+                return stopped.summary
+            stop.request.restore()  # a signal while finishing acts as it did after the loop (restoring again is harmless)
             return self.finish()  # while the log is open: the final evaluation is a row of it
         finally:
-            stop.restore()
+            stop.request.restore()
             self.log.close()
+
+    def step(self) -> None:
+        """One optimizer step and what follows it (nothing follows a skipped one)."""
+        started, streamed_before = time.perf_counter(), streamed_bytes(self.model)
+        loss, tokens = self.forward_backward()
+        grad_norm = self.optimizer_step(loss)
+        if grad_norm is not None:
+            self.after_step(loss, tokens, grad_norm, started, streamed_before)
 
     def announce(self) -> None:
         """The run's first lines, flushed before the progress bar starts drawing on stderr, so that a terminal (or
@@ -307,84 +293,36 @@ class TrainingRun:
 
     def forward_backward(self) -> tuple[float, int]:
         """Forward and backward over this rank's micro-batches of the step; the loss is the mean over all
-        supervised tokens of the step (every rank's)."""
-        config, routers, reselector, prefix_cache = (
-            self.config,
-            self.routers,
-            self.reselector,
-            self.prefix_cache,
-        )
-        if reselector is not None:
-            reselector.before_step(self.state.step + 1)
+        supervised units of the step (every rank's), read from the device once."""
+        step, parts, objective = self.state.step + 1, self.parts, self.objective
+        for part in parts:
+            part.start_step(step)
         micro = self.share.take()
-        dpo = config.train.objective == "dpo"
-        supervised = self.share.total(
-            sum(supervised_units(b, dpo) for b, _ in micro)
-        )  # tokens, or (dpo) pairs
-        total, tokens, margins = 0.0, 0, []
+        (supervised,) = self.share.total(sum(objective.supervised_units(b) for b, _ in micro))
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens, extras = 0, []
         for index, (batch, rows) in enumerate(micro):
             if index == len(micro) - 1:
                 self.reducer.arm()  # the last backward sends gradients as they complete
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            if prefix_cache is not None:
-                lengths = [
-                    int((r != IGNORE_INDEX).nonzero().max()) + 1 if (r != IGNORE_INDEX).any() else r.numel()
-                    for r in batch["labels"]
-                ]
-                prefix_cache.begin_batch(rows, lengths, batch["input_ids"])
-            if reselector is not None:
-                reselector.set_observing(True)
-            with self.autocast, routers.capture():
-                loss_sum, margin = self.loss_sum(batch)
-                if margin is not None:
-                    margins.append(margin)
-                aux = routers.aux_loss(self.state.step)  # balancing + z-loss from this forward's raw logits
-            if reselector is not None:
-                reselector.set_observing(False)  # recomputation in backward re-runs forwards: count them once
-            self.scaler.scale(loss_sum / max(supervised, 1) + aux / self.share.micro_batches).backward()
-            routers.after_micro_batch()
-            if prefix_cache is not None:
-                prefix_cache.end_batch()
-            total += float(loss_sum.detach())
+            for part in parts:
+                part.begin_batch(batch, rows)
+            with self.autocast:
+                loss_sum, extra = objective.loss_sum(self.model, batch, self.config.train)
+                added = sum(part.end_forward(step) for part in parts)  # e.g. the routers' balancing loss
+            if extra is not None:
+                extras.append(extra)
+            self.scaler.scale(loss_sum / max(supervised, 1) + added / self.share.micro_batches).backward()
+            for part in parts:
+                part.end_batch()
+            total += loss_sum.detach().double()
             tokens += batch["input_ids"].numel()
         self.reducer.finish()
-        if reselector is not None:
-            reselector.after_backward()
-        total, tokens = self.share.total(total, tokens)
-        self.preference = None
-        if dpo:  # the step's pairs over all ranks: the margin sum and the pairs whose chosen answer leads
-            margin = torch.cat(margins).float()
-            margin_sum, ahead = self.share.total(float(margin.sum()), float((margin > 0).sum()))
-            self.preference = {
-                "rewards/margins": margin_sum / supervised,
-                "rewards/accuracies": ahead / supervised,
-            }
+        for part in parts:
+            part.after_backward()
+        total, tokens = self.share.total(float(total), tokens)
+        self.objective_metrics = objective.step_metrics(extras, supervised, self.share.total)
         return total / max(supervised, 1), tokens
-
-    def loss_sum(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A micro-batch's summed loss under the run's objective, and (dpo) its pairs' reward margins: next-token
-        cross entropy over the supervised tokens, or DPO over the pairs, whose reference forward runs first,
-        without gradients, on the base (`usaf.base_weights`)."""
-        config = self.config
-        if config.train.objective == "dpo":
-            result = preference_loss(
-                self.model,
-                batch["input_ids"],
-                batch["labels"],
-                config.train.dpo_beta,
-                position_ids=batch["position_ids"],
-                chunk_tokens=config.train.logits_chunk_tokens,
-            )
-            return result.loss_sum, result.margins
-        loss = causal_lm_loss(
-            self.model,
-            batch["input_ids"],
-            batch["labels"],
-            position_ids=batch["position_ids"],
-            chunk_tokens=config.train.logits_chunk_tokens,
-            reduction="sum",
-        )
-        return loss, None
 
     def optimizer_step(self, loss: float) -> float | None:
         """Unscale, clip and step; the gradient norm, or None for a skipped step: a NaN/Inf loss or gradient is
@@ -414,9 +352,8 @@ class TrainingRun:
                     "or use train.precision=bf16 instead of fp16."
                 )
             return None
-        if not self.routers.training_routers(state.step):
-            for param in self.routers.router_params:
-                param.grad = None  # AdamW skips parameters without gradients
+        for part in self.parts:
+            part.before_update(state.step + 1)
         scaler.step(optimizer)
         scaler.update()
         state.loss_scale = scaler.state_dict()
@@ -428,18 +365,10 @@ class TrainingRun:
 
     def after_step(
         self, loss: float, tokens: int, grad_norm: float, started: float, streamed_before: int
-    ) -> dict | None:
-        """Reselection, router health, the metrics row, evaluation and checkpoint of the step just taken; a
-        summary when the router guard stops the run, else None."""
-        state, reselector, routers = self.state, self.reselector, self.routers
-        reselected = reselector.after_step(state.step, self.optimizer) if reselector is not None else None
-        try:
-            router_record, router_show, router_message = routers.after_step(state.step)
-        except RouterCollapse as err:
-            self.log.message(f"{err}\ncheckpoint: {self.checkpointer.save(state.step, force=True)}")
-            return {"stopped": True, "step": state.step, "reason": "router collapse"}
-        if router_message:
-            self.log.message(router_message)
+    ) -> None:
+        """The step's metrics row, then each part due at this step (reselection, router health, evaluation, the
+        log, the checkpoint, in that order) adds to it or acts on it."""
+        state = self.state
         elapsed = time.perf_counter() - started
         state.record_step(loss, tokens, elapsed)
         record = {
@@ -453,66 +382,56 @@ class TrainingRun:
             "streamed_bytes": streamed_bytes(self.model) - streamed_before,
             "skipped_steps": state.bad_steps,
             **({"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}),
-            **(self.preference or {}),
-            **(reselected or {}),
-            **router_record,
+            **self.objective_metrics,
         }
-        if self.evaluator.should_evaluate(state.step):
-            record.update(eval_record(self.evaluator.evaluate()))
-        if self.log.should_log(state.step, record):
-            shown = {
-                "loss": f"{loss:.4f}",
-                "lr": f"{record['lr']:.2e}",
-                "tok/s": f"{record['tokens_per_s']:.0f}",
-                "mem": f"{record['peak_memory_mb']:.0f}MB",
-                **router_show,
-            }
-            self.log.log(state.step, record, shown)
-        self.log.advance()
-        self.checkpointer.save(state.step)  # when due
-        return None
+        shown = {
+            "loss": f"{loss:.4f}",
+            "lr": f"{record['lr']:.2e}",
+            "tok/s": f"{record['tokens_per_s']:.0f}",
+            "mem": f"{record['peak_memory_mb']:.0f}MB",
+        }
+        done = StepDone(state.step, loss, grad_norm, self.optimizer, record, shown)
+        for part in self.parts:
+            if part.due(state.step):
+                record.update(part.after_step(done))
 
     def finish(self) -> dict:
         eval_after = self.evaluator.evaluate() if self.evaluator.available else None
         if eval_after is not None:  # before the summary that marks the run finished (a resume rewrites it)
             self.log.log(self.state.step, eval_record(eval_after, final=True))
         self.checkpointer.save(self.state.step, force=True)
-        if self.prefix_cache is not None:
-            self.state.prefix_cache_hits = self.prefix_cache.hits
+        for part in self.parts:
+            part.finish(self.state)
         summary = self.state.summary(eval_after, self.entries, self.data_stats)
-        write_summary(self.run_dir, summary, self.routers)
+        write_summary(self.run_dir, summary)
         return summary
 
     # ---- its state ------------------------------------------------------------------------------------------
 
     def checkpoint_parts(self) -> dict:
         """What a checkpoint holds, everything a resume needs: the trained values, optimizer, schedule, data
-        position, RNG, the TrainState, router, prefix cache and reselection state."""
+        position, RNG, the TrainState and each part's state."""
         return {
             "model": self.model,  # the trained values (the forward writes them into resident weights)
             "optimizer": self.optimizer,
             "scheduler": self.scheduler,
             "state": {
                 **self.state.to_dict(),
-                **(self.prefix_cache.state_dict() if self.prefix_cache is not None else {}),
+                **{k: v for part in self.parts for k, v in part.state_dict().items()},
                 "data": self.batches.state_dict(),
                 "rng": runtime.rng_state(),
                 "config": self.config.to_dict(),
                 checkpoint.RUN_CONFIG_KEY: self.run_config,
-                "router": self.routers.state_dict(),
             },
-            "extra_tensors": {
-                **(self.reselector.state_dict() if self.reselector is not None else {}),
-                **self.routers.tensor_state(),
-            },
+            "extra_tensors": {k: v for part in self.parts for k, v in part.tensor_state().items()},
         }
 
     def restore_values(self, saved: Path, restored: dict) -> dict:
-        """The checkpoint `saved` (read as `restored`), with its trained values and router state put back in the
-        model."""
+        """The checkpoint `saved` (read as `restored`), with its trained values put back in the model and each
+        part's state in its part."""
         restore_trainable(self.model, restored["trainable"], saved)
-        self.routers.load_state_dict(restored["router"])
-        self.routers.load_tensor_state(restored["extra"])
+        for part in self.parts:
+            part.load_state(restored, restored["extra"])
         return restored
 
     def restore_loop(self, restored: dict) -> None:
@@ -525,7 +444,3 @@ class TrainingRun:
         self.state = TrainState.from_checkpoint(restored)
         if self.scaler.is_enabled() and self.state.loss_scale:
             self.scaler.load_state_dict(self.state.loss_scale)
-        if self.reselector is not None:
-            self.reselector.load_state_dict(restored["extra"])
-        if self.prefix_cache is not None:
-            self.prefix_cache.load_state_dict(restored)

@@ -3,6 +3,7 @@ the record of the base a run trains on."""
 
 from __future__ import annotations
 
+import enum
 import fcntl
 import json
 import os
@@ -30,7 +31,6 @@ from usaf.files import (
 from usaf.io.atomic import atomic_file, atomic_json, open_unfollowed, refuse_link
 from usaf.io.guard import check_placement, what_is
 from usaf.prepare import current_selection
-from usaf.report import write_router_load
 from usaf.selection.saved import save_selection
 from usaf.train import checkpoint, distributed
 from usaf.train.session import (
@@ -172,9 +172,18 @@ def run_inputs(config: RunConfig) -> list[tuple[str, str | None]]:
     ]
 
 
-def check_new_run(config: RunConfig, run_dir: Path, force: bool) -> str:
-    """What `run_dir` is for a new run: "new", "empty", "dead start" (usaf's, without a checkpoint: a start
-    that was killed; only under the lock is it known to be dead), or "forced"; refuses anything else."""
+class NewRunFolder(enum.Enum):
+    """What a folder is for a new run (`check_new_run`)."""
+
+    NEW = "new"  # not there yet
+    EMPTY = "empty"
+    # usaf's, without a checkpoint: a start that was killed (only under the lock is it known to be dead)
+    DEAD_START = "dead start"
+    FORCED = "forced"  # other files, and --force
+
+
+def check_new_run(config: RunConfig, run_dir: Path, force: bool) -> NewRunFolder:
+    """What `run_dir` is for a new run; refuses a folder a new run may not start in."""
     if not config.data.train:
         raise UsafError("no training data: give --data FILE (or data.train in the config file).")
     if not config.model.path:
@@ -184,7 +193,7 @@ def check_new_run(config: RunConfig, run_dir: Path, force: bool) -> str:
         raise UsafError(f"--out {run_dir} is a file, not a folder; choose another --out.")
     check_placement(run_dir, "--out", run_inputs(config))
     if not run_dir.exists():
-        return "new"
+        return NewRunFolder.NEW
     if not run_dir.is_dir():
         raise UsafError(f"--out {run_dir} is a file, not a folder; choose another --out.")
     refuse_links_in_run(run_dir)
@@ -195,16 +204,16 @@ def check_new_run(config: RunConfig, run_dir: Path, force: bool) -> str:
     temporaries = tuple(f".{name}.usaf-tmp-" for name in RUN_FILES)
     entries = sorted(e for e in set(os.listdir(run_dir)) - {LOCK_FILE} if not e.startswith(temporaries))
     if not entries:
-        return "empty"
+        return NewRunFolder.EMPTY
     if RUN_MARKER in entries:
-        return "dead start"
+        return NewRunFolder.DEAD_START
     if force:
         if (what := what_is(run_dir)) is not None:
             raise UsafError(
                 f"--out {run_dir} is {what.replace('the ', 'a ', 1)}; --force writes a run into a folder of other "
                 "files, never into a run, a model folder or a prepared store: choose another --out."
             )
-        return "forced"
+        return NewRunFolder.FORCED
     shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     raise UsafError(
         f"--out {run_dir} is not empty and not a usaf run (it holds {shown}); choose a new or empty folder, or "
@@ -364,10 +373,7 @@ def record_start(run_dir: Path, config: RunConfig, model: torch.nn.Module) -> li
     return [unrecorded] if unrecorded is not None else []
 
 
-def write_summary(run_dir: Path, summary: dict, routers) -> None:
-    """A finished run's router-load heatmap data (from RouterTraining, measured here) and summary.json (rank 0
-    only)."""
-    if not distributed.is_main():  # [usaf.distributed] only rank 0 measures and writes
-        return
-    write_router_load(run_dir, *routers.load_before_after())
-    atomic_json(run_dir / SUMMARY_FILE, summary)
+def write_summary(run_dir: Path, summary: dict) -> None:
+    """A finished run's summary.json (rank 0 only): written last, it marks the run finished."""
+    if distributed.is_main():  # [usaf.distributed] only rank 0 writes
+        atomic_json(run_dir / SUMMARY_FILE, summary)
