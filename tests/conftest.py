@@ -30,7 +30,11 @@ atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=Tr
 os.environ["USAF_CACHE"] = tempfile.mkdtemp(prefix="usaf-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["USAF_CACHE"], ignore_errors=True)
 warnings.filterwarnings("ignore", message=".*Sparse.*")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+THREADS = max(1, min(2, os.cpu_count() or 1))
+torch.set_num_threads(THREADS)
+# the subprocesses tests start (a run killed and resumed) use as many threads as this process: a different count
+# changes the order of float sums, and exact-resume tests compare the two bit for bit
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 
 @pytest.fixture(autouse=True)
