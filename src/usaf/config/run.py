@@ -6,32 +6,23 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 
+from usaf.config import sections
 from usaf.config.options import plain
 from usaf.config.overrides import apply_override
-from usaf.config.sections import (
-    CheckpointSection,
-    DataSection,
-    LogSection,
-    ModelSection,
-    OptimSection,
-    RouterSection,
-    ScheduleSection,
-    TrainSection,
-)
 from usaf.config.select import UsafConfig
 from usaf.config.yaml import read_yaml
 from usaf.errors import ConfigError
 
 SECTIONS = {
-    "model": ModelSection,
+    "model": sections.ModelSection,
     "select": UsafConfig,
-    "router": RouterSection,
-    "optim": OptimSection,
-    "schedule": ScheduleSection,
-    "data": DataSection,
-    "checkpoint": CheckpointSection,
-    "log": LogSection,
-    "train": TrainSection,
+    "router": sections.RouterSection,
+    "optim": sections.OptimSection,
+    "schedule": sections.ScheduleSection,
+    "data": sections.DataSection,
+    "checkpoint": sections.CheckpointSection,
+    "log": sections.LogSection,
+    "train": sections.TrainSection,
 }
 
 
@@ -41,15 +32,15 @@ class RunConfig:
     are: a changed run is a new one (`replace`). Each stage below `usaf.train` is handed only the sections it
     reads."""
 
-    model: ModelSection = field(default_factory=ModelSection)
+    model: sections.ModelSection = field(default_factory=sections.ModelSection)
     select: UsafConfig = field(default_factory=UsafConfig)
-    router: RouterSection = field(default_factory=RouterSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    schedule: ScheduleSection = field(default_factory=ScheduleSection)
-    data: DataSection = field(default_factory=DataSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    log: LogSection = field(default_factory=LogSection)
-    train: TrainSection = field(default_factory=TrainSection)
+    router: sections.RouterSection = field(default_factory=sections.RouterSection)
+    optim: sections.OptimSection = field(default_factory=sections.OptimSection)
+    schedule: sections.ScheduleSection = field(default_factory=sections.ScheduleSection)
+    data: sections.DataSection = field(default_factory=sections.DataSection)
+    checkpoint: sections.CheckpointSection = field(default_factory=sections.CheckpointSection)
+    log: sections.LogSection = field(default_factory=sections.LogSection)
+    train: sections.TrainSection = field(default_factory=sections.TrainSection)
 
     def to_dict(self) -> dict:
         """The sections as plain values (AUTO as the word auto), as config.yaml holds them."""
