@@ -41,6 +41,12 @@ def split_budget(total: int, sizes: dict[str, int]) -> dict[str, int]:
     return split_capped(total, sizes, sizes)
 
 
+def at_density(config, numel: int) -> int:
+    """The entries select.density gives a tensor (or layer) of `numel` entries, at least one: the one place the
+    density becomes a count (auto reads as the default where no memory plan resolved it)."""
+    return min(numel, max(1, round(config.fixed_density * numel)))
+
+
 def weight_budgets(units: list, config) -> dict[str, int]:
     """Entries per targeted weight tensor from a density or a global budget: in proportion to size, weighed by
     `config.density_ratios` per target (the total is the same whatever the ratios)."""
@@ -50,8 +56,8 @@ def weight_budgets(units: list, config) -> dict[str, int]:
     if config.num_entries is not None:
         return split_capped(config.num_entries, weighed, sizes)
     if len(set(ratios.values())) <= 1:
-        return {k: min(n, max(1, round(config.fixed_density * n))) for k, n in sizes.items()}
-    return split_capped(round(config.fixed_density * sum(sizes.values())), weighed, sizes)
+        return {k: at_density(config, n) for k, n in sizes.items()}
+    return split_capped(at_density(config, sum(sizes.values())), weighed, sizes)
 
 
 def hot_experts(share: torch.Tensor, coverage: float, needed: int = 0, capacity: int = 1) -> list[int]:

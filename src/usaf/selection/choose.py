@@ -19,7 +19,7 @@ from usaf.errors import UsafError
 from usaf.model.layout import ExpertGeometry
 from usaf.registry import SCORERS, STRATEGIES
 from usaf.selection import calibrate
-from usaf.selection.budget import split_budget, top_indices, weight_budgets
+from usaf.selection.budget import at_density, split_budget, top_indices, weight_budgets
 from usaf.selection.saved import Chosen
 from usaf.selection.strategies import Domain
 
@@ -187,7 +187,7 @@ def _choose_neurons(layers, stores, strategy, scorer, context) -> dict[str, Chos
     if config.num_entries is not None:
         entry_budget = split_budget(config.num_entries, {u.key: u.numel for u in units})
     else:
-        entry_budget = {u.key: round(config.fixed_density * u.numel) for u in units}
+        entry_budget = {u.key: at_density(config, u.numel) for u in units}
     neurons = {
         u.key: min(u.num_experts * u.per_expert, max(1, entry_budget[u.key] // u.entries_per_neuron))
         for u in units
@@ -232,6 +232,6 @@ def _choose_biases(layers, stores, scorer, context) -> dict[str, Chosen]:
             if t.is_bias:
                 key = f"{layer.experts_name}.{t.name}"
                 unit = _tensor_unit(key, layer, t.name, stores[layer.experts_name][t.name])
-                count = min(unit.numel, max(1, round(context.config.fixed_density * unit.numel)))
+                count = at_density(context.config, unit.numel)
                 chosen[key] = Chosen(None, scorer.pick(Domain([unit], None, count), context)[key])
     return chosen
