@@ -40,7 +40,7 @@ from usaf.engine.costs import (
     keeps_base,
     moment_bytes,
 )
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.kernels.torch_path import MIN_PADDED_ROWS, PADDING_FACTOR
 from usaf.planner.settings import (
     COMPUTE_EFFICIENCY,
@@ -269,7 +269,7 @@ def plan(
     vram = (device.memory if vram is None else vram) if gpu else 0
     ram = machine_ram() if ram is None else ram
     if s.expert_parallel and shape.num_experts % s.gpus:
-        raise UsafError(
+        raise ConfigError(
             f"--expert-parallel over {s.gpus} GPUs needs a number of experts divisible by {s.gpus}; "
             f"{shape.name} has {shape.num_experts} experts per layer: give a --gpus that divides it."
         )

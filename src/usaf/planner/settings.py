@@ -17,7 +17,7 @@ from usaf.config import (
     UsafConfig,
     check_option,
 )
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.io.published import checkpoint_method
 from usaf.planner.sizes import GiB, MiB
 from usaf.quant import PUBLISHED, by_precision
@@ -168,7 +168,7 @@ class PlanSettings:
         if "quant" in options:
             quant = options.pop("quant")
             if quant not in quant_formats():
-                raise UsafError(f"--quant must be one of {', '.join(quant_formats())}, got {quant!r}.")
+                raise ConfigError(f"--quant must be one of {', '.join(quant_formats())}, got {quant!r}.")
             published = quant if quant in PUBLISHED else None
             options["model_quant"] = run.model.quant if published else quant
         own = {"dtype": dtype, "published": published, "quant_dense": quant_dense, "gpus": gpus}
@@ -195,7 +195,7 @@ class PlanSettings:
         ]
         for ok, message in checks:
             if not ok:
-                raise UsafError(message + ".")
+                raise ConfigError(message + ".")
 
     # ---- the run's options, as the ledger reads them ----
 
@@ -270,7 +270,7 @@ def _with_options(run: PlannedRun, options: dict) -> PlannedRun:
             changes.setdefault("select", {})["reselect_every"] = every if value else 0
         elif name == "optimizer":
             if value not in OPTIMIZERS:
-                raise UsafError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {value!r}.")
+                raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {value!r}.")
             moments = "fp32" if value == "adamw-fp32" else "bf16"
             changes.setdefault("optim", {}).update(eight_bit=value == "adamw8bit", moments=moments)
         elif name == "model_quant":
