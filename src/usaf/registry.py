@@ -224,6 +224,7 @@ class Objective(Protocol):
 
     name: str
     pairs: bool  # trains on preference pairs: a batch's chosen rows, then its rejected rows
+    reference_forward: bool  # each step runs one more forward, without gradients (DPO's reference log-probs)
 
     def check(self, train) -> None: ...
 

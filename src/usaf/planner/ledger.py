@@ -667,8 +667,8 @@ def _step_time(shape: ModelShape, s: PlanSettings, device: Device, residency: st
     sparse_grads = (
         2 * trained_entries(shape, s) * tokens * shape.experts_per_token / max(1, shape.num_experts)
     )
-    # DPO's reference log-probabilities: one more forward, without gradients, on the same weights
-    passes = 4 if s.objective == "dpo" else 3
+    # an objective's reference forward (DPO's log-probabilities): one more, without gradients, on the same weights
+    passes = 4 if s.reference_forward else 3
     flops = passes * forward + sparse_grads
     compute_s = flops / (device.tflops * 1e12 * COMPUTE_EFFICIENCY)
     # each pass reads the routed experts' weights: quantized ones are read, written in the dtype and read again

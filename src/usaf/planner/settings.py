@@ -21,6 +21,7 @@ from usaf.errors import ConfigError
 from usaf.io.published import checkpoint_method
 from usaf.planner.sizes import GiB, MiB
 from usaf.quant import PUBLISHED, by_precision
+from usaf.registry import OBJECTIVES
 
 
 @dataclass(frozen=True)
@@ -222,12 +223,22 @@ class PlanSettings:
 
     @property
     def objective(self) -> str:
-        return self.run.train.objective  # dpo: a reference forward more, and pairs of rows
+        return self.run.train.objective
+
+    @property
+    def pairs(self) -> bool:
+        """The objective trains on preference pairs (a chosen and a rejected row each)."""
+        return OBJECTIVES[self.objective].pairs
+
+    @property
+    def reference_forward(self) -> bool:
+        """The objective runs one more forward a step, without gradients."""
+        return OBJECTIVES[self.objective].reference_forward
 
     @property
     def batch(self) -> int:
-        """Rows per micro-batch: data.batch_size, twice over for DPO's pairs (a chosen and a rejected row each)."""
-        return self.run.data.batch_size * (2 if self.objective == "dpo" else 1)
+        """Rows per micro-batch: data.batch_size, twice over for an objective's pairs."""
+        return self.run.data.batch_size * (2 if self.pairs else 1)
 
     @property
     def targets(self) -> tuple:
