@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from usaf.commands import Command, command_name, command_texts
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, UsafError
 from usaf.io.atomic import Terminated, check_destination, output_error
 from usaf.registry import Registry
 from usaf.version import __version__
@@ -38,7 +38,7 @@ for _name in (
     COMMANDS.register(importlib.import_module(f"usaf.commands.{_name}"))
 
 
-class UsageError(UsafError):
+class UsageError(ConfigError):
     """A command line argparse cannot read."""
 
 

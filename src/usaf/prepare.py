@@ -16,7 +16,7 @@ from usaf.engine.router import make_routers_fp32
 from usaf.engine.sparse import ElementEntries, LineEntries, line_flat_indices
 from usaf.engine.sparse_weights import install, tie
 from usaf.engine.state import ModelState, SparseState, model_state, set_model_state
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, ModelError
 from usaf.model.hf import apply_renamings, checkpoint_renamings, use_experts_implementation
 from usaf.model.layout import MoELayer, find_moe_layers
 from usaf.model.targets import find_target_weights, tied_output_layer
@@ -62,7 +62,7 @@ def prepare_model(
     stores = stores or {}
     across_ranks.check_joined()
     if model_state(model) is not None or any(isinstance(m, SparseState) for m in model.modules()):
-        raise UsafError(
+        raise ModelError(
             "This model was already prepared by usaf.prepare_model; prepare a fresh model instead."
         )
     layers = find_moe_layers(model)
@@ -170,7 +170,7 @@ def install_selection(model: nn.Module, chosen: dict, original_values=None) -> N
     order = {key: i for i, key in enumerate(keys)}
     unknown = sorted(set(chosen) - set(order))
     if unknown:
-        raise UsafError(
+        raise ModelError(
             f"The selection names {unknown[:3]}, which are not weights this model trains (expert tensors, or the "
             "weights of select.targets); use the configuration the selection was made with."
         )
@@ -185,7 +185,7 @@ def install_selection(model: nn.Module, chosen: dict, original_values=None) -> N
         flat = indices if axis is None else line_flat_indices(store.shape, axis, indices)
         numel = store.shape[0] * store.shape[1] * store.shape[2]
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= numel):
-            raise UsafError(
+            raise ModelError(
                 f"The selection for '{key}' points outside the tensor (shape {list(store.shape)})."
             )
         base = original_values(key, flat) if original_values is not None else store.read(flat)
@@ -212,7 +212,7 @@ def _trained_layers(layers: list[MoELayer], config: UsafConfig) -> set[int]:
     by_number = {layer.layer_index: layer.index for layer in layers}
     missing = sorted(set(config.layers) - set(by_number))
     if missing:
-        raise UsafError(
+        raise ConfigError(
             f"UsafConfig.layers names {missing}, which are not MoE layers; MoE layers: {sorted(by_number)}."
         )
     return {by_number[i] for i in config.layers}
@@ -225,7 +225,7 @@ def get_delta(model: nn.Module) -> dict[str, TensorChange]:
         for name, entries in state.items():
             deltas[f"{path}.{name}"] = TensorChange(entries.expanded_flat_indices(), entries.values)
     if not deltas and not any(True for _ in sparse_modules(model)):
-        raise UsafError("This model has not been prepared by usaf.prepare_model.")
+        raise ModelError("This model has not been prepared by usaf.prepare_model.")
     return deltas
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -53,18 +53,18 @@ class Registry(Generic[T]):
         same object again is a no-op; another object under a taken name needs `replace=True`."""
         missing = [m for m in protocol_members(self.protocol) if not hasattr(plugin, m)]
         if missing or not isinstance(plugin, self.protocol):
-            raise UsafError(
+            raise ConfigError(
                 f"{plugin!r} is not a {self.kind}: it lacks {', '.join(missing) or 'members'} "
                 f"(see {self.protocol.__module__}.{self.protocol.__qualname__})."
             )
         name = self.key(plugin)
         if not isinstance(name, str) or not name:
-            raise UsafError(f"A {self.kind}'s name must be a non-empty string, got {name!r}.")
+            raise ConfigError(f"A {self.kind}'s name must be a non-empty string, got {name!r}.")
         for rule in self._rules:
             rule(plugin)
         known = self._plugins.get(name)
         if known is not None and known is not plugin and not replace:
-            raise UsafError(
+            raise ConfigError(
                 f"A {self.kind} named {name!r} is registered already ({known!r}); choose another name or "
                 "pass replace=True."
             )
@@ -89,7 +89,7 @@ class Registry(Generic[T]):
         """`registry[name] = plugin`: register (replacing) under its own name, so that `monkeypatch.setitem` adds
         a plug-in for one test and takes it away after."""
         if self.key(plugin) != name:
-            raise UsafError(f"A {self.kind} named {self.key(plugin)!r} cannot be registered as {name!r}.")
+            raise ConfigError(f"A {self.kind} named {self.key(plugin)!r} cannot be registered as {name!r}.")
         self.register(plugin, replace=True)
 
     def __delitem__(self, name: str) -> None:
@@ -99,7 +99,7 @@ class Registry(Generic[T]):
         try:
             return self._plugins[name]
         except KeyError:
-            raise UsafError(f"No {self.kind} named {name!r}; known: {', '.join(self._plugins)}.") from None
+            raise ConfigError(f"No {self.kind} named {name!r}; known: {', '.join(self._plugins)}.") from None
 
     def get(self, name: str, default: T | None = None) -> T | None:
         return self._plugins.get(name, default)
@@ -145,7 +145,7 @@ class Choices:
         list's order and allows it empty, as log.report_to does)."""
         unknown = [name for name in names if name not in self]
         if unknown:
-            raise UsafError(f"unknown {self.registry.kind} {unknown[0]!r}; known: {', '.join(self)}.")
+            raise ConfigError(f"unknown {self.registry.kind} {unknown[0]!r}; known: {', '.join(self)}.")
 
 
 @runtime_checkable
@@ -224,6 +224,7 @@ class Objective(Protocol):
 
     name: str
     pairs: bool  # trains on preference pairs: a batch's chosen rows, then its rejected rows
+    reference_forward: bool  # each step runs one more forward, without gradients (DPO's reference log-probs)
 
     def check(self, train) -> None: ...
 

@@ -18,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-from usaf.errors import UsafError, first_line
+from usaf.errors import RunStateError, UsafError, first_line
 from usaf.files import METRICS_FILE, ROUTER_LOAD_FILE
 from usaf.io.atomic import atomic_file, atomic_json
 
@@ -76,7 +76,7 @@ def read_metrics(path: str | Path) -> list[dict]:
             else:
                 unread += 1
     if unread and not by_step:
-        raise UsafError(
+        raise RunStateError(
             f"{path} holds no metrics ({unread} lines, none a JSON object with a step): it is not the metrics "
             f"file `usaf train` writes; move it aside to draw only the router loads."
         )
@@ -88,7 +88,7 @@ def render_report(run_dir: str | Path) -> list[Path]:
     run_dir = Path(run_dir)
     metrics, loads = run_dir / METRICS_FILE, run_dir / ROUTER_LOAD_FILE
     if not metrics.exists() and not loads.exists():
-        raise UsafError(
+        raise RunStateError(
             f"{run_dir} has neither {METRICS_FILE} nor {ROUTER_LOAD_FILE}: is it a usaf run directory?"
         )
     written = []
@@ -98,12 +98,12 @@ def render_report(run_dir: str | Path) -> list[Path]:
         try:
             data = json.loads(loads.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-            raise UsafError(
+            raise RunStateError(
                 f"{loads} is not readable JSON ({first_line(err)}); `usaf train` writes it at the end of a run: finish the run "
                 "or delete the file to draw only the curves."
             ) from None
         if not isinstance(data, dict):
-            raise UsafError(
+            raise RunStateError(
                 f"{loads} holds a JSON {type(data).__name__}, not the object `usaf train` writes (layers, before, "
                 "after); finish the run or delete the file to draw only the curves."
             )
@@ -146,7 +146,7 @@ def render_curves(records: list[dict], out: Path) -> Path:
     plt = _pyplot()
     panels = _panels(records)
     if not panels:
-        raise UsafError(f"no numeric metrics to draw for {out}.")
+        raise RunStateError(f"no numeric metrics to draw for {out}.")
     columns = 2 if len(panels) > 1 else 1
     rows = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 3.0 * rows), squeeze=False)
@@ -206,11 +206,11 @@ def render_router_load(data: dict, out: Path) -> Path:
         before = np.array([[np.nan if v is None else v for v in row] for row in data["before"]], dtype=float)
         after = np.array([[np.nan if v is None else v for v in row] for row in data["after"]], dtype=float)
     except (KeyError, TypeError, ValueError) as err:
-        raise UsafError(
+        raise RunStateError(
             f"{ROUTER_LOAD_FILE} is malformed ({err!r}); expected layers, before, after: finish the run or delete it."
         ) from None
     if before.shape != after.shape or before.ndim != 2 or before.shape[0] != len(layers):
-        raise UsafError(
+        raise RunStateError(
             f"{ROUTER_LOAD_FILE}: before {before.shape}, after {after.shape}, {len(layers)} layers."
         )
     num_layers, num_experts = before.shape

@@ -22,7 +22,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from transformers import TextStreamer
 
-    from usaf.errors import UsafError
+    from usaf.errors import DataError
     from usaf.generate.generation import (
         context_positions,
         cut_line,
@@ -37,7 +37,7 @@ def run(args) -> int:
     tokenizer = target.tokenizer
     tokenizer_for_generation(tokenizer, target.chat_template)
     if not has_chat_template(tokenizer):
-        raise UsafError(
+        raise DataError(
             f"{args.target} has no chat template; give one with --set data.chat_template=FILE.jinja, or use "
             "usaf generate with plain prompts."
         )

@@ -14,7 +14,7 @@ import sys
 
 from usaf.commands import add_run_inputs, add_set_option
 from usaf.commands.train import effective_config
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 
 _GREEN, _RESET = "\033[32m", "\033[0m"
 _OPEN, _CLOSE = "[[", "]]"
@@ -61,10 +61,10 @@ def run(args) -> int:
     from usaf.train.session import load_tokenizer
 
     if args.show < 0:
-        raise UsafError(f"usaf data: --show {args.show}: give a number of records, 0 or more.")
+        raise ConfigError(f"usaf data: --show {args.show}: give a number of records, 0 or more.")
     config = effective_config(args)
     if not config.data.train or not config.model.path:
-        raise UsafError(
+        raise ConfigError(
             "usaf data needs --model and --data (or a --config that sets model.path and data.train)."
         )
     tokenizer = load_tokenizer(config.model.path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, UsafError
 from usaf.files import CONFIG_FILE
 
 
@@ -60,7 +60,7 @@ def run(args) -> int:
     if args.base:
         args.base = base_folder(args.base, "--base")
     if not (args.delta or args.merged or args.gguf):
-        raise UsafError(
+        raise ConfigError(
             "say what to write: --delta OUT.safetensors, --merged OUT_DIR and/or --gguf OUT.gguf."
         )
     # refuse outputs that would replace an input or an earlier output of another kind before any work is done
@@ -79,13 +79,13 @@ def run(args) -> int:
     if args.gguf:
         check_output(args.gguf, GGUF, flag="--gguf", force=args.force, inputs=inputs, noun="output file")
         if args.outtype not in OUTTYPES:
-            raise UsafError(f"--outtype must be one of {', '.join(OUTTYPES)}, not {args.outtype!r}.")
+            raise ConfigError(f"--outtype must be one of {', '.join(OUTTYPES)}, not {args.outtype!r}.")
         converter = find_converter(args.llama_cpp)  # before any work: a missing converter is said at once
     if args.from_trainer:
         if args.run_dir:
-            raise UsafError("give either RUN_DIR or --from-trainer CKPT_DIR, not both.")
+            raise ConfigError("give either RUN_DIR or --from-trainer CKPT_DIR, not both.")
         if not args.base:
-            raise UsafError(
+            raise ConfigError(
                 "--from-trainer needs --base MODEL_DIR: the checkpoint the trained model was loaded from."
             )
         base = BaseCheckpoint(args.base)
@@ -93,7 +93,7 @@ def run(args) -> int:
     elif args.run_dir:
         delta, base = run_delta_and_base(args.run_dir, args.base)
     else:
-        raise UsafError("give RUN_DIR (a usaf run directory) or --from-trainer CKPT_DIR --base MODEL_DIR.")
+        raise ConfigError("give RUN_DIR (a usaf run directory) or --from-trainer CKPT_DIR --base MODEL_DIR.")
     if args.delta:
         path = write_delta(delta, base, args.delta, fp32=args.fp32, force=args.force)
         print(f"delta: {path} ({_size(path)}, {sum(c.count for c in delta.changes.values()):,} values)")

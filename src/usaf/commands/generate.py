@@ -79,7 +79,7 @@ def sampling(args):
 
 
 def run(args) -> int:
-    from usaf.errors import UsafError
+    from usaf.errors import ModelError
     from usaf.generate.generation import (
         context_positions,
         cut_line,
@@ -109,7 +109,7 @@ def run(args) -> int:
     prompts = read_prompts(args.prompts)
     target = open_target(args.target, args.delta, args.base, args.set, unchecked_base=args.unchecked_base)
     if args.compare_base and (missing := target.can_compare()) is not None:
-        raise UsafError(f"--compare-base: {missing}.")
+        raise ModelError(f"--compare-base: {missing}.")
     tokenizer = target.tokenizer
     tokenizer_for_generation(tokenizer, target.chat_template)
     positions = context_positions(target.model)  # a prompt and its new tokens fit the model's context

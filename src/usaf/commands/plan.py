@@ -17,7 +17,7 @@ from usaf.config import (
     DEFAULT_WORKSPACE_MB,
     RunConfig,
 )
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.files import CONFIG_FILE
 from usaf.io.model_source import STORE, model_source
 
@@ -173,14 +173,14 @@ def memory_size(text: str, flag: str) -> int:
 
     value = str(text).strip()
     if value.startswith("-"):
-        raise UsafError(f"{flag} {value} is negative; give the memory size, e.g. {flag} 12GB.")
+        raise ConfigError(f"{flag} {value} is negative; give the memory size, e.g. {flag} 12GB.")
     if re.fullmatch(r"\+?\d+(\.\d*)?", value):
-        raise UsafError(f"{flag} {value} has no unit; write {value}GB (or {value}GiB, {value}MB).")
+        raise ConfigError(f"{flag} {value} has no unit; write {value}GB (or {value}GiB, {value}MB).")
     size = planner.parse_size(value)
     if size <= 0:
-        raise UsafError(f"{flag} {value} is no memory; give a size above zero, e.g. {flag} 12GB.")
+        raise ConfigError(f"{flag} {value} is no memory; give a size above zero, e.g. {flag} 12GB.")
     if not _MEMORY_LEAST <= size <= _MEMORY_MOST:
-        raise UsafError(
+        raise ConfigError(
             f"{flag} {value} is {planner.format_size(size)}, outside 1MB..100TB (no device or host has that); "
             f"give the memory size, e.g. {flag} 12GB."
         )
@@ -200,11 +200,11 @@ def _check_numbers(args) -> None:
         ("--gpus-per-host", args.gpus_per_host, 0, 1 << 20),
     ):
         if value < low:
-            raise UsafError(f"{flag} must be at least {low}, got {value}.")
+            raise ConfigError(f"{flag} must be at least {low}, got {value}.")
         if value > most:
-            raise UsafError(f"{flag} must be at most {most}, got {value}.")
+            raise ConfigError(f"{flag} must be at most {most}, got {value}.")
     if not 0 < args.density <= 1:
-        raise UsafError(f"--density must be in (0, 1], got {args.density:g} (e.g. 0.005 for 0.5 %).")
+        raise ConfigError(f"--density must be in (0, 1], got {args.density:g} (e.g. 0.005 for 0.5 %).")
 
 
 def _device(args) -> tuple:
@@ -217,7 +217,7 @@ def _device(args) -> tuple:
     elif args.device in planner.DEVICES:
         device = planner.DEVICES[args.device]
     else:
-        raise UsafError(f"Unknown device {args.device!r}; device presets: {', '.join(planner.DEVICES)}.")
+        raise ConfigError(f"Unknown device {args.device!r}; device presets: {', '.join(planner.DEVICES)}.")
     return device, vram if vram is not None else (device.memory if device.is_gpu else None)
 
 
@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
             planner.settings_for_run(planner.PlannedRun.of(run_config), settings.dtype), settings, args
         )
     if not model:
-        raise UsafError("usaf plan needs --model (or --config with a model.path).")
+        raise ConfigError("usaf plan needs --model (or --config with a model.path).")
     source = model_source(model)
     if source.kind == STORE:  # its experts as stored: the store's format (another --quant is refused)
         given = args.quant if args.quant != planner.PLAN_DEFAULTS["quant"] else "none"

@@ -73,15 +73,15 @@ def run(args) -> int:
 
 def _check_model_dir(folder: Path) -> None:
     """MODEL_DIR is a local Hugging Face folder whose config and shards read: one line otherwise."""
-    from usaf.errors import UsafError
+    from usaf.errors import ModelError
     from usaf.io.source import check_model_files
 
     if folder.is_file():
-        raise UsafError(
+        raise ModelError(
             f"MODEL_DIR {folder} is a file; give the model's folder (config.json and *.safetensors)."
         )
     if not folder.is_dir():
-        raise UsafError(
+        raise ModelError(
             f"MODEL_DIR {folder}: no such model directory; usaf prepare reads a local folder (config.json and "
             "*.safetensors): download a hub model first (hf download ORG/NAME --local-dir DIR)."
         )
@@ -93,14 +93,14 @@ def _device(name: str | None):
     """--device as a torch device this machine has (None: the accelerator torch sees, else the CPU)."""
     import torch
 
-    from usaf.errors import UsafError
+    from usaf.errors import ConfigError
 
     if name is None:
         return None
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UsafError(
+        raise ConfigError(
             f"--device {name!r} is not a device torch knows; give cpu, cuda, cuda:1, xpu or mps, or leave it out."
         ) from None
     if device.type == "cpu":
@@ -112,12 +112,12 @@ def _device(name: str | None):
         available = bool(backend is not None and hasattr(backend, "is_available") and backend.is_available())
         count = backend.device_count() if available and hasattr(backend, "device_count") else 0
     if not available:
-        raise UsafError(
+        raise ConfigError(
             f"--device {name}: this torch build sees no {device.type} device; give --device cpu, or leave it out "
             "(the accelerator torch sees, else the CPU)."
         )
     if device.index is not None and device.index >= count:
-        raise UsafError(
+        raise ConfigError(
             f"--device {name}: there {'is' if count == 1 else 'are'} {count} {device.type} device(s) (index 0 to "
             f"{count - 1}); give one of them."
         )

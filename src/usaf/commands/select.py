@@ -13,7 +13,7 @@ from pathlib import Path
 
 from usaf.commands import add_run_inputs, add_set_option
 from usaf.commands.train import effective_config
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, UsafError
 
 
 def add_arguments(parser) -> None:
@@ -41,12 +41,12 @@ def run(args) -> int:
 
     config = effective_config(args)
     if not config.data.train or not config.model.path:
-        raise UsafError("usaf select needs --model and --data.")
+        raise ConfigError("usaf select needs --model and --data.")
     check_something_to_train(config)
     config = with_model_source(config)  # a store's own quant format, a hub id's snapshot; a run is refused
     out = Path(args.out)
     if out.suffix != ".safetensors":
-        raise UsafError(
+        raise ConfigError(
             f"--out {out}: the selection file must end in .safetensors (a .json summary goes beside it)."
         )
     # the selection and its .json summary: never an input, a run's or a model's file, or another file

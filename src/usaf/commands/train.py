@@ -11,7 +11,7 @@ from pathlib import Path
 
 from usaf.commands import add_run_inputs, add_set_option
 from usaf.config import RunConfig, describe
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, RunStateError
 from usaf.files import CONFIG_FILE
 
 
@@ -43,7 +43,7 @@ def effective_config(args) -> RunConfig:
     if getattr(args, "resume", None):
         saved = Path(args.resume) / CONFIG_FILE
         if not saved.exists():
-            raise UsafError(f"--resume {args.resume}: no config.yaml there; is it a usaf run directory?")
+            raise RunStateError(f"--resume {args.resume}: no config.yaml there; is it a usaf run directory?")
         config_path = config_path or str(saved)
     # paths as typed, never read as YAML (`qwen #2` is not `qwen` and a comment)
     if args.model:
@@ -70,7 +70,7 @@ def run(args) -> int:
         return 0
     run_dir = args.resume or args.out
     if not run_dir:
-        raise UsafError("give --out RUN_DIR for a new run (or --resume RUN_DIR).")
+        raise ConfigError("give --out RUN_DIR for a new run (or --resume RUN_DIR).")
     if args.config and not args.resume:  # the run's other inputs are in its config; this one is not
         from usaf.io.guard import check_placement
 

@@ -16,6 +16,7 @@ from usaf.data.templates import use_chat_template
 from usaf.data.tokenize import DataStats, Documents, Settings, read_documents
 from usaf.errors import ConfigError, DataError
 from usaf.io.text import read_text
+from usaf.registry import OBJECTIVES
 
 LONG_DOCUMENTS = ("split", "truncate")
 
@@ -181,7 +182,7 @@ def load_run_data(
         stride=data.stride,
         num_proc=data.num_proc or None,
         model_vocabulary=vocabulary,
-        pairs=train.objective == "dpo",
+        pairs=OBJECTIVES[train.objective].pairs,
     )
     if clamped:
         stats.notes.insert(0, clamped)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from usaf.engine.loss import IGNORE_INDEX
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, DataError
 
 LETTERS = string.ascii_lowercase
 MIN_WORD_LEN, MAX_WORD_LEN = 3, 6
@@ -60,7 +60,7 @@ def prompt_for(kind: str, word: str) -> str:
 def make_examples(kind: str, n: int, seed: int) -> list[dict]:
     """`n` records of `kind` on random words of 3-6 lowercase letters; the same (kind, n, seed), the same list."""
     if kind not in TRANSFORMS:
-        raise UsafError(f"Unknown demo task kind {kind!r}; known kinds: {list(KINDS)}.")
+        raise ConfigError(f"Unknown demo task kind {kind!r}; known kinds: {list(KINDS)}.")
     # A string seed is hashed with SHA-512 by `random`: stable across runs, platforms and Python versions.
     rng = random.Random(f"usaf-demo/{kind}/{seed}")
     records = []
@@ -192,7 +192,7 @@ def task_accuracy(
     does not stop by then answered something longer, hence wrong).
     """
     if not records:
-        raise UsafError("task_accuracy needs at least one record.")
+        raise DataError("task_accuracy needs at least one record.")
     if max_new_tokens is None:
         max_new_tokens = 1 + max(
             len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) for r in records

@@ -15,7 +15,7 @@ from torch import nn
 
 from usaf.engine.installed import sparse_modules
 from usaf.engine.state import model_state
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 
 
 def starting_values(model: nn.Module, path: str, state, name: str) -> torch.Tensor:
@@ -45,7 +45,7 @@ def base_weights(model: nn.Module):
     after it, with its trained values again, exactly."""
     dense = _trained_dense_parameters(model)
     if dense:
-        raise UsafError(
+        raise ModelError(
             f"{dense[0]} is trained as a whole (routers in targets), and its base values are not kept on the "
             "model: switching to the base needs the base model itself."
         )

@@ -24,7 +24,7 @@ from torch import nn
 
 from usaf.engine.experts import usaf_experts_forward
 from usaf.engine.state import owned_state
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, ModelError, UsafError
 from usaf.model.hf import register_experts_implementation, use_experts_implementation
 from usaf.model.layout import find_moe_layers
 
@@ -56,7 +56,7 @@ class Placement:
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         if num_experts % self.world:
-            raise UsafError(
+            raise ConfigError(
                 f"expert parallelism over {self.world} ranks needs a number of experts divisible by it; "
                 f"this model has {num_experts} experts per layer: use a world size that divides {num_experts}."
             )
@@ -102,7 +102,7 @@ def enable(model: nn.Module, group=None) -> None:
     for layer in layers:
         state = owned_state(layer.experts)
         if state is None or not state.is_expert_stack:
-            raise UsafError(
+            raise ModelError(
                 "expert parallelism runs usaf's engine: call usaf.prepare_model on the model first."
             )
         state.placement = Placement(state.num_experts, group)

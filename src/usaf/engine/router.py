@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 from usaf.model.layout import MoELayer, find_moe_layers, hidden_size
 
 # ----------------------------------------------------------------------------------------------------------
@@ -49,7 +49,7 @@ def score_projection(layer: MoELayer) -> ScoreProjection:
     """Found from the module tree: the router itself (qwen, mixtral, gpt-oss, deepseek ...) or a submodule of it
     (gemma4's `router.proj`) whose own parameter has shape [E, hidden]."""
     if layer.router is None:
-        raise UsafError(f"MoE layer at '{layer.experts_name}' has no router module.")
+        raise ModelError(f"MoE layer at '{layer.experts_name}' has no router module.")
     hidden = hidden_size(layer.experts)
     for module in layer.router.modules():
         for param in module.parameters(recurse=False):
@@ -57,7 +57,7 @@ def score_projection(layer: MoELayer) -> ScoreProjection:
                 bias = getattr(module, "bias", None)
                 real_bias = isinstance(bias, nn.Parameter) and tuple(bias.shape) == (layer.num_experts,)
                 return ScoreProjection(module, param, bias if real_bias else None)
-    raise UsafError(
+    raise ModelError(
         f"No [{layer.num_experts}, {hidden}] scoring weight inside the router '{layer.router_name}' "
         f"({type(layer.router).__name__})."
     )

@@ -35,7 +35,7 @@ from torch import nn
 from usaf import kernels
 from usaf.engine.sparse import ElementEntries
 from usaf.engine.state import SparseState, module_state, share_state
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.kernels import Segments
 from usaf.registry import TARGET_KINDS, Registry
 from usaf.store.dense import DenseStore
@@ -276,7 +276,7 @@ for _forward in (
 def _has_forward(role) -> None:
     """A target kind's weights are trained by a registered forward (checked when the kind is registered)."""
     if role.kind not in FORWARDS:
-        raise UsafError(
+        raise ConfigError(
             f"Target kind {role.name!r} has kind {role.kind!r}, which no sparse forward is registered as; known: "
             f"{', '.join(FORWARDS)} (usaf.engine.sparse_weights.FORWARDS)."
         )

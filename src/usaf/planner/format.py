@@ -89,6 +89,15 @@ def _as_run_config(model: str, p: Plan) -> list[str]:
     ]
 
 
+def _objective(s) -> str:
+    """What the settings line says of an objective that changes the plan: its pairs, its reference forward."""
+    said = [
+        *(["batch counts the chosen and rejected rows"] if s.pairs else []),
+        *(["the reference forward is a fourth pass"] if s.reference_forward else []),
+    ]
+    return f", {s.objective} ({'; '.join(said)})" if said else ""
+
+
 def _budget(s) -> str:
     """The trained entries' budget as the run gives it, and the layers it trains when they are named."""
     budget = f"density {s.density:g}" if s.num_entries is None else f"{format_count(s.num_entries)} entries"
@@ -103,12 +112,7 @@ def format_plan(p: Plan) -> str:
         f"{format_count(shape.active_params)} active per token (shapes from the {shape.shapes_from})",
         f"settings: seq {s.seq} x batch {s.batch}, {_budget(s)} ({s.granularity}), experts {s.quant}, "
         f"compute {s.dtype}, residency {s.residency}, recompute {'on' if s.recompute else 'off'}, "
-        f"logits chunk {s.logits_chunk}, {s.optimizer}"
-        + (
-            ", dpo (batch counts the chosen and rejected rows; the reference forward is a fourth pass)"
-            if s.objective == "dpo"
-            else ""
-        ),
+        f"logits chunk {s.logits_chunk}, {s.optimizer}" + _objective(s),
     ]
     if s.gpus > 1:
         how = (

@@ -40,7 +40,7 @@ from usaf.engine.costs import (
     keeps_base,
     moment_bytes,
 )
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.kernels.torch_path import MIN_PADDED_ROWS, PADDING_FACTOR
 from usaf.planner.settings import (
     COMPUTE_EFFICIENCY,
@@ -269,7 +269,7 @@ def plan(
     vram = (device.memory if vram is None else vram) if gpu else 0
     ram = machine_ram() if ram is None else ram
     if s.expert_parallel and shape.num_experts % s.gpus:
-        raise UsafError(
+        raise ConfigError(
             f"--expert-parallel over {s.gpus} GPUs needs a number of experts divisible by {s.gpus}; "
             f"{shape.name} has {shape.num_experts} experts per layer: give a --gpus that divides it."
         )
@@ -667,8 +667,8 @@ def _step_time(shape: ModelShape, s: PlanSettings, device: Device, residency: st
     sparse_grads = (
         2 * trained_entries(shape, s) * tokens * shape.experts_per_token / max(1, shape.num_experts)
     )
-    # DPO's reference log-probabilities: one more forward, without gradients, on the same weights
-    passes = 4 if s.objective == "dpo" else 3
+    # an objective's reference forward (DPO's log-probabilities): one more, without gradients, on the same weights
+    passes = 4 if s.reference_forward else 3
     flops = passes * forward + sparse_grads
     compute_s = flops / (device.tflops * 1e12 * COMPUTE_EFFICIENCY)
     # each pass reads the routed experts' weights: quantized ones are read, written in the dtype and read again

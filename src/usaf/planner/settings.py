@@ -17,10 +17,11 @@ from usaf.config import (
     UsafConfig,
     check_option,
 )
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.io.published import checkpoint_method
 from usaf.planner.sizes import GiB, MiB
 from usaf.quant import PUBLISHED, by_precision
+from usaf.registry import OBJECTIVES
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class PlanSettings:
         if "quant" in options:
             quant = options.pop("quant")
             if quant not in quant_formats():
-                raise UsafError(f"--quant must be one of {', '.join(quant_formats())}, got {quant!r}.")
+                raise ConfigError(f"--quant must be one of {', '.join(quant_formats())}, got {quant!r}.")
             published = quant if quant in PUBLISHED else None
             options["model_quant"] = run.model.quant if published else quant
         own = {"dtype": dtype, "published": published, "quant_dense": quant_dense, "gpus": gpus}
@@ -195,7 +196,7 @@ class PlanSettings:
         ]
         for ok, message in checks:
             if not ok:
-                raise UsafError(message + ".")
+                raise ConfigError(message + ".")
 
     # ---- the run's options, as the ledger reads them ----
 
@@ -222,12 +223,22 @@ class PlanSettings:
 
     @property
     def objective(self) -> str:
-        return self.run.train.objective  # dpo: a reference forward more, and pairs of rows
+        return self.run.train.objective
+
+    @property
+    def pairs(self) -> bool:
+        """The objective trains on preference pairs (a chosen and a rejected row each)."""
+        return OBJECTIVES[self.objective].pairs
+
+    @property
+    def reference_forward(self) -> bool:
+        """The objective runs one more forward a step, without gradients."""
+        return OBJECTIVES[self.objective].reference_forward
 
     @property
     def batch(self) -> int:
-        """Rows per micro-batch: data.batch_size, twice over for DPO's pairs (a chosen and a rejected row each)."""
-        return self.run.data.batch_size * (2 if self.objective == "dpo" else 1)
+        """Rows per micro-batch: data.batch_size, twice over for an objective's pairs."""
+        return self.run.data.batch_size * (2 if self.pairs else 1)
 
     @property
     def targets(self) -> tuple:
@@ -270,7 +281,7 @@ def _with_options(run: PlannedRun, options: dict) -> PlannedRun:
             changes.setdefault("select", {})["reselect_every"] = every if value else 0
         elif name == "optimizer":
             if value not in OPTIMIZERS:
-                raise UsafError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {value!r}.")
+                raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {value!r}.")
             moments = "fp32" if value == "adamw-fp32" else "bf16"
             changes.setdefault("optim", {}).update(eight_bit=value == "adamw8bit", moments=moments)
         elif name == "model_quant":

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from usaf.errors import UsafError, first_line
+from usaf.errors import ModelError, UsafError, first_line
 from usaf.model.config_json import EXPERT_COUNTS, check_model_config, text_fields
 from usaf.model.layout import find_moe_layers, intermediate_size
 from usaf.model.targets import find_target_weights
@@ -30,9 +30,9 @@ def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise UsafError(f"{path} is not valid JSON: {err}.") from err
+        raise ModelError(f"{path} is not valid JSON: {err}.") from err
     if not isinstance(data, dict):
-        raise UsafError(f"{path} does not hold a config object.")
+        raise ModelError(f"{path} does not hold a config object.")
     return data
 
 
@@ -41,7 +41,7 @@ def load_model_config(model: str) -> tuple[str, dict]:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise UsafError(f"{path} has no config.json.")
+            raise ModelError(f"{path} has no config.json.")
         path = path / "config.json"
         config = _read_json(path)
         check_model_config(config, str(path))
@@ -55,7 +55,7 @@ def load_model_config(model: str) -> tuple[str, dict]:
         config = json.loads(_presets_dir().joinpath(f"{name}.json").read_text())
         if model.lower() in (name, str(config.get("_source", "")).lower()):
             return name, config
-    raise UsafError(
+    raise ModelError(
         f"Unknown model {model!r}: not a directory, a config.json or a preset. Presets: {', '.join(presets)}."
     )
 
@@ -313,10 +313,10 @@ def _shape_from_formulas(config: dict, name: str) -> ModelShape:
             int(text["vocab_size"]),
         )
     except KeyError as err:
-        raise UsafError(f"The config of {name} lacks {err.args[0]!r}, which the planner needs.") from err
+        raise ModelError(f"The config of {name} lacks {err.args[0]!r}, which the planner needs.") from err
     experts = int(_first(text, *EXPERT_COUNTS, default=0))
     if not experts:
-        raise UsafError(
+        raise ModelError(
             f"{name} has no experts in its config (num_experts, num_local_experts or n_routed_experts)."
         )
     geo = _geometry(text)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 
 
 def proportional(total: int, weights: dict) -> dict:
@@ -21,7 +21,7 @@ def proportional(total: int, weights: dict) -> dict:
 def split_capped(total: int, weights: dict, caps: dict) -> dict:
     """Split `total` in proportion to `weights`, never giving a key more than its cap; exact."""
     if total > sum(caps[k] for k in weights):
-        raise UsafError(
+        raise ConfigError(
             f"A budget of {total:,} entries exceeds the {sum(caps[k] for k in weights):,} available."
         )
     counts = dict.fromkeys(weights, 0)
@@ -71,7 +71,7 @@ def hot_experts(share: torch.Tensor, coverage: float, needed: int = 0, capacity:
         chosen.append(e)
         total += float(share[e])
     if len(chosen) * capacity < needed:
-        raise UsafError(
+        raise ConfigError(
             f"The routing strategy cannot place {needed:,} entries: only {len(chosen)} experts received tokens "
             "in calibration. Lower the budget, calibrate on more data, or use strategy='uniform'."
         )

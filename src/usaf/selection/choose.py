@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.model.layout import ExpertGeometry
 from usaf.registry import SCORERS, STRATEGIES
 from usaf.selection import calibrate
@@ -125,7 +125,7 @@ def choose(
     with_gradients = strategy.needs.gradient or scorer.needs.gradient
     if (with_routing and experts) or with_gradients:
         if batches is None or model is None:
-            raise UsafError(
+            raise ConfigError(
                 f"strategy={config.strategy!r} / selection={config.selection!r} needs calibration data: pass "
                 "calibration_batches to prepare_model (usaf train does this from the training data)."
             )

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from usaf.engine.installed import row_observers, sparse_experts
 from usaf.engine.sparse import LineProbe, line_flat_indices
 from usaf.engine.state import model_state
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.model.layout import ExpertGeometry, find_moe_layers
 from usaf.selection import across_ranks
 from usaf.selection.candidates import NeuronImportance, best_neurons, best_rows, lines_wanted
@@ -35,7 +35,9 @@ from usaf.selection.candidates import NeuronImportance, best_neurons, best_rows,
 class Reselector:
     def __init__(self, model: torch.nn.Module, config, total_steps: int, optimizer_eight_bit: bool = False):
         if optimizer_eight_bit:
-            raise UsafError("select.reselect_every needs 32-bit optimizer state: set optim.eight_bit=false.")
+            raise ConfigError(
+                "select.reselect_every needs 32-bit optimizer state: set optim.eight_bit=false."
+            )
         self.model, self.config, self.total_steps = model, config, total_steps
         self.states = dict(sparse_experts(model))
         # the other targets' weights: entries (never neurons) reselected the same way, rows ranked by

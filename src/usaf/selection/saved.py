@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ModelError
 from usaf.io.atomic import atomic_file, atomic_json
 
 
@@ -39,5 +39,5 @@ def load_selection(path: str | Path) -> dict[str, Chosen]:
         tensors = load_file(str(path))
         meta = json.loads(path.with_suffix(".json").read_text())
     except (OSError, ValueError) as err:
-        raise UsafError(f"Cannot read the selection file {path} (and its .json companion): {err}") from None
+        raise ModelError(f"Cannot read the selection file {path} (and its .json companion): {err}") from None
     return {key: Chosen(meta["axes"].get(key), t.to(torch.int64)) for key, t in tensors.items()}

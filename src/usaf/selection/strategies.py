@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.registry import STRATEGIES
 from usaf.selection.budget import hot_experts, split_capped
 from usaf.selection.saved import load_selection
@@ -99,7 +99,7 @@ class SavedFile(BaseStrategy):
     name, needs = "file", Needs()
 
     def domains(self, units, budgets, context) -> list[Domain]:
-        raise UsafError("strategy='file' loads a saved selection; it spreads no budget.")
+        raise ConfigError("strategy='file' loads a saved selection; it spreads no budget.")
 
     def load(self, context):
         return load_selection(context.config.file)

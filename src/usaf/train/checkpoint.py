@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from usaf.engine.installed import sparse_modules
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, RunStateError, UsafError
 from usaf.files import EXTRA_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STATE_SUM_FILE, TRAINABLE_FILE
 from usaf.io.atomic import atomic_dir, atomic_file, fsync_file, make_shareable, remove_dead_writers
 from usaf.io.guard import inside
@@ -160,7 +160,7 @@ def _flatten_optimizer(optimizer) -> tuple[dict, dict]:
             elif isinstance(value, bool | int | float | str) or value is None:
                 scalars[f"{index}.{key}"] = value
             else:
-                raise UsafError(
+                raise ConfigError(
                     f"the optimizer's state '{key}' is a {type(value).__name__}, which a checkpoint cannot hold; "
                     "use the default optimizer (optim.eight_bit=false)."
                 )
@@ -191,7 +191,7 @@ def file_sha256(path: Path) -> str:
 
 
 def _damaged(file: Path, path: Path) -> UsafError:
-    return UsafError(
+    return RunStateError(
         f"Checkpoint file {file} is damaged: its sha256 differs from the one recorded when it was written "
         f"({file.stat().st_size:,} bytes now); delete {path} to fall back to an earlier checkpoint of the run."
     )
@@ -206,7 +206,7 @@ def read_state(path: Path) -> dict:
         if sum_file.exists():
             recorded = sum_file.read_text(errors="replace").strip()
             if not re.fullmatch(r"[0-9a-f]{64}", recorded):
-                raise UsafError(
+                raise RunStateError(
                     f"Checkpoint file {sum_file} is damaged (not a sha256); delete {path} to fall back to an "
                     "earlier checkpoint of the run."
                 )
@@ -216,7 +216,7 @@ def read_state(path: Path) -> dict:
         if not isinstance(meta, dict):
             raise ValueError("state.json is not a mapping")
     except (OSError, ValueError) as err:
-        raise UsafError(
+        raise RunStateError(
             f"Checkpoint {path} is unreadable ({err}); delete it to resume from an earlier one."
         ) from None
     return meta
@@ -228,7 +228,7 @@ def verify(path: Path, meta: dict) -> None:
     for name, digest in (meta.get("files") or {}).items():
         file = inside(path, name, f"{path / STATE_FILE}'s files")
         if not file.is_file():
-            raise UsafError(
+            raise RunStateError(
                 f"Checkpoint {path} is incomplete: {name} is missing; delete {path} to fall back to an earlier "
                 "checkpoint of the run."
             )
@@ -249,7 +249,7 @@ def load(path: Path) -> dict:
     except UsafError:
         raise
     except (OSError, ValueError) as err:
-        raise UsafError(
+        raise RunStateError(
             f"Checkpoint {path} is unreadable ({err}); delete it to resume from an earlier one."
         ) from None
     meta["rng"]["torch"] = rng["torch"]
@@ -275,13 +275,13 @@ def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor], wh
             prefix = f"{path}.usaf.{name}."
             selection = saved.get(prefix + entries.selection_name)
             if selection is None:
-                raise UsafError(
+                raise RunStateError(
                     f"checkpoint {where} has no selection for {path}.{name}: different model or config."
                 )
             current = getattr(entries, entries.selection_name)
             saved_base = saved.get(prefix + "base_values")
             if entries.keeps_base != (saved_base is not None):
-                raise UsafError(
+                raise RunStateError(
                     f"checkpoint {where} keeps the base values of {path}.{name} differently from this run (a "
                     "quantized base against an unquantized one): resume with the run's own configuration."
                 )
@@ -289,7 +289,7 @@ def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor], wh
                 same = torch.isin(selection, current.cpu())
                 base_now = entries.base_values.cpu()[torch.isin(current.cpu(), selection)]
                 if not torch.equal(base_now, saved_base[same].to(base_now.dtype)):
-                    raise UsafError(
+                    raise RunStateError(
                         f"checkpoint {where} was trained on a different base model: the original weights of "
                         f"{path}.{name} differ. Resume with the model the run started from."
                     )
@@ -300,7 +300,7 @@ def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor], wh
         for name, param in params.items():
             if param.requires_grad:
                 if name not in saved:
-                    raise UsafError(
+                    raise RunStateError(
                         f"checkpoint {where} lacks '{name}': it was made with another configuration."
                     )
                 param.copy_(saved[name])

@@ -39,7 +39,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, RunStateError, UsafError
 from usaf.selection.across_ranks import (
     BUCKET_BYTES,
     active,
@@ -68,7 +68,7 @@ def choose_backend(requested: str | None, device_type: str) -> str:
     and ROCm, gloo on everything else."""
     requested = os.environ.get(BACKEND_ENV) or requested or "auto"
     if requested not in BACKENDS:
-        raise UsafError(
+        raise ConfigError(
             f"distributed backend {requested!r} is not one of {', '.join(BACKENDS)} "
             f"(train.distributed_backend or ${BACKEND_ENV})."
         )
@@ -118,7 +118,7 @@ def check_world_size(saved: int | None, where) -> None:
     """Refuse a resume with another world size than the checkpoint's (None: a checkpoint from before, 1)."""
     saved, now = int(saved or 1), world_size()
     if saved != now:
-        raise UsafError(
+        raise RunStateError(
             f"cannot resume {where}: it was trained with world size {saved} and this job has world size {now}; "
             f"resume with the same number of processes (torchrun --nproc_per_node={saved} ...), since another "
             "would change the global batch of every later step."

@@ -11,7 +11,7 @@ from usaf.config import RunConfig
 from usaf.data import Batches, TokenizedDataset
 from usaf.engine.loss import IGNORE_INDEX, causal_lm_loss
 from usaf.engine.preference import preference_loss
-from usaf.errors import UsafError
+from usaf.errors import RunStateError
 from usaf.files import CONFIG_FILE, SELECTION_FILE
 from usaf.io.model_source import model_source
 from usaf.registry import OBJECTIVES
@@ -130,7 +130,7 @@ def evaluate_target(target: str, data_files: list[str], overrides: list[str]) ->
         config = RunConfig.load_saved(str(run_dir / CONFIG_FILE), overrides)
         saved = checkpoint.latest(run_dir)
         if saved is None:
-            raise UsafError(f"{run_dir} has no finished checkpoint to evaluate.")
+            raise RunStateError(f"{run_dir} has no finished checkpoint to evaluate.")
     else:
         config = RunConfig.load(None, [("model.path", target), *overrides])
     session = open_session(  # no backward here: nothing to recompute; the run's own selection, or none

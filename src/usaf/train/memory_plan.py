@@ -14,7 +14,7 @@ import torch
 
 from usaf import planner
 from usaf.config import AUTO, DEFAULT_DENSITY, DEFAULT_WORKSPACE_MB, RunConfig
-from usaf.errors import UsafError, first_line
+from usaf.errors import ConfigError, ModelError, UsafError, first_line
 from usaf.model.hf import load_config
 from usaf.planner.shape import load_model_config
 from usaf.train import distributed
@@ -53,7 +53,7 @@ def run_plan(config: RunConfig, device: torch.device, dtype: torch.dtype) -> Run
             planner.PlannedRun.of(config), _DTYPES.get(dtype, "fp32")
         ).replace(gpus=distributed.world_size())
     except Exception as err:
-        raise UsafError(f"the planner cannot read this model: {first_line(err)}") from None
+        raise ModelError(f"the planner cannot read this model: {first_line(err)}") from None
     return RunPlan(shape, settings, planned_device, budget, where)
 
 
@@ -120,7 +120,7 @@ def _budget(config: RunConfig, device: torch.device) -> tuple[int, str, planner.
         return ram, f"{planner.format_size(ram)} ({where})", planner.DEVICES["cpu"]
     if limit is None:
         if device.type != "cuda":  # torch.cuda also drives ROCm (HIP) devices
-            raise UsafError(f"the memory of {device} is not known; give train.memory_limit")
+            raise ConfigError(f"the memory of {device} is not known; give train.memory_limit")
         limit = torch.cuda.get_device_properties(device).total_memory
         where = f"{planner.format_size(limit)} of {torch.cuda.get_device_name(device)}"
     else:

@@ -2,7 +2,8 @@
 registered in `OBJECTIVES` (the config offers its names), so the loop names none of them.
 
 - `name`: the value of `train.objective`; `pairs`: whether it trains on preference pairs (a batch's chosen rows,
-  then its rejected rows, in the same order).
+  then its rejected rows, in the same order); `reference_forward`: whether each step runs one more forward without
+  gradients (what `usaf plan` counts of its time).
 - `check(train)`: refuses the `train` settings it cannot run with (a UsafError that says what to set).
 - `loss_sum(model, batch, train)`: a micro-batch's summed loss (a tensor the loop divides by the step's
   supervised units and backpropagates) and what the step's metrics need of it (None: nothing).
@@ -29,7 +30,7 @@ from usaf.train.evaluate import supervised_units
 class NextToken:
     """sft: next-token cross entropy over the supervised tokens."""
 
-    name, pairs = "sft", False
+    name, pairs, reference_forward = "sft", False, False
 
     def check(self, train) -> None:
         pass
@@ -56,7 +57,7 @@ class Preference:
     """dpo: DPO over preference pairs, the base itself the reference (`usaf.engine.preference`); its extra is each
     pair's reward margin."""
 
-    name, pairs = "dpo", True
+    name, pairs, reference_forward = "dpo", True, True
 
     def check(self, train) -> None:
         if train.prefix_cache != "off":

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 from usaf.model.hf import decoder_body
 from usaf.model.layout import find_moe_layers
 from usaf.train import distributed
@@ -31,25 +31,25 @@ class FrozenPrefixCache:
         if config.train.prefix_cache == "off":
             return None
         if distributed.active():  # [usaf.distributed]
-            raise UsafError(
+            raise ConfigError(
                 "train.prefix_cache is not supported with more than one process yet; set train.prefix_cache=off."
             )
         trained = config.select.layers
         lowest = min(trained) if trained else 0
         if lowest < 1:
-            raise UsafError(
+            raise ConfigError(
                 "train.prefix_cache needs select.layers to leave the lowest layers frozen (e.g. [2, 3])."
             )
         for layer in find_moe_layers(model):
             if layer.layer_index < lowest and any(p.requires_grad for p in layer.router.parameters()):
-                raise UsafError("train.prefix_cache: a router below the lowest trained layer is trainable.")
+                raise ConfigError("train.prefix_cache: a router below the lowest trained layer is trainable.")
         return cls(model, lowest, config.train.prefix_cache, run_dir / "prefix_cache")
 
     def __init__(
         self, model: torch.nn.Module, first_trained_layer: int, where: str, folder: Path | None = None
     ):
         if first_trained_layer < 1:
-            raise UsafError(
+            raise ConfigError(
                 "the frozen-prefix cache needs a lowest trained layer above 0: set select.layers to leave layer 0 frozen."
             )
         self.layers = decoder_layers(model)[:first_trained_layer]

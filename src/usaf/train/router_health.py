@@ -17,7 +17,7 @@ from torch import nn
 
 from usaf.config import GUARD_ACTIONS
 from usaf.engine.router import RouterCapture, RouterLoss
-from usaf.errors import UsafError
+from usaf.errors import ConfigError, UsafError
 from usaf.model.hf import decoder_body
 
 # ----------------------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ class RouterHealth:
 
     def __init__(self, capture: RouterCapture, window_steps: int = 20):
         if window_steps < 1:
-            raise UsafError(f"router health window must be >= 1 step, got {window_steps}.")
+            raise ConfigError(f"router health window must be >= 1 step, got {window_steps}.")
         self.capture = capture
         self.layer_numbers = [layer.layer_index for layer in capture.layers]
         self.num_experts = [layer.num_experts for layer in capture.layers]
@@ -194,9 +194,9 @@ class CollapseGuard:
         balance_cap: float = 0.1,
     ):
         if action not in GUARD_ACTIONS:
-            raise UsafError(f"router guard action must be one of {GUARD_ACTIONS}, got {action!r}.")
+            raise ConfigError(f"router guard action must be one of {GUARD_ACTIONS}, got {action!r}.")
         if action == "raise_balance" and loss is None:
-            raise UsafError("router guard action 'raise_balance' needs the RouterLoss it should raise.")
+            raise ConfigError("router guard action 'raise_balance' needs the RouterLoss it should raise.")
         self.max_cv, self.min_entropy, self.max_dead_share = max_cv, min_entropy, max_dead_share
         self.action, self.loss = action, loss
         self.router_params = list(router_params or [])

@@ -15,7 +15,7 @@ import torch
 from usaf.base.record import base_difference, base_record, read_run_base_record
 from usaf.config import AUTO, RunConfig
 from usaf.data.sources import is_missing
-from usaf.errors import UsafError, first_line
+from usaf.errors import ConfigError, RunStateError, UsafError, first_line
 from usaf.files import (
     CONFIG_FILE,
     LOCK_FILE,
@@ -67,7 +67,7 @@ def open_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[RunCon
     if resume:
         latest = checkpoint.latest(run_dir)
         if latest is None:
-            raise UsafError(
+            raise RunStateError(
                 f"--resume {run_dir}: the run has no finished checkpoint to resume from; start it again with "
                 f"--out {run_dir}."
             )
@@ -125,7 +125,7 @@ def check_run_paths(config: RunConfig, run_dir: Path) -> None:
                 break
     if missing:
         key, path, fix = missing[0]
-        raise UsafError(
+        raise RunStateError(
             f"--resume {run_dir}: {key} {path} does not exist (has it moved?); give its new place with {fix}."
         )
 
@@ -139,7 +139,7 @@ def check_moved_base(run_dir: Path, model_dir: str) -> None:
         return  # nothing recorded: the checkpoint's base values are still compared on restore
     differs = base_difference(recorded, model_dir)
     if differs is not None:
-        raise UsafError(
+        raise RunStateError(
             f"--resume {run_dir}: the model at {model_dir} is not the base the run started from ({differs}, "
             f"against {run_dir / RUN_BASE_FILE}); give the folder the run was trained on."
         )
@@ -147,7 +147,7 @@ def check_moved_base(run_dir: Path, model_dir: str) -> None:
 
 def check_resume_folder(run_dir: Path) -> None:
     if not (run_dir / CONFIG_FILE).is_file():
-        raise UsafError(f"--resume {run_dir}: no {CONFIG_FILE} there; is it a usaf run directory?")
+        raise RunStateError(f"--resume {run_dir}: no {CONFIG_FILE} there; is it a usaf run directory?")
     refuse_links_in_run(run_dir)
 
 
@@ -185,9 +185,9 @@ class NewRunFolder(enum.Enum):
 def check_new_run(config: RunConfig, run_dir: Path, force: bool) -> NewRunFolder:
     """What `run_dir` is for a new run; refuses a folder a new run may not start in."""
     if not config.data.train:
-        raise UsafError("no training data: give --data FILE (or data.train in the config file).")
+        raise ConfigError("no training data: give --data FILE (or data.train in the config file).")
     if not config.model.path:
-        raise UsafError("no model: give --model DIR (or model.path in the config file).")
+        raise ConfigError("no model: give --model DIR (or model.path in the config file).")
     check_something_to_train(config)
     if run_dir.is_file():
         raise UsafError(f"--out {run_dir} is a file, not a folder; choose another --out.")
@@ -198,7 +198,9 @@ def check_new_run(config: RunConfig, run_dir: Path, force: bool) -> NewRunFolder
         raise UsafError(f"--out {run_dir} is a file, not a folder; choose another --out.")
     refuse_links_in_run(run_dir)
     if checkpoint.latest(run_dir) is not None:
-        raise UsafError(f"{run_dir} already holds a run; resume it with --resume or choose another --out.")
+        raise RunStateError(
+            f"{run_dir} already holds a run; resume it with --resume or choose another --out."
+        )
     # usaf's own temporaries of its run files (a start in its first instant, or one killed then) are not the
     # user's files: such a folder is a start's, and the lock then says whether it is alive
     temporaries = tuple(f".{name}.usaf-tmp-" for name in RUN_FILES)
@@ -253,7 +255,7 @@ class RunLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise UsafError(
+            raise RunStateError(
                 f"{self.run_dir} is in use by another usaf train (process {holder}); wait for it to end, or "
                 "choose another --out."
             ) from None
@@ -276,13 +278,13 @@ def finished_run(run_dir: Path, config: RunConfig) -> dict | None:
         try:
             summary = json.loads(summary_path.read_text())
         except (OSError, ValueError) as err:
-            raise UsafError(
+            raise RunStateError(
                 f"--resume {run_dir}: the run is finished but {summary_path} is unreadable ({err}); delete it "
                 "and resume again to rewrite it."
             ) from None
         return {**summary, "already_finished": True, "step": step}
     if step > max_steps:
-        raise UsafError(
+        raise RunStateError(
             f"--resume {run_dir}: the run is at step {step}, beyond schedule.max_steps={max_steps}; give "
             f"--set schedule.max_steps={step} or more."
         )
@@ -315,12 +317,12 @@ def check_resumable(
                     if may_change_on_resume(key)
                     else f"it is fixed by the checkpoint (a resume may change only {allowed}, with --set)"
                 )
-                raise UsafError(
+                raise RunStateError(
                     f"cannot resume: {config_file} was edited: '{key}' is {b!r} there, but the run recorded "
                     f"{a!r}; put {a!r} back (or resume with --set {key}={_shown(a)}); {how}."
                 )
             if not may_change_on_resume(key):
-                raise UsafError(
+                raise RunStateError(
                     f"cannot resume: '{key}' differs from the original run ({a!r} there, {b!r} now). Resume with "
                     f"the original value; a resume may change only {allowed}."
                 )

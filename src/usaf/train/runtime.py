@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import torch
 
-from usaf.errors import UsafError
+from usaf.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,11 +27,11 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UsafError(
+        raise ConfigError(
             f"model.device = {name!r} is not a device torch knows (auto, cpu, cuda, cuda:1, ...)."
         ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsafError("model.device asks for CUDA, but this torch build sees no CUDA/ROCm device.")
+        raise ConfigError("model.device asks for CUDA, but this torch build sees no CUDA/ROCm device.")
     return device
 
 

@@ -21,7 +21,7 @@ from usaf.data import Batches, TokenizedDataset, load_run_data
 from usaf.data.sources import absolute_name
 from usaf.data.templates import template_names
 from usaf.engine.state import model_state
-from usaf.errors import UsafError, first_line
+from usaf.errors import ConfigError, ModelError, UsafError, first_line
 from usaf.files import CONFIG_FILE
 from usaf.io.model_source import is_local_path, model_source
 from usaf.io.source import check_model_files
@@ -58,7 +58,7 @@ def with_model_source(config: RunConfig) -> RunConfig:
     A run is not a base to start from: it is refused in one line."""
     source = model_source(config.model.path)
     if source.is_run:
-        raise UsafError(
+        raise ModelError(
             f"model.path {source.given} is a usaf run, not a model: continue it with `usaf train --resume "
             f"{source.given}`, or train on its merged export (`usaf export {source.given} --merged DIR`)."
         )
@@ -89,7 +89,7 @@ def load_tokenizer(path: str):
     except UsafError:
         raise
     except (OSError, ValueError) as err:
-        raise UsafError(f"cannot load the tokenizer of {path!r}: {err}") from None
+        raise ModelError(f"cannot load the tokenizer of {path!r}: {err}") from None
 
 
 def check_model_path(path: str) -> None:
@@ -99,7 +99,7 @@ def check_model_path(path: str) -> None:
     if p.is_dir():
         return
     if is_local_path(path):
-        raise UsafError(
+        raise ModelError(
             f"{path}: no such model directory (expected a folder with config.json and weights, or a "
             "hub id like Qwen/Qwen3-30B-A3B)."
         )
@@ -113,7 +113,7 @@ def _check_hub_reachable(repo_id: str, timeout_s: float = 3.0) -> None:
         return
     constants = huggingface_hub.constants
     if constants.HF_HUB_OFFLINE:
-        raise UsafError(
+        raise ModelError(
             f"{repo_id}: not in the local hub cache and HF_HUB_OFFLINE is set; download it first "
             f"(huggingface-cli download {repo_id}) or pass a local folder."
         )
@@ -123,7 +123,7 @@ def _check_hub_reachable(repo_id: str, timeout_s: float = 3.0) -> None:
     try:
         socket.create_connection((host, 443), timeout=timeout_s).close()
     except OSError as err:
-        raise UsafError(
+        raise ModelError(
             f"{repo_id}: not in the local hub cache and {host} cannot be reached ({err.strerror or err}); "
             "connect to the network, download it elsewhere and copy the folder, or pass a local folder."
         ) from None
@@ -159,7 +159,7 @@ def load_model(
         )
     else:
         if config.model.residency != "device":  # host/mmap keep a quantized store's experts off the device
-            raise UsafError(
+            raise ConfigError(
                 f"model.residency={config.model.residency} keeps a quantized base's experts in host memory; "
                 "this base is not quantized (model.quant=none): set model.quant=nf4, int8 or int4, or "
                 "model.residency=device."
@@ -170,7 +170,7 @@ def load_model(
         except UsafError:
             raise
         except (OSError, ValueError) as err:
-            raise UsafError(f"cannot load the model at {path!r}: {first_line(err)}") from None
+            raise ModelError(f"cannot load the model at {path!r}: {first_line(err)}") from None
         model.to(device)
         if recompute:
             enable_recomputation(model)
@@ -186,7 +186,7 @@ def check_finite_base(model: torch.nn.Module, seen: str) -> None:
     # the model's own weights first: usaf's trained values are copies of them
     for name, tensor in sorted(tensors, key=lambda item: ".usaf." in item[0]):
         if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
-            raise UsafError(
+            raise ModelError(
                 f"the base model has NaN/Inf values in tensor '{name}' ({seen}): training cannot start from it; "
                 "use an intact copy of the model."
             )
@@ -219,13 +219,13 @@ def nothing_to_train(config: RunConfig) -> str | None:
 
 def check_something_to_train(config: RunConfig) -> None:
     if (why := nothing_to_train(config)) is not None:
-        raise UsafError(f"nothing to train: {why}.")
+        raise ConfigError(f"nothing to train: {why}.")
 
 
 def check_trainable_entries(model, config: RunConfig) -> None:
     """A prepared model with no trainable entry (targets this model does not have): refused before a step."""
     if not any(p.requires_grad and p.numel() for p in model.parameters()):
-        raise UsafError(
+        raise ConfigError(
             f"nothing to train: select.targets {config.select.targets}"
             + (f" in select.layers {config.select.layers}" if config.select.layers is not None else "")
             + f" select no weight of the model at {config.model.path}; choose other targets (e.g. experts)."
@@ -268,7 +268,7 @@ def check_positions(model_config, config: RunConfig, *datasets) -> None:
         return
     longest = max((d.max_seq_len for d in datasets if d is not None and len(d)), default=0)
     if longest > limit:
-        raise UsafError(
+        raise ConfigError(
             f"data.max_seq_len={longest} is above the model's max_position_embeddings={limit} (config.json): "
             f"positions the model has never seen; set data.max_seq_len={limit} or less (longer records are split "
             "or truncated, and counted)."

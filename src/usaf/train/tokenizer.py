@@ -23,7 +23,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import PreTrainedTokenizerFast
 
-from usaf.errors import UsafError, first_line
+from usaf.errors import ConfigError, ModelError, UsafError, first_line
 from usaf.model.hf import load_config, text_config
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -48,7 +48,7 @@ def char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
     """A character-level tokenizer with a chat template; `alphabet` defaults to printable ASCII + newline."""
     alphabet = DEFAULT_ALPHABET if alphabet is None else alphabet
     if not alphabet or len(set(alphabet)) != len(alphabet):
-        raise UsafError("char_tokenizer: the alphabet must be a non-empty string of distinct characters.")
+        raise ConfigError("char_tokenizer: the alphabet must be a non-empty string of distinct characters.")
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + ROLE_TOKENS)}
     for char in alphabet:
         vocab[char] = len(vocab)
@@ -108,7 +108,7 @@ class NoTokenizer:
         return self.vocab_size
 
     def needs_tokenizer(self, where: str, kind: str) -> UsafError:
-        return UsafError(
+        return ModelError(
             f"{where}: '{kind}' records need a tokenizer, and the model folder {self.folder} has no tokenizer "
             f"files ({', '.join(TOKENIZER_FILES[:2])}); copy the tokenizer's files into it, or give "
             "pre-tokenized {'input_ids'} records."
@@ -128,11 +128,11 @@ def model_vocabulary(folder: str) -> NoTokenizer:
     except UsafError:
         raise
     except (OSError, ValueError, KeyError) as err:
-        raise UsafError(f"cannot read {folder}/config.json: {first_line(err)}") from None
+        raise ModelError(f"cannot read {folder}/config.json: {first_line(err)}") from None
     text = text_config(config)
     vocab = getattr(text, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1:
-        raise UsafError(
+        raise ModelError(
             f"{folder}/config.json has no vocab_size and the folder has no tokenizer files; copy the "
             "tokenizer's files into it."
         )

@@ -32,7 +32,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from usaf.errors import UsafError, first_line
+from usaf.errors import ConfigError, UsafError, first_line
 from usaf.registry import TRACKERS
 
 NONE = "none"
@@ -131,7 +131,7 @@ class WandB(Tracker):
             except TypeError:  # a wandb whose login always prompts: its init says what is missing
                 found = True
             if not found:
-                raise UsafError(f"log.report_to=wandb, but W&B has no API key: {cls.hint()}.")
+                raise ConfigError(f"log.report_to=wandb, but W&B has no API key: {cls.hint()}.")
         variable = "WANDB_BASE_URL"
         _probe(os.environ.get(variable) or wandb.Settings().base_url, variable, cls)
 
@@ -295,7 +295,7 @@ def chosen_trackers(names: list[str]) -> list[type[Tracker]]:
     install."""
     if NONE in names:
         if len(names) > 1:
-            raise UsafError(
+            raise ConfigError(
                 f"log.report_to lists 'none' with {[n for n in names if n != NONE]}: give one or the other."
             )
         return []
