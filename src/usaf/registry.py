@@ -23,6 +23,10 @@ from usaf.errors import ConfigError
 T = TypeVar("T")
 
 
+def _article(noun: str) -> str:
+    return "an" if noun[:1].lower() in "aeiou" else "a"
+
+
 def protocol_members(protocol: type) -> tuple[str, ...]:
     """The members a runtime-checkable Protocol declares (methods and annotated attributes, its bases' too)."""
     names: list[str] = []
@@ -54,7 +58,7 @@ class Registry(Generic[T]):
         missing = [m for m in protocol_members(self.protocol) if not hasattr(plugin, m)]
         if missing or not isinstance(plugin, self.protocol):
             raise ConfigError(
-                f"{plugin!r} is not a {self.kind}: it lacks {', '.join(missing) or 'members'} "
+                f"{plugin!r} is not {_article(self.kind)} {self.kind}: it lacks {', '.join(missing) or 'members'} "
                 f"(see {self.protocol.__module__}.{self.protocol.__qualname__})."
             )
         name = self.key(plugin)

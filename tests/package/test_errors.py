@@ -91,7 +91,7 @@ CASES = [
     (lambda p: lambda: RunConfig.load(None, [("optim.lr", "fast")]), ConfigError, "optim.lr"),
     (lambda p: lambda: memory_size("12", "--ram"), ConfigError, "--ram 12 has no unit"),
     (lambda p: lambda: OBJECTIVES["ppo"], ConfigError, "No objective named 'ppo'"),
-    (lambda p: lambda: OBJECTIVES.register(object()), ConfigError, "is not a objective: it lacks name"),
+    (lambda p: lambda: OBJECTIVES.register(object()), ConfigError, "is not an objective: it lacks name"),
     (lambda p: lambda: resolve_device("abacus"), ConfigError, "is not a device torch knows"),
     # models: a missing folder, an unknown model to plan, a selection file that does not read
     (lambda p: lambda: check_model_path(str(p / "nope")), ModelError, "no such model directory"),

@@ -95,7 +95,7 @@ def init(config) -> bool:
             "torchrun --nproc_per_node=N -m usaf train ..."
         )
     device_type = _wanted_device_type(config.model.device)
-    backend = choose_backend(getattr(config.train, "distributed_backend", "auto"), device_type)
+    backend = choose_backend(config.train.distributed_backend, device_type)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
