@@ -119,12 +119,7 @@ def load_prepared(
     if dtype is None:
         dtype = _checkpoint_dtype(tensors)
     model = build_skeleton(load_config(prepared_dir), dtype)
-    experts = expert_weight_names(find_moe_layers(model))
-    missing = sorted(set(experts) - {n for n, t in tensors.items() if t["kind"] == "experts"})
-    if missing:
-        raise ModelError(
-            f"The store in {prepared_dir} has no expert tensor '{missing[0]}'; prepare it again."
-        )
+    experts = _stored_experts(model, tensors, prepared_dir)
     source = _open_source(Path(source_dir), metadata, model, experts) if source_dir is not None else None
 
     _load_dense(model, entries, tensors, device)
@@ -152,6 +147,17 @@ def load_prepared(
         source.verify_partial_reads()
     model_state(model).store = PreparedStore(str(prepared_dir.resolve()), metadata, streamer)
     return model
+
+
+def _stored_experts(model: nn.Module, tensors: dict, prepared_dir: Path) -> dict[str, int]:
+    """{name of each of the model's expert weights: its MoE layer's ordinal}, each of which the store must hold."""
+    experts = expert_weight_names(find_moe_layers(model))
+    missing = sorted(set(experts) - {n for n, t in tensors.items() if t["kind"] == "experts"})
+    if missing:
+        raise ModelError(
+            f"The store in {prepared_dir} has no expert tensor '{missing[0]}'; prepare it again."
+        )
+    return experts
 
 
 def _load_dense(model: nn.Module, entries: dict, tensors: dict, device: torch.device) -> None:
