@@ -1,13 +1,13 @@
 """The house in figures: each package of src/usaf with the first sentence of its docstring (what it owns), then the
-ten largest modules and functions (lines), and the route of a setting from the command line to its uses.
+ten largest modules and functions (lines): the figures of a structural change, before and after.
 
     python bench/house.py [SRC]        # SRC: a checkout's src/usaf (default: this one)
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
-import sys
 from pathlib import Path
 
 
@@ -46,4 +46,12 @@ def main(src: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "src" / "usaf")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "src",
+        nargs="?",
+        type=Path,
+        default=Path(__file__).resolve().parents[1] / "src" / "usaf",
+        help="a checkout's src/usaf (default: this one)",
+    )
+    main(parser.parse_args().src)
