@@ -249,10 +249,11 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_host=args.gpus_per_host,
     )
     model, residency = args.model, args.residency
-    run = model_source(model) if model else None
-    if run is not None and run.is_run:  # a run: its base, planned with the run's own configuration
+    named = model_source(model) if model else None  # read once: the run's or the model's
+    run = named if named is not None and named.is_run else None
+    if run is not None:  # a run: its base, planned with the run's own configuration
         model = None
-    if args.config is not None or (run is not None and run.is_run):
+    if args.config is not None or run is not None:
         if args.config is not None:
             run_config = RunConfig.load(args.config)
         else:
@@ -264,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if not model:
         raise ConfigError("usaf plan needs --model (or --config with a model.path).")
-    source = model_source(model)
+    source = named if named is not None and run is None else model_source(model)  # --model, or the run's base
     if source.kind == STORE:  # its experts as stored: the store's format (another --quant is refused)
         given = args.quant if args.quant != planner.PLAN_DEFAULTS["quant"] else "none"
         settings = settings.replace(quant=source.quant_for(given))
