@@ -21,7 +21,7 @@ from usaf.prepare import TensorChange
 @torch.no_grad()
 def load_delta(
     model: nn.Module,
-    path: str | Path,
+    path: str | Path | Delta,
     base_dir: str | Path | None = None,
     *,
     unchecked_base: bool = False,
@@ -32,11 +32,11 @@ def load_delta(
     `usaf.prepare_model` (quantized base or not) gets them as its trained values: the engine writes them over the
     frozen base in every forward. base_dir: also verify the checksums of the checkpoint the model was loaded from
     (a delta without its base record is then refused unless `unchecked_base`). The delta's content is checked as
-    it is read (indices, values: `usaf.export.delta.check_change`).
+    it is read (indices, values: `usaf.export.delta.check_change`). `path` may be a delta read already.
     """
 
-    path = Path(path)
-    delta = read_delta(path)
+    delta = path if isinstance(path, Delta) else read_delta(path)
+    path = delta.origin
     if not unchecked_base:
         check_base_recorded(delta, "this model", "unchecked_base=True")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -86,7 +86,7 @@ def _write_entries(tensor: torch.Tensor, change: TensorChange, name: str) -> Non
     flat[change.flat_indices.to(flat.device)] = change.values.to(device=flat.device, dtype=flat.dtype)
 
 
-def _load_into_entries(state, attr: str, change: TensorChange, name: str, path: Path) -> None:
+def _load_into_entries(state, attr: str, change: TensorChange, name: str, path: str) -> None:
     """Make `change` the trained values of a prepared experts tensor (its selection becomes the delta's)."""
     store = state.stores[attr]
     numel = store.shape[0] * store.shape[1] * store.shape[2]

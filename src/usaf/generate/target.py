@@ -19,6 +19,7 @@ from usaf.engine.base_weights import base_weights
 from usaf.engine.installed import sparse_modules
 from usaf.errors import ConfigError, ModelError, RunStateError
 from usaf.export.apply_delta import check_delta_base, load_delta
+from usaf.export.delta import read_delta
 from usaf.files import SELECTION_FILE
 from usaf.io.model_source import STORE, model_source
 from usaf.io.source import check_model_files
@@ -101,6 +102,7 @@ def open_target(
     config = config_for_model(target, overrides)
     device, dtype = _session(config.model, config.train)
     tokenizer = load_tokenizer(config.model.path)
+    loaded = delta  # the delta's path, or the delta itself once read for its check (read once)
     if delta is not None:
         if not Path(delta).expanduser().is_file():
             raise ModelError(f"--delta {delta} is not a file; give a delta written by `usaf export --delta`.")
@@ -108,7 +110,8 @@ def open_target(
         # prepared from
         checked = source.base_path if source.kind == STORE else config.model.path
         if checked is not None and Path(checked).is_dir():
-            check_delta_base(delta, checked, unchecked_base=unchecked_base)
+            loaded = read_delta(delta)
+            check_delta_base(loaded, checked, unchecked_base=unchecked_base)
         elif not unchecked_base:
             raise ModelError(
                 f"--delta {delta}: {target} is a store whose source checkpoint ({checked}) is gone, so the delta's "
@@ -120,12 +123,12 @@ def open_target(
         # engine: the delta becomes its trained values
         model = load_model(config, device, dtype, recompute=False)
         if delta is not None:
-            load_delta(model, delta, unchecked_base=True)
+            load_delta(model, loaded, unchecked_base=True)
         label, pending = f"{target} ({quant})", None
     else:
         check_model_files(config.model.path)
         model = load_causal_lm(config.model.path, dtype=dtype).to(device)
-        label, pending = target, delta
+        label, pending = target, loaded
     model.eval()
     label += f" + {delta}" if delta is not None else ""
     return Target(

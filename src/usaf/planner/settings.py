@@ -88,9 +88,6 @@ OPTIMIZERS = {
 }
 
 
-VALUE_MOMENT_BYTES = {"adamw": 4, "adamw-fp32": 8, "adamw8bit": 2}
-
-
 # usaf plan's defaults where they differ from a run's: one long sequence at a time, NF4 experts
 PLAN_DEFAULTS = {"seq": 2048, "batch": 1, "quant": "nf4", "recompute": True, "density": DEFAULT_DENSITY}
 
