@@ -90,14 +90,16 @@ def _fitted(tokenizer, history: list[dict], kept: int, positions):
     """(the conversation's tokens, messages dropped): the oldest turns after the first `kept` (the system
     message) are dropped from `history` until the conversation leaves the model room to answer; (None, 0), with
     a line, when the last message alone does not fit."""
+    from usaf.data.records import TextLimit
     from usaf.generate.generation import OverContext, prompt_ids
     from usaf.generate.prompts import Prompt
 
     dropped = 0
+    limit = TextLimit.of(tokenizer, positions) if positions is not None else None
     while True:
         try:
             return prompt_ids(
-                tokenizer, Prompt(0, messages=tuple(history)), "the conversation", positions
+                tokenizer, Prompt(0, messages=tuple(history)), "the conversation", positions, limit
             ), dropped
         except OverContext:
             if len(history) - kept <= 1:  # the new message alone

@@ -79,6 +79,7 @@ def sampling(args):
 
 
 def run(args) -> int:
+    from usaf.data.records import TextLimit
     from usaf.errors import ModelError
     from usaf.generate.generation import (
         context_positions,
@@ -113,7 +114,8 @@ def run(args) -> int:
     tokenizer = target.tokenizer
     tokenizer_for_generation(tokenizer, target.chat_template)
     positions = context_positions(target.model)  # a prompt and its new tokens fit the model's context
-    encoded = [prompt_ids(tokenizer, p, f"{args.prompts}:{p.line}", positions) for p in prompts]
+    limit = TextLimit.of(tokenizer, positions) if positions is not None else None
+    encoded = [prompt_ids(tokenizer, p, f"{args.prompts}:{p.line}", positions, limit) for p in prompts]
     print(f"usaf generate: {len(prompts)} prompts with {target.label}", flush=True)
     if (cut := cut_line(settings, [len(ids) for ids in encoded], positions)) is not None:
         print(cut, flush=True)

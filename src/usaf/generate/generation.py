@@ -104,15 +104,19 @@ class OverContext(DataError):
     """A prompt that leaves the model no position to generate in."""
 
 
-def prompt_ids(tokenizer, prompt: Prompt, where: str, positions: int | None = None) -> list[int]:
+def prompt_ids(
+    tokenizer, prompt: Prompt, where: str, positions: int | None = None, limit: TextLimit | None = None
+) -> list[int]:
     """The prompt's tokens: a chat rendered by the model's template with the assistant's turn opened.
-    positions: the model's context, which the prompt must leave a position of (else OverContext)."""
+    positions: the model's context, which the prompt must leave a position of (else OverContext); limit: its
+    `TextLimit.of(tokenizer, positions)`, which reads the whole vocabulary: a caller with many prompts makes it once."""
     if positions is not None:
+        limit = limit or TextLimit.of(tokenizer, positions)
         texts = (
             [prompt.text] if prompt.messages is None else [str(m.get("content", "")) for m in prompt.messages]
         )
         chars = sum(map(len, texts))
-        if chars > TextLimit.of(tokenizer, positions).chars:  # more tokens than fit: said without tokenizing
+        if chars > limit.chars:  # more tokens than fit: said without tokenizing
             raise OverContext(
                 f"{where}: the prompt ({chars:,} characters) is longer than the model's context of {positions} "
                 "positions (max_position_embeddings); shorten it."
