@@ -21,7 +21,7 @@ from usaf.errors import ConfigError, ModelError
 from usaf.files import STORE_FILE
 from usaf.io import published, shards
 from usaf.io.guard import inside
-from usaf.io.model_source import model_source, read_store_metadata
+from usaf.io.model_source import read_store_metadata, store_source
 from usaf.io.source import SourceCheckpoint
 from usaf.model.hf import build_skeleton, compute_missing_buffers, load_config, mark_loaded
 from usaf.model.layout import expert_weight_names, find_moe_layers
@@ -53,7 +53,8 @@ def load_for_training(
     if (path / STORE_FILE).exists():
         store = path
         metadata = read_store_metadata(store)
-        model_source(str(store)).quant_for(model.quant)  # another format named: refused
+        # another format named: refused
+        store_source(str(store), str(store.resolve()), metadata).quant_for(model.quant)
         recorded = Path(metadata["source"]["dir"])
         source = recorded if (recorded / "config.json").exists() else None
         # a published format's dequantized base is the original: nothing is lost without the source

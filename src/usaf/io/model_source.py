@@ -84,12 +84,16 @@ def model_source(given: str) -> ModelSource:
     if is_run(folder):
         return ModelSource(RUN, given, path, "none", base_path=_run_model_path(folder))
     if (folder / STORE_FILE).is_file():
-        metadata = read_store_metadata(folder)
-        return ModelSource(
-            STORE, given, path, metadata["quant"], metadata["requested_quant"], metadata["source"]["dir"]
-        )
+        return store_source(given, path, read_store_metadata(folder))
     kind, quant = _classify(folder)
     return ModelSource(kind, given, path, quant)
+
+
+def store_source(given: str, path: str, metadata: dict) -> ModelSource:
+    """A prepared store as a ModelSource, from its metadata (`read_store_metadata`'s) already read."""
+    return ModelSource(
+        STORE, given, path, metadata["quant"], metadata["requested_quant"], metadata["source"]["dir"]
+    )
 
 
 def _classify(folder: Path) -> tuple[str, str]:

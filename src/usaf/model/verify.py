@@ -15,16 +15,16 @@ from pathlib import Path
 from torch import nn
 
 from usaf.errors import ModelError
+from usaf.model.config_json import EXPERT_COUNTS
 from usaf.model.hf import text_config
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # the config fields that set a weight's dimensions, most telling first: a dimension that differs is blamed on the
 # fields whose value (or product) it is
 _WIDTHS = (
     "hidden_size",
     "vocab_size",
-    *_EXPERT_COUNTS,
+    *EXPERT_COUNTS,
     "moe_intermediate_size",
     "intermediate_size",
     "head_dim",
@@ -48,7 +48,7 @@ def _dimension_fields(config) -> dict[int, list[str]]:
 
     present = set(config.to_dict()) if hasattr(config, "to_dict") else set()
     for name in _WIDTHS:
-        if name in present or name not in _EXPERT_COUNTS:  # an expert count as config.json spells it
+        if name in present or name not in EXPERT_COUNTS:  # an expert count as config.json spells it
             add(_value(config, name), name)
     head_dim = _value(config, "head_dim")
     for heads in ("num_attention_heads", "num_key_value_heads"):
