@@ -277,9 +277,8 @@ class GradientReducer:
             for bucket, (_, _, recorded) in zip(self.buckets, self.sent, strict=True)
             for p, (grad, version) in zip(bucket, recorded, strict=True)
         )
-        if sum_scalars(int(stale))[
-            0
-        ]:  # some rank's gradient moved after it left: sum again, all ranks together
+        (stale_ranks,) = sum_scalars(int(stale))
+        if stale_ranks:  # some rank's gradient moved after it left: sum again, all ranks together
             # the sent buckets' work handles go now: kept until the process exits, gloo's handle outlived its
             # process group and aborted the process ("terminate called without an active exception")
             self.sent = []

@@ -299,8 +299,7 @@ class TrainingRun:
             part.start_step(step)
         micro = self.share.take()
         (supervised,) = self.share.total(sum(objective.supervised_units(b) for b, _ in micro))
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        tokens, extras = 0, []
+        sums, tokens, extras = [], 0, []
         for index, (batch, rows) in enumerate(micro):
             if index == len(micro) - 1:
                 self.reducer.arm()  # the last backward sends gradients as they complete
@@ -315,12 +314,15 @@ class TrainingRun:
             self.scaler.scale(loss_sum / max(supervised, 1) + added / self.share.micro_batches).backward()
             for part in parts:
                 part.end_batch()
-            total += loss_sum.detach().double()
+            sums.append(loss_sum.detach())
             tokens += batch["input_ids"].numel()
         self.reducer.finish()
         for part in parts:
             part.after_backward()
-        total, tokens = self.share.total(float(total), tokens)
+        total = 0.0  # summed in float64 on the host, in order: MPS has no float64
+        for value in torch.stack(sums).cpu().tolist():  # the one read from the device
+            total += value
+        total, tokens = self.share.total(total, tokens)
         self.objective_metrics = objective.step_metrics(extras, supervised, self.share.total)
         return total / max(supervised, 1), tokens
 

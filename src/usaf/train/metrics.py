@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from usaf.files import METRICS_FILE
 from usaf.io.atomic import atomic_file, open_unfollowed
 from usaf.train.distributed import is_main
-from usaf.train.trackers import Trackers, report_to
+from usaf.train.trackers import Trackers, print_warning, report_to
 
 # metrics.jsonl's row of an evaluation: its numbers under eval/ (eval/loss, eval/perplexity; DPO's eval/loss,
 # eval/margin, eval/accuracy), in the row of the step it was taken at; the one after training also says "final": true
@@ -105,7 +105,7 @@ class MetricsLog:
         """A warning line on stderr, drawn clear of the bar."""
         bar = getattr(self, "bar", None)  # None also while the trackers start, before the bar
         with tqdm.external_write_mode(file=sys.stderr) if bar is not None else contextlib.nullcontext():
-            print(f"usaf: warning: {text}", file=sys.stderr, flush=True)
+            print_warning(text)
 
     def close(self) -> None:
         if self.bar is not None:

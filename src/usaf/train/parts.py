@@ -222,12 +222,13 @@ class PrefixCache(Part):
         return cls(cache) if cache is not None else None
 
     def begin_batch(self, batch: dict, rows: list[int]) -> None:
-        # each row's length up to its last supervised token: what the cache stores of it
-        lengths = [
-            int((r != IGNORE_INDEX).nonzero().max()) + 1 if (r != IGNORE_INDEX).any() else r.numel()
-            for r in batch["labels"]
-        ]
-        self.cache.begin_batch(rows, lengths, batch["input_ids"])
+        # each row's length up to its last supervised token (a row with none: all of it), what the cache stores of
+        # it, read from the device once for the batch
+        labels = batch["labels"]
+        width = labels.shape[-1]
+        positions = torch.arange(1, width + 1, device=labels.device)
+        ends = torch.where(labels != IGNORE_INDEX, positions, 0).amax(dim=-1)
+        self.cache.begin_batch(rows, ends.masked_fill(ends == 0, width).tolist(), batch["input_ids"])
 
     def end_batch(self) -> None:
         self.cache.end_batch()

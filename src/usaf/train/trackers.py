@@ -346,7 +346,8 @@ def _started(tracker, what: str, call, *args) -> None:
         ) from None
 
 
-def _warn(text: str) -> None:
+def print_warning(text: str) -> None:
+    """A warning line on stderr (MetricsLog.warn draws it clear of the progress bar)."""
     print(f"usaf: warning: {text}", file=sys.stderr, flush=True)
 
 
@@ -356,7 +357,7 @@ class Trackers:
     dropped for the rest of the run: retrying would repeat the warning, and the wait, at every row, and
     metrics.jsonl keeps every row anyway."""
 
-    def __init__(self, names: list[str], run_dir: Path, config: dict, start_step: int, warn=_warn):
+    def __init__(self, names: list[str], run_dir: Path, config: dict, start_step: int, warn=print_warning):
         self.trackers: list[Tracker] = []
         self.warn = warn
         try:
