@@ -319,9 +319,8 @@ class TrainingRun:
         self.reducer.finish()
         for part in parts:
             part.after_backward()
-        total = 0.0  # summed in float64 on the host, in order: MPS has no float64
-        for value in torch.stack(sums).cpu().tolist():  # the one read from the device
-            total += value
+        # one read from the device, summed in float64 on the host (MPS has no float64)
+        total = sum(torch.stack(sums).cpu().tolist())
         total, tokens = self.share.total(total, tokens)
         self.objective_metrics = objective.step_metrics(extras, supervised, self.share.total)
         return total / max(supervised, 1), tokens
