@@ -23,6 +23,7 @@ SECTIONS = {
     "checkpoint": sections.CheckpointSection,
     "log": sections.LogSection,
     "train": sections.TrainSection,
+    "distributed": sections.DistributedSection,
 }
 
 
@@ -41,6 +42,7 @@ class RunConfig:
     checkpoint: sections.CheckpointSection = field(default_factory=sections.CheckpointSection)
     log: sections.LogSection = field(default_factory=sections.LogSection)
     train: sections.TrainSection = field(default_factory=sections.TrainSection)
+    distributed: sections.DistributedSection = field(default_factory=sections.DistributedSection)
 
     def to_dict(self) -> dict:
         """The sections as plain values (AUTO as the word auto), as config.yaml holds them."""

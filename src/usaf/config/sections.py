@@ -188,6 +188,19 @@ class CheckpointSection(Section):
 
 
 @dataclass(frozen=True)
+class DistributedSection(Section):
+    NAME = "distributed"
+
+    expert_parallel: int = option(
+        1,
+        "under torchrun: ranks that split every MoE layer's experts among them (1: data parallel only); the world "
+        "size is expert_parallel x the data-parallel replicas, and expert_parallel must divide it and the experts",
+        bounds="[1, inf)",
+        most=4096,
+    )
+
+
+@dataclass(frozen=True)
 class LogSection(Section):
     NAME = "log"
 

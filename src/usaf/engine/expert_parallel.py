@@ -18,6 +18,8 @@ compute. On gloo (CPU) `all_to_all_single` with uneven splits works, which is al
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -47,6 +49,44 @@ class AllToAll(torch.autograd.Function):
         grad = grad_out.new_empty(sum(ctx.send), *grad_out.shape[1:])
         dist.all_to_all_single(grad, grad_out.contiguous(), ctx.send, ctx.recv, group=ctx.group)
         return grad, None, None, None
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where this rank sits in an expert-parallel job: world = ep x dp ranks, as a (dp, ep) device mesh. The ranks
+    g*ep ... g*ep + ep - 1 form EP group g and split every MoE layer's experts among them (EP rank e owns the
+    contiguous block e*E/ep ... (e+1)*E/ep - 1); the ranks with the same EP rank form a DP group and hold the same
+    experts (replicas, whose gradients are summed). `ep_group`/`dp_group`: their process groups."""
+
+    ep: int
+    dp: int
+    ep_rank: int
+    dp_rank: int
+    ep_group: object = None
+    dp_group: object = None
+
+    def owned(self, num_experts: int) -> range:
+        """The experts of a layer with `num_experts` this rank holds."""
+        per_rank = num_experts // self.ep
+        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+
+    def owner(self, expert: int, num_experts: int) -> int:
+        """The EP rank holding `expert`."""
+        return expert // (num_experts // self.ep)
+
+
+_LAYOUT: ExpertLayout | None = None
+
+
+def layout() -> ExpertLayout | None:
+    """The expert-parallel layout of this process (None: no expert parallelism, every rank holds every expert)."""
+    return _LAYOUT
+
+
+def set_layout(new: ExpertLayout | None) -> None:
+    """Install (or, with None, drop) this process's layout; `join` does it for a torchrun job."""
+    global _LAYOUT
+    _LAYOUT = new
 
 
 class Placement:
