@@ -69,7 +69,9 @@ def magnitude_flat_indices(store, count: int) -> torch.Tensor:
         best_index = torch.cat([best_index, top.indices + e * a * b])
         if best_scores.numel() > count:
             best_scores, best_index = _best(best_scores, best_index, count)
-    if len(store.owned) < num_experts:  # every EP rank's candidates (the same number on each) hold the global best
+    if (
+        len(store.owned) < num_experts
+    ):  # every EP rank's candidates (the same number on each) hold the global best
         gathered = expert_parallel.gather_over_experts
         best_scores, best_index = _best(gathered(best_scores), gathered(best_index), count)
     return best_index.sort().values
