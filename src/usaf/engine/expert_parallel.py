@@ -167,7 +167,7 @@ def expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     rows = AllToAll.apply(hidden_states.index_select(0, token), send, recv, group, True)
     served = AllToAll.apply(experts[order], send, recv, group, False)
     weights = AllToAll.apply(top_k_weights.reshape(-1)[order], send, recv, group, False)
-    outputs = usaf_experts_forward(self, rows, served.unsqueeze(-1), weights.unsqueeze(-1))
+    outputs = usaf_experts_forward(self, rows, served.unsqueeze(-1), weights.unsqueeze(-1), recv)
     home = AllToAll.apply(outputs, recv, send, group, True)
     combined = hidden_states.new_zeros(hidden_states.shape[0], home.shape[-1], dtype=home.dtype)
     return combined.index_add(0, token, home).to(hidden_states.dtype)
@@ -253,21 +253,28 @@ def gather_over_experts(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(found).to(tensor.device)
 
 
+def gather_ragged(values: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Every EP rank's 1-d `values` (of any length), concatenated in rank order, and the lengths. A rank's trained
+    entries are sorted and the ranks own ascending blocks of experts, so its entries' concatenation is in the
+    one-process order."""
+    ep = layout()
+    if ep is None:
+        return values, [values.numel()]
+    device = _comm_device(ep.ep_group, values)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ep.ep)]
+    dist.all_gather(sizes, torch.tensor([values.numel()], device=device), group=ep.ep_group)
+    sizes = [int(s) for s in torch.cat(sizes).tolist()]
+    padded = torch.zeros(max(sizes), dtype=values.dtype, device=device)
+    padded[: values.numel()] = values.reshape(-1).to(device)
+    found = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(found, padded, group=ep.ep_group)
+    return torch.cat([f[:n] for f, n in zip(found, sizes, strict=True)]).to(values.device), sizes
+
+
 def gather_owned(indices: torch.Tensor) -> torch.Tensor:
     """The union over the EP group of each rank's share of a selection (disjoint, as `keep_owned` left them),
     sorted: the one-process selection on every rank."""
-    ep = layout()
-    if ep is None:
-        return indices
-    device = _comm_device(ep.ep_group, indices)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ep.ep)]
-    dist.all_gather(sizes, torch.tensor([indices.numel()], device=device), group=ep.ep_group)
-    sizes = [int(s) for s in torch.cat(sizes).tolist()]
-    padded = torch.zeros(max(sizes), dtype=indices.dtype, device=device)
-    padded[: indices.numel()] = indices.reshape(-1).to(device)
-    found = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(found, padded, group=ep.ep_group)
-    return torch.cat([f[:n] for f, n in zip(found, sizes, strict=True)]).sort().values.to(indices.device)
+    return gather_ragged(indices)[0].sort().values
 
 
 def expert_parameters(model: nn.Module) -> set[int]:

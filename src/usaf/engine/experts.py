@@ -28,7 +28,7 @@ IMPLEMENTATION_NAME = "usaf"
 class RoutingPlan:
     """Token-expert pairs sorted by expert: which token each row is, and how many rows each expert has."""
 
-    def __init__(self, top_k_index: torch.Tensor, num_experts: int):
+    def __init__(self, top_k_index: torch.Tensor, num_experts: int, sources: list[int] | None = None):
         flat = top_k_index.reshape(-1)
         self.num_tokens, self.num_top_k = flat.numel() // top_k_index.shape[-1], top_k_index.shape[-1]
         self.expert_of_row, self.order = torch.sort(flat, stable=True)
@@ -37,6 +37,18 @@ class RoutingPlan:
         # the one host sync of a layer: padding, chunking and the portable grouped product need the counts
         self.rows = Segments.of(self.expert_of_row, num_experts)
         self._chunkings: dict[int | None, Chunking] = {}
+        # expert parallelism: the pairs came from several ranks, `sources[s]` consecutive ones from rank s
+        self.sources = sources
+
+    def source_masks(self) -> list[torch.Tensor | None]:
+        """[rows, 1] masks of the rows from each source rank (expert parallelism), or [None]: one source. A
+        gradient probe sums magnitudes per micro-batch, and each rank's rows are its own micro-batch's."""
+        if self.sources is None:
+            return [None]
+        device = self.order.device
+        ranks = torch.arange(len(self.sources), device=device)
+        source_of_row = torch.repeat_interleave(ranks, torch.tensor(self.sources, device=device))[self.order]
+        return [(source_of_row == s).unsqueeze(-1) for s in range(len(self.sources))]
 
     @property
     def inverse(self) -> torch.Tensor:
@@ -225,7 +237,8 @@ class SparseGroupedLinear(torch.autograd.Function):
             if grad_values is None:  # no entries among the routed experts
                 grad_values = torch.zeros_like(proj.entries.values)
         if proj.probe is not None:
-            proj.probe.accumulate(U, V, plan.rows, 0)
+            for mask in plan.source_masks():
+                proj.probe.accumulate(U if mask is None else U * mask, V, plan.rows, 0)
         grad_bias = None
         if need_bias:
             entries: ElementEntries = proj.bias_entries
@@ -311,10 +324,11 @@ class SparseExperts(SparseState):
         return SparseGroupedLinear.apply(x, values, bias_values, proj, plan)
 
 
-def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """Drop-in for transformers' experts forward (same signature and result as `grouped_mm`)."""
+def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights, sources: list[int] | None = None):
+    """Drop-in for transformers' experts forward (same signature and result as `grouped_mm`). `sources`: under
+    expert parallelism, how many consecutive pairs came from each rank."""
     state: SparseExperts = self.usaf
-    plan = RoutingPlan(top_k_index, state.num_experts)
+    plan = RoutingPlan(top_k_index, state.num_experts, sources)
     x = TokensToRows.apply(hidden_states, plan)
     h = state.project(input_projection(self), x, plan)
     h = gated_activation(self, h) if self.has_gate else self.act_fn(h)

@@ -23,6 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from usaf.engine import expert_parallel
 from usaf.engine.installed import row_observers, sparse_experts
 from usaf.engine.sparse import LineProbe, line_flat_indices
 from usaf.engine.state import model_state
@@ -123,10 +124,11 @@ class Reselector:
                 continue
             for name, axis in geometry.axes.items():
                 entries = state[name] if name in state else None  # noqa: SIM401 (ModuleDict has no .get)
-                if entries is None or entries.numel() == 0:
+                trained = _job_count(entries)  # the job's (a collective under expert parallelism)
+                if trained == 0:
                     continue
                 store = state.stores[name]
-                grow = max(1, round(fraction * entries.numel()))
+                grow = max(1, round(fraction * trained))
                 line_length = geometry.entries_per_line_group(name, store.shape)
                 neurons = best_neurons(score, lines_wanted(oversample, grow, line_length, score.numel()))
                 lines = geometry.line_ids(name, neurons, store.shape[axis])
@@ -146,42 +148,61 @@ class Reselector:
             state.probes["weight"] = LineProbe(store.shape, 1, lines.to(store.device))
 
     def _reselect_elements(self, state, name, entries, fraction, optimizer) -> int:
-        probe = state.probes[name]
-        n = entries.numel()
-        count = min(round(fraction * n), n)
+        """Drop the `fraction` of the tensor's entries that moved least, grow as many of the best probed
+        candidates; the entries replaced. Under expert parallelism an expert stack's decision is the job's: the
+        ranks' entries are gathered (their concatenation is the one-process order), and each rank applies its
+        share of the drops and grows."""
+        probe, store = state.probes[name], state.stores[name]
         flat = entries.flat_indices  # int64, derived: one tensor's transient
-        candidates = probe.flat_indices()
-        scores = probe.score.reshape(-1)
-        fresh = ~torch.isin(candidates, flat)
-        candidates, scores = candidates[fresh], scores[fresh]
-        count = min(count, candidates.numel())
-        if count == 0:
-            return 0
-        store = state.stores[name]
         # what dropping an entry changes in the weight the forward reads: back to the kept base on a resident
         # store, to the dequantized base on a quantized one (which keeps no base: it reads it back)
         base = entries.base_values if entries.keeps_base else store.read(flat)
         moved = (entries.values.detach() - base.float()).abs()
-        drop = torch.topk(moved, count, largest=False, sorted=False).indices
-        grow = candidates[torch.topk(scores, count, sorted=False).indices]
-        keep = torch.ones(n, dtype=torch.bool, device=moved.device)
+        sharded = state.is_expert_stack and expert_parallel.layout() is not None
+        all_flat, sizes = expert_parallel.gather_ragged(flat) if sharded else (flat, [flat.numel()])
+        all_moved = expert_parallel.gather_ragged(moved)[0] if sharded else moved
+        n = all_flat.numel()
+        count = min(round(fraction * n), n)
+        candidates = probe.flat_indices()
+        scores = probe.score.reshape(-1)
+        fresh = ~torch.isin(candidates, all_flat)
+        candidates, scores = candidates[fresh], scores[fresh]
+        count = min(count, candidates.numel())
+        if count == 0:
+            return 0
+        # ties (entries that never moved, candidates without gradient) broken by position: a total order, so the
+        # decision does not hang on how a kernel orders equal values
+        drop = torch.argsort(all_moved, stable=True)[:count]
+        grow = candidates[torch.argsort(scores, descending=True, stable=True)[:count]]
+        if sharded:  # this rank's share: its block of the gathered entries, its experts' candidates
+            start = sum(sizes[: expert_parallel.layout().ep_rank])
+            drop = drop[(drop >= start) & (drop < start + flat.numel())] - start
+            expert = torch.div(grow, store.shape[1] * store.shape[2], rounding_mode="floor")
+            grow = grow[(expert >= store.owned.start) & (expert < store.owned.stop)]
+        self._replace(state, name, flat, base, drop, grow, optimizer)
+        return count
+
+    def _replace(self, state, name, flat, base, drop, grow, optimizer) -> None:
+        """The entries at positions `drop` of tensor `name` reverted and replaced by `grow` (flat indices); the
+        others keep their values and moments."""
+        entries, store = state[name], state.stores[name]
+        keep = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device)
         keep[drop] = False
         if store.resident:  # revert the dropped entries in the weights the forward reads
             store.full().view(-1).index_copy_(0, flat[drop], base[drop].to(store.dtype))
         grow_base = self._original(state, name, store, grow)
         merged = torch.cat([flat[keep], grow])
         order = torch.argsort(merged)
-        old_position = torch.cat([keep.nonzero().squeeze(1), torch.full((count,), -1, device=merged.device)])[
-            order
-        ]
+        old_position = torch.cat(
+            [keep.nonzero().squeeze(1), torch.full((grow.numel(),), -1, device=merged.device)]
+        )[order]
         values = torch.cat([entries.values.detach()[keep], grow_base.float()])[order]
         kept_base = None
         if entries.keeps_base:
             kept_base = torch.cat([base[keep], grow_base.to(base.dtype)])[order]
-        del base, moved, flat
+        del base, flat
         _remap_optimizer_state(optimizer, entries.values, old_position)
         entries.set_selection(merged[order], kept_base, values)
-        return count
 
     def _original(self, state, name, store, flat) -> torch.Tensor:
         prepared = model_state(self.model)
@@ -329,6 +350,16 @@ class Reselector:
                 probe = LineProbe(store.shape, axis, value.to(store.device))
                 probe.score.copy_(tensors[f"probe/{path}/{name}/score"])
                 self._all()[path].probes[name] = probe
+
+
+def _job_count(entries) -> int:
+    """A tensor's trained entries in the whole job: under expert parallelism an expert stack's are summed over the
+    EP group (every rank must ask, whatever it holds)."""
+    local = 0 if entries is None else entries.numel()
+    if expert_parallel.layout() is None:
+        return local
+    summed = torch.tensor([float(local)], dtype=torch.float64)
+    return int(expert_parallel.expert_sum(summed, from_every_rank=False)[0])
 
 
 def _remap_optimizer_state(optimizer, param: torch.nn.Parameter, old_position: torch.Tensor) -> None:

@@ -110,11 +110,11 @@ def init(config) -> bool:
 def check_expert_parallel(config) -> None:
     """distributed.expert_parallel > 1 needs as many processes (or a multiple): said before anything loads."""
     ep, world = config.distributed.expert_parallel, int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if ep > 1 and config.select.reselect_every:
+    if ep > 1 and config.select.reselect_every and config.select.granularity == "neuron":
         raise ConfigError(
-            f"select.reselect_every={config.select.reselect_every} with distributed.expert_parallel={ep}: "
-            "reselection is not available under expert parallelism yet; set select.reselect_every=0 (the selection "
-            "made at the start is kept) or train data-parallel."
+            f"select.reselect_every={config.select.reselect_every} with select.granularity=neuron and "
+            f"distributed.expert_parallel={ep}: reselecting whole neurons is not available under expert parallelism "
+            "yet; set select.granularity=element (the default) or select.reselect_every=0."
         )
     if ep > 1 and world % ep:
         raise ConfigError(
