@@ -34,7 +34,7 @@ OTHER_TOOLS = {  # first word of a README command that is not usaf's -> where th
     "llama-server": "serving a GGUF: llama.cpp's own tool, on the GGUF the walk-through writes",
     "accelerate": "tests/distributed/test_trainer_ddp.py runs examples/hf_trainer.py under accelerate launch",
     "ACCELERATE_USE_CPU=1": "tests/distributed/test_trainer_ddp.py (gloo on CPUs)",
-    "torchrun": "tests/distributed/test_trainer_ddp.py and test_data_parallel.py run it",
+    "torchrun": "tests/distributed/test_trainer_ddp.py, test_data_parallel.py and test_expert_parallel_train.py run it",
 }
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from usaf.engine.experts import usaf_experts_forward
 from usaf.engine.installed import sparse_experts
@@ -88,8 +89,6 @@ def join(ep: int, device_type: str = "cpu") -> ExpertLayout | None:
             f"distributed.expert_parallel={ep} must divide the job's {world} processes (world = expert_parallel x "
             f"data-parallel replicas): use torchrun --nproc_per_node={ep} (or a multiple of {ep})."
         )
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
     rank = dist.get_rank()
     found = ExpertLayout(ep, world // ep, rank % ep, rank // ep, mesh.get_group("ep"), mesh.get_group("dp"))
@@ -280,3 +279,14 @@ def gather_owned(indices: torch.Tensor) -> torch.Tensor:
 def expert_parameters(model: nn.Module) -> set[int]:
     """ids of the trained parameters that belong to expert stacks (their values live on their owner only)."""
     return {id(p) for _, state in sparse_experts(model) for p in state.parameters() if p.requires_grad}
+
+
+def frozen_expert_bytes(model: nn.Module) -> int:
+    """The bytes of frozen expert weight matrices this process holds (a rank's share under expert parallelism;
+    the experts' biases, a few KB, are whole on every rank)."""
+    return sum(
+        store.nbytes
+        for _, state in sparse_experts(model)
+        for name, store in state.stores.items()
+        if not name.endswith("_bias")
+    )

@@ -64,6 +64,10 @@ class DenseStore:
         return self._view[1]
 
     @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    @property
     def owned(self) -> range:
         """The experts this store holds: all of them (only a `QuantizedStore` is ever an expert-parallel slice)."""
         return range(self.shape[0])

@@ -38,6 +38,10 @@ class ResidentParts:
         index = _expert_index(expert_ids, self.device)
         return {name: t[index] for name, t in self.parts.items()}
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
     def __repr__(self) -> str:
         return f"ResidentParts({self.device})"
 
@@ -59,6 +63,11 @@ class StreamedParts:
 
     def fetch(self, expert_ids: list[int]) -> dict[str, torch.Tensor]:
         return self.streamer.fetch(self, expert_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes held off the device (memory-mapped ones count in full, as they may all be paged in)."""
+        return sum(t.numel() * t.element_size() for t in self.host.values())
 
     def __repr__(self) -> str:
         return f"StreamedParts(layer={self.layer}, {self.streamer.device})"

@@ -45,6 +45,11 @@ class QuantizedStore:
     def device(self) -> torch.device:
         return self.parts.device
 
+    @property
+    def nbytes(self) -> int:
+        """The quantized bytes this store holds (under expert parallelism: its experts' only)."""
+        return self.parts.nbytes
+
     def materialize(self, expert_ids: list[int]) -> torch.Tensor:
         """A fresh [k, A, B] tensor of the given experts, dequantized; no other expert is touched."""
         _, rows, cols = self.shape

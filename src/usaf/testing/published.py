@@ -72,14 +72,14 @@ def _tokenizer():
     return char_tokenizer()
 
 
-def make_mxfp4_gpt_oss(folder: str | Path, seed: int = 0, tokenizer=True) -> Path:
+def make_mxfp4_gpt_oss(folder: str | Path, seed: int = 0, tokenizer=True, **overrides) -> Path:
     """A tiny gpt-oss whose experts are stored as openai/gpt-oss-20b stores them: `experts.gate_up_proj_blocks`
-    [E, 2I, H/32, 16] and `_scales` [E, 2I, H/32] (uint8), the same for down_proj; everything else bf16."""
+    [E, 2I, H/32, 16] and `_scales` [E, 2I, H/32] (uint8), the same for down_proj; everything else bf16.
+    `overrides`: config fields (e.g. num_experts)."""
     folder = Path(folder)
     tok = _tokenizer() if tokenizer else None
-    model = tiny_model(
-        "gpt_oss", seed=seed, dtype=torch.bfloat16, intermediate_size=64, vocab_size=len(tok) if tok else 97
-    )
+    sizes = {"intermediate_size": 64, "vocab_size": len(tok) if tok else 97, **overrides}
+    model = tiny_model("gpt_oss", seed=seed, dtype=torch.bfloat16, **sizes)
     tensors = _save_plain(folder, model, tok)
     for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         # the parameter is [E, in, out]; the published blocks run along `in` for each output row

@@ -190,6 +190,16 @@ def sum_scalars(*values: float) -> tuple:
     )
 
 
+def per_rank(values: list[float]) -> list[list[float]]:
+    """Every rank's `values` (the same length on each), in rank order; one process: its own."""
+    if not active():
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    found = [torch.empty_like(mine) for _ in range(world_size())]
+    dist.all_gather(found, mine)
+    return [f.tolist() for f in found]
+
+
 # ------------------------------------------------------------------------------------------------------ gradients
 
 

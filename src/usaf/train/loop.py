@@ -23,6 +23,7 @@ import torch
 from usaf.config import RunConfig
 from usaf.data import Batches
 from usaf.data.load import fit_context
+from usaf.engine import expert_parallel
 from usaf.engine.state import streamed_bytes
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE, SELECTION_FILE
@@ -404,6 +405,12 @@ class TrainingRun:
         for part in self.parts:
             part.finish(self.state)
         summary = self.state.summary(eval_after, self.entries, self.data_stats)
+        # what each rank held and peaked at (the planner's per-rank figures; one process: itself)
+        figures = [runtime.peak_memory_bytes(self.device), expert_parallel.frozen_expert_bytes(self.model)]
+        summary["ranks"] = [
+            {"rank": r, "peak_memory_mb": peak / 2**20, "frozen_expert_bytes": int(held)}
+            for r, (peak, held) in enumerate(distributed.per_rank(figures))
+        ]
         write_summary(self.run_dir, summary)
         return summary
 

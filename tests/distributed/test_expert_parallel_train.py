@@ -1,0 +1,145 @@
+"""Expert parallelism in `usaf train` (issue 37): torchrun jobs on gloo against one process.
+
+A tiny Qwen3-MoE-shaped model with 16 experts (NF4 store) and a published MXFP4 gpt-oss with 8 experts. EP = 2 with
+accumulation 2, EP = 4 and EP 2 x DP 2 with accumulation 1 each train what one process with accumulation 4 trains:
+the same selection (and reselection) bit for bit, per-step losses and exported deltas within float reassociation
+(the expert outputs are summed per token in another order), and each rank holds 1/EP of the experts' bytes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import char_tokenizer, losses, write_copy_task
+from safetensors.torch import load_file
+
+from usaf.cli import main
+from usaf.testing.published import make_mxfp4_gpt_oss
+from usaf.testing.tiny import tiny_model
+
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
+    ),
+    pytest.mark.slow,
+]
+
+SETTINGS = [
+    "data.max_seq_len=48",
+    "data.batch_size=2",
+    "select.density=0.1",
+    "select.targets=[experts,routers,attention,embeddings,lm_head]",
+    "select.reselect_every=2",  # the reselection is the job's: gathered entries, probes per source rank
+    "optim.lr=0.01",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "schedule.warmup_steps=1",
+    "schedule.max_steps=3",
+    "checkpoint.every_steps=3",
+    "train.seed=3",
+]
+MICRO_BATCHES = 4  # per optimizer step, over all ranks
+
+
+def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return subprocess.run(
+        [*command, "-m", "usaf", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+def _train(root: Path, model: Path, out: str, ranks: int = 1, ep: int = 1, *sets: str) -> Path:
+    args = [
+        "train",
+        f"--model={model}",
+        f"--data={root / 'train.jsonl'}",
+        f"--out={root / out}",
+        *[f"--set={s}" for s in SETTINGS],
+        f"--set=schedule.grad_accum={MICRO_BATCHES // ranks}",
+        f"--set=distributed.expert_parallel={ep}",
+        *[f"--set={s}" for s in sets],
+    ]
+    if ranks == 1:
+        assert main(args) == 0
+    else:
+        done = torchrun(ranks, args)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert main(["export", str(root / out), "--delta", str(root / f"{out}.delta.safetensors")]) == 0
+    return root / out
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep-qwen")
+    tokenizer = char_tokenizer()
+    model = tiny_model("qwen3_moe", seed=0, vocab_size=len(tokenizer), num_experts=16)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    write_copy_task(root / "train.jsonl", 80)
+    made = {"one": 1, "ep2": 2, "ep4": 4, "ep2dp2": 4}
+    ep_of = {"one": 1, "ep2": 2, "ep4": 4, "ep2dp2": 2}
+    return {
+        name: _train(root, root / "model", name, n, ep_of[name], "model.quant=nf4")
+        for name, n in made.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep-mxfp4")
+    make_mxfp4_gpt_oss(root / "model", num_experts=8)
+    write_copy_task(root / "train.jsonl", 80)
+    return {
+        "one": _train(root, root / "model", "one"),
+        "ep2": _train(root, root / "model", "ep2", ranks=2, ep=2),
+    }
+
+
+def _summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def _delta(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(f"{run}.delta.safetensors")
+
+
+def _check_against_one_process(runs: dict, ep_of: dict) -> None:
+    one = runs["one"]
+    reference, reference_delta = losses(one), _delta(one)
+    whole = _summary(one)["ranks"][0]["frozen_expert_bytes"]
+    assert whole > 0
+    for name, ep in ep_of.items():
+        run = runs[name]
+        # the selection and every reselection: bit for bit
+        a, b = load_file(str(one / "selection.safetensors")), load_file(str(run / "selection.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        got = losses(run)
+        assert got.keys() == reference.keys() == {1, 2, 3}, name
+        for step, loss in reference.items():
+            assert abs(got[step] - loss) <= 1e-5 * abs(loss), (name, step, got[step], loss)
+        delta = _delta(run)
+        assert delta.keys() == reference_delta.keys(), name
+        for key, want in reference_delta.items():
+            if want.is_floating_point():
+                torch.testing.assert_close(delta[key], want, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
+            else:  # where the entries are
+                assert torch.equal(delta[key], want), (name, key)
+        ranks = _summary(run)["ranks"]
+        # each rank holds 1/EP of the experts' bytes
+        assert [r["frozen_expert_bytes"] for r in ranks] == [whole // ep] * len(ranks), (name, ranks, whole)
+        assert whole % ep == 0
+
+
+def test_expert_parallel_jobs_train_what_one_process_trains(qwen):
+    _check_against_one_process(qwen, {"ep2": 2, "ep4": 4, "ep2dp2": 2})
+    # the job's trained expert entries, not rank 0's share
+    assert _summary(qwen["ep4"])["expert_entries"] == _summary(qwen["one"])["expert_entries"]
+
+
+def test_expert_parallel_on_a_published_mxfp4_checkpoint(mxfp4):
+    _check_against_one_process(mxfp4, {"ep2": 2})
