@@ -195,6 +195,7 @@ def _install_expert_stores(
         info = tensors[name]
         parts = {key.rsplit(":", 1)[1]: entries[key] for key in info["stored"]}
         # an expert-parallel rank reads only its experts' bytes
+        expert_parallel.check_experts(info["shape"][0], name)
         owned = ep.owned(info["shape"][0]) if ep is not None else range(info["shape"][0])
         loaded = {part: _read_part(entry, residency, device, owned) for part, entry in parts.items()}
         holder = ResidentParts(loaded) if streamer is None else StreamedParts(loaded, streamer, layer)
