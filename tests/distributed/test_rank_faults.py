@@ -4,6 +4,7 @@ so in one line (no traceback), and `usaf train --resume` finishes the run bit fo
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,10 +38,9 @@ SETTINGS = [
 BOUND_S = 60  # the dead job, start to end (starting and loading take most of it)
 
 
-def torchrun(args: list[str], **env) -> tuple[subprocess.CompletedProcess, float]:
-    """`torchrun --standalone --nproc_per_node=2 -m usaf ARGS`, and its wall time."""
-    started = time.monotonic()
-    done = subprocess.run(
+def torchrun(args: list[str], **env) -> subprocess.Popen:
+    """`torchrun --standalone --nproc_per_node=2 -m usaf ARGS`, started."""
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -51,12 +51,17 @@ def torchrun(args: list[str], **env) -> tuple[subprocess.CompletedProcess, float
             "usaf",
             *args,
         ],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1", **env},
-        timeout=BOUND_S + 60,
     )
-    return done, time.monotonic() - started
+
+
+def finished(job: subprocess.Popen) -> tuple[int, str]:
+    """The job's exit status and standard error, once it has ended (it must within BOUND_S + a minute)."""
+    _, err = job.communicate(timeout=BOUND_S + 60)
+    return job.returncode, err
 
 
 def test_a_dead_rank_stops_the_job_in_one_line_and_the_run_resumes_exactly(tmp_path):
@@ -67,26 +72,25 @@ def test_a_dead_rank_stops_the_job_in_one_line_and_the_run_resumes_exactly(tmp_p
         f"--data={tmp_path / 'train.jsonl'}",
         *[f"--set={s}" for s in SETTINGS],
     ]
-    straight, _ = torchrun(["train", *common, f"--out={tmp_path / 'straight'}"])
-    assert straight.returncode == 0, straight.stderr[-3000:]
-
-    run = tmp_path / "died"
-    died, seconds = torchrun(["train", *common, f"--out={run}"], USAF_TEST_DIE_AT_STEP="3@1")
-    assert died.returncode != 0 and seconds < BOUND_S, (seconds, died.stderr[-3000:])
-    said = [line for line in died.stderr.splitlines() if line.startswith("usaf:")]
-    assert len(said) == 1, died.stderr  # rank 0's line; rank 1 died without a word, as a crashed process does
+    straight = torchrun(["train", *common, f"--out={tmp_path / 'straight'}"])  # beside the one that dies
+    run, started = tmp_path / "died", time.monotonic()
+    rc, err = finished(torchrun(["train", *common, f"--out={run}"], USAF_TEST_DIE_AT_STEP="3@1"))
+    seconds = time.monotonic() - started
+    assert rc != 0 and seconds < BOUND_S, (seconds, err[-3000:])
+    said = [line for line in err.splitlines() if line.startswith("usaf:")]
+    assert len(said) == 1, err  # rank 0's line; rank 1 died without a word, as a crashed process does
     assert said[0].startswith("usaf: error: rank 0 of 2 stopped: all_reduce") and (
         f"Resume with usaf train --resume {run} " in said[0]
     ), said
-    frames = [line for line in died.stderr.splitlines() if line.lstrip().startswith("File ")]
-    assert not any(f"{os.sep}usaf{os.sep}" in line for line in frames), (
-        died.stderr
-    )  # torchrun's own report only
+    frames = [line for line in err.splitlines() if 'File "' in line]
+    assert not any(f"{os.sep}usaf{os.sep}" in line for line in frames), err  # torchrun's own report only
     saved = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert saved[-1] in ("step-00000001", "step-00000002") and saved[-1] in said[0], saved
 
-    resumed, _ = torchrun(["train", f"--resume={run}"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rc, err = finished(torchrun(["train", f"--resume={run}"]))
+    assert rc == 0, err[-3000:]
+    rc, err = finished(straight)
+    assert rc == 0, err[-3000:]
     assert losses(run) == losses(tmp_path / "straight") and sorted(losses(run)) == [1, 2, 3, 4]
     final = "checkpoints/step-00000004/trainable.safetensors"
     a, b = load_file(str(tmp_path / "straight" / final)), load_file(str(run / final))
@@ -141,3 +145,28 @@ def test_only_the_jobs_communication_failing_is_a_peer_failure(monkeypatch):
     assert distributed.peer_failure(watchdog).endswith("failed: Watchdog caught collective operation timeout")
     assert distributed.peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
     assert distributed.peer_failure(ValueError("Connection closed by peer")) is None
+
+
+# the command's process (usaf.startup acts on a program named usaf) after the command ended, as torchrun's SIGTERM
+# finds a rank that has just said its one line and is shutting down
+_ENDED_THEN_SIGTERM = """
+import os, signal, sys
+from usaf.cli import main
+code = main([])  # the help; the command has ended
+os.kill(os.getpid(), signal.SIGTERM)
+sys.exit(code)
+"""
+
+
+def test_a_signal_after_the_command_ended_ends_it_quietly(tmp_path):
+    script = tmp_path / "usaf"
+    script.write_text(_ENDED_THEN_SIGTERM)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=120,
+    )
+    assert done.returncode == 128 + signal.SIGTERM and done.stderr == "", done.stderr
+    assert done.stdout.startswith("usage: usaf")  # the help was printed

@@ -29,6 +29,9 @@ trains, up to floating-point reassociation.
   rank reads a checkpoint on resume. Resume needs the world size the run was trained with (`check_world_size`,
   from the Checkpointer):
   another one would change the global batch of every later step, so it is refused rather than re-sharded.
+- Faults: every collective times out after `distributed.timeout_s` (init_process_group's timeout), so a rank that
+  died or hangs stops the job rather than hanging it; `peer_failure` recognises the job's communication failing,
+  which the command line says in one line on each rank left (docs/distributed.md, "When a rank dies").
 """
 
 from __future__ import annotations
