@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+from usaf import startup
 from usaf.commands import Command, command_name, command_texts
 from usaf.errors import ConfigError, UsafError
 from usaf.io.atomic import Terminated, check_destination, output_error
@@ -141,7 +142,8 @@ def _main(argv: list[str] | None) -> int:
 def _interruptible():
     """Ctrl-C and SIGTERM raise (KeyboardInterrupt, usaf.io.atomic.Terminated) wherever the command stands, so
     that what it was writing is cleaned up and main ends with one line and 128+N; before main, usaf.startup ends
-    the process itself. The handlers before are restored after (main may be called in-process)."""
+    the process itself, and after it ends quietly (usaf.startup.ended). The handlers before are restored after
+    (main may be called in-process)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -163,6 +165,8 @@ def _interruptible():
         yield
     finally:
         for sig, handler in previous.items():
+            if handler is startup.leave:  # the command's process: it has started, and now it has ended
+                handler = startup.ended
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 

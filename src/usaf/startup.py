@@ -23,6 +23,12 @@ def leave(signum: int, frame) -> None:
     os._exit(128 + signum)
 
 
+def ended(signum: int, frame) -> None:
+    """The handler once the command has ended and said what it had to (`usaf.cli.main` installs it): a signal while
+    Python shuts down (torchrun ending a job's other workers after one failed) ends the process quietly."""
+    os._exit(128 + signum)
+
+
 def is_the_command() -> bool:
     argv = getattr(sys, "orig_argv", [])
     script = os.path.basename(sys.argv[0]) if sys.argv else ""

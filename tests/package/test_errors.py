@@ -153,6 +153,7 @@ PLAIN = {
     "usaf.engine.expert_parallel:enable": "torch.distributed not initialized",
     "usaf.selection.across_ranks:check_joined": "prepare_model before the process group started",
     "usaf.train.distributed:init": "WORLD_SIZE without torchrun's other variables",
+    "usaf.commands.train:_train_in_job": "another rank of the torchrun job died or stopped answering",
     "usaf.train.router_health:RouterHealth.measure_drift": "measure_drift called before record_base",
     "usaf.report:write_router_load": "a caller's rows and layer numbers that differ",
     # a run that diverged: its settings or its data, which the loop cannot tell apart

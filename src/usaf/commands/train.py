@@ -7,11 +7,12 @@ overrides; --print-config shows the effective result, --list-options all keys.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from usaf.commands import add_run_inputs, add_set_option
 from usaf.config import RunConfig, describe
-from usaf.errors import ConfigError, RunStateError
+from usaf.errors import ConfigError, RunStateError, UsafError
 from usaf.files import CONFIG_FILE
 
 
@@ -58,7 +59,6 @@ def effective_config(args) -> RunConfig:
 
 
 def run(args) -> int:
-    from usaf.train.loop import train
     from usaf.train.state import format_summary, stopped_exit_code
 
     if args.list_options:
@@ -75,7 +75,7 @@ def run(args) -> int:
         from usaf.io.guard import check_placement
 
         check_placement(Path(run_dir), "--out", [("the config file", args.config)])
-    summary = train(config, run_dir, resume=bool(args.resume), force=args.force)
+    summary = _train_in_job(config, run_dir, args)
     if summary.get("already_finished"):
         print(
             f"{run_dir} is finished (step {summary['step']} of schedule.max_steps="
@@ -86,3 +86,28 @@ def run(args) -> int:
         return code
     print(format_summary(summary))
     return 0
+
+
+def _train_in_job(config: RunConfig, run_dir: str, args) -> dict:
+    """`train`, with the job's communication failing under torchrun (another rank died or hangs) said in one line
+    on each rank that is left, instead of a traceback per rank."""
+    from usaf.train import checkpoint, distributed
+    from usaf.train.loop import train
+
+    try:
+        return train(config, run_dir, resume=bool(args.resume), force=args.force)
+    except Exception as err:
+        if (failed := distributed.peer_failure(err)) is None:
+            raise
+        latest = checkpoint.latest(Path(run_dir))
+        world, me = os.environ.get("WORLD_SIZE", "?"), os.environ.get("RANK", "?")
+        raise UsafError(
+            f"rank {me} of {world} stopped: {failed}; another rank died or stopped answering (its own output and "
+            "torchrun's report name it). "
+            + (
+                f"Resume with usaf train --resume {run_dir} under torchrun with the same number of processes: it "
+                f"continues from its last checkpoint, {latest.name}."
+                if latest
+                else "No checkpoint was written yet: start the run again."
+            )
+        ) from None

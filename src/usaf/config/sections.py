@@ -198,6 +198,12 @@ class DistributedSection(Section):
         bounds="[1, inf)",
         most=4096,
     )
+    timeout_s: float = option(
+        600.0,
+        "under torchrun: seconds a collective waits for the other ranks before it fails and stops the job (a rank "
+        "that died or hangs); above the longest a rank may wait for another, e.g. rank 0 writing a checkpoint",
+        bounds="(0, inf)",
+    )
 
 
 @dataclass(frozen=True)

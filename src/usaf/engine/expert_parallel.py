@@ -1,6 +1,6 @@
 """Expert parallelism (EP): each rank of an EP group holds 1/ep of every MoE layer's experts (docs/distributed.md).
 
-The job is a (dp, ep) device mesh: world = ep x dp ranks. The ranks g*ep ... g*ep + ep - 1 form EP group g and
+The job is a (dp, ep) mesh of ranks: world = ep x dp. The ranks g*ep ... g*ep + ep - 1 form EP group g and
 split every MoE layer's experts among them, EP rank e owning the contiguous block e*E/ep ... (e+1)*E/ep - 1; the
 ranks with the same EP rank form a DP group and hold the same experts (replicas, whose gradients are summed).
 
@@ -21,11 +21,11 @@ one process. Statistics that selection reads are made global with `expert_sum` (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from usaf.engine.experts import usaf_experts_forward
 from usaf.engine.installed import sparse_experts
@@ -78,8 +78,9 @@ def set_layout(new: ExpertLayout | None) -> None:
     _LAYOUT = new
 
 
-def join(ep: int, device_type: str = "cpu") -> ExpertLayout | None:
-    """Carve the started process group into the (dp, ep) mesh and install this rank's layout (ep 1: none)."""
+def join(ep: int, timeout: timedelta | None = None) -> ExpertLayout | None:
+    """Carve the started process group into the (dp, ep) mesh and install this rank's layout (ep 1: none). Its
+    groups wait `timeout` for a peer, as the job's own group does (None: torch's default)."""
     if ep <= 1:
         set_layout(None)
         return None
@@ -89,9 +90,12 @@ def join(ep: int, device_type: str = "cpu") -> ExpertLayout | None:
             f"distributed.expert_parallel={ep} must divide the job's {world} processes (world = expert_parallel x "
             f"data-parallel replicas): use torchrun --nproc_per_node={ep} (or a multiple of {ep})."
         )
-    mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
-    rank = dist.get_rank()
-    found = ExpertLayout(ep, world // ep, rank % ep, rank // ep, mesh.get_group("ep"), mesh.get_group("dp"))
+    rank, dp = dist.get_rank(), world // ep
+    mesh = torch.arange(world).view(dp, ep)  # rows: EP groups; columns: DP groups
+    # every rank creates every group, in the same order (torch.distributed requires it)
+    ep_groups = [dist.new_group(row.tolist(), timeout=timeout) for row in mesh]
+    dp_groups = [dist.new_group(column.tolist(), timeout=timeout) for column in mesh.T]
+    found = ExpertLayout(ep, dp, rank % ep, rank // ep, ep_groups[rank // ep], dp_groups[rank % ep])
     set_layout(found)
     return found
 

@@ -29,18 +29,24 @@ trains, up to floating-point reassociation.
   rank reads a checkpoint on resume. Resume needs the world size the run was trained with (`check_world_size`,
   from the Checkpointer):
   another one would change the global batch of every later step, so it is refused rather than re-sharded.
+- Faults: every collective times out after `distributed.timeout_s` (init_process_group's timeout), so a rank that
+  died or hangs stops the job rather than hanging it; `peer_failure` recognises the job's communication failing,
+  which the command line says in one line on each rank left (docs/distributed.md, "When a rank dies").
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from usaf.engine import expert_parallel
-from usaf.errors import ConfigError, RunStateError, UsafError
+from usaf.errors import ConfigError, RunStateError, UsafError, first_line
 from usaf.selection.across_ranks import (
     BUCKET_BYTES,
     active,
@@ -100,10 +106,12 @@ def init(config) -> bool:
     backend = choose_backend(config.train.distributed_backend, device_type)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    # bounded: a collective that waits longer for a rank that died or hangs fails (gloo raises; NCCL's watchdog ends
+    # the process), so the job stops instead of hanging (see docs/distributed.md, "When a rank dies")
+    dist.init_process_group(backend, timeout=timedelta(seconds=config.distributed.timeout_s))
     if dist.get_rank() != 0 and not os.environ.get("USAF_ALL_RANKS_PRINT"):
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process): rank 0 prints
-    expert_parallel.join(config.distributed.expert_parallel, "cuda" if device_type == "cuda" else "cpu")
+    expert_parallel.join(config.distributed.expert_parallel, timedelta(seconds=config.distributed.timeout_s))
     return True
 
 
@@ -121,6 +129,52 @@ def check_expert_parallel(config) -> None:
             f"distributed.expert_parallel={ep} splits the experts over {ep} processes, and this job has {world}: "
             f"start it with torchrun --nproc_per_node={ep} -m usaf train ... (or a multiple of {ep} processes)."
         )
+
+
+# what torch.distributed's backends say when a peer is gone or a collective timed out (they raise RuntimeError)
+_PEER_FAILURES = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "processgroup")
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]+:\d+\]\s*")  # gloo's "[.../pair.cc:553] " before what it says
+
+
+def peer_failure(err: BaseException) -> str | None:
+    """Under torchrun, when `err` is the job's communication failing (another rank died or stopped answering, so a
+    collective raised or timed out): which collective failed, where, and what the backend said, e.g. "all_reduce
+    (in usaf.train.stop) failed: Connection closed by peer ..."; None for any other error."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or not dist.is_available():
+        return None
+    # its first sentence: gloo goes on with advice and an emoji
+    said = _SOURCE_PREFIX.sub("", first_line(err)).split(". ")[0]
+    if not isinstance(err, dist.DistError) and not (
+        isinstance(err, RuntimeError) and any(m in said.lower() for m in _PEER_FAILURES)
+    ):
+        return None
+    frames = traceback.extract_tb(err.__traceback__)
+    collectives = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")]
+    usaf_frames = [f for f in frames if f"{os.sep}usaf{os.sep}" in f.filename]
+    where = _module_of(usaf_frames[-1].filename) if usaf_frames else "usaf"
+    if collectives:  # the first is the one usaf called (the rest are its internals)
+        return f"{collectives[0]} (in {where}) failed: {said}"
+    # an asynchronous collective's wait() (the gradient reducer's), or a backend error outside the Python API
+    name = usaf_frames[-1].name if usaf_frames else "?"
+    return f"a collective waited on in {where}.{name} failed: {said}"
+
+
+def _module_of(filename: str) -> str:
+    parts = filename.removesuffix(".py").split(os.sep)
+    return ".".join(parts[len(parts) - 1 - parts[::-1].index("usaf") :])
+
+
+# A test hook (tests/distributed/test_rank_faults.py): USAF_TEST_DIE_AT_STEP=STEP[@RANK] ends this process (the given
+# rank's, else any) as a crashed GPU process ends, no clean-up, when the loop starts optimizer step STEP.
+_DIE_AT = os.environ.get("USAF_TEST_DIE_AT_STEP", "")
+
+
+def die_if_asked(step: int) -> None:
+    if not _DIE_AT:
+        return
+    at, _, on_rank = _DIE_AT.partition("@")
+    if int(at) == step and (not on_rank or int(on_rank) == int(os.environ.get("RANK", "0"))):
+        os._exit(1)
 
 
 def local_device(device: torch.device) -> torch.device:

@@ -262,6 +262,9 @@ class TrainingRun:
 
     def step(self) -> None:
         """One optimizer step and what follows it (nothing follows a skipped one)."""
+        distributed.die_if_asked(
+            self.state.step + 1
+        )  # a test hook: a rank that crashes ($USAF_TEST_DIE_AT_STEP)
         started, streamed_before = time.perf_counter(), streamed_bytes(self.model)
         loss, tokens = self.forward_backward()
         grad_norm = self.optimizer_step(loss)

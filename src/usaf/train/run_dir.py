@@ -57,6 +57,7 @@ RESUME_MAY_CHANGE = (
     "data.train",
     "data.eval",
     "train.distributed_backend",
+    "distributed.timeout_s",  # how long a collective waits: no effect on what is trained
     "train.kernels",  # the same sums, in another order: equal within rounding
 )
 
