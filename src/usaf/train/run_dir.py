@@ -58,6 +58,9 @@ RESUME_MAY_CHANGE = (
     "data.eval",
     "train.distributed_backend",
     "train.kernels",  # the same sums, in another order: equal within rounding
+    # the checkpoint's expert shards are re-sharded to the new EP size (indices are global); the world size, which
+    # fixes the data each step takes, is still checked against the checkpoint's
+    "distributed.expert_parallel",
 )
 
 
