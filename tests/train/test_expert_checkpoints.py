@@ -18,6 +18,7 @@ from usaf.engine.installed import sparse_experts
 from usaf.engine.loss import causal_lm_loss
 from usaf.errors import RunStateError
 from usaf.export.delta import delta_from_run, export_delta
+from usaf.export.merged import export_merged
 from usaf.train import checkpoint, runtime
 from usaf.train.optim import build_optimizer
 from usaf.train.run_dir import check_resumable
@@ -137,6 +138,10 @@ def test_shards_hold_their_experts_and_export_equals_the_one_process_export(one,
     export_delta(one.run, tmp_path / "one.safetensors", base_dir=one.model_dir)
     export_delta(tmp_path / "ep", tmp_path / "ep.safetensors", base_dir=one.model_dir)
     assert_same_tensors(load_file(tmp_path / "ep.safetensors"), load_file(tmp_path / "one.safetensors"))
+    export_merged(one.run, tmp_path / "one-merged", base_dir=one.model_dir)
+    export_merged(tmp_path / "ep", tmp_path / "ep-merged", base_dir=one.model_dir)
+    merged = "model.safetensors"
+    assert (tmp_path / "ep-merged" / merged).read_bytes() == (tmp_path / "one-merged" / merged).read_bytes()
 
 
 def test_each_rank_reads_back_its_own_entries_and_another_ep_size_is_resharded(one, tmp_path, monkeypatch):
