@@ -13,7 +13,7 @@ from helpers import make_model_dir
 from safetensors.torch import load_file
 
 from usaf.config import RunConfig
-from usaf.engine.expert_parallel import ExpertLayout, entry_experts, keep_owned_entries
+from usaf.engine.expert_parallel import ExpertLayout, owned_mask
 from usaf.engine.installed import sparse_experts
 from usaf.engine.loss import causal_lm_loss
 from usaf.errors import RunStateError
@@ -61,6 +61,21 @@ def one(request, tmp_path_factory):
     )
 
 
+def keep_owned_entries(model, expert_layout: ExpertLayout) -> dict[str, torch.Tensor]:
+    """What the runtime leaves on an EP rank (it installs a selection cut by `expert_parallel.keep_owned`): the
+    entries of the rank's experts, global indices; {values parameter name: the kept mask}."""
+    kept = {}
+    for path, state in sparse_experts(model):
+        for name, entries in state.items():
+            axis = entries.axis if entries.selection_name == "line_ids" else None
+            selection = getattr(entries, entries.selection_name)
+            keep = owned_mask(entries.shape, axis, selection, expert_layout.owned(entries.shape[0]))
+            base = entries.base_values[keep] if entries.keeps_base else None
+            entries.set_selection(selection[keep], base, entries.values.detach()[keep])
+            kept[f"{path}.usaf.{name}.values"] = keep
+    return kept
+
+
 def rank_view(one, expert_layout: ExpertLayout):
     """The model and optimizer an EP rank holds of the one-process state: only its experts' entries, and their
     moments."""
@@ -94,9 +109,10 @@ def expert_prefixes(run_dir) -> set[str]:
     return {item["prefix"] for name, item in layout.items() if ".experts." in name}
 
 
-def selection_experts(tensors: dict, layout: dict) -> torch.Tensor:
+def owned_by(tensors: dict, layout: dict, owned: range) -> torch.Tensor:
+    """Whether each entry of one expert tensor in `tensors` lies in the `owned` experts."""
     key = layout["prefix"] + ("line_ids" if layout["kind"] == "lines" else "flat_indices")
-    return entry_experts(tensors[key], layout["shape"], layout["axis"])
+    return owned_mask(layout["shape"], layout["axis"], tensors[key], owned)
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -124,8 +140,8 @@ def test_shards_hold_their_experts_and_export_equals_the_one_process_export(one,
     for rank, shard in enumerate(record["shards"]):
         tensors = load_file(saved / shard["files"][0])
         for layout in (item for item in meta["selection"].values() if item["prefix"] in prefixes):
-            experts = selection_experts(tensors, layout)
-            assert experts.numel() and bool(((experts >= 3 * rank) & (experts < 3 * rank + 3)).all())
+            owned = owned_by(tensors, layout, range(3 * rank, 3 * rank + 3))
+            assert owned.numel() and bool(owned.all())
     # the export gathers them: the one-process delta, bit for bit
     single, sharded = delta_from_run(one.run), delta_from_run(tmp_path / "ep")
     assert sorted(single.changes) == sorted(sharded.changes)
@@ -201,16 +217,3 @@ def test_a_resume_may_change_the_ep_size():
     recorded = json.loads(json.dumps(RunConfig().to_dict()))
     now = RunConfig().replace({"distributed.expert_parallel": 2})
     assert check_resumable(recorded, now, recorded) == ["distributed.expert_parallel 1 -> 2"]
-
-
-def test_keep_owned_entries_keeps_each_experts_entries(one):
-    model, _ = rank_view(one, ep(3, 2))
-    stacks = list(sparse_experts(model))
-    assert stacks
-    for _, state in stacks:
-        for entries in state.values():
-            selection = getattr(entries, entries.selection_name)
-            axis = entries.axis if entries.selection_name == "line_ids" else None
-            experts = entry_experts(selection, entries.shape, axis)
-            assert bool(((experts >= 4) & (experts < 6)).all())
-            assert entries.values.shape[0] == selection.shape[0]

@@ -25,8 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from usaf.engine.experts import usaf_experts_forward
-from usaf.engine.installed import sparse_experts
-from usaf.engine.sparse import ElementEntries, LineEntries
+from usaf.engine.sparse import line_flat_indices
 from usaf.engine.state import owned_state
 from usaf.errors import ConfigError, ModelError, UsafError
 from usaf.model.hf import register_experts_implementation, use_experts_implementation
@@ -152,41 +151,15 @@ def enable(model: nn.Module, group=None) -> None:
     use_experts_implementation(model, [layer.experts for layer in layers], IMPLEMENTATION_NAME)
 
 
-# ---- the trained entries a rank owns ---------------------------------------------------------------------------
+# ---- what a rank keeps ------------------------------------------------------------------------------------------
 
 
-def entry_experts(selection: torch.Tensor, shape, axis: int | None) -> torch.Tensor:
-    """The expert of each trained entry of an [E, A, B] tensor: from its flat indices (`axis` None) or from its line
-    ids along `axis` (1: rows, 2: columns)."""
-    per_expert = shape[1] * shape[2] if axis is None else shape[axis]
-    return torch.div(selection, per_expert, rounding_mode="floor")
-
-
-def owned_mask(selection: torch.Tensor, shape, axis: int | None, expert_layout: ExpertLayout) -> torch.Tensor:
-    """Which entries of a selection (see `entry_experts`) belong to experts that `expert_layout` gives its rank."""
-    owned = expert_layout.owned(shape[0])
-    experts = entry_experts(selection, shape, axis)
-    return (experts >= owned.start) & (experts < owned.stop)
-
-
-def keep_owned(entries: ElementEntries | LineEntries, expert_layout: ExpertLayout) -> torch.Tensor:
-    """Restrict one expert tensor's trained entries to the experts `expert_layout` gives this rank, in place (their
-    indices stay global, so checkpoint keys and the meaning of indices are unchanged); returns the kept mask over
-    the entries before, which per-entry state of the values (optimizer moments) follows."""
-    axis = entries.axis if isinstance(entries, LineEntries) else None
-    selection = getattr(entries, entries.selection_name)
-    keep = owned_mask(selection, entries.shape, axis, expert_layout)
-    if not bool(keep.all()):
-        base = entries.base_values[keep] if entries.keeps_base else None
-        entries.set_selection(selection[keep], base, entries.values.detach()[keep])
-    return keep
-
-
-def keep_owned_entries(model: nn.Module, expert_layout: ExpertLayout) -> dict[str, torch.Tensor]:
-    """`keep_owned` on every expert tensor of a prepared model; {values parameter name: kept mask}. Non-expert
-    entries (attention, embeddings, routers, ...) are replicated on every rank and stay whole."""
-    kept = {}
-    for path, state in sparse_experts(model):
-        for name, entries in state.items():
-            kept[f"{path}.usaf.{name}.values"] = keep_owned(entries, expert_layout)
-    return kept
+def owned_mask(shape, axis: int | None, indices: torch.Tensor, owned: range) -> torch.Tensor:
+    """Which of a selection's `indices` (flat indices, or line ids along `axis`) of an [E, A, B] tensor lie in the
+    `owned` experts."""
+    flat = indices if axis is None else line_flat_indices(shape, axis, indices)
+    per_expert = shape[1] * shape[2]
+    expert = torch.div(flat, per_expert, rounding_mode="floor")
+    if axis is not None:  # one expert per line: its first entry's
+        expert = expert.view(indices.numel(), -1)[:, 0] if indices.numel() else expert
+    return (expert >= owned.start) & (expert < owned.stop)
