@@ -440,7 +440,9 @@ def _keep_owned(
             continue  # not an expert tensor: replicated
         kind_key = "line_ids" if selection["kind"] == "lines" else "flat_indices"
         shape = selection["shape"]
-        keep = owned_mask(shape, selection["axis"], trainable[prefix + kind_key], expert_layout.owned(shape[0]))
+        keep = owned_mask(
+            shape, selection["axis"], trainable[prefix + kind_key], expert_layout.owned(shape[0])
+        )
         for key in [k for k in trainable if k.startswith(prefix)]:
             trainable[key] = trainable[key][keep]
         for key in [k for k in optimizer if k.split(".", 1)[0] == str(indices[prefix])]:
