@@ -49,7 +49,8 @@ class Delta:
 
 
 def delta_from_run(run_dir: str | Path) -> Delta:
-    """The trained entries and routers of a run's latest finished checkpoint."""
+    """The trained entries and routers of a run's latest finished checkpoint (an expert-parallel run's shards
+    gathered by `checkpoint.load`: the entries a single process would hold)."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
         raise RunStateError(

@@ -5,6 +5,14 @@ written into a temporary folder, every file fsynced, and renamed into place: a f
 complete. Only safetensors and JSON: nothing is unpickled on resume. state.json records the sha256 of every other
 file ("files") and state.sha256, written last, the sha256 of state.json itself (its data position, counters and
 config are run state too); loading verifies them all, so a damaged or truncated file is named as such.
+
+Under expert parallelism (`usaf.engine.expert_parallel.layout()`) the entries of expert tensors, and their
+optimizer state, live only on the ranks owning their experts: every EP rank of DP group 0 writes its shard
+(TRAINABLE_SHARD_FILE, OPTIMIZER_SHARD_FILE) into rank 0's temporary folder, rank 0 writes the replicated rest as
+above and, once every shard is there (a barrier), records them in state.json ("expert_parallel": the EP size, each
+shard's files and experts, the optimizer index of each expert tensor) with their sha256, and renames the folder into
+place. Indices stay global, so a reader gathers the shards by concatenation (a single-process export) or keeps the
+entries of the experts a rank owns (a resume, at the same EP size or another: re-sharded).
 """
 
 from __future__ import annotations
@@ -14,16 +22,30 @@ import json
 import os
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from usaf.engine.installed import sparse_modules
+from usaf.engine import expert_parallel
+from usaf.engine.expert_parallel import ExpertLayout, owned_mask
+from usaf.engine.installed import sparse_experts, sparse_modules
 from usaf.errors import ConfigError, RunStateError, UsafError
-from usaf.files import EXTRA_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STATE_SUM_FILE, TRAINABLE_FILE
+from usaf.files import (
+    EXTRA_FILE,
+    OPTIMIZER_FILE,
+    OPTIMIZER_SHARD_FILE,
+    RNG_FILE,
+    STATE_FILE,
+    STATE_SUM_FILE,
+    TRAINABLE_FILE,
+    TRAINABLE_SHARD_FILE,
+)
 from usaf.io.atomic import atomic_dir, atomic_file, fsync_file, make_shareable, remove_dead_writers
 from usaf.io.guard import inside
+from usaf.selection.across_ranks import comm_device
 from usaf.train import distributed
 from usaf.version import __version__
 
@@ -36,6 +58,8 @@ RUN_CONFIG_KEY = "run_config"
 # a nested optimizer state (bitsandbytes' 8-bit state keeps its tensors in one dict per parameter) is flattened to
 # "INDEX.OUTER/INNER": torch's own state names never hold a "/"
 _NESTED = "/"
+# state.json's record of an expert-parallel checkpoint's shards
+EXPERT_PARALLEL_KEY = "expert_parallel"
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -105,18 +129,47 @@ def save(
     state: dict,
     keep_last: int,
     extra_tensors: dict[str, torch.Tensor] | None = None,
-) -> Path:
-    """Write checkpoint `step` atomically and keep the newest `keep_last`."""
+    expert_layout: ExpertLayout | None = None,
+) -> Path | None:
+    """Write checkpoint `step` atomically and keep the newest `keep_last`. Under expert parallelism
+    (`expert_layout`) every rank calls it: rank 0 writes the checkpoint, the other ranks their shards into it (or
+    nothing: DP groups past the first) and get None."""
     folder = checkpoints_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"{PREFIX}{step:08d}"
+    if expert_layout is not None and not distributed.is_main():
+        tmp = folder / f".tmp-{final.name}-{_writer_pid()}"
+        if expert_layout.dp_rank == 0:
+            write_shard(tmp, model, optimizer, expert_layout)
+        _shards_written()
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(folder)
     # a full disk, a second Ctrl-C: nothing half-written stays behind
     with atomic_dir(final, tmp=folder / f".tmp-{final.name}-{os.getpid()}") as tmp:
-        _write(tmp, model, optimizer, scheduler, state, step, extra_tensors)
+        shards = None
+        if expert_layout is not None:
+            _writer_pid()  # the folder exists: the other ranks may write into it
+            write_shard(tmp, model, optimizer, expert_layout)
+            _shards_written()
+            shards = shard_record(tmp, model, optimizer, expert_layout)
+        _write(tmp, model, optimizer, scheduler, state, step, extra_tensors, shards)
     for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _writer_pid() -> int:
+    """Rank 0's process id, which names the temporary folder of a checkpoint: sent by rank 0 once it made it."""
+    pid = torch.tensor([os.getpid()], dtype=torch.int64, device=comm_device())
+    if distributed.active():
+        dist.broadcast(pid, 0)
+    return int(pid.item())
+
+
+def _shards_written() -> None:
+    """Every rank has written its shard into the temporary folder (a barrier of the world group)."""
+    if distributed.active():
+        dist.barrier()
 
 
 def remove_stale_temporaries(folder: Path) -> None:
@@ -124,10 +177,18 @@ def remove_stale_temporaries(folder: Path) -> None:
     remove_dead_writers(folder, ".tmp-*", lambda name: name.rsplit("-", 1)[1])
 
 
-def _write(tmp: Path, model, optimizer, scheduler, state: dict, step: int, extra_tensors) -> None:
-    tensors = {k: v.contiguous().cpu() for k, v in trainable_tensors(model).items()}
+def _write(
+    tmp: Path, model, optimizer, scheduler, state: dict, step: int, extra_tensors, shards: dict | None
+) -> None:
+    """The replicated part of a checkpoint (all of it without expert parallelism, `shards` None) and state.json."""
+    in_shards = {} if shards is None else shards["optimizer_params"]  # {prefix: optimizer index}
+    tensors = {
+        k: v.contiguous().cpu() for k, v in trainable_tensors(model).items() if _prefix_of(k) not in in_shards
+    }
     _written(tmp / TRAINABLE_FILE, lambda p: save_file(tensors, str(p)))
     opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+    sharded_params = {str(index) for index in in_shards.values()}
+    opt_tensors = {k: v for k, v in opt_tensors.items() if k.split(".", 1)[0] not in sharded_params}
     _written(tmp / OPTIMIZER_FILE, lambda p: save_file(opt_tensors, str(p)))
     rng = state.pop("rng")
     rng_tensors = {"torch": rng.pop("torch")}
@@ -136,18 +197,83 @@ def _write(tmp: Path, model, optimizer, scheduler, state: dict, step: int, extra
     _written(tmp / RNG_FILE, lambda p: save_file(rng_tensors, str(p)))
     extra = {k: v.contiguous().cpu() for k, v in (extra_tensors or {}).items()}
     _written(tmp / EXTRA_FILE, lambda p: save_file(extra, str(p)))
+    files = [*TENSOR_FILES, *(name for shard in (shards or {}).get("shards", []) for name in shard["files"])]
     meta = {
         "usaf_version": __version__,
         "step": step,
-        "files": {name: file_sha256(tmp / name) for name in TENSOR_FILES},
+        "files": {name: file_sha256(tmp / name) for name in files},
         "optimizer": opt_meta,
         "scheduler": scheduler.state_dict(),
         "rng": rng,
         "selection": selection_layout(model),
+        **({EXPERT_PARALLEL_KEY: shards} if shards is not None else {}),
         **state,
     }
     _written(tmp / STATE_FILE, lambda p: p.write_text(json.dumps(meta, indent=1)))
     _written(tmp / STATE_SUM_FILE, lambda p: p.write_text(file_sha256(tmp / STATE_FILE) + "\n"))
+
+
+# ---- expert-parallel shards ------------------------------------------------------------------------------------
+
+
+def _prefix_of(key: str) -> str:
+    """`<module>.usaf.<tensor>.` of a trainable tensor's key `<module>.usaf.<tensor>.<buffer>`."""
+    return key.rsplit(".", 1)[0] + "."
+
+
+def shard_files(ep_rank: int, size: int) -> list[str]:
+    """The files of EP rank `ep_rank`'s shard: its experts' trained entries, their optimizer state."""
+    return [name.format(rank=ep_rank, size=size) for name in (TRAINABLE_SHARD_FILE, OPTIMIZER_SHARD_FILE)]
+
+
+def expert_optimizer_params(model: torch.nn.Module, optimizer) -> dict[str, int]:
+    """{key prefix of an expert tensor's entries: the index of its values in the optimizer's state}: what a shard
+    holds (the index as `optimizer.state_dict()` numbers the parameters, group after group)."""
+    index_of = {
+        id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])
+    }
+    params = dict(model.named_parameters())
+    return {
+        prefix: index_of[id(params[prefix + "values"])]
+        for prefix in (f"{path}.usaf.{name}." for path, state in sparse_experts(model) for name in state)
+    }
+
+
+def write_shard(folder: Path, model: torch.nn.Module, optimizer, expert_layout: ExpertLayout) -> None:
+    """This EP rank's shard into the checkpoint folder `folder`: the entries of the expert tensors it holds (its
+    experts'), and their optimizer state."""
+    indices = expert_optimizer_params(model, optimizer)
+    tensors = {
+        k: v.contiguous().cpu() for k, v in trainable_tensors(model).items() if _prefix_of(k) in indices
+    }
+    opt_tensors, _ = _flatten_optimizer(optimizer)
+    mine = {str(index) for index in indices.values()}
+    opt_tensors = {k: v for k, v in opt_tensors.items() if k.split(".", 1)[0] in mine}
+    trainable_name, optimizer_name = shard_files(expert_layout.ep_rank, expert_layout.ep)
+    _written(folder / trainable_name, lambda p: save_file(tensors, str(p)))
+    _written(folder / optimizer_name, lambda p: save_file(opt_tensors, str(p)))
+
+
+def shard_record(folder: Path, model: torch.nn.Module, optimizer, expert_layout: ExpertLayout) -> dict:
+    """state.json's record of the shards in `folder` (all written: checked), for `load` to gather or re-shard."""
+    counts = sorted({state.num_experts for _, state in sparse_experts(model)})
+    shards = []
+    for ep_rank in range(expert_layout.ep):
+        files = shard_files(ep_rank, expert_layout.ep)
+        for name in files:
+            if not (folder / name).is_file():
+                raise RunStateError(
+                    f"checkpoint {folder}: EP rank {ep_rank} did not write its shard {name}; the checkpoint is "
+                    "not saved (see that rank's error)."
+                )
+        owner = replace(expert_layout, ep_rank=ep_rank)
+        experts = {str(n): [owner.owned(n).start, owner.owned(n).stop] for n in counts}
+        shards.append({"files": files, "experts": experts})
+    return {
+        "size": expert_layout.ep,
+        "shards": shards,
+        "optimizer_params": expert_optimizer_params(model, optimizer),
+    }
 
 
 def _flatten_optimizer(optimizer) -> tuple[dict, dict]:
@@ -222,30 +348,47 @@ def read_state(path: Path) -> dict:
     return meta
 
 
-def verify(path: Path, meta: dict) -> None:
-    """Every file of checkpoint `path` against the sha256 its state.json recorded (checkpoints written before
-    usaf recorded them are not checked)."""
-    for name, digest in (meta.get("files") or {}).items():
+def verify(path: Path, meta: dict, names=None) -> None:
+    """The files of checkpoint `path` (`names`, default every one) against the sha256 its state.json recorded
+    (checkpoints written before usaf recorded them are not checked)."""
+    recorded = meta.get("files") or {}
+    for name in recorded if names is None else [n for n in names if n in recorded]:
         file = inside(path, name, f"{path / STATE_FILE}'s files")
         if not file.is_file():
             raise RunStateError(
                 f"Checkpoint {path} is incomplete: {name} is missing; delete {path} to fall back to an earlier "
                 "checkpoint of the run."
             )
-        if file_sha256(file) != digest:
+        if file_sha256(file) != recorded[name]:
             raise _damaged(file, path)
 
 
-def load(path: Path) -> dict:
-    """Everything in a checkpoint folder (tensors on CPU), its files verified against their recorded sha256."""
+def load(path: Path, expert_layout: ExpertLayout | None = None) -> dict:
+    """Everything in a checkpoint folder (tensors on CPU), its files verified against their recorded sha256. The
+    shards of an expert-parallel checkpoint are gathered (`expert_layout` None: every expert's entries, as a
+    single process saves them) or kept to the experts `expert_layout` gives this rank (its own shard at the same EP
+    size, else re-sharded)."""
     path = Path(path)
     meta = read_state(path)
+    sharded = meta.get(EXPERT_PARALLEL_KEY)
+    if sharded is None and expert_layout is not None:
+        raise RunStateError(
+            f"cannot resume {path} with distributed.expert_parallel={expert_layout.ep}: it was trained without "
+            "expert parallelism; resume it with --set distributed.expert_parallel=1."
+        )
+    shards = _shards_to_read(sharded, expert_layout)
     try:
-        verify(path, meta)
+        verify(path, meta, [*TENSOR_FILES, *(name for shard in shards for name in shard["files"])])
         meta["trainable"] = load_file(str(path / TRAINABLE_FILE))
         meta["optimizer_tensors"] = load_file(str(path / OPTIMIZER_FILE))
         rng = load_file(str(path / RNG_FILE))
         meta["extra"] = load_file(str(path / EXTRA_FILE))
+        if shards:
+            trainable, optimizer = _gathered(path, shards)
+            if expert_layout is not None and expert_layout.ep != sharded["size"]:  # re-sharded
+                _keep_owned(meta, trainable, optimizer, expert_layout, path)
+            meta["trainable"].update(trainable)
+            meta["optimizer_tensors"].update(optimizer)
     except UsafError:
         raise
     except (OSError, ValueError) as err:
@@ -257,6 +400,61 @@ def load(path: Path) -> dict:
     if cuda:
         meta["rng"]["cuda"] = [rng[k] for k in cuda]
     return meta
+
+
+def _shards_to_read(sharded: dict | None, expert_layout: ExpertLayout | None) -> list[dict]:
+    """The shards a reader needs: its own at the same EP size, else all of them (in EP rank order)."""
+    if sharded is None:
+        return []
+    if expert_layout is not None and expert_layout.ep == sharded["size"]:
+        return [sharded["shards"][expert_layout.ep_rank]]
+    return sharded["shards"]
+
+
+def _gathered(path: Path, shards: list[dict]) -> tuple[dict, dict]:
+    """The trained entries and optimizer state of `shards`, concatenated in EP rank order: the experts' blocks are
+    contiguous and in order, so the global indices stay sorted. Per-entry tensors are concatenated, scalars (an
+    optimizer's step) are the same in every shard."""
+    parts: list[tuple[dict, dict]] = []
+    for shard in shards:
+        trainable_name, optimizer_name = shard["files"]
+        parts.append((load_file(str(path / trainable_name)), load_file(str(path / optimizer_name))))
+    return tuple(
+        {
+            key: torch.cat([part[which][key] for part in parts]) if tensor.dim() else tensor
+            for key, tensor in parts[0][which].items()
+        }
+        for which in (0, 1)
+    )
+
+
+def _keep_owned(
+    meta: dict, trainable: dict, optimizer: dict, expert_layout: ExpertLayout, path: Path
+) -> None:
+    """Every expert's gathered entries -> those of the experts `expert_layout` gives this rank, in place; the
+    optimizer moments follow their entries."""
+    indices = meta[EXPERT_PARALLEL_KEY]["optimizer_params"]
+    for name, selection in (meta.get("selection") or {}).items():
+        prefix = selection["prefix"]
+        if prefix not in indices:
+            continue  # not an expert tensor: replicated
+        kind_key = "line_ids" if selection["kind"] == "lines" else "flat_indices"
+        shape = selection["shape"]
+        keep = owned_mask(
+            shape, selection["axis"], trainable[prefix + kind_key], expert_layout.owned(shape[0])
+        )
+        for key in [k for k in trainable if k.startswith(prefix)]:
+            trainable[key] = trainable[key][keep]
+        for key in [k for k in optimizer if k.split(".", 1)[0] == str(indices[prefix])]:
+            if optimizer[key].dim() == 0:
+                continue
+            if optimizer[key].shape[0] != keep.numel():
+                raise RunStateError(
+                    f"cannot re-shard {path} (distributed.expert_parallel={meta[EXPERT_PARALLEL_KEY]['size']}) "
+                    f"to distributed.expert_parallel={expert_layout.ep}: the optimizer state of {name} is not one "
+                    "value per entry; resume with the EP size it was trained with."
+                )
+            optimizer[key] = optimizer[key][keep]
 
 
 def restore_optimizer(optimizer, checkpoint: dict) -> None:
@@ -309,8 +507,9 @@ def restore_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor], wh
 class Checkpointer:
     """The run's checkpoints. `save(step)` writes one when it is due (every `checkpoint.every_steps`; 0: only
     when forced: the final one, a stop's, a failure's); `collect()` gives what it holds (model, optimizer,
-    scheduler, state, extra_tensors). Only rank 0 writes, with the world size a resume must match; every rank
-    reads. A file given to `write_with_next` is written after the next checkpoint, which records the same."""
+    scheduler, state, extra_tensors). Only rank 0 writes, with the world size a resume must match (under expert
+    parallelism the ranks of DP group 0 write their shards too); every rank reads. A file given to
+    `write_with_next` is written after the next checkpoint, which records the same."""
 
     def __init__(self, run_dir: Path, section, collect):
         self.run_dir, self.every_steps, self.keep_last = run_dir, section.every_steps, section.keep_last
@@ -321,11 +520,16 @@ class Checkpointer:
         return bool(self.every_steps) and step % self.every_steps == 0
 
     def save(self, step: int, force: bool = False) -> Path | None:
-        if not (force or self.should_save(step)) or not distributed.is_main():  # [usaf.distributed]
+        if not (force or self.should_save(step)):
+            return None
+        expert_layout = expert_parallel.layout()  # its shards are written by the ranks holding them
+        if not distributed.is_main() and expert_layout is None:  # [usaf.distributed]
             return None
         parts = self.collect()
         parts["state"]["world_size"] = distributed.world_size()  # a resume must match it
-        saved = save(self.run_dir, step, keep_last=self.keep_last, **parts)
+        saved = save(self.run_dir, step, keep_last=self.keep_last, expert_layout=expert_layout, **parts)
+        if saved is None:
+            return None  # another rank's shard
         for path, text in self.pending.items():
             atomic_file(path, lambda tmp, text=text: tmp.write_text(text))
         self.pending.clear()
@@ -339,6 +543,7 @@ class Checkpointer:
         saved = latest(self.run_dir)
         if saved is None:
             return None
-        restored = load(saved)
-        distributed.check_world_size(restored.get("world_size"), saved)  # [usaf.distributed]
+        # the world size first: a job of another size holds other layouts, whose shards it need not read
+        distributed.check_world_size(read_state(saved).get("world_size"), saved)  # [usaf.distributed]
+        restored = load(saved, expert_parallel.layout())
         return saved, restored

@@ -59,6 +59,9 @@ RESUME_MAY_CHANGE = (
     "train.distributed_backend",
     "distributed.timeout_s",  # how long a collective waits: no effect on what is trained
     "train.kernels",  # the same sums, in another order: equal within rounding
+    # the checkpoint's expert shards are re-sharded to the new EP size (indices are global); the world size, which
+    # fixes the data each step takes, is still checked against the checkpoint's
+    "distributed.expert_parallel",
 )
 
 
