@@ -280,6 +280,20 @@ def gather_owned(indices: torch.Tensor) -> torch.Tensor:
     return gather_ragged(indices)[0].sort().values
 
 
+def entry_offsets(params: list[torch.Tensor]) -> dict[int, int]:
+    """{id(param): where this rank's entries of `param` start in the one-process order} for the experts' trained
+    values (the same list on every rank): the entries of lower EP ranks come first. One collective."""
+    ep = layout()
+    if ep is None:
+        return {}
+    device = _comm_device(ep.ep_group, params[0])
+    sizes = torch.tensor([p.numel() for p in params], dtype=torch.int64, device=device)
+    found = [torch.empty_like(sizes) for _ in range(ep.ep)]
+    dist.all_gather(found, sizes, group=ep.ep_group)
+    before = torch.stack(found[: ep.ep_rank]).sum(0) if ep.ep_rank else torch.zeros_like(sizes)
+    return {id(p): int(n) for p, n in zip(params, before.tolist(), strict=True)}
+
+
 def expert_parameters(model: nn.Module) -> set[int]:
     """ids of the trained parameters that belong to expert stacks (their values live on their owner only)."""
     return {id(p) for _, state in sparse_experts(model) for p in state.parameters() if p.requires_grad}

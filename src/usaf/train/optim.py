@@ -16,6 +16,7 @@ benchmark it kept more of the old domain at the same new-domain loss (bench/resu
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 
@@ -57,6 +58,26 @@ def _rounding_noise(shape, generator: torch.Generator, device) -> torch.Tensor:
     return torch.randint(0, 1 << 16, shape, generator=generator, device=device, dtype=torch.int32)
 
 
+_MIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # splitmix64's, as signed int64
+
+
+def position_noise(keys: list[int], firsts: list[int], sizes: list[int], device) -> torch.Tensor:
+    """int32 in [0, 2^16): for the `sizes[i]` entries of piece i, a hash (splitmix64) of `keys[i]` and each entry's
+    position, counted from `firsts[i]`. A fixed number of ops for all the pieces; a function of (key, position)
+    alone, so any split of the entries draws the same noise for each."""
+    counts = torch.tensor(sizes, device=device)
+    offsets = torch.tensor(
+        [f - s for f, s in zip(firsts, [0, *itertools.accumulate(sizes)][:-1], strict=True)]
+    )
+    at = torch.arange(sum(sizes), device=device, dtype=torch.int64)
+    at += torch.repeat_interleave(offsets.to(device), counts, output_size=sum(sizes))
+    z = at * 0x2545F4914F6CDD1D + torch.repeat_interleave(torch.tensor(keys, device=device), counts) + _MIX[0]
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX[1]
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX[2]
+    z = z ^ ((z >> 31) & ((1 << 33) - 1))
+    return ((z >> 16) & 0xFFFF).to(torch.int32)
+
+
 def round_with_noise(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """`round_stochastic` with its noise drawn already (int32 in [0, 2^16), x's shape)."""
     bits = (x if x.is_contiguous() else x.contiguous()).view(torch.int32)  # an op only where needed
@@ -68,9 +89,12 @@ def round_with_noise(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 class CompactAdamW(torch.optim.AdamW):
     """torch.optim.AdamW, except that groups marked `compact` keep bf16 moments (see the module docstring)."""
 
-    def __init__(self, params, *, seed: int = 0, base_of=None, **kwargs):
+    def __init__(self, params, *, seed: int = 0, base_of=None, sharded=(), **kwargs):
         super().__init__(params, **kwargs)
         self.seed = seed
+        # expert parallelism: the parameters whose entries are split over the ranks (the experts' values), in the
+        # same order on every rank; their rounding noise is keyed by the entries' one-process positions
+        self.sharded = list(sharded)
         # parameter -> the base values at its entries, or None (see `base_lookup`): what `decay_to_base` pulls
         # toward; looked up every step, since reselection replaces a selection's base values
         self.base_of = base_of
@@ -101,8 +125,10 @@ class CompactAdamW(torch.optim.AdamW):
                 if group["compact"] and param.grad is not None:
                     pending.append((param, group, index))
                 index += 1
+        # where this rank's entries of each sharded parameter start in the one-process order (a collective)
+        starts = expert_parallel.entry_offsets(self.sharded) if self.sharded else {}
         for bucket in self._buckets(pending):
-            self._compact_update(bucket)
+            self._compact_update(bucket, starts)
         return loss
 
     def _buckets(self, pending):
@@ -139,7 +165,7 @@ class CompactAdamW(torch.optim.AdamW):
         self._host_steps[index] = step
         return step
 
-    def _compact_update(self, bucket) -> None:
+    def _compact_update(self, bucket, starts: dict[int, int]) -> None:
         params = [param for param, _, _, _ in bucket]
         _, group, _, step = bucket[0]
         states = [self.state[param] for param in params]
@@ -166,16 +192,18 @@ class CompactAdamW(torch.optim.AdamW):
             value=-lr / (1 - beta1**step),
         )
         del denom
-        # each parameter's noise from its own generator, seeded by its position and the step, drawn for the first
-        # moment then the second: the same bits whatever the bucket (and as a parameter-at-a-time step drew them)
-        noise = {name: [] for name in _MOMENTS}
-        for param, _, index, _ in bucket:
-            generator = torch.Generator(device=param.device)
-            generator.manual_seed((self.seed * 1_000_003 + index * 7_919 + step * 104_729) % (1 << 62))
-            for name in _MOMENTS:
-                noise[name].append(_rounding_noise(param.shape, generator, param.device))
+        # each entry's noise a hash of (seed, the parameter's position, the step, the moment) and the entry's
+        # position in the one-process order: the same bits whatever the bucket, on resume, and however expert
+        # parallelism splits a parameter's entries over the ranks
+        keys, firsts = [], []
+        for moment in range(len(_MOMENTS)):
+            for param, _, index, _ in bucket:
+                keys.append(
+                    ((self.seed * 1_000_003 + index * 7_919 + step * 104_729) * 2 + moment) % (1 << 62)
+                )
+                firsts.append(starts.get(id(param), 0))
         stored = [state[name] for name in _MOMENTS for state in states]  # the order of `moments`
-        rounded = round_with_noise(moments, _flat(noise["exp_avg"] + noise["exp_avg_sq"]))
+        rounded = round_with_noise(moments, position_noise(keys, firsts, sizes + sizes, moments.device))
         torch._foreach_copy_(stored, _shaped(rounded.split(sizes + sizes), stored))
 
     def load_state_dict(self, state_dict) -> None:
@@ -304,7 +332,11 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
             )
         return optimizer
     # torch's multi-tensor AdamW for the plain groups (the routers): a fixed number of ops for all of them
-    return CompactAdamW(groups, seed=config.train.seed, base_of=base_of, foreach=True, **kwargs)
+    sharded = [p for p in model.parameters() if id(p) in expert_parallel.expert_parameters(model)]
+    sharded = sharded if expert_parallel.layout() is not None else []
+    return CompactAdamW(
+        groups, seed=config.train.seed, base_of=base_of, sharded=sharded, foreach=True, **kwargs
+    )
 
 
 def warmup_steps(config: RunConfig) -> int:
