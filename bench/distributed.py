@@ -99,7 +99,11 @@ def _worker(rank: int, world: int, port: int, job: dict, queue) -> None:
         model, runner = _model(method, shape, device)
         params = [p for p in model.parameters() if p.requires_grad]
         counted = {"bytes": 0}
-        reducer = distributed.GradientReducer(model) if method == "usaf" and world > 1 else None
+        reducer = (
+            distributed.GradientReducer([p for p in model.parameters() if p.requires_grad])
+            if method == "usaf" and world > 1
+            else None
+        )
         if runner is not model:
 
             def hook(state, bucket, counted=counted):

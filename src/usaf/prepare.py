@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from usaf.config import UsafConfig
+from usaf.engine import expert_parallel
 from usaf.engine.costs import keeps_base
 from usaf.engine.experts import IMPLEMENTATION_NAME, SparseExperts, register
 from usaf.engine.installed import sparse_experts, sparse_modules, sparse_weights
@@ -76,7 +77,11 @@ def prepare_model(
     chosen, calibration = choose.choose(
         trained, layer_stores, config, calibration_batches, model, weight_stores
     )
-    install_selection(model, chosen, original_values)
+    # expert parallelism: a rank trains only its own experts' share of the (global) selection
+    expert_stores = {
+        f"{path}.{n}": s for path, stores_of in layer_stores.items() for n, s in stores_of.items()
+    }
+    install_selection(model, expert_parallel.keep_owned(chosen, expert_stores), original_values)
     if config.trains_routers:
         _train_routers(model, trained)
     model.register_load_state_dict_pre_hook(_accept_checkpoint_names)
@@ -157,6 +162,11 @@ def _accept_checkpoint_names(model: nn.Module, state_dict: dict, prefix: str, *a
 
 
 def _switch_implementation(model: nn.Module, layers: list[MoELayer]) -> None:
+    """usaf's experts implementation; under expert parallelism (a layout installed) its dispatch over the ranks,
+    from the start, since calibration runs through it."""
+    if expert_parallel.layout() is not None:
+        expert_parallel.enable(model)
+        return
     register()
     use_experts_implementation(model, [layer.experts for layer in layers], IMPLEMENTATION_NAME)
 
@@ -198,12 +208,16 @@ def install_selection(model: nn.Module, chosen: dict, original_values=None) -> N
 
 
 def current_selection(model: nn.Module) -> dict:
-    """The selection a prepared model trains, as `usaf.selection.saved.Chosen` per tensor key (for saving and reuse)."""
-    return {
-        f"{path}.{name}": Chosen(getattr(e, "axis", None), getattr(e, e.selection_name).detach().cpu())
-        for path, state in sparse_modules(model)
-        for name, e in state.items()
-    }
+    """The selection a prepared model trains, as `usaf.selection.saved.Chosen` per tensor key (for saving and reuse).
+    Under expert parallelism the whole one, gathered from the ranks of the EP group (each of which must call it)."""
+    chosen = {}
+    for path, state in sparse_modules(model):
+        for name, e in state.items():
+            indices = getattr(e, e.selection_name).detach().cpu()
+            if state.is_expert_stack:
+                indices = expert_parallel.gather_owned(indices)
+            chosen[f"{path}.{name}"] = Chosen(getattr(e, "axis", None), indices)
+    return chosen
 
 
 def _trained_layers(layers: list[MoELayer], config: UsafConfig) -> set[int]:
@@ -251,6 +265,12 @@ def trainable_summary(model: nn.Module) -> dict[str, int]:
             else:
                 kind = "other"
             summary[kind] = summary.get(kind, 0) + param.numel()
+    # expert parallelism: a rank trains its own experts' entries; the count is the job's (every rank must call)
+    summary["expert_entries"] = int(
+        expert_parallel.expert_sum(
+            torch.tensor([float(summary["expert_entries"])], dtype=torch.float64), from_every_rank=False
+        )[0]
+    )
     summary["total"] = sum(summary.values())
     summary["expert_entries_in_model"] = expert_entries
     return summary

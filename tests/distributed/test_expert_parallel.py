@@ -58,20 +58,21 @@ def _rank(rank: int, port: int, family: str, results: str) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     from usaf.engine import expert_parallel
 
-    reference, model = _model(family), _model(family)
+    reference, model = _model(family), _model(family)  # both prepared before joining: every expert's entries
     for other in range(2):  # the single-device model sees both ranks' tokens
         _loss(reference, _batch(other)).backward()
+    layout = expert_parallel.join(2)
     expert_parallel.enable(model)
     ids = _batch(rank)
     _loss(model, ids).backward()
-    placement = expert_parallel.find_moe_layers(model)[0].experts.usaf.placement
+    owned = layout.owned(expert_parallel.find_moe_layers(model)[0].experts.usaf.num_experts)
     torch.save(
         {
             "logits": model(input_ids=ids).logits.detach(),
             "reference_logits": reference(input_ids=ids).logits.detach(),
             "grads": {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
             "reference": {n: p.grad for n, p in reference.named_parameters() if p.requires_grad},
-            "owned": list(placement.owned()),
+            "owned": list(owned),
             "expert_of_entries": _expert_of_entries(model),
         },
         f"{results}/{rank}.pt",
@@ -106,15 +107,16 @@ def test_expert_parallel_matches_the_single_device_model(tmp_path, family):
             torch.testing.assert_close(summed, want, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a_world_size_that_does_not_divide_the_experts_is_refused(monkeypatch):
+def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused():
     from usaf.engine import expert_parallel
     from usaf.errors import UsafError
 
     model = _model("qwen3_moe")
-    with pytest.raises(UsafError, match=r"torch\.distributed initialized"):
+    with pytest.raises(UsafError, match=r"needs a layout"):
         expert_parallel.enable(model)
-    monkeypatch.setattr(expert_parallel.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(expert_parallel.dist, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(expert_parallel.dist, "get_world_size", lambda group=None: 4)
-    with pytest.raises(UsafError, match=r"over 4 ranks .* 6 experts per layer"):
-        expert_parallel.enable(model)
+    expert_parallel.set_layout(expert_parallel.ExpertLayout(ep=4, dp=1, ep_rank=0, dp_rank=0))
+    try:
+        with pytest.raises(UsafError, match=r"expert_parallel=4 must divide .* has 6"):
+            expert_parallel.enable(model)
+    finally:
+        expert_parallel.set_layout(None)

@@ -16,6 +16,7 @@ from torch import nn
 
 from usaf.base.writer import ensure_prepared, file_stamp, files_of_entry
 from usaf.config import RESIDENCIES, ModelSection, UsafConfig
+from usaf.engine import expert_parallel
 from usaf.engine.state import PreparedStore, model_state
 from usaf.errors import ConfigError, ModelError
 from usaf.files import STORE_FILE
@@ -27,6 +28,7 @@ from usaf.model.hf import build_skeleton, compute_missing_buffers, load_config, 
 from usaf.model.layout import expert_weight_names, find_moe_layers
 from usaf.prepare import enable_recomputation, prepare_model
 from usaf.quant import PUBLISHED, default_device, get_format
+from usaf.selection import across_ranks
 from usaf.store.dense import StoredExpertTensor
 from usaf.store.offload import LayerStreamer, ResidentParts, StreamedParts, host_copy
 from usaf.store.quantized import QuantizedStore
@@ -66,7 +68,7 @@ def load_for_training(
             )
     elif path.is_dir():
         quant = published.quant_for(path, model.quant)
-        store, source = ensure_prepared(path, quant, progress=True), path
+        store, source = _prepared_once(path, quant), path
     else:
         raise ModelError(
             f"model.path {str(path)!r} is not a local directory; a quantized base is prepared from a local "
@@ -83,6 +85,17 @@ def load_for_training(
         calibration_batches=calibration_batches,
         recompute=recompute,
     )
+
+
+def _prepared_once(path: Path, quant: str) -> Path:
+    """`ensure_prepared`, run by one process of a torchrun job while the others wait, then take it from the cache
+    (ranks preparing the same store at once would race on its folder)."""
+    if not across_ranks.active():
+        return ensure_prepared(path, quant, progress=True)
+    if across_ranks.is_main():
+        ensure_prepared(path, quant, progress=True)
+    torch.distributed.barrier()
+    return ensure_prepared(path, quant, progress=across_ranks.is_main())
 
 
 def load_prepared(
@@ -177,10 +190,13 @@ def _install_expert_stores(
     """Every expert tensor of the skeleton replaced by a `QuantizedStore` over its parts (resident, or streamed
     by `streamer`): {tensor name: store}."""
     stores = {}
+    ep = expert_parallel.layout()
     for name, layer in experts.items():
         info = tensors[name]
         parts = {key.rsplit(":", 1)[1]: entries[key] for key in info["stored"]}
-        loaded = {part: _read_part(entry, residency, device) for part, entry in parts.items()}
+        # an expert-parallel rank reads only its experts' bytes
+        owned = ep.owned(info["shape"][0]) if ep is not None else range(info["shape"][0])
+        loaded = {part: _read_part(entry, residency, device, owned) for part, entry in parts.items()}
         holder = ResidentParts(loaded) if streamer is None else StreamedParts(loaded, streamer, layer)
         module_path, _, attr = name.rpartition(".")
         experts_module = model.get_submodule(module_path)
@@ -190,6 +206,7 @@ def _install_expert_stores(
             tuple(info["shape"]),
             getattr(experts_module, attr).dtype,
             info.get("constants"),
+            owned,
         )
         del experts_module._parameters[
             attr
@@ -233,13 +250,17 @@ def _read_dense(entries: dict, name: str, info: dict) -> torch.Tensor:
     return get_format(info["format"]).dequantize(parts, rows, cols, torch.float32)[0]
 
 
-def _read_part(entry: shards.TensorEntry, residency: str, device: torch.device) -> torch.Tensor:
+def _read_part(entry: shards.TensorEntry, residency: str, device: torch.device, owned: range) -> torch.Tensor:
+    """One quantized part ([E, ...]) of an expert tensor, only the `owned` experts' rows of it."""
+    if entry.shape[0] < owned.stop:
+        raise ModelError(f"'{entry.name}' in {entry.file} has {entry.shape[0]} experts, not {owned.stop}+.")
+    whole = len(owned) == entry.shape[0]
     if residency == "mmap":
         from safetensors import safe_open
 
         with safe_open(entry.file, framework="pt") as f:  # zero-copy: pages come from the file as touched
-            return f.get_tensor(entry.name)
-    tensor = shards.read_tensor(entry)
+            return f.get_tensor(entry.name) if whole else f.get_slice(entry.name)[owned.start : owned.stop]
+    tensor = shards.read_tensor(entry) if whole else shards.read_experts(entry, owned.start, owned.stop)
     return tensor.to(device) if residency == "device" else host_copy(tensor, device)
 
 

@@ -1,19 +1,21 @@
-"""Expert parallelism, a prototype (issue 13 item 6; the design is docs/distributed.md's "Beyond one device").
+"""Expert parallelism (EP): each rank of an EP group holds 1/ep of every MoE layer's experts (docs/distributed.md).
 
-Each of N ranks owns E/N experts of every MoE layer, experts r*E/N ... (r+1)*E/N - 1. Everything else runs
-data-parallel: every rank routes its own tokens with its own copy of the router. In each MoE layer the (token,
-expert) pairs travel all-to-all to the ranks owning their experts, the owner runs usaf's engine on them
-(`usaf_experts_forward`: dequantize-and-matmul with the trained entries written in, value gradients only at trained
-entries), and a second all-to-all brings the outputs home, where the router weights combine them. Backward runs the
-same two exchanges in reverse (`AllToAll`), so the value gradients of an expert arise only on its owner: the trained
-entries of experts are never all-reduced. Router and non-expert gradients are summed over ranks as in data
+The job is a (dp, ep) device mesh: world = ep x dp ranks. The ranks g*ep ... g*ep + ep - 1 form EP group g and
+split every MoE layer's experts among them, EP rank e owning the contiguous block e*E/ep ... (e+1)*E/ep - 1; the
+ranks with the same EP rank form a DP group and hold the same experts (replicas, whose gradients are summed).
+
+Every rank routes its own tokens with its own copy of the router (data parallel over tokens). In each MoE layer
+the (token, expert) pairs, with their router weights, travel all-to-all to the ranks owning their experts; the
+owner runs usaf's engine on them (`usaf_experts_forward`: dequantize-and-matmul of its own experts with the trained
+entries written in, weighted by the router there, so observers see the true weights); a second all-to-all brings
+the outputs home, where they are summed per token. Backward runs the exchanges in reverse (`AllToAll`), so an
+expert's value gradients arise only on its owner: the trained entries of experts are never all-reduced over the EP
+group (only over the DP replicas of them). Router and non-expert gradients are summed over all ranks as in data
 parallelism.
 
-What the prototype leaves out, and a production version needs: every rank still holds every expert's store (a
-non-resident store only ever materializes the routed ones, so only its own are dequantized, but the memory is not
-yet divided: `usaf prepare --expert-shard r/N` would stream only a rank's experts); the observers of reselection see
-router weights of 1 at the owner (the weighting happens at home); no capacity limit or overlap of the exchange with
-compute. On gloo (CPU) `all_to_all_single` with uneven splits works, which is all this needs.
+A rank's frozen store holds only its experts (`QuantizedStore.owned`, read by slice in `usaf.base.load`), and its
+sparse state only their trained entries (`keep_owned`), with global indices: keys and indices mean what they mean in
+one process. Statistics that selection reads are made global with `expert_sum` (`usaf.selection`).
 """
 
 from __future__ import annotations
@@ -25,38 +27,24 @@ import torch.distributed as dist
 from torch import nn
 
 from usaf.engine.experts import usaf_experts_forward
+from usaf.engine.installed import sparse_experts
+from usaf.engine.sparse import line_flat_indices
 from usaf.engine.state import owned_state
-from usaf.errors import ConfigError, ModelError, UsafError
+from usaf.errors import ConfigError, ModelError
 from usaf.model.hf import register_experts_implementation, use_experts_implementation
 from usaf.model.layout import find_moe_layers
 
 IMPLEMENTATION_NAME = "usaf-expert-parallel"
 
-
-class AllToAll(torch.autograd.Function):
-    """Rows sent in blocks of `send` rows to each rank, `recv` rows received from each; backward sends the gradients
-    back the way the rows came."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = rows.new_empty(sum(recv), *rows.shape[1:])
-        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        grad = grad_out.new_empty(sum(ctx.send), *grad_out.shape[1:])
-        dist.all_to_all_single(grad, grad_out.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return grad, None, None, None
+# bytes of token states and expert outputs (and their gradients) that left this rank in the all-to-alls: the
+# latest optimizer step's and the run's (bench/distributed.py reads them); routing ids and weights apart
+traffic = {"last_step_bytes": 0, "total_bytes": 0, "routing_bytes": 0, "steps": 0, "_at_step_start": 0}
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """Where this rank sits in an expert-parallel job: world = ep x dp ranks, as a (dp, ep) device mesh. The ranks
-    g*ep ... g*ep + ep - 1 form EP group g and split every MoE layer's experts among them (EP rank e owns the
-    contiguous block e*E/ep ... (e+1)*E/ep - 1); the ranks with the same EP rank form a DP group and hold the same
-    experts (replicas, whose gradients are summed). `ep_group`/`dp_group`: their process groups."""
+    """Where this rank sits in an expert-parallel job: world = ep x dp ranks, as a (dp, ep) device mesh (global
+    rank = dp_rank * ep + ep_rank). `ep_group`/`dp_group`: their process groups."""
 
     ep: int
     dp: int
@@ -89,55 +77,115 @@ def set_layout(new: ExpertLayout | None) -> None:
     _LAYOUT = new
 
 
-class Placement:
-    """Which rank owns which experts: a contiguous block of E/N experts each."""
+def join(ep: int, device_type: str = "cpu") -> ExpertLayout | None:
+    """Carve the started process group into the (dp, ep) mesh and install this rank's layout (ep 1: none)."""
+    if ep <= 1:
+        set_layout(None)
+        return None
+    world = dist.get_world_size()
+    if world % ep:
+        raise ConfigError(
+            f"distributed.expert_parallel={ep} must divide the job's {world} processes (world = expert_parallel x "
+            f"data-parallel replicas): use torchrun --nproc_per_node={ep} (or a multiple of {ep})."
+        )
+    from torch.distributed.device_mesh import init_device_mesh
 
-    def __init__(self, num_experts: int, group=None):
-        self.group = group
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        if num_experts % self.world:
-            raise ConfigError(
-                f"expert parallelism over {self.world} ranks needs a number of experts divisible by it; "
-                f"this model has {num_experts} experts per layer: use a world size that divides {num_experts}."
-            )
-        self.per_rank = num_experts // self.world
+    mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    rank = dist.get_rank()
+    found = ExpertLayout(ep, world // ep, rank % ep, rank // ep, mesh.get_group("ep"), mesh.get_group("dp"))
+    set_layout(found)
+    return found
 
-    def owned(self) -> range:
-        return range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
 
-    def exchange_counts(self, send: torch.Tensor) -> list[int]:
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        return recv.tolist()
+def check_experts(num_experts: int, where: str) -> None:
+    """The layout's EP size must divide a layer's experts."""
+    ep = layout()
+    if ep is not None and num_experts % ep.ep:
+        raise ConfigError(
+            f"distributed.expert_parallel={ep.ep} must divide the experts of every MoE layer; {where} has "
+            f"{num_experts}: choose an expert_parallel that divides {num_experts}."
+        )
+
+
+# ---- the exchange ---------------------------------------------------------------------------------------------
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows sent in blocks of `send` rows to each rank, `recv` rows received from each; backward sends the gradients
+    back the way the rows came. `counted`: whether the bytes leaving this rank go to `traffic`."""
+
+    @staticmethod
+    def forward(
+        ctx, rows: torch.Tensor, send: list[int], recv: list[int], group, counted: bool
+    ) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.counted = send, recv, group, counted
+        _count(rows, send, group, counted)
+        out = rows.new_empty(sum(recv), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        _count(grad_out, ctx.recv, ctx.group, ctx.counted)
+        grad = grad_out.new_empty(sum(ctx.send), *grad_out.shape[1:])
+        dist.all_to_all_single(grad, grad_out.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return grad, None, None, None, None
+
+
+def _count(rows: torch.Tensor, send: list[int], group, counted: bool) -> None:
+    me = dist.get_rank(group)
+    leaving = (sum(send) - send[me]) * (rows[0].numel() if rows.shape[0] else 0) * rows.element_size()
+    traffic["total_bytes" if counted else "routing_bytes"] += leaving
+
+
+def close_step() -> None:
+    """At the end of an optimizer step: the step's all-to-all bytes become `traffic["last_step_bytes"]`."""
+    traffic["last_step_bytes"] = traffic["total_bytes"] - traffic["_at_step_start"]
+    traffic["_at_step_start"] = traffic["total_bytes"]
+    traffic["steps"] += 1
+
+
+def _exchange_counts(send: torch.Tensor, group) -> list[int]:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.tolist()
 
 
 def expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     """Drop-in for the experts forward: this rank's tokens in, their combined expert outputs out."""
-    placement: Placement = self.usaf.placement
+    ep: ExpertLayout = self.usaf.placement
+    group, per_rank = ep.ep_group, self.usaf.num_experts // ep.ep
     top_k = top_k_index.shape[-1]
     experts = top_k_index.reshape(-1)
-    owner = torch.div(experts, placement.per_rank, rounding_mode="floor")
+    owner = torch.div(experts, per_rank, rounding_mode="floor")
     order = torch.argsort(owner, stable=True)  # pairs grouped by the rank that owns their expert
     token = torch.div(order, top_k, rounding_mode="floor")
-    send = torch.bincount(owner, minlength=placement.world)
-    recv = placement.exchange_counts(send)
-    send = send.tolist()
-    # out: each pair's token state and its expert; in: the pairs this rank's experts serve
-    rows = AllToAll.apply(hidden_states.index_select(0, token), send, recv, placement.group)
-    served = AllToAll.apply(experts[order], send, recv, placement.group)
-    ones = rows.new_ones(rows.shape[0], 1)
-    outputs = usaf_experts_forward(self, rows, served.unsqueeze(-1), ones)
-    home = AllToAll.apply(outputs, recv, send, placement.group)
-    weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(home.dtype)
+    send_counts = torch.bincount(owner, minlength=ep.ep)
+    recv = _exchange_counts(send_counts.to(_comm_device(group, experts)), group)
+    send = send_counts.tolist()
+    # out: each pair's token state, its expert and its router weight; in: the pairs this rank's experts serve
+    rows = AllToAll.apply(hidden_states.index_select(0, token), send, recv, group, True)
+    served = AllToAll.apply(experts[order], send, recv, group, False)
+    weights = AllToAll.apply(top_k_weights.reshape(-1)[order], send, recv, group, False)
+    outputs = usaf_experts_forward(self, rows, served.unsqueeze(-1), weights.unsqueeze(-1))
+    home = AllToAll.apply(outputs, recv, send, group, True)
     combined = hidden_states.new_zeros(hidden_states.shape[0], home.shape[-1], dtype=home.dtype)
-    return combined.index_add(0, token, home * weights).to(hidden_states.dtype)
+    return combined.index_add(0, token, home).to(hidden_states.dtype)
 
 
-def enable(model: nn.Module, group=None) -> None:
-    """Switch a prepared model's experts to expert-parallel dispatch over the ranks of `group` (default: all).
-    Call after `usaf.prepare_model` on every rank, with the same selection everywhere."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise UsafError("expert parallelism needs torch.distributed initialized (start with torchrun).")
+def _comm_device(group, like: torch.Tensor) -> torch.device:
+    """Where the group's collectives run: the tensors' device under NCCL, the CPU under gloo."""
+    return like.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def enable(model: nn.Module) -> None:
+    """Switch a prepared model's experts to expert-parallel dispatch over the EP group of this rank's `layout()`
+    (`prepare_model` does it when a layout is installed; call it yourself only on a model prepared without one)."""
+    ep = layout()
+    if ep is None:
+        raise ModelError(
+            "expert parallelism needs a layout: join the job first (usaf.engine.expert_parallel.join)."
+        )
     layers = find_moe_layers(model)
     for layer in layers:
         state = owned_state(layer.experts)
@@ -145,6 +193,83 @@ def enable(model: nn.Module, group=None) -> None:
             raise ModelError(
                 "expert parallelism runs usaf's engine: call usaf.prepare_model on the model first."
             )
-        state.placement = Placement(state.num_experts, group)
+        check_experts(state.num_experts, layer.experts_name)
+        state.placement = ep
     register_experts_implementation(IMPLEMENTATION_NAME, expert_parallel_forward)
     use_experts_implementation(model, [layer.experts for layer in layers], IMPLEMENTATION_NAME)
+
+
+# ---- what a rank keeps, and statistics made global ------------------------------------------------------------
+
+
+def owned_mask(shape, axis: int | None, indices: torch.Tensor, owned: range) -> torch.Tensor:
+    """Which of a selection's `indices` (flat indices, or line ids along `axis`) of an [E, A, B] tensor lie in the
+    `owned` experts."""
+    flat = indices if axis is None else line_flat_indices(shape, axis, indices)
+    per_expert = shape[1] * shape[2]
+    expert = torch.div(flat, per_expert, rounding_mode="floor")
+    if axis is not None:  # one expert per line: its first entry's
+        expert = expert.view(indices.numel(), -1)[:, 0] if indices.numel() else expert
+    return (expert >= owned.start) & (expert < owned.stop)
+
+
+def keep_owned(chosen: dict, expert_stores: dict) -> dict:
+    """A selection ({key: Chosen(axis, indices)}) with the expert tensors' entries restricted to this rank's
+    experts (`expert_stores`: {key: store} of the expert stacks; other keys are kept whole)."""
+    ep = layout()
+    if ep is None:
+        return chosen
+    kept = dict(chosen)
+    for key, (axis, indices) in chosen.items():
+        if key in expert_stores:
+            store = expert_stores[key]
+            mask = owned_mask(store.shape, axis, indices, ep.owned(store.shape[0]))
+            kept[key] = type(chosen[key])(axis, indices[mask])
+    return kept
+
+
+def expert_sum(tensor: torch.Tensor, from_every_rank: bool = True) -> torch.Tensor:
+    """A statistic of the experts that each EP rank computed for its own experts (zeros elsewhere), summed over the
+    group: the one-process statistic on every rank. `from_every_rank`: every rank of the group ran the whole
+    calibration stream, so an owner saw each token ep times, and the sum is divided by ep. In place; returned."""
+    ep = layout()
+    if ep is None:
+        return tensor
+    moved = tensor.to(_comm_device(ep.ep_group, tensor))
+    dist.all_reduce(moved, group=ep.ep_group)
+    tensor.copy_(moved.div_(ep.ep) if from_every_rank else moved)
+    return tensor
+
+
+def gather_over_experts(tensor: torch.Tensor) -> torch.Tensor:
+    """Every EP rank's `tensor` (the same shape on each), concatenated in rank order: candidates each rank found
+    among its own experts, merged by the caller."""
+    ep = layout()
+    if ep is None:
+        return tensor
+    moved = tensor.to(_comm_device(ep.ep_group, tensor)).contiguous()
+    found = [torch.empty_like(moved) for _ in range(ep.ep)]
+    dist.all_gather(found, moved, group=ep.ep_group)
+    return torch.cat(found).to(tensor.device)
+
+
+def gather_owned(indices: torch.Tensor) -> torch.Tensor:
+    """The union over the EP group of each rank's share of a selection (disjoint, as `keep_owned` left them),
+    sorted: the one-process selection on every rank."""
+    ep = layout()
+    if ep is None:
+        return indices
+    device = _comm_device(ep.ep_group, indices)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ep.ep)]
+    dist.all_gather(sizes, torch.tensor([indices.numel()], device=device), group=ep.ep_group)
+    sizes = [int(s) for s in torch.cat(sizes).tolist()]
+    padded = torch.zeros(max(sizes), dtype=indices.dtype, device=device)
+    padded[: indices.numel()] = indices.reshape(-1).to(device)
+    found = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(found, padded, group=ep.ep_group)
+    return torch.cat([f[:n] for f, n in zip(found, sizes, strict=True)]).sort().values.to(indices.device)
+
+
+def expert_parameters(model: nn.Module) -> set[int]:
+    """ids of the trained parameters that belong to expert stacks (their values live on their owner only)."""
+    return {id(p) for _, state in sparse_experts(model) for p in state.parameters() if p.requires_grad}

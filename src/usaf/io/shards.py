@@ -173,6 +173,15 @@ def read_expert(entry: TensorEntry, expert: int, hasher=None) -> torch.Tensor:
     return as_tensor(read_bytes(entry, begin, end, hasher), entry.dtype, entry.shape[1:])
 
 
+def read_experts(entry: TensorEntry, first: int, stop: int) -> torch.Tensor:
+    """Rows first ... stop - 1 of a tensor stacked over experts, reading only their bytes (an expert-parallel
+    rank's share of a store)."""
+    if isinstance(entry, DerivedEntry):
+        return torch.stack([read_expert(entry, e) for e in range(first, stop)])
+    begin, end = entry.expert_range(first)[0], entry.expert_range(stop - 1)[1]
+    return as_tensor(read_bytes(entry, begin, end), entry.dtype, (stop - first, *entry.shape[1:]))
+
+
 def sha256_of(entry: TensorEntry) -> str:
     """Checksum of a tensor's bytes as stored, read in bounded chunks (a derived tensor: its parts' bytes, row by
     row, as reading it hashes them)."""

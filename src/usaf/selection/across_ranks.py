@@ -14,6 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from usaf.engine import expert_parallel
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
 
@@ -62,12 +63,13 @@ def buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list
     return found
 
 
-def all_reduce_flat(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> int:
-    """Sum `tensors` in place across ranks, bucketed by dtype and device; the bytes moved."""
+def all_reduce_flat(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES, group=None) -> int:
+    """Sum `tensors` in place across the ranks of `group` (None: all), bucketed by dtype and device; the bytes
+    moved."""
     moved = 0
     for bucket in buckets(tensors, limit):
         flat = torch.cat([b.reshape(-1) for b in bucket])
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=group)
         moved += flat.numel() * flat.element_size()
         offset = 0
         for b in bucket:
@@ -104,7 +106,12 @@ def broadcast_trainable(model: torch.nn.Module) -> None:
         return
 
     comm = comm_device()
+    # expert parallelism: each rank trains only its own experts' entries, which differ by rank (and are the same
+    # on the replicas of a DP group, chosen from the same global statistics): only the rest is made rank 0's
+    experts = expert_parallel.layout() is not None
     for _, state in sparse_modules(model):
+        if experts and state.is_expert_stack:
+            continue
         for _, entries in state.items():
             selection = getattr(entries, entries.selection_name)
             sizes = torch.tensor(list(selection.shape) + [0] * (3 - selection.dim()), device=comm)
@@ -139,7 +146,8 @@ def broadcast_trainable(model: torch.nn.Module) -> None:
                 dist.broadcast(base, 0)
             if not is_main():
                 entries.set_selection(chosen, base, values)
-    for param in [p for p in model.parameters() if p.requires_grad]:
+    skip = expert_parallel.expert_parameters(model) if experts else set()
+    for param in [p for p in model.parameters() if p.requires_grad and id(p) not in skip]:
         buffer = param.data.to(comm)
         dist.broadcast(buffer, 0)
         param.data.copy_(buffer)

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from usaf.engine import expert_parallel
 from usaf.engine.installed import row_observers, sparse_experts, sparse_modules
 from usaf.engine.loss import causal_lm_loss
 from usaf.engine.sparse import LineProbe
+from usaf.model.layout import ExpertGeometry
 from usaf.selection.candidates import NeuronImportance
 
 
@@ -187,7 +189,24 @@ def calibrate(model, batches, num_batches: int, with_gradients: bool) -> Calibra
         for state in weights.values():
             state.row_score = None
     calibration.neuron_score = {k: v.cpu() for k, v in calibration.neuron_score.items()}
+    if expert_parallel.layout() is not None:
+        _sum_over_experts(model, calibration, with_gradients)
     return calibration
+
+
+def _sum_over_experts(model, calibration: Calibration, with_gradients: bool) -> None:
+    """Expert parallelism: each rank observed only its own experts; the sums over the EP group are the statistics
+    one process makes (`expert_sum`), on every rank, so that every rank chooses the same global selection."""
+    for path, state in sparse_experts(model):
+        expert_parallel.expert_sum(calibration.tokens[path])
+        expert_parallel.expert_sum(calibration.gate_weight[path])
+        if with_gradients:
+            score = calibration.neuron_score.get(path)
+            if score is None:  # none of this rank's experts was routed to
+                score = torch.zeros(
+                    state.num_experts, ExpertGeometry.of(model.get_submodule(path)).intermediate
+                )
+            calibration.neuron_score[path] = expert_parallel.expert_sum(score)
 
 
 @dataclass(frozen=True)
@@ -216,12 +235,13 @@ def probe_lines(
                 installed.append((state, name, key))
     try:
         run_batches(model, batches, num_batches, backward=True)
-        return {
-            key: ProbedLines(
-                state.probes[name].flat_indices().cpu(), state.probes[name].score.reshape(-1).cpu()
-            )
-            for state, name, key in installed
-        }
+        probed = {}
+        for state, name, key in installed:
+            score = state.probes[name].score.reshape(-1).cpu()
+            if state.is_expert_stack:  # expert parallelism: each line's gradient arose on its expert's owner
+                expert_parallel.expert_sum(score)
+            probed[key] = ProbedLines(state.probes[name].flat_indices().cpu(), score)
+        return probed
     finally:
         for state, name, _ in installed:
             state.probes.pop(name, None)

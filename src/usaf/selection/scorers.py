@@ -30,6 +30,7 @@ import zlib
 
 import torch
 
+from usaf.engine import expert_parallel
 from usaf.registry import SCORERS
 from usaf.selection import calibrate
 from usaf.selection.budget import split_capped, top_indices
@@ -55,20 +56,34 @@ def random_flat_indices(numel: int, count: int, generator: torch.Generator) -> t
 
 
 def magnitude_flat_indices(store, count: int) -> torch.Tensor:
-    """The `count` entries of largest |w| in a store, merged expert by expert; sorted."""
+    """The `count` entries of largest |w| in a store, merged expert by expert; sorted. A store holding only some
+    experts (expert parallelism) finds the best of its own, and the ranks' candidates are merged."""
     num_experts, a, b = store.shape
     best_scores = torch.empty(0)
     best_index = torch.empty(0, dtype=torch.int64)
-    for e in range(num_experts):
+    for e in store.owned:
         scores = store.materialize([e]).reshape(-1).float().abs().cpu()
         k = min(count, scores.numel())
         top = torch.topk(scores, k, sorted=False)
         best_scores = torch.cat([best_scores, top.values])
         best_index = torch.cat([best_index, top.indices + e * a * b])
         if best_scores.numel() > count:
-            keep = torch.topk(best_scores, count, sorted=False).indices
-            best_scores, best_index = best_scores[keep], best_index[keep]
+            best_scores, best_index = _best(best_scores, best_index, count)
+    if (
+        len(store.owned) < num_experts
+    ):  # every EP rank's candidates (the same number on each) hold the global best
+        gathered = expert_parallel.gather_over_experts
+        best_scores, best_index = _best(gathered(best_scores), gathered(best_index), count)
     return best_index.sort().values
+
+
+def _best(scores: torch.Tensor, index: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` best candidates, ties broken by lower index: a total order, so the result does not depend on
+    how the candidates were merged (expert by expert, or rank by rank)."""
+    by_index = torch.argsort(index)
+    scores, index = scores[by_index], index[by_index]
+    keep = torch.argsort(scores, descending=True, stable=True)[:count]
+    return scores[keep], index[keep]
 
 
 class BaseScorer:
@@ -135,6 +150,8 @@ class Magnitude(PerTensorScorer):
     def pick_in(self, unit, expert, count, context) -> torch.Tensor:
         if expert is None:
             return magnitude_flat_indices(unit.store, count)
+        if expert not in unit.store.owned:  # expert parallelism: its owner picks its entries
+            return torch.empty(0, dtype=torch.int64)
         return top_indices(unit.store.materialize([expert]).reshape(-1).float().abs().cpu(), count)
 
     def neuron_scores(self, unit, context) -> torch.Tensor:
@@ -143,10 +160,11 @@ class Magnitude(PerTensorScorer):
         scores = torch.zeros(unit.num_experts, geometry.intermediate)
         for name, axis in geometry.axes.items():
             store = unit.stores[name]
-            for e in range(store.shape[0]):
+            for e in store.owned:
                 w = store.materialize([e])[0].float().cpu()
                 scores[e] += geometry.per_neuron(name, w.pow(2).sum(dim=2 - axis))
-        return scores
+        # expert parallelism: each rank scored its own experts
+        return expert_parallel.expert_sum(scores, from_every_rank=False)
 
 
 class Gradient(BaseScorer):

@@ -63,6 +63,11 @@ class DenseStore:
             self._view = (key, tensor.view(self.shape))
         return self._view[1]
 
+    @property
+    def owned(self) -> range:
+        """The experts this store holds: all of them (only a `QuantizedStore` is ever an expert-parallel slice)."""
+        return range(self.shape[0])
+
     def materialize(self, expert_ids: list[int]) -> torch.Tensor:
         """A fresh [k, A, B] copy of the given experts."""
         return self.full()[expert_ids]

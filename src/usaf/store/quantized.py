@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from usaf.errors import ModelError
 from usaf.quant import get_format
 
 
@@ -17,12 +18,20 @@ class QuantizedStore:
 
     parts: an object with `fetch(expert_ids) -> {part: tensor [k, ...] on the compute device}` and `device`.
     constants: keyword arguments of the format's `dequantize` (a published format's block size, say).
+    owned: under expert parallelism, the experts this rank holds (`parts` holds only those, its row 0 being
+        `owned.start`); the shape stays the whole tensor's, so indices into it keep their meaning. None: all.
     """
 
     resident = False  # the engine materializes routed experts in workspace-bounded chunks
 
     def __init__(
-        self, format_name: str, parts, shape: tuple[int, int, int], dtype: torch.dtype, constants=None
+        self,
+        format_name: str,
+        parts,
+        shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        constants=None,
+        owned: range | None = None,
     ):
         self.format_name = format_name
         self.constants = dict(constants or {})  # a published format's own (e.g. FP8's block size)
@@ -30,6 +39,7 @@ class QuantizedStore:
         self.parts = parts
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
+        self.owned = owned if owned is not None else range(self.shape[0])
 
     @property
     def device(self) -> torch.device:
@@ -38,6 +48,13 @@ class QuantizedStore:
     def materialize(self, expert_ids: list[int]) -> torch.Tensor:
         """A fresh [k, A, B] tensor of the given experts, dequantized; no other expert is touched."""
         _, rows, cols = self.shape
+        if self.owned.start or len(self.owned) != self.shape[0]:
+            if any(e not in self.owned for e in expert_ids):
+                raise ModelError(
+                    f"experts {list(expert_ids)} asked of a store holding experts {self.owned.start} to "
+                    f"{self.owned.stop - 1} only (expert parallelism: another rank holds the others)."
+                )
+            expert_ids = [e - self.owned.start for e in expert_ids]
         return self.format.dequantize(
             self.parts.fetch(list(expert_ids)), rows, cols, self.dtype, **self.constants
         )

@@ -39,6 +39,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from usaf.engine import expert_parallel
 from usaf.errors import ConfigError, RunStateError, UsafError
 from usaf.selection.across_ranks import (
     BUCKET_BYTES,
@@ -83,6 +84,7 @@ def _wanted_device_type(name: str) -> str:
 
 def init(config) -> bool:
     """Join the torchrun job when WORLD_SIZE > 1 (once; a no-op otherwise). True when data-parallel."""
+    check_expert_parallel(config)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1 or not dist.is_available():
         return False
@@ -101,7 +103,24 @@ def init(config) -> bool:
     dist.init_process_group(backend)
     if dist.get_rank() != 0 and not os.environ.get("USAF_ALL_RANKS_PRINT"):
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process): rank 0 prints
+    expert_parallel.join(config.distributed.expert_parallel, "cuda" if device_type == "cuda" else "cpu")
     return True
+
+
+def check_expert_parallel(config) -> None:
+    """distributed.expert_parallel > 1 needs as many processes (or a multiple): said before anything loads."""
+    ep, world = config.distributed.expert_parallel, int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if ep > 1 and config.select.reselect_every:
+        raise ConfigError(
+            f"select.reselect_every={config.select.reselect_every} with distributed.expert_parallel={ep}: "
+            "reselection is not available under expert parallelism yet; set select.reselect_every=0 (the selection "
+            "made at the start is kept) or train data-parallel."
+        )
+    if ep > 1 and world % ep:
+        raise ConfigError(
+            f"distributed.expert_parallel={ep} splits the experts over {ep} processes, and this job has {world}: "
+            f"start it with torchrun --nproc_per_node={ep} -m usaf train ... (or a multiple of {ep} processes)."
+        )
 
 
 def local_device(device: torch.device) -> torch.device:
@@ -174,7 +193,7 @@ def sum_scalars(*values: float) -> tuple:
 # ------------------------------------------------------------------------------------------------------ gradients
 
 
-def all_reduce_gradients(model_or_params) -> int:
+def all_reduce_gradients(model_or_params, group=None) -> int:
     """Sum the gradients of the trainable parameters across ranks after the backward (a parameter without a
     gradient on every rank keeps none, as in one process); `GradientReducer` does it overlapped. The bytes of
     gradient moved."""
@@ -185,7 +204,7 @@ def all_reduce_gradients(model_or_params) -> int:
     else:
         params = list(model_or_params)
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=comm_device())
-    dist.all_reduce(present)
+    dist.all_reduce(present, group=group)
     grads = []
     for param, anywhere in zip(params, present.tolist(), strict=True):
         if not anywhere:
@@ -193,7 +212,7 @@ def all_reduce_gradients(model_or_params) -> int:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grads.append(param.grad)
-    moved = all_reduce_flat(grads, BUCKET_BYTES)
+    moved = all_reduce_flat(grads, BUCKET_BYTES, group)
     _count_traffic(moved)
     return moved
 
@@ -205,8 +224,37 @@ def _count_traffic(moved: int) -> None:
 
 
 def gradient_reducer(model: torch.nn.Module):
-    """The run's gradient sum across ranks: a GradientReducer under data parallelism, else one that does nothing."""
-    return GradientReducer(model) if active() else LocalGradients()
+    """The run's gradient sum across ranks: a GradientReducer under data parallelism, else one that does nothing.
+    Under expert parallelism the experts' trained values are complete on their owner after the backward: they are
+    summed only over their DP replicas (a second reducer, when there are replicas), the rest over every rank."""
+    if not active():
+        return LocalGradients()
+    ep = expert_parallel.layout()
+    if ep is None:
+        return GradientReducer([p for p in model.parameters() if p.requires_grad])
+    experts = expert_parallel.expert_parameters(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    reducers = [GradientReducer([p for p in params if id(p) not in experts])]
+    if ep.dp > 1:
+        reducers.append(GradientReducer([p for p in params if id(p) in experts], ep.dp_group))
+    return ExpertParallelGradients(reducers)
+
+
+class ExpertParallelGradients:
+    """GradientReducer's interface over the reducers of an expert-parallel job, in the same order on every rank;
+    it closes each step's all-to-all count too."""
+
+    def __init__(self, reducers: list[GradientReducer]):
+        self.reducers = reducers
+
+    def arm(self) -> None:
+        for reducer in self.reducers:
+            reducer.arm()
+
+    def finish(self) -> int:
+        moved = sum(reducer.finish() for reducer in self.reducers)
+        expert_parallel.close_step()
+        return moved
 
 
 class LocalGradients:
@@ -231,8 +279,8 @@ class GradientReducer:
     process. A gradient changed after its bucket left (nothing in usaf does that) makes every rank redo the whole
     sum synchronously, so the result never depends on the overlap."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    def __init__(self, params: list[torch.nn.Parameter], group=None):
+        self.params, self.group = params, group  # group: the ranks that sum (None: all)
         self.buckets = buckets(self.params[::-1], BUCKET_BYTES)
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.armed = False
@@ -260,7 +308,7 @@ class GradientReducer:
             [p.grad is not None for p in bucket], dtype=bucket[0].dtype, device=grads[0].device
         )
         flat = torch.cat([*(g.reshape(-1) for g in grads), flags]).to(comm_device())
-        work = dist.all_reduce(flat, async_op=True)
+        work = dist.all_reduce(flat, async_op=True, group=self.group)
         self.sent.append(
             (flat, work, [(p.grad, p.grad._version if p.grad is not None else -1) for p in bucket])
         )
@@ -282,7 +330,7 @@ class GradientReducer:
             # the sent buckets' work handles go now: kept until the process exits, gloo's handle outlived its
             # process group and aborted the process ("terminate called without an active exception")
             self.sent = []
-            return all_reduce_gradients(self.params)
+            return all_reduce_gradients(self.params, self.group)
         moved = 0
         for bucket, (flat, _, _) in zip(self.buckets, self.sent, strict=True):
             moved += flat.numel() * flat.element_size()

@@ -23,6 +23,7 @@ import torch
 
 from usaf import kernels
 from usaf.config import RunConfig
+from usaf.engine import expert_parallel
 from usaf.engine.base_weights import starting_values
 from usaf.engine.costs import MOMENT_DTYPES, bucket_limit
 from usaf.engine.installed import sparse_modules
@@ -360,9 +361,27 @@ def router_params(model) -> list[torch.nn.Parameter]:
 
 
 def clip_gradients(model, max_norm: float) -> float:
+    """Clip the gradients to `max_norm` (0: do not) by their norm over the whole model; the norm."""
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    if expert_parallel.layout() is not None:
+        return _clip_expert_parallel(model, params, max_norm)
     if not params:
         return 0.0
     if max_norm and max_norm > 0:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False))
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+
+
+def _clip_expert_parallel(model, params: list, max_norm: float) -> float:
+    """Expert parallelism: a rank holds only its experts' gradients, so their squared norm is summed over the EP
+    group (the rest is the same on every rank): the norm and the clipping one process would compute."""
+    experts = expert_parallel.expert_parameters(model)
+    squares = torch.zeros(2, dtype=torch.float32)  # [experts, the rest]
+    for p in params:
+        squares[0 if id(p) in experts else 1] += torch.linalg.vector_norm(p.grad.float()).cpu().pow(2)
+    squares[0] = expert_parallel.expert_sum(squares[:1], from_every_rank=False)[0]
+    norm = float(squares.sum().sqrt())
+    if max_norm and max_norm > 0 and norm > max_norm and math.isfinite(norm):
+        for p in params:
+            p.grad.mul_(max_norm / (norm + 1e-6))
+    return norm

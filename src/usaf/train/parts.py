@@ -300,8 +300,10 @@ class Routers(Part):
         return record
 
     def finish(self, state: TrainState) -> None:
-        if distributed.is_main():  # [usaf.distributed] only rank 0 measures and writes
-            write_router_load(self.run_dir, *self.routers.load_before_after())
+        # [usaf.distributed] every rank measures (under expert parallelism a forward needs every rank); rank 0 writes
+        measured = self.routers.load_before_after()
+        if distributed.is_main():
+            write_router_load(self.run_dir, *measured)
 
     def state_dict(self) -> dict[str, Any]:
         return {"router": self.routers.state_dict()}

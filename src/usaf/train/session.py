@@ -20,6 +20,7 @@ from usaf.config import RunConfig
 from usaf.data import Batches, TokenizedDataset, load_run_data
 from usaf.data.sources import absolute_name
 from usaf.data.templates import template_names
+from usaf.engine import expert_parallel
 from usaf.engine.state import model_state
 from usaf.errors import ConfigError, ModelError, UsafError, first_line
 from usaf.files import CONFIG_FILE
@@ -148,7 +149,8 @@ def load_model(
         config = config.replace({"select.strategy": "file", "select.file": str(selection_file)})
     # a prepared store, or a published MXFP4/FP8 checkpoint (which trains on its own quantized experts, whatever
     # model.quant says), loads through the quantized path as a folder asked for model.quant does
-    if config.model.quant != "none" or model_source(path).quant != "none":
+    # (expert parallelism too, at any model.quant: a rank reads only its experts' slice of the store)
+    if config.model.quant != "none" or model_source(path).quant != "none" or expert_parallel.layout():
         model = load_for_training(
             config.model,
             config.select,
