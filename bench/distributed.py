@@ -286,7 +286,7 @@ def ep_rank(out: Path, argv: list[str]) -> None:
         "code": code,
         "peak_rss": lifetime_peak_rss(),
         "peak_above_imports": (proc_status_bytes("VmHWM") - baseline) if can_reset else None,
-        "all_to_all": dict(getattr(expert_parallel, "traffic", {})),  # the lead's counter (issue 37)
+        "all_to_all": dict(expert_parallel.traffic),  # counted by the EP runtime (usaf.engine.expert_parallel)
         "all_reduce": dict(distributed.traffic),
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(report))
