@@ -272,28 +272,42 @@ def ep_rank(out: Path, argv: list[str]) -> None:
     planner's imports line is a constant of the machine, not of the run)."""
     from harness import lifetime_peak_rss, proc_status_bytes, reset_peak_rss
 
-    import usaf.train.loop  # noqa: F401  (what `usaf train` imports, before the baseline)
     from usaf.cli import main as usaf_main
     from usaf.engine import expert_parallel
     from usaf.train import distributed
+    from usaf.train.loop import TrainingRun
 
     can_reset = reset_peak_rss()
     baseline = proc_status_bytes("VmRSS") if can_reset else 0
+    setup = {}
+    trains = TrainingRun.train
+
+    def train_from_a_fresh_peak(run):  # the peak of loading and selecting apart from the training steps'
+        setup["peak"] = proc_status_bytes("VmHWM") - baseline
+        reset_peak_rss()
+        return trains(run)
+
+    TrainingRun.train = train_from_a_fresh_peak
     code = usaf_main(argv)
     rank = int(os.environ.get("RANK", "0"))
+    training = proc_status_bytes("VmHWM") - baseline
     report = {
         "rank": rank,
         "code": code,
         "peak_rss": lifetime_peak_rss(),
-        "peak_above_imports": (proc_status_bytes("VmHWM") - baseline) if can_reset else None,
-        "all_to_all": dict(expert_parallel.traffic),  # counted by the EP runtime (usaf.engine.expert_parallel)
+        "peak_above_imports": max(setup["peak"], training) if can_reset else None,
+        "setup_peak": setup["peak"] if can_reset else None,
+        "training_peak": training if can_reset else None,
+        "all_to_all": dict(
+            expert_parallel.traffic
+        ),  # counted by the EP runtime (usaf.engine.expert_parallel)
         "all_reduce": dict(distributed.traffic),
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(report))
     sys.exit(code)
 
 
-def _ep_job(ep: int, gpus: int, steps: int, smoke: bool, root: Path) -> dict:
+def _ep_job(ep: int, gpus: int, steps: int, smoke: bool, root: Path, quant: str) -> dict:
     """Launch the job, read every rank's report, plan the same run."""
     import subprocess
 
@@ -308,7 +322,7 @@ def _ep_job(ep: int, gpus: int, steps: int, smoke: bool, root: Path) -> dict:
         f"data.batch_size={batch}",
         f"schedule.max_steps={steps}",
     ]
-    sets.append(f"distributed.expert_parallel={ep}")
+    sets += [f"model.quant={quant}", f"distributed.expert_parallel={ep}"]
     train = ["train", f"--model={model_dir}", f"--data={data}", f"--out={run_dir}"]
     train += [f"--set={x}" for x in sets]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
@@ -370,7 +384,15 @@ def ep_markdown(jobs: list[dict], command: str) -> str:
         "bench/plan_accuracy.py).",
         "",
     ]
-    header = ["EP x DP", "rank", "measured peak", "planned peak", "error", "lifetime peak (planned)"]
+    header = [
+        "EP x DP",
+        "rank",
+        "measured peak",
+        "planned peak",
+        "error",
+        "loading, training",
+        "lifetime peak (planned)",
+    ]
     header += ["all-to-all, last step", "planned", "error"]
     rows, within = [], True
     for job in jobs:
@@ -387,13 +409,14 @@ def ep_markdown(jobs: list[dict], command: str) -> str:
                     f"{r['peak_above_imports'] / 2**20:.0f} MB",
                     f"{plan['peak_above_imports'] / 2**20:.0f} MB",
                     f"{error:+.1%}",
+                    f"{r['setup_peak'] / 2**20:.0f} MB, {r['training_peak'] / 2**20:.0f} MB",
                     f"{r['peak_rss'] / 2**20:.0f} MB ({plan['peak'] / 2**20:.0f} MB)",
                     f"{sent:,}" if sent else "-",
                     f"{plan['all_to_all_per_step']:,.0f}",
                     a2a_error,
                 ]
             )
-    lines += table(header, rows, align="lrrrrrrrr")
+    lines += table(header, rows, align="lrrrrrrrrr")
     lines += ["", f"Every rank's peak within {TOLERANCE:.0%} of the plan: {'yes' if within else 'NO'}.", ""]
     for job in jobs:
         lines += [f"## EP {job['ep']} x DP {job['gpus'] // job['ep']}", "", f"`{job['command']}`", ""]
@@ -408,7 +431,7 @@ def main_expert_parallel(args) -> None:
     jobs = []
     for gpus in [int(n) for n in args.gpus.split(",")] if args.gpus else [args.expert_parallel]:
         with tempfile.TemporaryDirectory() as root:
-            jobs.append(_ep_job(args.expert_parallel, gpus, steps, args.smoke, Path(root)))
+            jobs.append(_ep_job(args.expert_parallel, gpus, steps, args.smoke, Path(root), args.quant))
         print(json.dumps({k: v for k, v in jobs[-1].items() if k != "plan"}, default=str), flush=True)
     command = "OMP_NUM_THREADS=1 PYTHONPATH=src python bench/distributed.py " + " ".join(sys.argv[1:])
     text = ep_markdown(jobs, command)
@@ -446,6 +469,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--gpus", default="", help="with --expert-parallel: the ranks of each job, e.g. 2,4 (default: EP)"
+    )
+    parser.add_argument(
+        "--quant", default="nf4", help="with --expert-parallel: the experts' store format (model.quant)"
     )
     args = parser.parse_args()
     if args.expert_parallel:
