@@ -284,6 +284,7 @@ def ep_rank(out: Path, argv: list[str]) -> None:
 
     def train_from_a_fresh_peak(run):  # the peak of loading and selecting apart from the training steps'
         setup["peak"] = proc_status_bytes("VmHWM") - baseline
+        setup["held"] = proc_status_bytes("VmRSS") - baseline
         reset_peak_rss()
         return trains(run)
 
@@ -297,6 +298,7 @@ def ep_rank(out: Path, argv: list[str]) -> None:
         "peak_rss": lifetime_peak_rss(),
         "peak_above_imports": max(setup["peak"], training) if can_reset else None,
         "setup_peak": setup["peak"] if can_reset else None,
+        "held_before_training": setup["held"] if can_reset else None,
         "training_peak": training if can_reset else None,
         "all_to_all": dict(
             expert_parallel.traffic
@@ -377,40 +379,35 @@ def ep_markdown(jobs: list[dict], command: str) -> str:
         "",
         f"Command: `{command}`  ",
         f"Model: random Qwen3-MoE {jobs[0]['shape']}; fp32; seq {jobs[0]['seq']} x batch {jobs[0]['batch']} a "
-        f"micro-batch, one a step, {jobs[0]['steps']} steps. Measured: each rank's peak resident set above its "
-        "resident set once the libraries are imported (loading included; MALLOC_MMAP_THRESHOLD_=131072), beside "
-        "the lifetime peak, and the all-to-all bytes of the last step (`usaf.engine.expert_parallel.traffic`). "
-        "Planned: `usaf plan --config RUN/config.yaml --device cpu --gpus N`, less its imports line (as "
-        "bench/plan_accuracy.py).",
+        f"micro-batch, one a step, {jobs[0]['steps']} steps. Measured: each rank's peak resident set "
+        "(ru_maxrss, what `usaf train` records as peak_memory_mb on the CPU; MALLOC_MMAP_THRESHOLD_=131072), and "
+        "apart from its imports (above the resident set once `usaf train`'s modules are imported): the peak while "
+        "loading and selecting, what that leaves held, the peak of the training steps. All-to-all: the bytes that "
+        "left the rank in the last step (`usaf.engine.expert_parallel.traffic`). Planned: `usaf plan --config "
+        "RUN/config.yaml --device cpu --gpus N` (its imports line apart in the second column).",
         "",
     ]
-    header = [
-        "EP x DP",
-        "rank",
-        "measured peak",
-        "planned peak",
-        "error",
-        "loading, training",
-        "lifetime peak (planned)",
-    ]
+    header = ["EP x DP", "rank", "measured peak", "planned peak", "error"]
+    header += ["apart from imports: measured, planned", "loading / held after / training"]
     header += ["all-to-all, last step", "planned", "error"]
     rows, within = [], True
     for job in jobs:
         plan = job["plan"]
         for r in job["ranks"]:
-            error = plan["peak_above_imports"] / r["peak_above_imports"] - 1
+            error = plan["peak"] / r["peak_rss"] - 1
             within &= abs(error) <= TOLERANCE
             sent = r["all_to_all"].get("last_step_bytes")
             a2a_error = f"{plan['all_to_all_per_step'] / sent - 1:+.1%}" if sent else "not counted"
+            apart = ("setup_peak", "held_before_training", "training_peak")
             rows.append(
                 [
                     f"{job['ep']} x {job['gpus'] // job['ep']}",
                     r["rank"],
-                    f"{r['peak_above_imports'] / 2**20:.0f} MB",
-                    f"{plan['peak_above_imports'] / 2**20:.0f} MB",
+                    f"{r['peak_rss'] / 2**20:.0f} MB",
+                    f"{plan['peak'] / 2**20:.0f} MB",
                     f"{error:+.1%}",
-                    f"{r['setup_peak'] / 2**20:.0f} MB, {r['training_peak'] / 2**20:.0f} MB",
-                    f"{r['peak_rss'] / 2**20:.0f} MB ({plan['peak'] / 2**20:.0f} MB)",
+                    f"{r['peak_above_imports'] / 2**20:.0f} MB, {plan['peak_above_imports'] / 2**20:.0f} MB",
+                    " / ".join(f"{r[k] / 2**20:.0f} MB" for k in apart),
                     f"{sent:,}" if sent else "-",
                     f"{plan['all_to_all_per_step']:,.0f}",
                     a2a_error,
@@ -429,9 +426,12 @@ def main_expert_parallel(args) -> None:
 
     steps = 2 if args.smoke else args.steps
     jobs = []
-    for gpus in [int(n) for n in args.gpus.split(",")] if args.gpus else [args.expert_parallel]:
+    meshes = [(args.expert_parallel, int(n)) for n in (args.gpus or str(args.expert_parallel)).split(",")]
+    if args.baseline:  # one process of the same run: what the planner misses without expert parallelism
+        meshes.insert(0, (1, 1))
+    for ep, gpus in meshes:
         with tempfile.TemporaryDirectory() as root:
-            jobs.append(_ep_job(args.expert_parallel, gpus, steps, args.smoke, Path(root), args.quant))
+            jobs.append(_ep_job(ep, gpus, steps, args.smoke, Path(root), args.quant))
         print(json.dumps({k: v for k, v in jobs[-1].items() if k != "plan"}, default=str), flush=True)
     command = "OMP_NUM_THREADS=1 PYTHONPATH=src python bench/distributed.py " + " ".join(sys.argv[1:])
     text = ep_markdown(jobs, command)
@@ -472,6 +472,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--quant", default="nf4", help="with --expert-parallel: the experts' store format (model.quant)"
+    )
+    parser.add_argument(
+        "--baseline", action="store_true", help="with --expert-parallel: one process of the same run first"
     )
     args = parser.parse_args()
     if args.expert_parallel:
