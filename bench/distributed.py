@@ -290,6 +290,8 @@ def ep_rank(out: Path, argv: list[str]) -> None:
 
     TrainingRun.train = train_from_a_fresh_peak
     code = usaf_main(argv)
+    if code != 0:  # stopped before training: usaf said why
+        sys.exit(code)
     rank = int(os.environ.get("RANK", "0"))
     training = proc_status_bytes("VmHWM") - baseline
     report = {
@@ -335,8 +337,9 @@ def _ep_job(ep: int, gpus: int, steps: int, smoke: bool, root: Path, quant: str)
     )
     started = time.perf_counter()
     done = subprocess.run(launch, capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"the EP job failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    if done.returncode != 0:  # usaf's own one-line errors first, then the end of the log
+        said = "\n".join(x for x in done.stderr.splitlines() if "usaf:" in x)
+        raise SystemExit(f"the EP job failed ({done.returncode}):\n{said}\n{done.stderr[-3000:]}")
     ranks = [json.loads((reports / f"rank-{r}.json").read_text()) for r in range(gpus)]
     return {
         "ep": ep,
