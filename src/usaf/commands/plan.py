@@ -151,9 +151,14 @@ def _parallel_options(p) -> None:
     )
     p.add_argument(
         "--expert-parallel",
-        action="store_true",
-        help="with --gpus N: each GPU holds E/N experts of every layer and their trained entries; tokens travel "
-        "all-to-all (a prototype in usaf.engine.expert_parallel; docs/distributed.md)",
+        nargs="?",
+        const=True,
+        default=False,
+        type=int,
+        metavar="EP",
+        help="with --gpus N: each GPU holds E/EP experts of every layer and their trained entries; tokens travel "
+        "all-to-all within each group of EP GPUs, and the N/EP groups are data-parallel replicas "
+        "(distributed.expert_parallel; bare: EP = N; docs/distributed.md)",
     )
     p.add_argument(
         "--gpus-per-host",

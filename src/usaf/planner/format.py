@@ -44,7 +44,8 @@ def command_line(model: str, p: Plan) -> str:
         (s.dtype != default_dtype(p.device), f"--dtype {s.dtype}"),
         (s.workspace_mb != defaults.workspace_mb, f"--workspace-mb {s.workspace_mb}"),
         (s.gpus > 1, f"--gpus {s.gpus}"),
-        (s.expert_parallel, "--expert-parallel"),
+        (s.expert_parallel == s.gpus > 1, "--expert-parallel"),
+        (1 < s.expert_parallel < s.gpus, f"--expert-parallel {s.expert_parallel}"),
         (s.gpus_per_host > 0, f"--gpus-per-host {s.gpus_per_host}"),
     ]
     return " ".join(parts + [flag for wanted, flag in flags if wanted])
@@ -80,6 +81,8 @@ def run_config(model: str, p: Plan) -> str:
             "objective": run.train.objective,
         },
     }
+    if run.distributed.expert_parallel > 1:
+        sections["distributed"] = {"expert_parallel": run.distributed.expert_parallel}
     return yaml.safe_dump(sections, sort_keys=False, default_flow_style=False).rstrip()
 
 
@@ -115,11 +118,11 @@ def format_plan(p: Plan) -> str:
         f"logits chunk {s.logits_chunk}, {s.optimizer}" + _objective(s),
     ]
     if s.gpus > 1:
-        how = (
-            f"expert parallel: each holds 1/{s.gpus} of every layer's experts"
-            if s.expert_parallel
-            else "data parallel"
-        )
+        how = "data parallel"
+        if s.data_parallel > 1 and s.expert_parallel > 1:
+            how = f"expert parallel {s.expert_parallel} x data parallel {s.data_parallel}: each holds 1/{s.expert_parallel} of every layer's experts"
+        elif s.expert_parallel > 1:
+            how = f"expert parallel: each holds 1/{s.gpus} of every layer's experts"
         out.append(
             f"{s.gpus} GPUs, {how}; the ledger is one rank's, each rank training its own seq x batch tokens"
         )
@@ -160,15 +163,22 @@ def _traffic_lines(p: Plan) -> list[str]:
     if s.gpus == 1:
         return []
     rate = f"{t.peer_gbps:g} GB/s per direction between GPUs"
+    experts = (
+        f" ({format_size(t.expert_all_reduce)} of them expert entries, over their {s.data_parallel} replicas)"
+        if t.expert_all_reduce
+        else ""
+    )
     lines = [
-        f"all-reduce per step: {format_size(t.all_reduce_buffer)} of fp32 gradients, {format_size(t.all_reduce_sent)} "
-        f"sent per rank in a ring, ~ {t.all_reduce_s:.3f} s at {rate}; overlapped with the last backward"
+        f"all-reduce per step: {format_size(t.all_reduce_buffer)} of fp32 gradients{experts}, "
+        f"{format_size(t.all_reduce_sent)} sent per rank in a ring, ~ {t.all_reduce_s:.3f} s at {rate}; overlapped "
+        "with the last backward"
     ]
-    if s.expert_parallel:
+    if s.expert_parallel > 1:
         passes = "forward, recomputation and backward" if s.recompute else "forward and backward"
         lines.append(
             f"all-to-all per step: {format_size(t.all_to_all_sent)} leaving each rank (2 exchanges per MoE layer in "
-            f"each of {passes}, the {s.gpus - 1}/{s.gpus} of pairs whose expert lives elsewhere), "
+            f"each of {passes}, the {s.expert_parallel - 1}/{s.expert_parallel} of pairs whose expert lives "
+            "elsewhere), "
             f"~ {t.all_to_all_s:.2f} s at {rate}, on top of the step"
         )
     return lines
@@ -200,6 +210,12 @@ def format_verdict(model: str, v: Verdict) -> str:
     if chosen.device.is_gpu and chosen.host_peak > chosen.ram:
         need += f" on the device, {format_size(chosen.host_peak)} of {format_size(chosen.ram)} host"
     lines = [format_plan(chosen), "", f"verdict: does not fit (needs {need})"]
+    if chosen.settings.gpus > 1 and chosen.replicated_dense > chosen.device_budget:
+        lines.append(
+            f"the dense weights, whole on every rank, and the runtime's context alone take "
+            f"{format_size(chosen.replicated_dense)} of the {format_size(chosen.device_budget)} card: they need "
+            "sharding over the GPUs (FSDP2), which usaf does not have yet"
+        )
     if v.suggestion is None:
         lines.append(
             "nothing searched fits (residency, quantization, batch, sequence, density, logits chunk): "

@@ -63,6 +63,10 @@ from usaf.registry import TARGET_KINDS
 # ---- the ledger -----------------------------------------------------------------------------------------------
 
 PERSISTENT = frozenset()
+# the experts' rows padded to the longest expert's: its rows at twice the mean (measured with a91143d; the engine's
+# bound, 16x, caps one group of experts and is reached only by routing far more uneven)
+ROUTING_SPREAD = 2
+DENSE_WEIGHTS = "dense weights"
 LAYER, LOSS, STEP = "layer backward", "loss chunk", "optimizer step"
 
 
@@ -108,6 +112,9 @@ class Traffic:
     all_reduce_sent: float = 0.0  # what a ring all-reduce sends (and receives) of it per rank
     all_to_all_sent: float = 0.0  # expert parallel: token states and expert outputs leaving the rank
     peer_gbps: float = 0.0  # the GPU-to-GPU rate the times below assume
+    expert_all_reduce: float = (
+        0.0  # the part of all_reduce_buffer that is expert entries, summed over DP replicas
+    )
 
     @property
     def all_reduce_s(self) -> float:
@@ -152,6 +159,13 @@ class Plan:
     def fits(self) -> bool:
         host_ok = not self.device.is_gpu or self.host_peak <= self.ram
         return self.device_peak <= self.device_budget and host_ok
+
+    @property
+    def replicated_dense(self) -> float:
+        """The device bytes every rank holds whatever it trains or offloads: the whole dense weights (FSDP2 would
+        shard them) and, on a GPU, the runtime's context."""
+        dense = sum(line.device for line in self.lines if line.name == DENSE_WEIGHTS)
+        return dense + (CUDA_CONTEXT if self.device.is_gpu else 0)
 
 
 def _peak(lines: list[LedgerLine], where: str) -> tuple[float, str]:
@@ -268,10 +282,12 @@ def plan(
     s, gpu = settings, device.is_gpu
     vram = (device.memory if vram is None else vram) if gpu else 0
     ram = machine_ram() if ram is None else ram
-    if s.expert_parallel and shape.num_experts % s.gpus:
+    ep = s.expert_parallel
+    if shape.num_experts % ep:
         raise ConfigError(
-            f"--expert-parallel over {s.gpus} GPUs needs a number of experts divisible by {s.gpus}; "
-            f"{shape.name} has {shape.num_experts} experts per layer: give a --gpus that divides it."
+            f"--expert-parallel over {ep} GPUs needs a number of experts divisible by {ep}; "
+            f"{shape.name} has {shape.num_experts} experts per layer: give an --expert-parallel that divides "
+            f"{shape.num_experts}."
         )
     residency = s.residency if gpu or s.residency != "host" else "device"  # host memory is the CPU's own
     ledger, host_ram = _Ledger(gpu), ram
@@ -306,8 +322,8 @@ def plan(
 
 
 def _expert_share(s: PlanSettings) -> float:
-    """The share of every expert a rank holds: 1/N under expert parallelism, else all of them."""
-    return 1 / s.gpus if s.expert_parallel else 1.0
+    """The share of every expert a rank holds: 1/EP under expert parallelism, else all of them."""
+    return 1 / s.expert_parallel
 
 
 def _frozen_weights(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: str) -> float:
@@ -318,8 +334,9 @@ def _frozen_weights(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residen
     bits = 8 * (payload + constants) / max(1, shape.expert_weights)
     payload, constants = payload * share, constants * share
     held = (
-        f"{shape.num_experts // s.gpus} of {shape.num_experts} experts (expert parallel over {s.gpus} GPUs)"
-        if s.expert_parallel
+        f"{shape.num_experts // s.expert_parallel} of {shape.num_experts} experts (expert parallel over "
+        f"{s.expert_parallel} GPUs)"
+        if s.expert_parallel > 1
         else f"{shape.num_experts} experts"
     )
     experts_detail = (
@@ -345,11 +362,11 @@ def _frozen_weights(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residen
         f"{format_count(shape.dense_params + shape.router_params)} attention/embedding/norm/shared parameters "
         f"and routers, {s.dtype}"
     )
-    if s.expert_parallel:
-        dense_detail += ", whole on every rank (FSDP2 sharding of them is not modeled)"
+    if s.expert_parallel > 1:
+        dense_detail += ", whole on every rank (FSDP2 sharding of them is not yet available)"
     if s.quant_dense:
         dense_detail += " (--quant-dense stores linear layers as int8 on disk; loading dequantizes them)"
-    ledger.add("dense weights", (shape.dense_params + shape.router_params) * d, dense_detail)
+    ledger.add(DENSE_WEIGHTS, (shape.dense_params + shape.router_params) * d, dense_detail)
     return payload + constants
 
 
@@ -484,12 +501,11 @@ def _workspace(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: s
     """The dequantized routed-expert workspace and the streaming buffers."""
     d, tokens = DTYPE_BYTES[s.dtype], s.seq * s.batch
     if s.quant != "none" or residency != "device":
-        routed, workspace = _routed_experts(shape, tokens), s.workspace_mb * MiB
+        routed, workspace = _routed_experts(shape, s, tokens), s.workspace_mb * MiB
+        held = shape.num_experts // s.expert_parallel
         # each projection's largest chunk as the engine cuts it (usaf.engine.costs), the largest of them
         elements = max(
-            chunk_experts(experts_per_chunk(workspace, rows * cols * d), routed, shape.num_experts)
-            * rows
-            * cols
+            chunk_experts(experts_per_chunk(workspace, rows * cols * d), routed, held) * rows * cols
             for _, rows, cols in shape.expert_matrices
         )
         ledger.add(
@@ -513,15 +529,15 @@ def _gradient_kernels(ledger: _Ledger, shape: ModelShape, s: PlanSettings, train
     if ledger.gpu:
         return
     rows = s.seq * s.batch * shape.experts_per_token
-    padded = max(
-        MIN_PADDED_ROWS, PADDING_FACTOR * rows
-    )  # the bound on one group of experts (usaf.kernels.torch_path)
+    # the experts x the longest expert's rows: ROUTING_SPREAD x the rows, within the bound on one group of experts
+    # (usaf.kernels.torch_path), which only routing far more uneven reaches
+    padded = min(ROUTING_SPREAD * rows, max(MIN_PADDED_ROWS, PADDING_FACTOR * rows))
     width = shape.hidden_size + 2 * shape.moe_intermediate  # gate/up's two sides, the widest pair
     ledger.add(
         "sampled-gradient padding",
         padded * width * 4,
-        f"<= {padded} padded rows x ({shape.hidden_size} + 2 x {shape.moe_intermediate}) x 4 B: one projection's "
-        "routed rows laid out per expert for one sampled product",
+        f"~ {padded} padded rows ({ROUTING_SPREAD} x the routed rows) x ({shape.hidden_size} + 2 x "
+        f"{shape.moe_intermediate}) x 4 B: one projection's routed rows laid out per expert for one sampled product",
         phases=frozenset({LAYER}),
     )
     if s.granularity == "element":
@@ -539,18 +555,24 @@ def _parallel(
     """With several GPUs: the buffers each rank adds and the bytes it exchanges per optimizer step."""
     if s.gpus == 1:
         return Traffic()
-    d, tokens = DTYPE_BYTES[s.dtype], s.seq * s.batch
-    # the gradients summed across ranks, fp32 (usaf.train.distributed.GradientReducer): routers and the entries of
-    # other weights always; expert entries only when every rank trains every expert (data parallel)
-    reduced = trained.beyond + trained.routers + (0 if s.expert_parallel else trained.experts)
+    d, tokens, ep, dp = DTYPE_BYTES[s.dtype], s.seq * s.batch, s.expert_parallel, s.data_parallel
+    # the gradients summed in fp32 (usaf.train.distributed.GradientReducer): routers and the entries of other
+    # weights over every rank; a rank's expert entries over the DP group holding the same experts (all ranks
+    # without expert parallelism, none but the owner without data parallelism)
+    everywhere = trained.beyond + trained.routers + (trained.experts if ep == 1 else 0)
+    replicas = trained.experts if ep > 1 and dp > 1 else 0
+    reduced = everywhere + replicas
+    detail = f"{format_count(reduced)} trained gradients in fp32 flat buckets"
+    if replicas:
+        detail += f" ({format_count(replicas)} of this rank's experts, summed over their {dp} replicas)"
     ledger.add(
         "all-reduce buckets",
         4 * reduced,
-        f"{format_count(reduced)} trained gradients in fp32 flat buckets, sent as the last backward completes them",
+        detail + ", sent as the last backward completes them",
         phases=frozenset({LAYER, LOSS}),
     )
     all_to_all = 0.0
-    if s.expert_parallel:
+    if ep > 1:
         # each (token, expert) pair's hidden state out and its expert output home, activations in the compute dtype
         pairs = tokens * shape.experts_per_token
         ledger.add(
@@ -560,9 +582,14 @@ def _parallel(
             phases=frozenset({LAYER}),
         )
         passes = 3 if s.recompute else 2  # forward, backward, and the recomputed forward
-        all_to_all = 2 * passes * shape.num_moe_layers * pairs * shape.hidden_size * d * (s.gpus - 1) / s.gpus
-    ring = 2 * (s.gpus - 1) / s.gpus  # a ring all-reduce sends and receives this share of the buffer per rank
-    return Traffic(4 * reduced, ring * 4 * reduced, all_to_all, device.peer_gbps)
+        all_to_all = 2 * passes * shape.num_moe_layers * pairs * shape.hidden_size * d * (ep - 1) / ep
+    sent = _ring(s.gpus) * 4 * everywhere + _ring(dp) * 4 * replicas
+    return Traffic(4 * reduced, sent, all_to_all, device.peer_gbps, 4 * replicas)
+
+
+def _ring(ranks: int) -> float:
+    """The share of its buffer a ring all-reduce over `ranks` sends (and receives) per rank."""
+    return 2 * (ranks - 1) / ranks
 
 
 def _framework(
@@ -617,10 +644,11 @@ def _framework(
     )
 
 
-def _routed_experts(shape: ModelShape, tokens: int) -> float:
-    """Expected distinct experts `tokens` tokens are routed to in one layer (uniform routing)."""
-    e, k = shape.num_experts, shape.experts_per_token
-    return e * (1 - (1 - k / e) ** tokens)
+def _routed_experts(shape: ModelShape, s: PlanSettings, tokens: int) -> float:
+    """Expected distinct experts of this rank that receive tokens in one layer (uniform routing): of all of them
+    from the rank's `tokens`, or under expert parallelism of its E/EP from the `tokens` of every rank of its group."""
+    e, k, ep = shape.num_experts, shape.experts_per_token, s.expert_parallel
+    return e / ep * (1 - (1 - k / e) ** (tokens * ep))
 
 
 def _layer_working_set(shape: ModelShape, d: int) -> float:
@@ -674,7 +702,7 @@ def _step_time(shape: ModelShape, s: PlanSettings, device: Device, residency: st
     # each pass reads the routed experts' weights: quantized ones are read, written in the dtype and read again
     payload, constants = stored_bytes(shape.expert_matrices, s.quant, d)
     per_weight = ((payload + constants) / shape.expert_weights + 2 * d) if s.quant != "none" else d
-    routed = _routed_experts(shape, tokens) / max(1, shape.num_experts) * shape.expert_weights
+    routed = _routed_experts(shape, s, tokens) / max(1, shape.num_experts) * shape.expert_weights
     memory_s = (
         passes
         * (routed * per_weight + shape.dense_matmul * d)
@@ -687,8 +715,8 @@ def _step_time(shape: ModelShape, s: PlanSettings, device: Device, residency: st
             residency == "mmap" and payload + constants > ram / 2
         ):  # the page cache cannot hold them: disk reads
             rate = min(rate, DISK_GBPS)
-        # forward, then backward (recomputation shares it), and DPO's reference forward
-        streaming_s = (passes - 1) * (payload + constants) / (rate * 1e9)
+        # forward, then backward (recomputation shares it), and DPO's reference forward: the rank's experts
+        streaming_s = (passes - 1) * (payload + constants) * _expert_share(s) / (rate * 1e9)
     return StepTime(compute_s, memory_s, streaming_s, flops)
 
 

@@ -17,6 +17,7 @@ from usaf.config import (
     UsafConfig,
     check_option,
 )
+from usaf.config.sections import DistributedSection
 from usaf.errors import ConfigError
 from usaf.io.published import checkpoint_method
 from usaf.planner.sizes import GiB, MiB
@@ -104,6 +105,7 @@ RUN_OPTIONS = {
     "residency": ("model", "residency"),
     "logits_chunk": ("train", "logits_chunk_tokens"),
     "recompute": ("train", "recompute"),
+    "expert_parallel": ("distributed", "expert_parallel"),
 }
 
 
@@ -117,6 +119,7 @@ class PlannedRun:
     optim: OptimSection = field(default_factory=OptimSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
 
     @classmethod
     def of(cls, run) -> PlannedRun:
@@ -136,6 +139,10 @@ class PlanSettings:
     properties below) and what only a plan is told: the compute dtype, a published checkpoint's format, the
     GPUs, --quant-dense.
 
+    With several GPUs the job is `expert_parallel` (the run's distributed.expert_parallel, EP) x `data_parallel`
+    (DP) ranks: each EP group splits every MoE layer's experts, the DP groups replicate them. `expert_parallel=True`
+    means EP = `gpus`.
+
     `PlanSettings(run)` plans a run's configuration (a run's or a PlannedRun); `PlanSettings(seq=4096,
     quant="int4", ...)` sets the run options those flags stand for on a run with `usaf plan`'s defaults
     (PLAN_DEFAULTS)."""
@@ -144,8 +151,7 @@ class PlanSettings:
     dtype: str = "bf16"
     published: str | None = None  # a published checkpoint's expert format (mxfp4, fp8), kept as published
     quant_dense: bool = False
-    gpus: int = 1  # processes of a data-parallel (or expert-parallel) job, one GPU each
-    expert_parallel: bool = False  # each GPU holds E/gpus experts of every layer; tokens travel all-to-all
+    gpus: int = 1  # processes of a torchrun job (expert parallel x data parallel), one GPU each
     gpus_per_host: int = 0  # ranks sharing one host's RAM (0: min(gpus, 8), one 8-GPU box after another)
 
     def __init__(
@@ -156,13 +162,16 @@ class PlanSettings:
         published: str | None = None,
         quant_dense: bool = False,
         gpus: int = 1,
-        expert_parallel: bool = False,
         gpus_per_host: int = 0,
         **options,
     ):
         if run is None:
             run, options = PlannedRun(), {**PLAN_DEFAULTS, **options}
         run = PlannedRun.of(run)
+        if isinstance(options.get("expert_parallel"), bool):  # the bare flag: every GPU in one EP group
+            if options["expert_parallel"] and gpus == 1:
+                raise ConfigError("--expert-parallel divides the experts among GPUs: give --gpus 2 or more.")
+            options["expert_parallel"] = gpus if options["expert_parallel"] else 1
         if "quant" in options:
             quant = options.pop("quant")
             if quant not in quant_formats():
@@ -170,7 +179,7 @@ class PlanSettings:
             published = quant if quant in PUBLISHED else None
             options["model_quant"] = run.model.quant if published else quant
         own = {"dtype": dtype, "published": published, "quant_dense": quant_dense, "gpus": gpus}
-        own |= {"expert_parallel": expert_parallel, "gpus_per_host": gpus_per_host}
+        own["gpus_per_host"] = gpus_per_host
         for name, value in {"run": _with_options(run, options), **own}.items():
             object.__setattr__(self, name, value)
         self._check()
@@ -187,8 +196,9 @@ class PlanSettings:
                 f"--gpus-per-host must be at least 1 (or 0: up to 8), got {self.gpus_per_host}",
             ),
             (
-                self.gpus > 1 or not self.expert_parallel,
-                "--expert-parallel divides the experts among GPUs: give --gpus 2 or more",
+                self.gpus % self.expert_parallel == 0,
+                f"--expert-parallel {self.expert_parallel} must divide --gpus {self.gpus} (the job is expert "
+                f"parallel x data parallel ranks): give --gpus {self.expert_parallel} or a multiple of it",
             ),
         ]
         for ok, message in checks:
@@ -217,6 +227,12 @@ class PlanSettings:
 
     residency = _run_option("residency")
     logits_chunk = _run_option("logits_chunk")
+    expert_parallel = _run_option("expert_parallel")
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas of each expert: the job's ranks over its expert-parallel groups' size."""
+        return self.gpus // self.expert_parallel
 
     @property
     def objective(self) -> str:
@@ -304,8 +320,10 @@ def default_dtype(device: Device) -> str:
 def settings_for_run(run: PlannedRun, dtype: str) -> PlanSettings:
     """The plan of a run's sections (`usaf plan --config run.yaml`, and `train.recompute=auto`): the same
     sequence, batch, selection, storage, chunking and optimizer state the run will have; a published checkpoint's
-    experts keep their own format."""
-    return PlanSettings(run, dtype=dtype, published=checkpoint_method(run.model.path))
+    experts keep their own format. On the smallest job the run can be: distributed.expert_parallel GPUs."""
+    return PlanSettings(
+        run, dtype=dtype, published=checkpoint_method(run.model.path), gpus=run.distributed.expert_parallel
+    )
 
 
 def run_optimizer(optim: OptimSection) -> str:
@@ -319,6 +337,9 @@ DEVICES: dict[str, Device] = {
     "rtx-3060-12gb": Device("rtx-3060-12gb", 12 * GiB, 51.0, 360.0, 25.0),
     "rtx-3090": Device("rtx-3090", 24 * GiB, 71.0, 936.0, 25.0),
     "rtx-4090": Device("rtx-4090", 24 * GiB, 165.0, 1008.0, 25.0),
+    # RTX 6000 Ada (AD102): 48 GB GDDR6 at 960 GB/s, 364.2 TFLOPS dense bf16 tensor (728.5 with sparsity); PCIe 4.0
+    # x16, no NVLink: peers talk through PCIe
+    "rtx-6000-ada": Device("rtx-6000-ada", 48 * GiB, 364.2, 960.0, 25.0),
     # H100 SXM: NVLink 4, 900 GB/s both directions together
     "h100": Device("h100", 80 * GiB, 989.0, 3350.0, 50.0, peer_gbps=450.0),
     # AMD (ROCm), from amd.com product specifications. RX 6750 XT (RDNA2, gfx1031): 12 GB GDDR6 at 432 GB/s,

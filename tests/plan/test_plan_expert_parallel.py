@@ -1,0 +1,168 @@
+"""The planner for an expert-parallel job (issue 37): world = EP x DP ranks, one rank's ledger, the bytes it
+exchanges per step, the paper plans of the README, and the sizes it refuses."""
+
+import pytest
+
+from usaf import planner
+from usaf.cli import main
+from usaf.errors import UsafError
+
+GiB = 1 << 30
+TARGETS = ("experts", "routers", "attention")
+
+
+def shape_of(preset: str) -> planner.ModelShape:
+    name, config = planner.load_model_config(preset)
+    return planner.model_shape(config, name)
+
+
+def lines_of(p: planner.Plan) -> dict:
+    return {line.name: line.device + line.host for line in p.lines}
+
+
+def test_ep_4_x_dp_2_holds_a_quarter_of_the_experts_and_sums_their_gradients_over_the_replicas():
+    """8 GPUs as 4 expert-parallel ranks x 2 replicas: a quarter of every expert line, the non-expert gradients summed
+    over all 8 ranks and the rank's expert gradients over its 2 replicas (independent arithmetic)."""
+    shape, device = shape_of("qwen3-30b-a3b"), planner.DEVICES["h100"]
+    settings = planner.PlanSettings(targets=TARGETS)
+    one = lines_of(planner.plan(shape, settings, device, ram=256 * GiB))
+    mesh = planner.plan(shape, settings.replace(gpus=8, expert_parallel=4), device, ram=256 * GiB)
+    assert (mesh.settings.expert_parallel, mesh.settings.data_parallel) == (4, 2)
+    per_rank = lines_of(mesh)
+    for name in ("frozen experts", "quantization constants", "sparse state + optimizer"):
+        assert per_rank[name] == pytest.approx(one[name] / 4, rel=1e-9), name
+    for name in ("dense weights", "sparse state beyond the experts", "routers (trainable)"):
+        assert per_rank[name] == one[name], name
+
+    expert_entries = round(settings.density * shape.expert_weights) / 4
+    others = planner.trained_entries(shape, settings) - round(settings.density * shape.expert_weights)
+    everywhere = others + planner.trained_router_params(shape, settings)
+    assert per_rank["all-reduce buckets"] == pytest.approx(4 * (everywhere + expert_entries))
+    traffic = mesh.traffic
+    assert traffic.expert_all_reduce == pytest.approx(4 * expert_entries)
+    # a ring of 8 sends 2 x 7/8 of its buffer, a ring of 2 sends it once
+    assert traffic.all_reduce_sent == pytest.approx(2 * 7 / 8 * 4 * everywhere + 4 * expert_entries)
+    pairs = 2048 * shape.experts_per_token
+    assert traffic.all_to_all_sent == pytest.approx(
+        2 * 3 * shape.num_moe_layers * pairs * shape.hidden_size * 2 * 3 / 4
+    )
+
+
+def test_ep_over_every_gpu_keeps_expert_gradients_off_the_all_reduce():
+    """Bare --expert-parallel is EP = --gpus: no replicas, so the expert entries' gradients never leave their owner."""
+    shape, device = shape_of("qwen3-30b-a3b"), planner.DEVICES["h100"]
+    settings = planner.PlanSettings(targets=TARGETS)
+    bare = planner.plan(shape, settings.replace(gpus=8, expert_parallel=True), device, ram=256 * GiB)
+    sized = planner.plan(shape, settings.replace(gpus=8, expert_parallel=8), device, ram=256 * GiB)
+    assert bare.settings.expert_parallel == 8 and lines_of(bare) == lines_of(sized)
+    everywhere = planner.trained_entries(shape, settings) - round(settings.density * shape.expert_weights)
+    everywhere += planner.trained_router_params(shape, settings)
+    assert bare.traffic.expert_all_reduce == 0
+    assert bare.traffic.all_reduce_buffer == pytest.approx(4 * everywhere)
+
+
+def test_a_rank_streams_only_its_own_experts():
+    shape, device = shape_of("qwen3-235b-a22b"), planner.DEVICES["rtx-4090"]
+    settings = planner.PlanSettings(residency="host", density=0.0025)
+    four = planner.plan(shape, settings.replace(gpus=4, expert_parallel=4), device, ram=1 << 40)
+    eight = planner.plan(shape, settings.replace(gpus=8, expert_parallel=8), device, ram=1 << 40)
+    assert eight.step.streaming_s == pytest.approx(four.step.streaming_s / 2)
+    assert lines_of(eight)["offload buffers"] == pytest.approx(lines_of(four)["offload buffers"] / 2)
+
+
+def run_plan(capsys, args: str) -> tuple[int, str, str]:
+    code = main(["plan", *args.split()])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# the README's paper plans (docs/distributed.md): each with the verdict it must keep
+PAPER_PLANS = [
+    (
+        "qwen3-235b-a22b --gpus 4 --expert-parallel --device rtx-4090 --ram 256GB --density 0.0025",
+        "host offload",
+    ),
+    (
+        "qwen3-235b-a22b --gpus 8 --expert-parallel --device rtx-4090 --ram 256GB --density 0.005",
+        "host offload",
+    ),
+    ("gpt-oss-120b --gpus 2 --expert-parallel --device rtx-6000-ada --ram 128GB", "fits on device"),
+    ("gpt-oss-120b --gpus 4 --expert-parallel --device rtx-4090 --ram 128GB", "host offload"),
+    ("deepseek-v3 --gpus 8 --expert-parallel --device h100 --ram 1TB", "host offload"),
+]
+
+
+@pytest.mark.parametrize("args, verdict", PAPER_PLANS)
+def test_the_paper_plans_keep_their_verdicts(capsys, args, verdict):
+    code, out, _ = run_plan(capsys, "--model " + args)
+    assert code == 0
+    assert {"fits on device": "verdict: fits on device", "host offload": "verdict: needs host offload"}[
+        verdict
+    ] in out
+    assert "all-to-all per step:" in out and "FSDP2" not in out.split("verdict:")[1]
+
+
+def test_qwen3_235b_on_four_24gb_cards_at_the_default_density_suggests_the_paper_plan(capsys):
+    code, out, _ = run_plan(
+        capsys, "--model qwen3-235b-a22b --gpus 4 --expert-parallel --device rtx-4090 --ram 256GB"
+    )
+    assert code == 1 and "verdict: does not fit" in out
+    assert "--density 0.0025 --quant nf4 --residency host" in out and "--gpus 4 --expert-parallel" in out
+
+
+def test_replicated_dense_weights_over_a_card_name_fsdp2(capsys):
+    """DeepSeek-V3's 32 GB of dense weights cannot be replicated on 24 GB cards: the verdict says so plainly."""
+    code, out, _ = run_plan(
+        capsys, "--model deepseek-v3 --gpus 8 --expert-parallel --device rtx-4090 --ram 1TB"
+    )
+    assert code == 1
+    assert "the dense weights, whole on every rank, and the runtime's context alone take 32.38 GB" in out
+    assert "need sharding over the GPUs (FSDP2), which usaf does not have yet" in out
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        ("--gpus 8 --expert-parallel 3", "--expert-parallel 3 must divide --gpus 8"),
+        (
+            "--gpus 12 --expert-parallel 12",
+            "--expert-parallel over 12 GPUs needs a number of experts divisible",
+        ),
+        ("--gpus 8 --expert-parallel 0", "--expert-parallel must be >= 1, got 0"),
+        ("--expert-parallel", "give --gpus 2 or more"),
+        ("--gpus 2 --expert-parallel 4", "--expert-parallel 4 must divide --gpus 2"),
+    ],
+)
+def test_bad_expert_parallel_sizes_are_one_line_errors(capsys, args, error):
+    code, _, err = run_plan(capsys, "--model qwen3-30b-a3b --device h100 " + args)
+    assert code == 2 and error in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_config_takes_the_runs_expert_parallel_size(capsys, tmp_path):
+    """distributed.expert_parallel of a run: planned on that many GPUs, or as EP x DP with --gpus; the suggested
+    command line and run configuration keep it."""
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  path: qwen3-235b-a22b\ndistributed:\n  expert_parallel: 4\n")
+    code, out, _ = run_plan(capsys, f"--config {config} --device h100 --ram 512GB")
+    assert "4 GPUs, expert parallel: each holds 1/4 of every layer's experts" in out
+    code, out, _ = run_plan(capsys, f"--config {config} --device h100 --ram 512GB --gpus 8")
+    assert "8 GPUs, expert parallel 4 x data parallel 2: each holds 1/4 of every layer's experts" in out
+    code, out, _ = run_plan(capsys, f"--config {config} --device rtx-4090 --ram 512GB --gpus 8")
+    assert "--gpus 8 --expert-parallel 4" in out and "distributed:\n    expert_parallel: 4" in out
+    code, _, err = run_plan(capsys, f"--config {config} --device h100 --gpus 6")
+    assert code == 2 and "--expert-parallel 4 must divide --gpus 6" in err
+
+
+def test_a_suggested_command_line_plans_the_same_mesh_again(capsys):
+    code, out, _ = run_plan(
+        capsys, "--model qwen3-235b-a22b --device rtx-4090 --ram 512GB --gpus 8 --expert-parallel 4"
+    )
+    suggested = next(x.strip() for x in out.splitlines() if x.strip().startswith("usaf plan "))
+    assert suggested.endswith("--gpus 8 --expert-parallel 4")
+    code, again, _ = run_plan(capsys, suggested.removeprefix("usaf plan "))
+    assert code == 0 and "expert parallel 4 x data parallel 2" in again
+
+
+def test_plan_settings_refuse_an_ep_that_does_not_divide_the_gpus():
+    with pytest.raises(UsafError, match="--expert-parallel 3 must divide --gpus 4"):
+        planner.PlanSettings(gpus=4, expert_parallel=3)
