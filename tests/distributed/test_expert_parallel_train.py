@@ -45,8 +45,8 @@ SETTINGS = [
 MICRO_BATCHES = 4  # per optimizer step, over all ranks
 
 
-def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+def torchrun(nproc: int, args: list[str], **extra_env) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1", **extra_env}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run(
         [*command, "-m", "usaf", *args], capture_output=True, text=True, env=env, timeout=600
@@ -124,11 +124,17 @@ def _check_against_one_process(runs: dict, ep_of: dict) -> None:
             assert abs(got[step] - loss) <= 1e-5 * abs(loss), (name, step, got[step], loss)
         delta = _delta(run)
         assert delta.keys() == reference_delta.keys(), name
-        for key, want in reference_delta.items():
-            if want.is_floating_point():
-                torch.testing.assert_close(delta[key], want, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
-            else:  # where the entries are
-                assert torch.equal(delta[key], want), (name, key)
+        values = [k for k, v in reference_delta.items() if v.is_floating_point()]
+        for key in set(reference_delta) - set(values):  # where the entries are: bit for bit
+            assert torch.equal(delta[key], reference_delta[key]), (name, key)
+        # values: float reassociation, which may flip a bf16 moment's stochastic rounding (the noise itself is the
+        # one-process noise): every value within 1e-4, all but one in a thousand within 1e-6
+        apart = torch.cat([(delta[k].float() - reference_delta[k].float()).abs().reshape(-1) for k in values])
+        assert float(apart.max()) <= 1e-4 and int((apart > 1e-6).sum()) <= apart.numel() // 1000, (
+            name,
+            float(apart.max()),
+            int((apart > 1e-6).sum()),
+        )
         ranks = _summary(run)["ranks"]
         # each rank holds 1/EP of the experts' bytes
         assert [r["frozen_expert_bytes"] for r in ranks] == [whole // ep] * len(ranks), (name, ranks, whole)
@@ -138,8 +144,38 @@ def _check_against_one_process(runs: dict, ep_of: dict) -> None:
 def test_expert_parallel_jobs_train_what_one_process_trains(qwen):
     _check_against_one_process(qwen, {"ep2": 2, "ep4": 4, "ep2dp2": 2})
     # the job's trained expert entries, not rank 0's share
-    assert _summary(qwen["ep4"])["expert_entries"] == _summary(qwen["one"])["expert_entries"]
+    assert _summary(qwen["ep4"])["trained_expert_entries"] == _summary(qwen["one"])["trained_expert_entries"]
 
 
 def test_expert_parallel_on_a_published_mxfp4_checkpoint(mxfp4):
     _check_against_one_process(mxfp4, {"ep2": 2})
+
+
+def test_a_rank_that_dies_stops_the_job_and_the_run_resumes_exactly_at_its_layout(qwen):
+    """Rank 1 of an EP 2 job dies at the start of step 3 (the test hook of tests/distributed/test_rank_faults.py):
+    the job ends in one line per rank left; the resume reads each rank's shard and ends where the uninterrupted
+    EP 2 run ended, bit for bit."""
+    root, run = qwen["ep2"].parent, qwen["ep2"].parent / "killed"
+    args = [
+        "train",
+        f"--model={root / 'model'}",
+        f"--data={root / 'train.jsonl'}",
+        f"--out={run}",
+        *[f"--set={s}" for s in SETTINGS],
+        f"--set=schedule.grad_accum={MICRO_BATCHES // 2}",
+        "--set=distributed.expert_parallel=2",
+        "--set=model.quant=nf4",
+        "--set=checkpoint.every_steps=1",
+    ]
+    died = torchrun(2, args, USAF_TEST_DIE_AT_STEP="3@1")
+    assert died.returncode != 0
+    said = [line for line in died.stderr.splitlines() if line.startswith("usaf: error:")]
+    assert len(said) == 1 and "--resume" in said[0], died.stderr[-2000:]
+    shards = sorted(p.name for p in (run / "checkpoints" / "step-00000002").glob("*-ep*-of-2.safetensors"))
+    assert shards == [f"{kind}-ep{e}-of-2.safetensors" for kind in ("optimizer", "trainable") for e in (0, 1)]
+    resumed = torchrun(2, ["train", f"--resume={run}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(run) == losses(qwen["ep2"])
+    assert main(["export", str(run), "--delta", str(root / "killed.delta.safetensors")]) == 0
+    straight, again = _delta(qwen["ep2"]), load_file(str(root / "killed.delta.safetensors"))
+    assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
