@@ -17,8 +17,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# The suite on every core with pytest-xdist: one worker a physical core (-n auto), at most TEST_MAX_WORKERS (each
+# worker builds its own session fixtures and a distributed test starts 2 to 4 processes of its own), one torch thread
+# a worker (tests/conftest.py). --dist loadscope keeps a module's tests on one worker, so that its module fixtures
+# (trained runs) are built once. TEST_WORKERS=0 runs it in this process, as a plain `pytest` does.
+TEST_WORKERS ?= auto
+TEST_MAX_WORKERS ?= 4
+XDIST = -n $(TEST_WORKERS) --maxprocesses=$(TEST_MAX_WORKERS) --dist loadscope
+
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(XDIST)
 
 # The engine tests (and the import guard's) on the lowest transformers version pyproject.toml allows, read from its
 # "transformers>=X" alone; installed beside .venv's own copy (not over it) and put first on the path.
@@ -36,7 +44,7 @@ test-lowest: $(STAMP) $(LOWEST_STAMP)
 	PYTHONPATH=$(LOWEST_DIR):src $(BIN)/python -c "import transformers as t; from packaging.version import Version as V; \
 		assert V(t.__version__) == V('$(LOWEST_TRANSFORMERS)'), t.__version__; print('transformers', t.__version__)"
 	# tests/export on the path: tests/engine/test_targets.py borrows test_export's helpers (found there in the full suite)
-	PYTHONPATH=$(LOWEST_DIR):src:tests/export $(BIN)/python -m pytest -m "not slow" $(LOWEST_TESTS)
+	PYTHONPATH=$(LOWEST_DIR):src:tests/export $(BIN)/python -m pytest $(XDIST) -m "not slow" $(LOWEST_TESTS)
 
 demo: $(STAMP)
 	$(BIN)/usaf demo

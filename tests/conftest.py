@@ -30,7 +30,8 @@ atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=Tr
 os.environ["USAF_CACHE"] = tempfile.mkdtemp(prefix="usaf-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["USAF_CACHE"], ignore_errors=True)
 warnings.filterwarnings("ignore", message=".*Sparse.*")
-THREADS = max(1, min(2, os.cpu_count() or 1))
+# one torch thread a process when pytest-xdist runs the suite on every core (`make test`): its workers share them
+THREADS = 1 if "PYTEST_XDIST_WORKER" in os.environ else max(1, min(2, os.cpu_count() or 1))
 torch.set_num_threads(THREADS)
 # the subprocesses tests start (a run killed and resumed) use as many threads as this process: a different count
 # changes the order of float sums, and exact-resume tests compare the two bit for bit
