@@ -74,10 +74,25 @@ def ws(tmp_path_factory):
     return build_workspace(tmp_path_factory.mktemp("faults"))
 
 
+# The modules that take longest on one worker (minutes: a module fixture that trains several runs, or several
+# torchrun jobs), measured with --durations: `make test` hands modules to its workers in collection order
+# (--dist loadscope), so these go first and the workers finish together instead of one waiting on the last.
+LONG_POLES = (
+    "package/test_bench_scripts.py",
+    "distributed/test_expert_parallel_train.py",
+    "package/test_compat.py",
+    "distributed/test_rank_faults.py",
+    "distributed/test_trainer_ddp.py",
+    "distributed/test_data_parallel.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test under tests/distributed/ starts several processes (or shares a fixture that does): marked
-    `distributed`, and `slow`, by its folder."""
+    `distributed`, and `slow`, by its folder. The long poles first (a stable sort: each module's order kept)."""
     for item in items:
         if Path(item.path).resolve().parent == TESTS / "distributed":
             item.add_marker(pytest.mark.distributed)
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONG_POLES)}
+    items.sort(key=lambda item: rank.get(Path(item.path).resolve().relative_to(TESTS).as_posix(), len(rank)))
