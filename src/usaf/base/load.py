@@ -92,10 +92,9 @@ def _prepared_once(path: Path, quant: str) -> Path:
     (ranks preparing the same store at once would race on its folder)."""
     if not across_ranks.active():
         return ensure_prepared(path, quant, progress=True)
-    if across_ranks.is_main():
-        ensure_prepared(path, quant, progress=True)
+    prepared = ensure_prepared(path, quant, progress=True) if across_ranks.is_main() else None
     torch.distributed.barrier()
-    return ensure_prepared(path, quant, progress=across_ranks.is_main())
+    return prepared or ensure_prepared(path, quant, progress=False)
 
 
 def load_prepared(

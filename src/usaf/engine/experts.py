@@ -39,16 +39,21 @@ class RoutingPlan:
         self._chunkings: dict[int | None, Chunking] = {}
         # expert parallelism: the pairs came from several ranks, `sources[s]` consecutive ones from rank s
         self.sources = sources
+        self._source_masks: list[torch.Tensor] | None = None
 
     def source_masks(self) -> list[torch.Tensor | None]:
         """[rows, 1] masks of the rows from each source rank (expert parallelism), or [None]: one source. A
-        gradient probe sums magnitudes per micro-batch, and each rank's rows are its own micro-batch's."""
+        gradient probe sums magnitudes per micro-batch, and each rank's rows are its own micro-batch's. Made on
+        first use, once per plan: every projection's backward shares them."""
         if self.sources is None:
             return [None]
-        device = self.order.device
-        ranks = torch.arange(len(self.sources), device=device)
-        source_of_row = torch.repeat_interleave(ranks, torch.tensor(self.sources, device=device))[self.order]
-        return [(source_of_row == s).unsqueeze(-1) for s in range(len(self.sources))]
+        if self._source_masks is None:
+            device = self.order.device
+            ranks = torch.arange(len(self.sources), device=device)
+            counts = torch.tensor(self.sources, device=device)
+            source_of_row = torch.repeat_interleave(ranks, counts)[self.order]
+            self._source_masks = [(source_of_row == s).unsqueeze(-1) for s in range(len(self.sources))]
+        return self._source_masks
 
     @property
     def inverse(self) -> torch.Tensor:
@@ -303,7 +308,7 @@ class SparseExperts(SparseState):
         self.transposed = transposed
         self.workspace_bytes = workspace_bytes
         self.num_experts = next(iter(stores.values())).shape[0]
-        self.placement = None  # expert parallelism's `usaf.engine.expert_parallel.Placement`, when enabled
+        self.placement = None  # expert parallelism's `usaf.engine.expert_parallel.ExpertLayout`, when enabled
 
     def projection(self, name: str) -> Projection:
         bias = name + "_bias"
