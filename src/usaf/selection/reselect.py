@@ -177,8 +177,7 @@ class Reselector:
         if sharded:  # this rank's share: its block of the gathered entries, its experts' candidates
             start = sum(sizes[: expert_parallel.layout().ep_rank])
             drop = drop[(drop >= start) & (drop < start + flat.numel())] - start
-            expert = torch.div(grow, store.shape[1] * store.shape[2], rounding_mode="floor")
-            grow = grow[(expert >= store.owned.start) & (expert < store.owned.stop)]
+            grow = grow[expert_parallel.owned_mask(store.shape, None, grow, store.owned)]
         self._replace(state, name, flat, base, drop, grow, optimizer)
         return count
 
