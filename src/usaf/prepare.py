@@ -266,11 +266,7 @@ def trainable_summary(model: nn.Module) -> dict[str, int]:
                 kind = "other"
             summary[kind] = summary.get(kind, 0) + param.numel()
     # expert parallelism: a rank trains its own experts' entries; the count is the job's (every rank must call)
-    summary["expert_entries"] = int(
-        expert_parallel.expert_sum(
-            torch.tensor([float(summary["expert_entries"])], dtype=torch.float64), from_every_rank=False
-        )[0]
-    )
+    summary["expert_entries"] = across_ranks.job_expert_count(summary["expert_entries"])
     summary["total"] = sum(summary.values())
     summary["expert_entries_in_model"] = expert_entries
     return summary

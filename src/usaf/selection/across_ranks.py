@@ -35,6 +35,15 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def job_expert_count(local: int) -> int:
+    """A count of the expert entries this rank trains, made the job's: under expert parallelism it is summed over
+    the EP group (every rank of the group must ask, whatever it holds); otherwise `local`."""
+    if expert_parallel.layout() is None:
+        return local
+    summed = torch.tensor([float(local)], dtype=torch.float64)
+    return int(expert_parallel.expert_sum(summed, from_every_rank=False)[0])
+
+
 def comm_device() -> torch.device:
     """Where collectives run: the current CUDA device under NCCL, else the CPU (gloo)."""
     if active() and dist.get_backend() == "nccl":

@@ -124,7 +124,8 @@ class Reselector:
                 continue
             for name, axis in geometry.axes.items():
                 entries = state[name] if name in state else None  # noqa: SIM401 (ModuleDict has no .get)
-                trained = _job_count(entries)  # the job's (a collective under expert parallelism)
+                # the job's (a collective under expert parallelism)
+                trained = across_ranks.job_expert_count(0 if entries is None else entries.numel())
                 if trained == 0:
                     continue
                 store = state.stores[name]
@@ -177,8 +178,7 @@ class Reselector:
         if sharded:  # this rank's share: its block of the gathered entries, its experts' candidates
             start = sum(sizes[: expert_parallel.layout().ep_rank])
             drop = drop[(drop >= start) & (drop < start + flat.numel())] - start
-            expert = torch.div(grow, store.shape[1] * store.shape[2], rounding_mode="floor")
-            grow = grow[(expert >= store.owned.start) & (expert < store.owned.stop)]
+            grow = grow[expert_parallel.owned_mask(store.shape, None, grow, store.owned)]
         self._replace(state, name, flat, base, drop, grow, optimizer)
         return count
 
@@ -350,16 +350,6 @@ class Reselector:
                 probe = LineProbe(store.shape, axis, value.to(store.device))
                 probe.score.copy_(tensors[f"probe/{path}/{name}/score"])
                 self._all()[path].probes[name] = probe
-
-
-def _job_count(entries) -> int:
-    """A tensor's trained entries in the whole job: under expert parallelism an expert stack's are summed over the
-    EP group (every rank must ask, whatever it holds)."""
-    local = 0 if entries is None else entries.numel()
-    if expert_parallel.layout() is None:
-        return local
-    summed = torch.tensor([float(local)], dtype=torch.float64)
-    return int(expert_parallel.expert_sum(summed, from_every_rank=False)[0])
 
 
 def _remap_optimizer_state(optimizer, param: torch.nn.Parameter, old_position: torch.Tensor) -> None:

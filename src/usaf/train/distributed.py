@@ -293,11 +293,10 @@ def gradient_reducer(model: torch.nn.Module):
     summed only over their DP replicas (a second reducer, when there are replicas), the rest over every rank."""
     if not active():
         return LocalGradients()
-    ep = expert_parallel.layout()
+    ep, params = expert_parallel.layout(), [p for p in model.parameters() if p.requires_grad]
     if ep is None:
-        return GradientReducer([p for p in model.parameters() if p.requires_grad])
+        return GradientReducer(params)
     experts = expert_parallel.expert_parameters(model)
-    params = [p for p in model.parameters() if p.requires_grad]
     reducers = [GradientReducer([p for p in params if id(p) not in experts])]
     if ep.dp > 1:
         reducers.append(GradientReducer([p for p in params if id(p) in experts], ep.dp_group))

@@ -332,8 +332,8 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
             )
         return optimizer
     # torch's multi-tensor AdamW for the plain groups (the routers): a fixed number of ops for all of them
-    sharded = [p for p in model.parameters() if id(p) in expert_parallel.expert_parameters(model)]
-    sharded = sharded if expert_parallel.layout() is not None else []
+    experts = expert_parallel.expert_parameters(model) if expert_parallel.layout() is not None else set()
+    sharded = [p for p in model.parameters() if id(p) in experts]
     return CompactAdamW(
         groups, seed=config.train.seed, base_of=base_of, sharded=sharded, foreach=True, **kwargs
     )
@@ -409,8 +409,11 @@ def _clip_expert_parallel(model, params: list, max_norm: float) -> float:
     group (the rest is the same on every rank): the norm and the clipping one process would compute."""
     experts = expert_parallel.expert_parameters(model)
     squares = torch.zeros(2, dtype=torch.float32)  # [experts, the rest]
-    for p in params:
-        squares[0 if id(p) in experts else 1] += torch.linalg.vector_norm(p.grad.float()).cpu().pow(2)
+    if params:  # each gradient's norm, read from the device at once
+        at = params[0].grad.device
+        norms = torch.stack([torch.linalg.vector_norm(p.grad.float()).to(at) for p in params]).cpu()
+        for p, norm in zip(params, norms, strict=True):
+            squares[0 if id(p) in experts else 1] += norm.pow(2)
     squares[0] = expert_parallel.expert_sum(squares[:1], from_every_rank=False)[0]
     norm = float(squares.sum().sqrt())
     if max_norm and max_norm > 0 and norm > max_norm and math.isfinite(norm):
