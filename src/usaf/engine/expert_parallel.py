@@ -177,8 +177,11 @@ def expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
 
 
 def _comm_device(group, like: torch.Tensor) -> torch.device:
-    """Where the group's collectives run: the tensors' device under NCCL, the CPU under gloo."""
-    return like.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    """Where the group's collectives run: a CUDA device under NCCL (which takes no CPU tensor: a statistic kept on
+    the host travels through this rank's GPU), the CPU under gloo."""
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    return like.device if like.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
 
 
 def enable(model: nn.Module) -> None:
