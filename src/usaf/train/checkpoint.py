@@ -146,13 +146,16 @@ def save(
     remove_stale_temporaries(folder)
     # a full disk, a second Ctrl-C: nothing half-written stays behind
     with atomic_dir(final, tmp=folder / f".tmp-{final.name}-{os.getpid()}") as tmp:
-        shards = None
+        shards, flat = None, None
         if expert_layout is not None:
             _writer_pid()  # the folder exists: the other ranks may write into it
-            write_shard(tmp, model, optimizer, expert_layout)
+            flat = _flatten_optimizer(optimizer)  # once: its shard's part here, the replicated rest in _write
+            write_shard(tmp, model, optimizer, expert_layout, flat[0])
             _shards_written()
             shards = shard_record(tmp, model, optimizer, expert_layout)
-        _write(tmp, model, optimizer, scheduler, state, step, extra_tensors, shards)
+        _write(
+            tmp, model, flat or _flatten_optimizer(optimizer), scheduler, state, step, extra_tensors, shards
+        )
     for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -178,15 +181,23 @@ def remove_stale_temporaries(folder: Path) -> None:
 
 
 def _write(
-    tmp: Path, model, optimizer, scheduler, state: dict, step: int, extra_tensors, shards: dict | None
+    tmp: Path,
+    model,
+    flat_optimizer: tuple[dict, dict],
+    scheduler,
+    state: dict,
+    step: int,
+    extra_tensors,
+    shards: dict | None,
 ) -> None:
-    """The replicated part of a checkpoint (all of it without expert parallelism, `shards` None) and state.json."""
+    """The replicated part of a checkpoint (all of it without expert parallelism, `shards` None) and state.json;
+    `flat_optimizer`: `_flatten_optimizer`'s tensors and metadata."""
     in_shards = {} if shards is None else shards["optimizer_params"]  # {prefix: optimizer index}
     tensors = {
         k: v.contiguous().cpu() for k, v in trainable_tensors(model).items() if _prefix_of(k) not in in_shards
     }
     _written(tmp / TRAINABLE_FILE, lambda p: save_file(tensors, str(p)))
-    opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+    opt_tensors, opt_meta = flat_optimizer
     sharded_params = {str(index) for index in in_shards.values()}
     opt_tensors = {k: v for k, v in opt_tensors.items() if k.split(".", 1)[0] not in sharded_params}
     _written(tmp / OPTIMIZER_FILE, lambda p: save_file(opt_tensors, str(p)))
@@ -239,14 +250,22 @@ def expert_optimizer_params(model: torch.nn.Module, optimizer) -> dict[str, int]
     }
 
 
-def write_shard(folder: Path, model: torch.nn.Module, optimizer, expert_layout: ExpertLayout) -> None:
+def write_shard(
+    folder: Path,
+    model: torch.nn.Module,
+    optimizer,
+    expert_layout: ExpertLayout,
+    opt_tensors: dict | None = None,
+) -> None:
     """This EP rank's shard into the checkpoint folder `folder`: the entries of the expert tensors it holds (its
-    experts'), and their optimizer state."""
+    experts'), and their optimizer state (`opt_tensors`: the optimizer's tensors `_flatten_optimizer` gave, if
+    already flattened)."""
     indices = expert_optimizer_params(model, optimizer)
     tensors = {
         k: v.contiguous().cpu() for k, v in trainable_tensors(model).items() if _prefix_of(k) in indices
     }
-    opt_tensors, _ = _flatten_optimizer(optimizer)
+    if opt_tensors is None:
+        opt_tensors = _flatten_optimizer(optimizer)[0]
     mine = {str(index) for index in indices.values()}
     opt_tensors = {k: v for k, v in opt_tensors.items() if k.split(".", 1)[0] in mine}
     trainable_name, optimizer_name = shard_files(expert_layout.ep_rank, expert_layout.ep)
