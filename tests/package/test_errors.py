@@ -150,7 +150,6 @@ PLAIN = {
     "usaf.train.trackers:_probe": "a tracker's server that does not answer",
     "usaf.train.trackers:_started": "a tracker's library failed to start",
     # how the processes were launched (torchrun, the process group), and a library caller's order of calls
-    "usaf.engine.expert_parallel:enable": "torch.distributed not initialized",
     "usaf.selection.across_ranks:check_joined": "prepare_model before the process group started",
     "usaf.train.distributed:init": "WORLD_SIZE without torchrun's other variables",
     "usaf.commands.train:_train_in_job": "another rank of the torchrun job died or stopped answering",

@@ -371,8 +371,10 @@ def verify(path: Path, meta: dict, names=None) -> None:
     """The files of checkpoint `path` (`names`, default every one) against the sha256 its state.json recorded
     (checkpoints written before usaf recorded them are not checked)."""
     recorded = meta.get("files") or {}
+    # every name it lists must lie in the folder, whether or not this reader opens it (a forged state.json)
+    files = {name: inside(path, name, f"{path / STATE_FILE}'s files") for name in recorded}
     for name in recorded if names is None else [n for n in names if n in recorded]:
-        file = inside(path, name, f"{path / STATE_FILE}'s files")
+        file = files[name]
         if not file.is_file():
             raise RunStateError(
                 f"Checkpoint {path} is incomplete: {name} is missing; delete {path} to fall back to an earlier "

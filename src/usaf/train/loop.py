@@ -262,9 +262,6 @@ class TrainingRun:
 
     def step(self) -> None:
         """One optimizer step and what follows it (nothing follows a skipped one)."""
-        distributed.die_if_asked(
-            self.state.step + 1
-        )  # a test hook: a rank that crashes ($USAF_TEST_DIE_AT_STEP)
         started, streamed_before = time.perf_counter(), streamed_bytes(self.model)
         loss, tokens = self.forward_backward()
         grad_norm = self.optimizer_step(loss)
@@ -408,13 +405,9 @@ class TrainingRun:
         for part in self.parts:
             part.finish(self.state)
         summary = self.state.summary(eval_after, self.entries, self.data_stats)
-        # what each rank held and peaked at (the planner's per-rank figures; one process: itself)
-        figures = [runtime.peak_memory_bytes(self.device), expert_parallel.frozen_expert_bytes(self.model)]
-        summary["ranks"] = [
-            {"rank": r, "peak_memory_mb": peak / 2**20, "frozen_expert_bytes": int(held)}
-            for r, (peak, held) in enumerate(distributed.per_rank(figures))
-        ]
-        write_summary(self.run_dir, summary)
+        # what each rank held and peaked at: the planner's per-rank figures
+        held = (runtime.peak_memory_bytes(self.device), expert_parallel.frozen_expert_bytes(self.model))
+        write_summary(self.run_dir, summary, held)
         return summary
 
     # ---- its state ------------------------------------------------------------------------------------------

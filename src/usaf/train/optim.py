@@ -86,6 +86,10 @@ def round_with_noise(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return ((bits + noise) & -65536).view(torch.float32).to(COMPACT_DTYPE)
 
 
+# how the bf16 moments' stochastic rounding draws its noise (a param group's "rounding_noise", saved with it)
+POSITION_NOISE, GENERATOR_NOISE = "position", "generator"
+
+
 class CompactAdamW(torch.optim.AdamW):
     """torch.optim.AdamW, except that groups marked `compact` keep bf16 moments (see the module docstring)."""
 
@@ -102,6 +106,7 @@ class CompactAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             group.setdefault("compact", False)
             group.setdefault("decay_to_base", 0.0)
+            group.setdefault("rounding_noise", POSITION_NOISE)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -192,9 +197,18 @@ class CompactAdamW(torch.optim.AdamW):
             value=-lr / (1 - beta1**step),
         )
         del denom
-        # each entry's noise a hash of (seed, the parameter's position, the step, the moment) and the entry's
-        # position in the one-process order: the same bits whatever the bucket, on resume, and however expert
-        # parallelism splits a parameter's entries over the ranks
+        stored = [state[name] for name in _MOMENTS for state in states]  # the order of `moments`
+        if group["rounding_noise"] == GENERATOR_NOISE:
+            noise = self._generator_noise(bucket, step)
+        else:
+            noise = self._position_noise(bucket, step, sizes, starts, moments.device)
+        rounded = round_with_noise(moments, noise)
+        torch._foreach_copy_(stored, _shaped(rounded.split(sizes + sizes), stored))
+
+    def _position_noise(self, bucket, step: int, sizes: list[int], starts: dict, device) -> torch.Tensor:
+        """Each entry's noise a hash of (seed, the parameter's position, the step, the moment) and the entry's
+        position in the one-process order: the same bits whatever the bucket, on resume, and however expert
+        parallelism splits a parameter's entries over the ranks."""
         keys, firsts = [], []
         for moment in range(len(_MOMENTS)):
             for param, _, index, _ in bucket:
@@ -202,9 +216,18 @@ class CompactAdamW(torch.optim.AdamW):
                     ((self.seed * 1_000_003 + index * 7_919 + step * 104_729) * 2 + moment) % (1 << 62)
                 )
                 firsts.append(starts.get(id(param), 0))
-        stored = [state[name] for name in _MOMENTS for state in states]  # the order of `moments`
-        rounded = round_with_noise(moments, position_noise(keys, firsts, sizes + sizes, moments.device))
-        torch._foreach_copy_(stored, _shaped(rounded.split(sizes + sizes), stored))
+        return position_noise(keys, firsts, sizes + sizes, device)
+
+    def _generator_noise(self, bucket, step: int) -> torch.Tensor:
+        """usaf 0.1's noise (a run resumed from its checkpoint): each parameter's own generator, seeded by its
+        position and the step, drawn for the first moment then the second."""
+        noise = {name: [] for name in _MOMENTS}
+        for param, _, index, _ in bucket:
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed((self.seed * 1_000_003 + index * 7_919 + step * 104_729) % (1 << 62))
+            for name in _MOMENTS:
+                noise[name].append(_rounding_noise(param.shape, generator, param.device))
+        return _flat(noise["exp_avg"] + noise["exp_avg_sq"])
 
     def load_state_dict(self, state_dict) -> None:
         # decay_to_base is the run's setting, not the checkpoint's (a checkpoint of 0.1.x has none)
@@ -212,6 +235,9 @@ class CompactAdamW(torch.optim.AdamW):
         super().load_state_dict(state_dict)
         for group, decay in zip(self.param_groups, decays, strict=True):
             group["decay_to_base"] = decay
+            # a checkpoint of usaf before 0.2's position noise drew its rounding noise from a generator: its run
+            # continues with the noise it started with (the checkpoint's scheme, not this version's)
+            group.setdefault("rounding_noise", GENERATOR_NOISE)
         self._host_steps = {}
         # torch casts loaded floating-point state to the parameter's dtype: bring compact moments back to bf16
         # (exact: they were bf16 before the cast)

@@ -352,6 +352,7 @@ class Stop(Part):
         self.request, self.run_dir = request, run_dir
 
     def start_step(self, step: int) -> None:
+        distributed.die_if_asked(step)  # a test hook: a rank that crashes ($USAF_TEST_DIE_AT_STEP)
         if self.request.agreed():
             self.stop(step - 1)
 
