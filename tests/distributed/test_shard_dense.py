@@ -1,8 +1,9 @@
 """distributed.shard_dense (issue 37): FSDP2 shards the frozen dense weights of a torchrun job over its ranks.
 
 2 gloo ranks on the tiny model, with every kind of trained weight (experts, routers, attention, embeddings, the
-output layer, norms) and reselection: sharded, the job trains bit for bit what the same job trains with
-the dense weights whole on every rank, and each rank holds half of the frozen parameters' bytes.
+output layer, norms) and reselection, data parallel and expert parallel (EP 2): sharded, the job trains bit for bit
+what the same job trains with the dense weights whole on every rank, and each rank holds half of the frozen
+parameters' bytes (under EP the experts live in its store, already 1/2, and are not parameters).
 """
 
 import json
@@ -39,13 +40,22 @@ SETTINGS = [
 ]
 
 
-def _job(root, out: str, shard: bool):
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shard-dense")
+    make_model_dir(root / "model")
+    write_copy_task(root / "train.jsonl", 40)
+    return root
+
+
+def _job(root, out: str, ep: int, shard: bool):
     args = [
         "train",
         f"--model={root / 'model'}",
         f"--data={root / 'train.jsonl'}",
         f"--out={root / out}",
         *[f"--set={s}" for s in SETTINGS],
+        f"--set=distributed.expert_parallel={ep}",
         f"--set=distributed.shard_dense={str(shard).lower()}",
     ]
     done = torchrun(args)
@@ -55,18 +65,24 @@ def _job(root, out: str, shard: bool):
     return run, done.stdout, summary["ranks"]
 
 
-def test_sharded_dense_weights_train_what_whole_ones_train_on_half_the_bytes(tmp_path):
-    make_model_dir(tmp_path / "model")
-    write_copy_task(tmp_path / "train.jsonl", 40)
-    whole, _, whole_ranks = _job(tmp_path, "whole", shard=False)
-    sharded, said, sharded_ranks = _job(tmp_path, "sharded", shard=True)
+def _trained(run) -> dict[str, torch.Tensor]:
+    """The final checkpoint's trained values and selections (under EP, every rank's shard)."""
+    found = {}
+    for path in sorted((run / "checkpoints" / "step-00000003").glob("trainable*.safetensors")):
+        found.update({f"{path.name}:{k}": v for k, v in load_file(str(path)).items()})
+    return found
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_sharded_dense_weights_train_what_whole_ones_train_on_half_the_bytes(root, ep):
+    whole, _, whole_ranks = _job(root, f"whole-{ep}", ep, shard=False)
+    sharded, said, sharded_ranks = _job(root, f"sharded-{ep}", ep, shard=True)
     assert "shard_dense: on (distributed.shard_dense=true)" in said
 
     a, b = losses(whole), losses(sharded)
     assert sorted(a) == sorted(b) == [1, 2, 3]
     assert all(abs(a[s] - b[s]) <= 1e-6 * abs(a[s]) for s in a), (a, b)
-    trained = "checkpoints/step-00000003/trainable.safetensors"
-    x, y = load_file(str(whole / trained)), load_file(str(sharded / trained))
+    x, y = _trained(whole), _trained(sharded)
     assert x.keys() == y.keys() and any(".norm." in k or "layernorm" in k for k in x)
     for key in x:
         torch.testing.assert_close(y[key], x[key], rtol=1e-6, atol=0, msg=key)
