@@ -133,7 +133,9 @@ def test_the_fsdp2_dense_line_is_an_eighth_plus_the_largest_unit_gathered():
     off = planner.plan(shape, settings.replace(shard_dense=False), device, ram=1024 * GiB)
     head = shape.target_params["lm_head"]
     layer = (shape.dense_params - shape.embedding_params - head) / shape.num_layers
-    assert layer < head == shape.embedding_params  # the embedding table (and the output layer) is the largest unit
+    assert (
+        layer < head == shape.embedding_params
+    )  # the embedding table (and the output layer) is the largest unit
     held = shape.dense_params / 8 + shape.embedding_params + shape.router_params
     assert lines_of(on)["dense weights (FSDP2)"] == pytest.approx(2 * held, rel=1e-9)  # bf16
     assert lines_of(auto) == lines_of(on)
