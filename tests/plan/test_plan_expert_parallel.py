@@ -110,14 +110,40 @@ def test_qwen3_235b_on_four_24gb_cards_at_the_default_density_suggests_the_paper
     assert "--density 0.0025 --quant nf4 --residency host" in out and "--gpus 4 --expert-parallel" in out
 
 
-def test_replicated_dense_weights_over_a_card_name_fsdp2(capsys):
-    """DeepSeek-V3's 32 GB of dense weights cannot be replicated on 24 GB cards: the verdict says so plainly."""
+def test_replicated_dense_weights_over_a_card_are_sharded_by_fsdp2(capsys):
+    """DeepSeek-V3's 32 GB of dense weights cannot be replicated on 24 GB cards: distributed.shard_dense=auto shards
+    them, and the verdict no longer asks for what usaf lacks."""
     code, out, _ = run_plan(
         capsys, "--model deepseek-v3 --gpus 8 --expert-parallel --device rtx-4090 --ram 1TB"
     )
     assert code == 1
-    assert "the dense weights, whole on every rank, and the runtime's context alone take 32.38 GB" in out
-    assert "need sharding over the GPUs (FSDP2), which usaf does not have yet" in out
+    assert "dense weights (FSDP2)" in out and "sharded over 8 GPUs by FSDP2" in out
+    assert "whole on every rank, and the runtime's context alone take" not in out
+    assert "does not have yet" not in out
+
+
+def test_the_fsdp2_dense_line_is_an_eighth_plus_the_largest_unit_gathered():
+    """Independent arithmetic: 1/8 of the dense weights, plus the largest unit gathered while it runs (here the
+    embedding table or the output layer, larger than a decoder layer), plus the routers whole; auto turns it on exactly when the whole
+    dense weights and the context exceed the card."""
+    shape, device = shape_of("deepseek-v3"), planner.DEVICES["rtx-4090"]
+    settings = planner.PlanSettings(targets=TARGETS, gpus=8, expert_parallel=True)
+    auto = planner.plan(shape, settings, device, ram=1024 * GiB)
+    on = planner.plan(shape, settings.replace(shard_dense=True), device, ram=1024 * GiB)
+    off = planner.plan(shape, settings.replace(shard_dense=False), device, ram=1024 * GiB)
+    head = shape.target_params["lm_head"]
+    layer = (shape.dense_params - shape.embedding_params - head) / shape.num_layers
+    assert (
+        layer < head == shape.embedding_params
+    )  # the embedding table (and the output layer) is the largest unit
+    held = shape.dense_params / 8 + shape.embedding_params + shape.router_params
+    assert lines_of(on)["dense weights (FSDP2)"] == pytest.approx(2 * held, rel=1e-9)  # bf16
+    assert lines_of(auto) == lines_of(on)
+    assert "dense weights (FSDP2)" not in lines_of(off)
+    assert off.replicated_dense > off.device_budget and on.device_peak < off.device_peak
+    # one 80 GB card holds them whole: auto leaves them so
+    h100 = planner.plan(shape, settings, planner.DEVICES["h100"], ram=1024 * GiB)
+    assert "dense weights" in lines_of(h100)
 
 
 @pytest.mark.parametrize(

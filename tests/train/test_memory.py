@@ -16,7 +16,9 @@ from usaf.errors import UsafError
 from usaf.selection.reselect import Reselector
 from usaf.testing.steps import training_step
 from usaf.testing.tiny import tiny_model
+from usaf.train import shard_dense
 from usaf.train.recompute import choose_recompute, decide
+from usaf.train.shard_dense import choose_shard_dense
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from harness import TensorPeak
@@ -283,3 +285,24 @@ def test_a_default_run_says_its_choice_and_trains_as_the_explicit_setting(worksp
     )
     train(_config(workspace, "schedule.max_steps=4", "train.recompute=true"), tmp_path / "on")
     assert _losses(tmp_path / "tight") == _losses(tmp_path / "on")
+
+
+# ---- distributed.shard_dense=auto ----------------------------------------------------------------------------
+
+
+def test_shard_dense_auto_shards_exactly_when_the_whole_dense_weights_do_not_fit(workspace, monkeypatch):
+    """Off in one process whatever the setting; under torchrun auto asks the planner whether the dense weights whole
+    on every rank fit the budget; true and false are taken as given."""
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    assert _config(workspace).distributed.shard_dense == "auto"
+    alone = choose_shard_dense(_config(workspace, "distributed.shard_dense=true"), cpu, fp32)
+    assert alone.shard is False and alone.line == "shard_dense: off (one process)"
+    monkeypatch.setattr(shard_dense, "active", lambda: True)  # as under torchrun
+    tight = choose_shard_dense(_config(workspace, "train.memory_limit=10KB"), cpu, fp32)
+    assert tight.shard is True and "exceed" in tight.line and "train.memory_limit" in tight.line
+    roomy = choose_shard_dense(_config(workspace, "train.memory_limit=1TB"), cpu, fp32)
+    assert roomy.shard is False and "fit" in roomy.line
+    off = choose_shard_dense(
+        _config(workspace, "distributed.shard_dense=false", "train.memory_limit=10KB"), cpu, fp32
+    )
+    assert off.shard is False and off.line == "shard_dense: off (distributed.shard_dense=false)"

@@ -198,6 +198,13 @@ class DistributedSection(Section):
         bounds="[1, inf)",
         most=4096,
     )
+    shard_dense: str | bool = option(
+        "auto",
+        "under torchrun: shard the frozen dense weights (attention, norms, embeddings, lm_head, shared experts) over "
+        "the ranks with FSDP2, trained entries and routers staying whole on every rank; auto: on exactly when the "
+        "planner says the dense weights whole on every rank do not fit train.memory_limit (else the device)",
+        ("auto", True, False),
+    )
     timeout_s: float = option(
         600.0,
         "under torchrun: seconds a collective waits for the other ranks before it fails and stops the job (a rank "

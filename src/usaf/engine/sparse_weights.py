@@ -104,7 +104,8 @@ class _SparseLinear(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         state = ctx.state
         need_x, need_values = ctx.needs_input_grad[:2]
-        weight = state.stores["weight"].tensor
+        # written again: a sharded (FSDP2) weight is gathered afresh for the backward, without the entries
+        weight = state.effective_weight()
         grad_x = None
         if need_x:
             # the output gradient as it comes ([..., out]): matmul folds its leading dimensions, so the input
@@ -289,8 +290,10 @@ _SUBCLASSES: dict[tuple[type, str], type] = {}
 
 
 def family_forward(module: nn.Module):
-    """The family's own forward of a prepared module, bound to it (what its class did before the swap)."""
-    family = _SWAPPED.get(type(module), (type(module), None))[0]
+    """The family's own forward of a prepared module, bound to it (what its class did before the swap). The
+    swapped class may itself have been subclassed since (FSDP2's `fully_shard` does): the nearest one counts."""
+    swapped = next((cls for cls in type(module).__mro__ if cls in _SWAPPED), None)
+    family = _SWAPPED[swapped][0] if swapped is not None else type(module)
     return family.forward.__get__(module)
 
 

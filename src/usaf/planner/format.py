@@ -213,8 +213,8 @@ def format_verdict(model: str, v: Verdict) -> str:
     if chosen.settings.gpus > 1 and chosen.replicated_dense > chosen.device_budget:
         lines.append(
             f"the dense weights, whole on every rank, and the runtime's context alone take "
-            f"{format_size(chosen.replicated_dense)} of the {format_size(chosen.device_budget)} card: they need "
-            "sharding over the GPUs (FSDP2), which usaf does not have yet"
+            f"{format_size(chosen.replicated_dense)} of the {format_size(chosen.device_budget)} card: shard them "
+            "over the GPUs with FSDP2 (distributed.shard_dense=true, or auto)"
         )
     if v.suggestion is None:
         lines.append(

@@ -67,6 +67,7 @@ PERSISTENT = frozenset()
 # bound, 16x, caps one group of experts and is reached only by routing far more uneven)
 ROUTING_SPREAD = 2
 DENSE_WEIGHTS = "dense weights"
+SHARDED_DENSE_WEIGHTS = "dense weights (FSDP2)"  # distributed.shard_dense: what a rank holds of them
 LAYER, LOSS, STEP = "layer backward", "loss chunk", "optimizer step"
 
 
@@ -298,7 +299,7 @@ def plan(
             "a rank (--gpus-per-host)"
         )
         ram //= sharing
-    stored = _frozen_weights(ledger, shape, s, residency)
+    stored = _frozen_weights(ledger, shape, s, residency, _shards_dense(shape, s, gpu, vram if gpu else ram))
     trained = _sparse_state(ledger, shape, s)
     _activations(ledger, shape, s)
     _workspace(ledger, shape, s, residency, stored)
@@ -326,7 +327,37 @@ def _expert_share(s: PlanSettings) -> float:
     return 1 / s.expert_parallel
 
 
-def _frozen_weights(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: str) -> float:
+def _shards_dense(shape: ModelShape, s: PlanSettings, gpu: bool, budget: int) -> bool:
+    """Whether FSDP2 shards the dense weights over the ranks (`usaf.train.shard_dense`): distributed.shard_dense,
+    where auto is on exactly when the dense weights whole on every rank (and a GPU's context) exceed the budget."""
+    if s.gpus == 1 or s.shard_dense is False:
+        return False
+    whole = (shape.dense_params + shape.router_params) * DTYPE_BYTES[s.dtype]
+    return s.shard_dense is True or whole + (CUDA_CONTEXT if gpu else 0) > budget
+
+
+def _sharded_dense(shape: ModelShape, s: PlanSettings) -> tuple[float, str]:
+    """(parameters, detail) a rank holds of the dense weights FSDP2 shards over the `gpus` ranks: 1/N of them, the
+    largest unit gathered whole while it runs (a decoder layer, the input embeddings or the output layer), and
+    what stays whole on every rank (the routers, and embeddings tied to the output layer)."""
+    head = shape.target_params.get("lm_head", 0)
+    tied = shape.embedding_params if not head else 0  # a tied table serves two units: whole on every rank
+    sharded = shape.dense_params - tied
+    layer = max(0, shape.dense_params - shape.embedding_params - head) / max(1, shape.num_layers)
+    gathered = max(layer, head, shape.embedding_params - tied)
+    held = sharded / s.gpus + gathered + tied + shape.router_params
+    detail = (
+        f"{format_count(sharded)} attention/embedding/norm/shared parameters sharded over {s.gpus} GPUs by FSDP2 "
+        f"(distributed.shard_dense), {format_count(sharded / s.gpus)} a rank, + {format_count(gathered)} of "
+        f"the largest unit gathered while it runs + {format_count(tied + shape.router_params)} whole on every "
+        f"rank (routers{', tied embeddings' if tied else ''}), {s.dtype}"
+    )
+    return held, detail
+
+
+def _frozen_weights(
+    ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: str, sharded: bool
+) -> float:
     """Frozen experts (where the residency keeps them) and dense weights; the experts' stored bytes on this rank."""
     d, share = DTYPE_BYTES[s.dtype], _expert_share(s)
     payload, constants = stored_bytes(shape.expert_matrices, s.quant, d)
@@ -358,15 +389,15 @@ def _frozen_weights(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residen
                 "quantization constants", constants, descriptor(s.quant).summary.split(", ", 1)[1], where
             )
 
-    dense_detail = (
-        f"{format_count(shape.dense_params + shape.router_params)} attention/embedding/norm/shared parameters "
-        f"and routers, {s.dtype}"
-    )
-    if s.expert_parallel > 1:
-        dense_detail += ", whole on every rank (FSDP2 sharding of them is not yet available)"
+    name, dense = DENSE_WEIGHTS, shape.dense_params + shape.router_params
+    dense_detail = f"{format_count(dense)} attention/embedding/norm/shared parameters and routers, {s.dtype}"
+    if sharded:
+        name, (dense, dense_detail) = SHARDED_DENSE_WEIGHTS, _sharded_dense(shape, s)
+    elif s.gpus > 1:
+        dense_detail += ", whole on every rank (distributed.shard_dense shards them with FSDP2)"
     if s.quant_dense:
         dense_detail += " (--quant-dense stores linear layers as int8 on disk; loading dequantizes them)"
-    ledger.add(DENSE_WEIGHTS, (shape.dense_params + shape.router_params) * d, dense_detail)
+    ledger.add(name, dense * d, dense_detail)
     return payload + constants
 
 

@@ -106,6 +106,7 @@ RUN_OPTIONS = {
     "logits_chunk": ("train", "logits_chunk_tokens"),
     "recompute": ("train", "recompute"),
     "expert_parallel": ("distributed", "expert_parallel"),
+    "shard_dense": ("distributed", "shard_dense"),
 }
 
 
@@ -228,6 +229,9 @@ class PlanSettings:
     residency = _run_option("residency")
     logits_chunk = _run_option("logits_chunk")
     expert_parallel = _run_option("expert_parallel")
+    shard_dense = _run_option(
+        "shard_dense"
+    )  # auto: on where the dense weights whole on every rank do not fit
 
     @property
     def data_parallel(self) -> int:

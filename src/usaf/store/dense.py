@@ -7,6 +7,7 @@ weights of the experts a forward routed tokens to; quantized stores (see `usaf.q
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from usaf.errors import ModelError
 
@@ -18,8 +19,6 @@ class DenseStore:
     holds the effective weight: `model.state_dict()` and `save_pretrained` see the trained model, and a forward
     needs no copy of the stack.
     """
-
-    resident = True  # the whole stack is addressable at once: one chunk, no workspace
 
     def __init__(self, module: torch.nn.Module, name: str, one_matrix: bool = False):
         """one_matrix: the tensor is one weight (a [A, B] matrix or a [B] vector), seen as [1, A, B]; otherwise
@@ -43,6 +42,13 @@ class DenseStore:
         # the frozen parameter itself (no `.data` alias: an op per use); it needs no gradient, so in-place writes
         # under no_grad are allowed
         return getattr(self.module, self.name)
+
+    @property
+    def resident(self) -> bool:
+        """The whole stack is addressable at once (one chunk, no workspace) and written into; not while FSDP2 holds
+        the weight sharded (`usaf.train.shard_dense`, outside its unit's forward and backward): its shards keep the
+        base, and the forward writes the trained values into the weight it gathers."""
+        return not isinstance(self.tensor, DTensor)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -77,8 +83,12 @@ class DenseStore:
         return self.full()[expert_ids]
 
     def read(self, flat_indices: torch.Tensor) -> torch.Tensor:
-        """The stored values at flat indices of the [E, A, B] tensor."""
-        return self.tensor.reshape(-1)[flat_indices]
+        """The stored values at flat indices of the [E, A, B] tensor. A sharded weight is gathered for it (a collective:
+        every rank reads the same dense entries, which are replicated)."""
+        tensor = self.tensor
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        return tensor.reshape(-1)[flat_indices]
 
 
 class StoredExpertTensor:

@@ -64,6 +64,7 @@ from usaf.train.session import (
     open_session,
     run_data,
 )
+from usaf.train.shard_dense import choose_shard_dense, frozen_parameter_bytes, shard_dense
 from usaf.train.state import TrainState, target_entries
 from usaf.train.stop import StopRequest
 from usaf.train.trackers import check_report_to, report_to
@@ -192,6 +193,10 @@ class TrainingRun:
         self.evaluator = Evaluator(self.model, session.eval_data, config, self.device, self.autocast)
         self.parts = [part for _, kind in LOOP_PARTS.items() if (part := kind.build(self)) is not None]
         restored = self.restore_values(*self.checkpointer.load_latest()) if self.resume else None
+        # after the selection and the restored values, which read and write the whole weights
+        self.shard_dense = choose_shard_dense(config, device, dtype)
+        if self.shard_dense.shard:
+            shard_dense(self.model)
         self.optimizer = build_optimizer(self.model, config)
         self.scheduler = build_scheduler(self.optimizer, config)
         self.notes += schedule_notes(config)
@@ -284,6 +289,8 @@ class TrainingRun:
         for line in self.auto_lines:
             print(line, flush=True)
         print(self.recompute.line, flush=True)
+        if distributed.active():
+            print(self.shard_dense.line, flush=True)
         for note in self.notes:
             print(f"note: {note}", flush=True)
 
@@ -406,7 +413,11 @@ class TrainingRun:
             part.finish(self.state)
         summary = self.state.summary(eval_after, self.entries, self.data_stats)
         # what each rank held and peaked at: the planner's per-rank figures
-        held = (runtime.peak_memory_bytes(self.device), expert_parallel.frozen_expert_bytes(self.model))
+        held = {
+            "peak_memory_mb": runtime.peak_memory_bytes(self.device) / 2**20,
+            "frozen_expert_bytes": expert_parallel.frozen_expert_bytes(self.model),
+            "frozen_parameter_bytes": frozen_parameter_bytes(self.model),
+        }
         write_summary(self.run_dir, summary, held)
         return summary
 

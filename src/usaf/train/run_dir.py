@@ -381,13 +381,14 @@ def record_start(run_dir: Path, config: RunConfig, model: torch.nn.Module) -> li
     return [unrecorded] if unrecorded is not None else []
 
 
-def write_summary(run_dir: Path, summary: dict, held: tuple[int, int] | None = None) -> None:
+def write_summary(run_dir: Path, summary: dict, held: dict[str, float] | None = None) -> None:
     """A finished run's summary.json (rank 0 only): written last, it marks the run finished. `held`: this rank's
-    (peak memory, frozen expert bytes); under torchrun every rank's go in as `ranks` (each rank must call)."""
+    figures by name (peak memory, frozen bytes); under torchrun every rank's go in as `ranks` (each rank must
+    call)."""
     if held is not None and distributed.active():
         summary["ranks"] = [
-            {"rank": r, "peak_memory_mb": peak / 2**20, "frozen_expert_bytes": int(experts)}
-            for r, (peak, experts) in enumerate(distributed.per_rank(list(held)))
+            {"rank": r, **{k: v if k.endswith("_mb") else int(v) for k, v in zip(held, values, strict=True)}}
+            for r, values in enumerate(distributed.per_rank(list(held.values())))
         ]
     if distributed.is_main():  # [usaf.distributed] only rank 0 writes
         atomic_json(run_dir / SUMMARY_FILE, summary)

@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 import huggingface_hub
 import torch
+from torch.distributed.tensor import DTensor
 
 from usaf import kernels
 from usaf.base.load import load_for_training
@@ -187,6 +188,8 @@ def check_finite_base(model: torch.nn.Module, seen: str) -> None:
     tensors = [*model.named_parameters(), *model.named_buffers()]
     # the model's own weights first: usaf's trained values are copies of them
     for name, tensor in sorted(tensors, key=lambda item: ".usaf." in item[0]):
+        if isinstance(tensor, DTensor):  # sharded by FSDP2 (`usaf.train.shard_dense`): every rank gathers it
+            tensor = tensor.full_tensor()
         if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
             raise ModelError(
                 f"the base model has NaN/Inf values in tensor '{name}' ({seen}): training cannot start from it; "
