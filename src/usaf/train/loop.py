@@ -289,7 +289,7 @@ class TrainingRun:
         for line in self.auto_lines:
             print(line, flush=True)
         print(self.recompute.line, flush=True)
-        if distributed.active():
+        if self.shard_dense.line is not None:  # under torchrun
             print(self.shard_dense.line, flush=True)
         for note in self.notes:
             print(f"note: {note}", flush=True)

@@ -40,7 +40,9 @@ from usaf.train.memory_plan import run_plan
 @dataclasses.dataclass(frozen=True)
 class ShardChoice:
     shard: bool
-    line: str  # one line for the run's log: what was chosen and why
+    line: (
+        str | None
+    )  # one line for the run's log: what was chosen and why (None: one process, nothing to say)
 
 
 def choose_shard_dense(config, device: torch.device, dtype: torch.dtype) -> ShardChoice:
@@ -48,7 +50,7 @@ def choose_shard_dense(config, device: torch.device, dtype: torch.dtype) -> Shar
     planner."""
     setting = config.distributed.shard_dense
     if not active():
-        return ShardChoice(False, "shard_dense: off (one process)")
+        return ShardChoice(False, None)  # one process: nothing to say
     if setting is True or setting is False:
         line = f"shard_dense: {'on' if setting else 'off'} (distributed.shard_dense={str(setting).lower()})"
         return ShardChoice(setting, line)
