@@ -8,10 +8,32 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from usaf.testing.tiny import tiny_model
 from usaf.train.tokenizer import char_tokenizer
+
+# the torch.distributed tests run on gloo (CPU)
+NEEDS_GLOO = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
+)
+
+
+def torchrun(
+    args: list[str], script: Path | None = None, nproc: int = 2, **env
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=NPROC -m usaf ARGS` (or the `script` with ARGS), one torch thread
+    a process, this process's import path, `env` added."""
+    target = [str(script)] if script is not None else ["-m", "usaf"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return subprocess.run(
+        [*command, *target, *args],
+        capture_output=True,
+        text=True,
+        env=_env(**{"OMP_NUM_THREADS": "1", **env}),
+        timeout=600,
+    )
 
 
 def make_model_dir(folder: Path, family: str = "qwen3_moe", seed: int = 0) -> Path:

@@ -5,14 +5,11 @@ a torchrun job SIGKILLed mid-run resumes exactly; a resume with another world si
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import KILLER, losses, make_model_dir, write_copy_task
+from helpers import KILLER, NEEDS_GLOO, losses, make_model_dir, torchrun, write_copy_task
 from safetensors.torch import load_file
 
 from usaf.cli import main
@@ -22,9 +19,7 @@ from usaf.train import distributed
 from usaf.train.loop import train
 from usaf.version import __version__
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
-)
+pytestmark = NEEDS_GLOO
 
 SETTINGS = [
     "data.max_seq_len=48",
@@ -40,22 +35,6 @@ SETTINGS = [
     "checkpoint.every_steps=2",
     "train.seed=3",
 ]
-
-
-def _env(**extra) -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1", **extra}
-
-
-def torchrun(args: list[str], script: Path | None = None, **env) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=2 -m usaf ARGS` (or the `script` with ARGS)."""
-    target = [str(script)] if script is not None else ["-m", "usaf"]
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *target, *args],
-        capture_output=True,
-        text=True,
-        env=_env(**env),
-        timeout=300,
-    )
 
 
 @pytest.fixture(scope="module")

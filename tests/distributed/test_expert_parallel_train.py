@@ -7,14 +7,11 @@ the same selection (and reselection) bit for bit, per-step losses and exported d
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import char_tokenizer, losses, write_copy_task
+from helpers import NEEDS_GLOO, char_tokenizer, losses, torchrun, write_copy_task
 from safetensors.torch import load_file
 
 from usaf.base.load import load_prepared
@@ -25,12 +22,7 @@ from usaf.engine import expert_parallel
 from usaf.testing.published import make_mxfp4_gpt_oss
 from usaf.testing.tiny import tiny_model
 
-pytestmark = [
-    pytest.mark.skipif(
-        not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
-    ),
-    pytest.mark.slow,
-]
+pytestmark = NEEDS_GLOO
 
 SETTINGS = [
     "data.max_seq_len=48",
@@ -49,14 +41,6 @@ SETTINGS = [
 MICRO_BATCHES = 4  # per optimizer step, over all ranks
 
 
-def torchrun(nproc: int, args: list[str], **extra_env) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1", **extra_env}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.run(
-        [*command, "-m", "usaf", *args], capture_output=True, text=True, env=env, timeout=600
-    )
-
-
 def _train(root: Path, model: Path, out: str, ranks: int = 1, ep: int = 1, *sets: str) -> Path:
     args = [
         "train",
@@ -71,7 +55,7 @@ def _train(root: Path, model: Path, out: str, ranks: int = 1, ep: int = 1, *sets
     if ranks == 1:
         assert main(args) == 0
     else:
-        done = torchrun(ranks, args)
+        done = torchrun(args, nproc=ranks)
         assert done.returncode == 0, done.stderr[-3000:]
     assert main(["export", str(root / out), "--delta", str(root / f"{out}.delta.safetensors")]) == 0
     return root / out
@@ -177,13 +161,13 @@ def test_a_rank_that_dies_stops_the_job_and_the_run_resumes_exactly_at_its_layou
         "--set=model.quant=nf4",
         "--set=checkpoint.every_steps=1",
     ]
-    died = torchrun(2, args, USAF_TEST_DIE_AT_STEP="3@1")
+    died = torchrun(args, USAF_TEST_DIE_AT_STEP="3@1")
     assert died.returncode != 0
     said = [line for line in died.stderr.splitlines() if line.startswith("usaf: error:")]
     assert len(said) == 1 and "--resume" in said[0], died.stderr[-2000:]
     shards = sorted(p.name for p in (run / "checkpoints" / "step-00000002").glob("*-ep*-of-2.safetensors"))
     assert shards == [f"{kind}-ep{e}-of-2.safetensors" for kind in ("optimizer", "trainable") for e in (0, 1)]
-    resumed = torchrun(2, ["train", f"--resume={run}"])
+    resumed = torchrun(["train", f"--resume={run}"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert losses(run) == losses(qwen["ep2"])
     assert main(["export", str(run), "--delta", str(root / "killed.delta.safetensors")]) == 0

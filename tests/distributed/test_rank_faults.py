@@ -11,14 +11,12 @@ import time
 
 import pytest
 import torch
-from helpers import losses, make_model_dir, write_copy_task
+from helpers import NEEDS_GLOO, losses, make_model_dir, write_copy_task
 from safetensors.torch import load_file
 
 from usaf.train import distributed
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
-)
+pytestmark = NEEDS_GLOO
 
 SETTINGS = [
     "data.max_seq_len=48",

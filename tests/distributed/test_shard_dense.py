@@ -10,16 +10,10 @@ import json
 
 import pytest
 import torch
-from helpers import losses, make_model_dir, write_copy_task
+from helpers import NEEDS_GLOO, losses, make_model_dir, torchrun, write_copy_task
 from safetensors.torch import load_file
-from test_data_parallel import torchrun
 
-pytestmark = [
-    pytest.mark.skipif(
-        not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
-    ),
-    pytest.mark.slow,
-]
+pytestmark = NEEDS_GLOO
 
 SETTINGS = [
     "data.max_seq_len=48",
