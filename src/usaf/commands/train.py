@@ -95,7 +95,9 @@ def _train_in_job(config: RunConfig, run_dir: str, args) -> dict:
     from usaf.train.loop import train
 
     try:
-        return train(config, run_dir, resume=bool(args.resume), force=args.force)
+        summary = train(config, run_dir, resume=bool(args.resume), force=args.force)
+        distributed.leave()
+        return summary
     except Exception as err:
         if (failed := distributed.peer_failure(err)) is None:
             raise

@@ -115,6 +115,16 @@ def init(config) -> bool:
     return True
 
 
+def leave() -> None:
+    """The end of a torchrun job that went well: every rank waits for the others, then the process group is torn
+    down, rather than by the interpreter's exit (where gloo's threads, destroyed still joinable, aborted a rank with
+    "terminate called without an active exception" after its run had finished)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        expert_parallel.set_layout(None)
+
+
 def check_expert_parallel(config) -> None:
     """distributed.expert_parallel > 1 needs as many processes (or a multiple): said before anything loads."""
     ep, world = config.distributed.expert_parallel, int(os.environ.get("WORLD_SIZE", "1") or 1)
