@@ -88,13 +88,8 @@ def load_for_training(
 
 
 def _prepared_once(path: Path, quant: str) -> Path:
-    """`ensure_prepared`, run by one process of a torchrun job while the others wait, then take it from the cache
-    (ranks preparing the same store at once would race on its folder)."""
-    if not across_ranks.active():
-        return ensure_prepared(path, quant, progress=True)
-    prepared = ensure_prepared(path, quant, progress=True) if across_ranks.is_main() else None
-    torch.distributed.barrier()
-    return prepared or ensure_prepared(path, quant, progress=False)
+    """`ensure_prepared`, rank 0 first under torchrun: the others then take the store from the cache."""
+    return across_ranks.main_first(lambda: ensure_prepared(path, quant, progress=across_ranks.is_main()))
 
 
 def load_prepared(

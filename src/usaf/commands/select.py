@@ -72,8 +72,9 @@ def run(args) -> int:
         recompute=False,  # nothing is trained here
     )
     model, config, stats = session.model, session.config, session.data_stats
-    summary = selection_summary(model, config)
-    save_selection(out, current_selection(model), summary)
+    chosen = current_selection(model)
+    summary = selection_summary(model, config, chosen)
+    save_selection(out, chosen, summary)
     for line in auto_lines:  # said once it is done: a failing command says one line, its error
         print(line, file=sys.stderr)
     counts = summary["entries"]

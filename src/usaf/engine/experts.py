@@ -234,10 +234,10 @@ class SparseGroupedLinear(torch.autograd.Function):
         gy = kernels.cast(grad_out, x.dtype)
         grad_x = grad_values = None
         if need_x:
-            if (
-                proj.store.resident and proj.entries is not None
-            ):  # as in the forward: see `_SparseLinear.backward`
-                proj.entries.write_into(proj.store.full(), None)
+            if proj.store.regathered and proj.store.resident and proj.entries is not None:
+                proj.entries.write_into(
+                    proj.store.full(), None
+                )  # gathered afresh (see DenseStore.regathered)
             grad_x = _through_chunks(proj, plan, gy, backward=True, empty=lambda: torch.zeros_like(x))
         # the trained entries' gradients need no weights: one call over every expert's rows, whatever the chunks
         U, V = (x, gy) if proj.transposed else (gy, x)

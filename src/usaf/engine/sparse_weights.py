@@ -104,8 +104,9 @@ class _SparseLinear(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         state = ctx.state
         need_x, need_values = ctx.needs_input_grad[:2]
-        # written again: a sharded (FSDP2) weight is gathered afresh for the backward, without the entries
-        weight = state.effective_weight()
+        store = state.stores["weight"]
+        # a sharded (FSDP2) weight is gathered afresh for the backward, without the entries: written again
+        weight = state.effective_weight() if store.regathered else store.tensor
         grad_x = None
         if need_x:
             # the output gradient as it comes ([..., out]): matmul folds its leading dimensions, so the input

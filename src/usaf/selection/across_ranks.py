@@ -44,6 +44,17 @@ def job_expert_count(local: int) -> int:
     return int(expert_parallel.expert_sum(summed, from_every_rank=False)[0])
 
 
+def main_first(make):
+    """`make()` run by rank 0 while the other ranks wait, then by them (what it leaves in a cache, they find there):
+    ranks building one cache entry at once (a prepared store, a tokenized dataset) would race on it. One process:
+    just `make()`."""
+    if not active():
+        return make()
+    made = make() if is_main() else None
+    dist.barrier()
+    return made if is_main() else make()
+
+
 def comm_device() -> torch.device:
     """Where collectives run: the current CUDA device under NCCL, else the CPU (gloo)."""
     if active() and dist.get_backend() == "nccl":

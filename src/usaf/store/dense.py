@@ -20,6 +20,10 @@ class DenseStore:
     needs no copy of the stack.
     """
 
+    # FSDP2 holds the weight sharded and gathers it afresh for each backward, from shards without the trained values
+    # (`usaf.train.shard_dense` sets it): the backward then writes them in again, as the forward did
+    regathered = False
+
     def __init__(self, module: torch.nn.Module, name: str, one_matrix: bool = False):
         """one_matrix: the tensor is one weight (a [A, B] matrix or a [B] vector), seen as [1, A, B]; otherwise
         a stack [E, A, B] or a stack of biases [E, B]."""

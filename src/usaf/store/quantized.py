@@ -23,6 +23,7 @@ class QuantizedStore:
     """
 
     resident = False  # the engine materializes routed experts in workspace-bounded chunks
+    regathered = False  # not a parameter: FSDP2 never shards it (see DenseStore.regathered)
 
     def __init__(
         self,

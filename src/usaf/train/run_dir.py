@@ -373,7 +373,8 @@ def record_start(run_dir: Path, config: RunConfig, model: torch.nn.Module) -> li
     """A new run's writes once its model is prepared (rank 0 only): the selection it starts from
     (selection.safetensors, which a resume starts from again) and the base's identity (base.json). Notes to show."""
     # every rank gathers (under expert parallelism each holds its experts' share); rank 0 writes
-    chosen, summary = current_selection(model), selection_summary(model, config)
+    chosen = current_selection(model)
+    summary = selection_summary(model, config, chosen)
     if not distributed.is_main():  # [usaf.distributed] only rank 0 writes
         return []
     save_selection(run_dir / SELECTION_FILE, chosen, summary)

@@ -30,6 +30,7 @@ from usaf.io.source import check_model_files
 from usaf.model.hf import decoder_body, load_causal_lm, load_config, max_positions
 from usaf.model.hf import load_tokenizer as hf_tokenizer
 from usaf.prepare import current_selection, enable_recomputation, prepare_model
+from usaf.selection.across_ranks import main_first
 from usaf.selection.choose import resolved_selection
 from usaf.train import distributed, runtime
 from usaf.train.recompute import choose_recompute
@@ -252,15 +253,17 @@ def packed_documents_are_isolated(model, device) -> bool:
     return bool(torch.allclose(packed.float(), alone.float(), atol=1e-3, rtol=1e-3))
 
 
-def selection_summary(model, config: RunConfig) -> dict:
-
+def selection_summary(model, config: RunConfig, chosen: dict | None = None) -> dict:
+    """What the selection file records beside the selection: how it was made and its entries per tensor.
+    `chosen`: the model's `current_selection`, when the caller has it (under expert parallelism a gather)."""
+    chosen = current_selection(model) if chosen is None else chosen
     prepared = model_state(model)
     calibration = prepared.calibration if prepared is not None else None
     return {
         "strategy": config.select.strategy,
         "selection": resolved_selection(config.select, has_data=True),
         "granularity": config.select.granularity,
-        "entries": {key: int(c.indices.numel()) for key, c in current_selection(model).items()},
+        "entries": {key: int(c.indices.numel()) for key, c in chosen.items()},
         "calibration": calibration.summary() if calibration is not None else None,
     }
 
@@ -323,7 +326,8 @@ def open_session(
     )  # cuda:LOCAL_RANK under torchrun
     dtype = runtime.resolve_dtype(config.model.dtype, device)
     tokenizer = load_tokenizer(config.model.path)
-    train_data, eval_data, stats = load_data(config, tokenizer, config.data.pack)
+    # rank 0 tokenizes first under torchrun: ranks building one datasets cache entry at once collide
+    train_data, eval_data, stats = main_first(lambda: load_data(config, tokenizer, config.data.pack))
     if (folder := Path(config.model.path).expanduser()).is_dir() and (folder / "config.json").is_file():
         # before the model is loaded and calibrated (its files were checked by load_tokenizer); again below on the
         # loaded model's config for other sources
@@ -344,5 +348,5 @@ def open_session(
     if config.data.pack and not packed_documents_are_isolated(model, device):
         notes.append(PACKING_OFF)
         config = config.replace({"data.pack": False})
-        train_data, eval_data, stats = load_data(config, tokenizer, False)
+        train_data, eval_data, stats = main_first(lambda: load_data(config, tokenizer, False))
     return Session(config, device, dtype, tokenizer, model, train_data, eval_data, stats, notes)

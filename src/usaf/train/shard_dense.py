@@ -30,10 +30,12 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from usaf.engine.installed import sparse_modules
 from usaf.errors import ConfigError, UsafError
 from usaf.model.hf import decoder_body
 from usaf.planner.sizes import format_size
 from usaf.selection.across_ranks import active
+from usaf.store.dense import DenseStore
 from usaf.train.memory_plan import run_plan
 
 
@@ -92,6 +94,10 @@ def shard_dense(model: nn.Module) -> None:
         roots.append(head)
     for root in roots:  # FSDP2 keeps a root gathered after its forward, for the backward: without one, not
         root.register_forward_hook(_reshard_without_backward)
+    for _, state in sparse_modules(model):  # their backward writes the trained values in again
+        for store in state.stores.values():
+            if isinstance(store, DenseStore) and isinstance(store.tensor, DTensor):
+                store.regathered = True
 
 
 def _reshard_without_backward(root, args, output) -> None:
