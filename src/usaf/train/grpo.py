@@ -241,14 +241,17 @@ class GroupRelative:
             batch["position_ids"],
             train.logits_chunk_tokens,
         )
-        policy, rows = token_logps(*inputs, temperature=train.temperature)
-        advantages = batch["advantages"][rows]
-        per_token = -torch.exp(policy - policy.detach()) * advantages
+        reference = None
         if train.grpo_beta:
             with torch.no_grad(), base_weights(model):
                 reference, _ = token_logps(*inputs, temperature=train.temperature)
+        policy, rows = token_logps(*inputs, temperature=train.temperature)
+        ratio = torch.exp(policy - policy.detach())  # 1 in value, the policy's gradient
+        per_token = -ratio * batch["advantages"][rows]
+        if reference is not None:
             gap = reference - policy
-            per_token = per_token + train.grpo_beta * (torch.exp(gap) - gap - 1)
+            # TRL's use_bias_correction_kl (its default): the KL estimate weighted by the ratio too
+            per_token = per_token + train.grpo_beta * (torch.exp(gap) - gap - 1) * ratio
         return per_token.sum(), Scores(batch["rewards"], reward_names(train), reward_weights(train))
 
     def supervised_units(self, batch: dict) -> int:
