@@ -125,7 +125,7 @@ class Sampler:
         room = self.max_new if positions is None else max(1, min(self.max_new, positions - len(prompt)))
         eos = self.tokenizer.eos_token_id
         training = self.model.training
-        self.model.eval()  # dropout off, as TRL's default disable_dropout; no routing statistics are recorded
+        self.model.eval()  # dropout off while sampling, as TRL's default disable_dropout
         try:
             out = self.model.generate(
                 input_ids=inputs,
