@@ -264,11 +264,33 @@ class TrainSection(Section):
     objective: str = option(
         "sft",
         "sft: next-token loss on the supervised tokens; dpo: preference tuning on prompt/chosen/rejected pairs, the "
-        "base itself the reference (no second model: one extra forward without gradients)",
+        "base itself the reference (no second model: one extra forward without gradients); grpo: completions "
+        "of {prompt} records generated and scored by train.reward_functions",
         OBJECTIVES.choices(),
     )
     dpo_beta: float = option(
         0.1, "dpo: the strength of the pull toward the reference (DPO's beta)", bounds="(0, inf)"
+    )
+    # grpo (usaf.train.grpo): the names and defaults of TRL's GRPOConfig, but for max_completion_length (512)
+    reward_functions: list = option(
+        [],
+        "grpo: reward functions by import path, module:function, each called as TRL calls them: "
+        "fn(prompts=..., completions=..., completion_ids=..., **the records' other columns) -> list of floats",
+    )
+    reward_weights: list = option([], "grpo: a weight per reward function (empty: 1 each)")
+    num_generations: int = option(
+        8, "grpo: completions generated per prompt (a group: its rewards are compared)", bounds="[2, inf)"
+    )
+    max_completion_length: int = option(
+        256,
+        "grpo: the most tokens a completion gets (less where the model's context ends)",
+        bounds="[1, inf)",
+    )
+    temperature: float = option(1.0, "grpo: sampling temperature of the completions", bounds="(0, inf)")
+    grpo_beta: float = option(
+        0.0,
+        "grpo: the KL penalty toward the reference, the base itself (TRL's beta; 0: no reference forward)",
+        bounds="[0, inf)",
     )
     kernels: str = option(
         "auto",

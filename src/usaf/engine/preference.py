@@ -22,9 +22,11 @@ from usaf.engine.loss import IGNORE_INDEX, output_head
 from usaf.model.hf import decoder_body
 
 
-def _token_logps(hidden: torch.Tensor, targets: torch.Tensor, head: Callable) -> torch.Tensor:
+def _token_logps(
+    hidden: torch.Tensor, targets: torch.Tensor, head: Callable, temperature: float
+) -> torch.Tensor:
     logits = head(hidden)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     return torch.gather(logits.log_softmax(-1), 1, targets.unsqueeze(1)).squeeze(1)
 
 
@@ -32,6 +34,20 @@ def sequence_logps(
     model: torch.nn.Module, input_ids, labels, position_ids=None, chunk_tokens: int = 1024
 ) -> torch.Tensor:
     """[batch] sums of log p(token) over each row's labelled tokens (labels aligned with the inputs)."""
+    per_token, rows = token_logps(model, input_ids, labels, position_ids, chunk_tokens)
+    return per_token.new_zeros(labels.shape[0]).index_add_(0, rows, per_token)
+
+
+def token_logps(
+    model: torch.nn.Module,
+    input_ids,
+    labels,
+    position_ids=None,
+    chunk_tokens: int = 1024,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(token) of every labelled token (labels aligned with the inputs), in row-major order, and the row each
+    is in; `temperature` divides the logits first (GRPO scores its samples at the temperature they were drawn at)."""
     out = decoder_body(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     hidden = out.last_hidden_state[:, :-1, :]
     targets = labels[:, 1:]
@@ -42,11 +58,12 @@ def sequence_logps(
     for start in range(0, targets.numel(), chunk_tokens):
         part = slice(start, start + chunk_tokens)
         if torch.is_grad_enabled() and hidden.requires_grad:
-            pieces.append(checkpoint(_token_logps, hidden[part], targets[part], head, use_reentrant=False))
+            pieces.append(
+                checkpoint(_token_logps, hidden[part], targets[part], head, temperature, use_reentrant=False)
+            )
         else:
-            pieces.append(_token_logps(hidden[part], targets[part], head))
-    per_token = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
-    return per_token.new_zeros(labels.shape[0]).index_add_(0, rows, per_token)
+            pieces.append(_token_logps(hidden[part], targets[part], head, temperature))
+    return (torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)), rows
 
 
 @dataclass

@@ -28,7 +28,12 @@ from usaf.engine.state import streamed_bytes
 from usaf.errors import UsafError
 from usaf.files import CONFIG_FILE, SELECTION_FILE
 from usaf.prepare import trainable_summary
-from usaf.train import checkpoint, distributed, runtime
+from usaf.train import (
+    checkpoint,
+    distributed,
+    grpo,  # noqa: F401  (registers train.objective=grpo and its rollouts part)
+    runtime,
+)
 from usaf.train.checkpoint import Checkpointer, restore_trainable
 from usaf.train.distributed import StepShare, gradient_reducer
 from usaf.train.evaluate import Evaluator
@@ -306,6 +311,8 @@ class TrainingRun:
         for part in parts:
             part.start_step(step)
         micro = self.share.take()
+        for part in parts:
+            micro = part.step_batches(micro)  # e.g. GRPO: prompts become prompt + generated completion rows
         (supervised,) = self.share.total(sum(objective.supervised_units(b) for b, _ in micro))
         sums, tokens, extras = [], 0, []
         for index, (batch, rows) in enumerate(micro):

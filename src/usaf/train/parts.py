@@ -4,6 +4,8 @@ update, so the loop iterates its parts instead of naming them.
 A part acts at the hooks it needs and inherits a no-op for the others (from `Part`):
 
     start_step(step)          before the step's micro-batches (`step`: the step being taken, 1-based)
+    step_batches(micro)       the step's micro-batches (batch, dataset rows) as the step trains on them: GRPO's
+                              completions are generated here (`usaf.train.grpo`); the others return them as they are
     begin_batch(batch, rows)  before a micro-batch's forward (its tensors on the device, its dataset rows)
     end_forward(step)         after that forward, before its backward: a loss term to add (0.0: none)
     end_batch()               after the micro-batch's backward
@@ -84,6 +86,8 @@ class LoopPart(Protocol):
 
     def start_step(self, step: int) -> None: ...
 
+    def step_batches(self, micro: list[tuple[dict, list[int]]]) -> list[tuple[dict, list[int]]]: ...
+
     def begin_batch(self, batch: dict, rows: list[int]) -> None: ...
 
     def end_forward(self, step: int) -> torch.Tensor | float: ...
@@ -131,6 +135,9 @@ class Part:
 
     def start_step(self, step: int) -> None:
         pass
+
+    def step_batches(self, micro: list[tuple[dict, list[int]]]) -> list[tuple[dict, list[int]]]:
+        return micro
 
     def begin_batch(self, batch: dict, rows: list[int]) -> None:
         pass

@@ -19,6 +19,7 @@ from usaf import kernels
 from usaf.base.load import load_for_training
 from usaf.config import RunConfig
 from usaf.data import Batches, TokenizedDataset, load_run_data
+from usaf.data.load import fit_context
 from usaf.data.sources import absolute_name
 from usaf.data.templates import template_names
 from usaf.engine import expert_parallel
@@ -33,6 +34,7 @@ from usaf.prepare import current_selection, enable_recomputation, prepare_model
 from usaf.selection.across_ranks import main_first
 from usaf.selection.choose import resolved_selection
 from usaf.train import distributed, runtime
+from usaf.train.prompts import load_prompts
 from usaf.train.recompute import choose_recompute
 from usaf.train.tokenizer import has_tokenizer_files, model_vocabulary
 
@@ -285,7 +287,9 @@ def check_positions(model_config, config: RunConfig, *datasets) -> None:
 
 def run_data(config: RunConfig, tokenizer, pack: bool, files: list[str] | None = None, held_out: bool = True):
     """`usaf.data.load_run_data` handed the run's sections it reads (data, model, train): the `load_data` of
-    `open_session` for a run."""
+    `open_session` for a run. GRPO reads prompts (`usaf.train.prompts`): its completions are generated."""
+    if config.train.objective == "grpo":
+        return load_prompts(fit_context(config.data, config.model.path)[0], tokenizer, files)
     return load_run_data(config.data, config.model, config.train, tokenizer, pack, files, held_out)
 
 
