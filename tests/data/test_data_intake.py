@@ -1,0 +1,221 @@
+"""Issue 38, data: hub ids downloaded by `datasets` when online and read from the local caches offline, mixing
+weights across sources, alpaca records through the chat template."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+
+import datasets
+import pytest
+from helpers import supervised
+
+from usaf.config import RunConfig
+from usaf.data import load_dataset
+from usaf.errors import UsafError
+from usaf.train.tokenizer import char_tokenizer
+
+RECORDS = [{"prompt": f"copy {w} ->", "completion": f" {w}"} for w in ("abc", "fed", "bad", "cab")]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(tmp_path, monkeypatch):
+    """The test's own datasets and hub caches, as HF_HOME would place them."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    return tmp_path / "hf" / "datasets"
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def rows_of(tok, paths, **kw):
+    train, _, stats = load_dataset([str(p) for p in paths], tok, 256, pack=False, eval_fraction=0, **kw)
+    return [(train[i]["input_ids"].tolist(), train[i]["labels"].tolist()) for i in range(len(train))], stats
+
+
+def online(monkeypatch, fake_load):
+    """The offline variables unset (datasets reads them at import), and datasets' hub loader replaced: no test
+    reaches the network."""
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+
+
+# ---------------------------------------------------------------------------------------------- hub ids
+
+
+def test_a_cached_hub_id_is_read_offline_without_a_download(tok, tmp_path, fresh_cache, monkeypatch):
+    # what `datasets.load_dataset(ID)` leaves in the cache: ORG___NAME/CONFIG/VERSION/HASH/NAME-SPLIT.arrow
+    from datasets.data_files import DataFilesDict
+    from datasets.packaged_modules.json.json import Json
+
+    patterns = DataFilesDict.from_patterns({"train": [write_jsonl(tmp_path / "a.jsonl", RECORDS)]})
+    Json(
+        cache_dir=str(fresh_cache), dataset_name="tiny", hash="0123abcd", data_files=patterns
+    ).download_and_prepare()
+    [config] = (fresh_cache / "tiny").iterdir()
+    (fresh_cache / "someorg___tiny").mkdir()
+    config.rename(fresh_cache / "someorg___tiny" / "default")
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("a cached dataset was downloaded")
+
+    online(monkeypatch, no_download)  # online, but the cache answers first
+    expected, _ = rows_of(tok, [tmp_path / "a.jsonl"])
+    assert rows_of(tok, ["someorg/tiny"])[0] == expected
+
+
+def test_offline_an_uncached_hub_id_is_one_line_naming_it_and_the_fix(tok, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UsafError) as error:
+        rows_of(tok, ["someorg/absent"])
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(
+        "someorg/absent is neither a local path nor a hub dataset"
+    )
+    assert "HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set: unset it to download it" in message
+    assert "datasets.load_dataset('someorg/absent')" in message
+
+
+def test_online_an_uncached_hub_id_is_fetched_by_datasets_in_one_line(tok, tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_load(path, **kwargs):
+        calls.append((path, kwargs))
+        return datasets.DatasetDict(
+            {"train": datasets.Dataset.from_list(RECORDS), "test": datasets.Dataset.from_list(RECORDS[:1])}
+        )
+
+    online(monkeypatch, fake_load)
+    expected, _ = rows_of(tok, [write_jsonl(tmp_path / "a.jsonl", RECORDS)])
+    capsys.readouterr()
+    assert rows_of(tok, ["tatsu-lab/alpaca"])[0] == expected
+    assert rows_of(tok, ["tatsu-lab/alpaca:test"])[0] == expected[:1]
+    assert [path for path, _ in calls] == ["tatsu-lab/alpaca"] * 2
+    assert calls[0][1]["cache_dir"] == str(
+        tmp_path / "hf" / "datasets"
+    )  # datasets' own cache, nothing copied
+    lines = capsys.readouterr().err.splitlines()
+    assert [line for line in lines if line.startswith("data: fetched")] == [
+        f"data: fetched tatsu-lab/alpaca from the hub: split train, 4 rows (cached in {tmp_path / 'hf' / 'datasets'})",
+        f"data: fetched tatsu-lab/alpaca from the hub: split test, 1 rows (cached in {tmp_path / 'hf' / 'datasets'})",
+    ]
+    with pytest.raises(UsafError, match=r"tatsu-lab/alpaca has no split 'dev'; its splits are train, test"):
+        rows_of(tok, ["tatsu-lab/alpaca:dev"])
+
+
+def test_online_a_missing_hub_id_is_one_line(tok, monkeypatch):
+    def not_found(path, **kwargs):
+        raise datasets.exceptions.DatasetNotFoundError(f"Dataset '{path}' doesn't exist on the Hub")
+
+    online(monkeypatch, not_found)
+    with pytest.raises(UsafError, match=r"^someorg/absent: no such dataset on the hub \(or it is private"):
+        rows_of(tok, ["someorg/absent"])
+
+
+# ---------------------------------------------------------------------------------------------- mixing
+
+
+def test_weights_mix_the_sources_in_their_proportions_seeded(tok, tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i:03d}"} for i in range(300)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"b{i:03d}"} for i in range(300)])
+
+    def sources(seed, weights=(0.8, 0.2), stopping="first_exhausted"):
+        train, _, stats = load_dataset(
+            [a, b],
+            tok,
+            64,
+            pack=False,
+            eval_fraction=0,
+            seed=seed,
+            weights=list(weights),
+            mix_stopping=stopping,
+        )
+        texts = [tok.decode(train[i]["input_ids"].tolist()) for i in range(len(train))]
+        return ["a" if "a" in text else "b" for text in texts], stats  # <bos> and <eos> have no "a"
+
+    drawn, stats = sources(seed=0)
+    counts = Counter(drawn)
+    assert counts["a"] == 300  # the first source runs out first and ends the mix
+    assert 0.75 < counts["a"] / len(drawn) < 0.85
+    assert "data: mixed by data.weights 0.8/0.2 (first_exhausted, seed 0): records 300 of" in stats.summary()
+    assert sources(seed=0)[0] == drawn and sources(seed=1)[0] != drawn
+    even = Counter(sources(seed=0, weights=(1, 1))[0])
+    assert max(even.values()) == 300 and min(even.values()) > 200
+    every, _ = sources(seed=0, stopping="all_exhausted")
+    assert set(Counter(every).values()) >= {300} and len(set(every)) == 2
+    with pytest.raises(UsafError, match=r"data\.weights has 1 entries but the training data 2 sources"):
+        sources(seed=0, weights=(1,))
+
+
+def test_mixing_keeps_a_records_windows_together(tok, tmp_path):
+    long = write_jsonl(tmp_path / "long.jsonl", [{"text": "x" * 50 + str(i)} for i in range(20)])
+    short = write_jsonl(tmp_path / "short.jsonl", [{"text": f"s{i}"} for i in range(20)])
+    train, _, stats = load_dataset(
+        [long, short], tok, 20, pack=False, eval_fraction=0, weights=[0.5, 0.5], stride=2
+    )
+    assert stats.windows == 20 * 3
+    texts = [tok.decode(train[i]["input_ids"].tolist()) for i in range(len(train))]
+    for index, text in enumerate(texts):  # the three windows of a long record follow one another
+        if text.startswith("<bos>x"):
+            assert texts[index + 1].startswith("xx") and texts[index + 2].endswith("<eos>")
+
+
+def test_weights_are_checked_when_the_config_is_read():
+    assert RunConfig.from_dict({"data": {"weights": [0.7, 0.3]}}).data.weights == ["0.7", "0.3"]
+    with pytest.raises(UsafError, match=r"data\.weights: the weights must be positive numbers"):
+        RunConfig.from_dict({"data": {"weights": [0.7, 0]}})
+
+
+# ---------------------------------------------------------------------------------------------- alpaca
+
+ALPACA = {"instruction": "Add.", "input": "2+2", "output": "4", "system": "Be brief."}
+AS_CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Add.\n2+2"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+def test_alpaca_goes_through_the_chat_template_when_the_tokenizer_has_one(tok, tmp_path):
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [ALPACA])
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": AS_CHAT}])
+    [(ids, labels)], _ = rows_of(tok, [alpaca], alpaca_format="auto")
+    assert [(ids, labels)] == rows_of(tok, [chat])[0]
+    assert tok.decode(ids) == tok.apply_chat_template(AS_CHAT, tokenize=False)
+    assert supervised(tok, ids, labels) == ["4<eos>"]  # the reply, and only it
+    plain = {"prompt": "Be brief.\n\nAdd.\n\n2+2\n\n", "completion": "4"}
+    assert (
+        rows_of(tok, [alpaca], alpaca_format="plain")[0]
+        == rows_of(tok, [write_jsonl(tmp_path / "plain.jsonl", [plain])])[0]
+    )
+
+
+def test_alpaca_without_a_chat_template_stays_plain_text(tmp_path):
+    bare = copy.deepcopy(char_tokenizer())
+    bare.chat_template = None
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [ALPACA])
+    plain = write_jsonl(
+        tmp_path / "plain.jsonl", [{"prompt": "Be brief.\n\nAdd.\n\n2+2\n\n", "completion": "4"}]
+    )
+    assert rows_of(bare, [alpaca], alpaca_format="auto")[0] == rows_of(bare, [plain])[0]
+    with pytest.raises(
+        UsafError, match=r"alpaca\.jsonl:1: chat records .* need a tokenizer with a chat template"
+    ):
+        rows_of(bare, [alpaca], alpaca_format="chat")
+
+
+def test_a_run_saved_before_alpaca_format_resumes_with_plain_alpaca(tmp_path):
+    saved = tmp_path / "config.yaml"
+    saved.write_text(RunConfig().to_yaml().replace("  alpaca_format: auto\n", ""))
+    assert "alpaca_format" not in saved.read_text()
+    assert RunConfig.load_saved(str(saved)).data.alpaca_format == "plain"
+    assert RunConfig().data.alpaca_format == "auto"
