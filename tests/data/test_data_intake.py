@@ -9,10 +9,16 @@ from collections import Counter
 
 import datasets
 import pytest
-from helpers import supervised
+import torch
+from datasets.data_files import DataFilesDict
+from datasets.packaged_modules.json.json import Json
+from helpers import losses, make_model_dir, supervised
 
+from usaf.cli import main
 from usaf.config import RunConfig
 from usaf.data import load_dataset
+from usaf.data.stream import StreamBatches, StreamedRows
+from usaf.data.tokenize import Encoder
 from usaf.errors import UsafError
 from usaf.train.tokenizer import char_tokenizer
 
@@ -54,9 +60,6 @@ def online(monkeypatch, fake_load):
 
 def test_a_cached_hub_id_is_read_offline_without_a_download(tok, tmp_path, fresh_cache, monkeypatch):
     # what `datasets.load_dataset(ID)` leaves in the cache: ORG___NAME/CONFIG/VERSION/HASH/NAME-SPLIT.arrow
-    from datasets.data_files import DataFilesDict
-    from datasets.packaged_modules.json.json import Json
-
     patterns = DataFilesDict.from_patterns({"train": [write_jsonl(tmp_path / "a.jsonl", RECORDS)]})
     Json(
         cache_dir=str(fresh_cache), dataset_name="tiny", hash="0123abcd", data_files=patterns
@@ -219,3 +222,91 @@ def test_a_run_saved_before_alpaca_format_resumes_with_plain_alpaca(tmp_path):
     assert "alpaca_format" not in saved.read_text()
     assert RunConfig.load_saved(str(saved)).data.alpaca_format == "plain"
     assert RunConfig().data.alpaca_format == "auto"
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+
+
+def streamed(tok, paths, max_seq_len=256, **kw):
+    train, held_out, stats = load_dataset(
+        [str(p) for p in paths], tok, max_seq_len, pack=False, eval_fraction=0, streaming=True, **kw
+    )
+    assert isinstance(train, StreamedRows) and held_out is None
+    return [(row["input_ids"].tolist(), row["labels"].tolist()) for row in train], stats
+
+
+def test_a_stream_gives_the_rows_of_the_loaded_data_in_order(tok, tmp_path):
+    texts = write_jsonl(tmp_path / "t.jsonl", [{"text": "z" * 400}, {"text": "short"}])  # windows too
+    pairs = tmp_path / "p.csv"
+    pairs.write_text("prompt,completion\n" + "".join(f"{r['prompt']},{r['completion']}\n" for r in RECORDS))
+    alpaca = write_jsonl(tmp_path / "a.jsonl", [ALPACA])
+    paths = [texts, pairs, alpaca]
+    loaded, _ = rows_of(tok, paths, alpaca_format="auto")
+    rows, stats = streamed(tok, paths, alpaca_format="auto")
+    assert rows == loaded and len(rows) == 2 + 1 + 4 + 1  # two windows of the long text
+    assert stats.summary().startswith("data: train streamed; data.streaming: ")
+    assert "no eval: give data.eval" in stats.summary()
+
+
+def test_a_stream_is_read_only_as_far_as_batches_are_taken(tok, tmp_path, monkeypatch):
+    big = write_jsonl(tmp_path / "big.jsonl", [{"text": f"record {i}"} for i in range(5000)])
+    encoded = []
+    original = Encoder.__call__
+    monkeypatch.setattr(
+        Encoder,
+        "__call__",
+        lambda self, batch, indices: encoded.append(len(indices)) or original(self, batch, indices),
+    )
+    train, _, _ = load_dataset([big], tok, 64, eval_fraction=0, streaming=True)
+    batches = StreamBatches(train, batch_size=4)
+    first = [next(batches) for _ in range(3)]
+    assert sum(encoded) <= 64  # one chunk of records tokenized for 12 rows, not 5000
+    assert all(b["input_ids"].shape[0] == 4 for b in first)
+    state = batches.state_dict()
+    again = StreamBatches(train, batch_size=4)
+    again.load_state_dict(state)
+    assert torch.equal(next(again)["input_ids"], next(batches)["input_ids"])  # resumes at the same batch
+    with pytest.raises(UsafError, match=r"data\.streaming: the number of rows is not known in advance"):
+        len(batches)
+
+
+def test_weights_mix_a_stream_too(tok, tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i:03d}"} for i in range(300)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"b{i:03d}"} for i in range(300)])
+    rows, _ = streamed(tok, [a, b], weights=[0.8, 0.2], seed=3)
+    drawn = Counter("a" if "a" in tok.decode(ids) else "b" for ids, _ in rows)
+    assert drawn["a"] == 300 and 0.75 < drawn["a"] / len(rows) < 0.85
+
+
+@pytest.mark.slow
+def test_usaf_train_streams_and_resumes_exactly(tmp_path, capsys):
+    model = make_model_dir(tmp_path / "model")
+    data = write_jsonl(
+        tmp_path / "d.jsonl", [{"text": f"copy {w} -> {w}"} for w in ("abc", "fed", "bad", "cab", "ace")]
+    )
+    sets = [
+        "data.streaming=true",
+        "data.max_seq_len=32",
+        "data.batch_size=4",
+        "select.density=0.1",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "schedule.warmup_steps=1",
+        "checkpoint.every_steps=1",
+        "schedule.name=constant_with_warmup",  # the same rates whatever max_steps: the stopped run resumes to 12
+    ]
+    args = [f"--model={model}", f"--data={data}", *(f"--set={s}" for s in sets)]
+    assert main(["train", *args, f"--out={tmp_path / 'straight'}", "--set=schedule.max_steps=6"]) == 0
+    assert main(["train", *args, f"--out={tmp_path / 'stopped'}", "--set=schedule.max_steps=3"]) == 0
+    assert main(["train", f"--resume={tmp_path / 'stopped'}", "--set=schedule.max_steps=6"]) == 0
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "stopped")
+    assert sorted(straight) == list(range(1, 7))  # 5 rows, 2 batches: the stream went round three times
+    assert all(straight[s] == resumed[s] for s in range(1, 7)), (straight, resumed)
+    capsys.readouterr()
+    shown = []
+    for streaming in ("false", "true"):  # `usaf data` reads a stream as far as it shows
+        assert main(["data", *args[:2], "--show=3", "--json", f"--set=data.streaming={streaming}"]) == 0
+        shown.append(capsys.readouterr().out.splitlines())
+    assert shown[0] == shown[1] and len(shown[0]) == 3
+    assert main(["train", *args, f"--out={tmp_path / 'epochs'}", "--set=schedule.epochs=1"]) == 2
+    assert "set schedule.max_steps rather than schedule.epochs" in capsys.readouterr().err

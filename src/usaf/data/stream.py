@@ -191,6 +191,13 @@ def batches_for(dataset, batch_size: int, seed: int = 0) -> Batches | StreamBatc
     return Batches(dataset, batch_size, seed=seed)
 
 
+def first_rows(dataset, count: int) -> list[dict[str, torch.Tensor]]:
+    """The first `count` rows (fewer when it has fewer) of a data set or a stream."""
+    if isinstance(dataset, StreamedRows):
+        return list(itertools.islice(iter(dataset), count))
+    return [dataset[i] for i in range(min(count, len(dataset)))]
+
+
 def streamed_stats(rows: StreamedRows, stats: DataStats, held_out: TokenizedDataset | None) -> DataStats:
     """The stats of a streamed load: what is known before the stream is read (the eval rows, read whole)."""
     stats.streamed = True
