@@ -58,15 +58,21 @@ def online(monkeypatch, fake_load):
 # ---------------------------------------------------------------------------------------------- hub ids
 
 
-def test_a_cached_hub_id_is_read_offline_without_a_download(tok, tmp_path, fresh_cache, monkeypatch):
-    # what `datasets.load_dataset(ID)` leaves in the cache: ORG___NAME/CONFIG/VERSION/HASH/NAME-SPLIT.arrow
-    patterns = DataFilesDict.from_patterns({"train": [write_jsonl(tmp_path / "a.jsonl", RECORDS)]})
+def cache_hub_dataset(cache, folder, records) -> str:
+    """`someorg/tiny` as `datasets.load_dataset` leaves it in its cache: ORG___NAME/CONFIG/VERSION/HASH/*.arrow."""
+    patterns = DataFilesDict.from_patterns({"train": [write_jsonl(folder / "hub.jsonl", records)]})
     Json(
-        cache_dir=str(fresh_cache), dataset_name="tiny", hash="0123abcd", data_files=patterns
+        cache_dir=str(cache), dataset_name="tiny", hash="0123abcd", data_files=patterns
     ).download_and_prepare()
-    [config] = (fresh_cache / "tiny").iterdir()
-    (fresh_cache / "someorg___tiny").mkdir()
-    config.rename(fresh_cache / "someorg___tiny" / "default")
+    [config] = (cache / "tiny").iterdir()
+    (cache / "someorg___tiny").mkdir()
+    config.rename(cache / "someorg___tiny" / "default")
+    return "someorg/tiny"
+
+
+def test_a_cached_hub_id_is_read_offline_without_a_download(tok, tmp_path, fresh_cache, monkeypatch):
+    cache_hub_dataset(fresh_cache, tmp_path, RECORDS)
+    write_jsonl(tmp_path / "a.jsonl", RECORDS)
 
     def no_download(*args, **kwargs):
         raise AssertionError("a cached dataset was downloaded")
@@ -235,17 +241,36 @@ def streamed(tok, paths, max_seq_len=256, **kw):
     return [(row["input_ids"].tolist(), row["labels"].tolist()) for row in train], stats
 
 
-def test_a_stream_gives_the_rows_of_the_loaded_data_in_order(tok, tmp_path):
+def test_a_stream_gives_the_rows_of_the_loaded_data_in_order(tok, tmp_path, fresh_cache):
     texts = write_jsonl(tmp_path / "t.jsonl", [{"text": "z" * 400}, {"text": "short"}])  # windows too
     pairs = tmp_path / "p.csv"
     pairs.write_text("prompt,completion\n" + "".join(f"{r['prompt']},{r['completion']}\n" for r in RECORDS))
     alpaca = write_jsonl(tmp_path / "a.jsonl", [ALPACA])
-    paths = [texts, pairs, alpaca]
+    datasets.Dataset.from_list(RECORDS[:2]).with_format("torch").save_to_disk(tmp_path / "saved")
+    hub = cache_hub_dataset(fresh_cache, tmp_path, RECORDS[2:])
+    paths = [texts, pairs, alpaca, tmp_path / "saved", hub]
     loaded, _ = rows_of(tok, paths, alpaca_format="auto")
     rows, stats = streamed(tok, paths, alpaca_format="auto")
-    assert rows == loaded and len(rows) == 2 + 1 + 4 + 1  # two windows of the long text
+    assert rows == loaded and len(rows) == 2 + 1 + 4 + 1 + 2 + 2  # two windows of the long text
     assert stats.summary().startswith("data: train streamed; data.streaming: ")
     assert "no eval: give data.eval" in stats.summary()
+
+
+def test_an_uncached_hub_id_is_streamed_by_datasets_in_one_line(tok, tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_load(path, **kwargs):
+        calls.append((path, kwargs))
+        return datasets.Dataset.from_list(RECORDS).to_iterable_dataset()
+
+    online(monkeypatch, fake_load)
+    expected, _ = rows_of(tok, [write_jsonl(tmp_path / "a.jsonl", RECORDS)])
+    capsys.readouterr()
+    assert streamed(tok, ["tatsu-lab/alpaca:test"])[0] == expected
+    assert calls == [("tatsu-lab/alpaca", {"split": "test", "streaming": True})]
+    assert "data: streaming tatsu-lab/alpaca from the hub: split test\n" in capsys.readouterr().err
+    with pytest.raises(UsafError, match=r"does not read preference pairs \(train\.objective=dpo\)"):
+        streamed(tok, ["tatsu-lab/alpaca"], pairs=True)
 
 
 def test_a_stream_is_read_only_as_far_as_batches_are_taken(tok, tmp_path, monkeypatch):

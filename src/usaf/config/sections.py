@@ -142,7 +142,8 @@ class DataSection(Section):
     train: list = option(
         [],
         "training data: files (jsonl, json, csv, tsv, parquet, arrow, txt, md; also .gz/.bz2/.xz/.zst), "
-        "datasets save_to_disk folders or hub dataset ids from the local cache (NAME:SPLIT picks a split); "
+        "datasets save_to_disk folders or hub dataset ids (downloaded by datasets when not cached; NAME:SPLIT picks a "
+        "split); "
         "records: text, messages (OpenAI or sharegpt), prompt/completion (plain or conversational), "
         "prompt/chosen/rejected, alpaca instruction/input/output, input_ids",
         path=True,

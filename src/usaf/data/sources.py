@@ -417,8 +417,10 @@ def stream_source(name: str, split: str = "train"):
     path = Path(name).expanduser()
     if path.is_dir() or (not path.exists() and is_hub_id(name)):
         if path.is_dir() or _in_local_caches(name):
-            source = open_source(str(path) if path.is_dir() else name, split)  # read in place: no copy made
-            return _located(source.rows.to_iterable_dataset(), source.name)
+            # already on this disk: opened as without streaming (a hub-cache snapshot is converted once, as there)
+            source = open_source(str(path) if path.is_dir() else name, split)
+            # as plain Python values: a save_to_disk folder keeps the format it was saved with (torch tensors...)
+            return _located(source.rows.with_format(None).to_iterable_dataset(), source.name)
         if datasets.config.HF_HUB_OFFLINE:
             _hub_dataset(name, split, False)  # its one-line error
         try:
