@@ -8,11 +8,14 @@ import json
 from collections import Counter
 
 import datasets
+import httpx2
+import huggingface_hub
 import pytest
 import torch
 from datasets.data_files import DataFilesDict
 from datasets.packaged_modules.json.json import Json
 from helpers import losses, make_model_dir, supervised
+from huggingface_hub.utils._http import default_client_factory  # to put back the client the fake hub replaced
 
 from usaf.cli import main
 from usaf.config import RunConfig
@@ -48,11 +51,69 @@ def rows_of(tok, paths, **kw):
     return [(train[i]["input_ids"].tolist(), train[i]["labels"].tolist()) for i in range(len(train))], stats
 
 
-def online(monkeypatch, fake_load):
-    """The offline variables unset (datasets reads them at import), and datasets' hub loader replaced: no test
-    reaches the network."""
+def online(monkeypatch, fake_load=None):
+    """The offline variables unset (datasets and huggingface_hub read them at import), and (fake_load) datasets'
+    hub loader replaced."""
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    if fake_load is not None:
+        monkeypatch.setattr(datasets, "load_dataset", fake_load)
+
+
+class FakeHub:
+    """The Hugging Face Hub at its lowest level, huggingface_hub's HTTP client (an httpx MockTransport through
+    `huggingface_hub.set_client_factory`): one dataset repository of files, everything else 404, no network."""
+
+    SHA = "a" * 40
+
+    def __init__(self, repo: str, files: dict[str, bytes]):
+        self.repo, self.files, self.requests = repo, files, []
+
+    def __call__(self, request: httpx2.Request) -> httpx2.Response:
+        path = request.url.path
+        self.requests.append(f"{request.method} {request.url}")
+        api = f"/api/datasets/{self.repo}"
+        if path in (api, f"{api}/revision/main", f"{api}/revision/{self.SHA}"):
+            siblings = [{"rfilename": name} for name in self.files]
+            return httpx2.Response(200, json={"id": self.repo, "sha": self.SHA, "siblings": siblings})
+        if path.startswith(f"{api}/tree/{self.SHA}"):
+            return httpx2.Response(200, json=self._listing(path[len(f"{api}/tree/{self.SHA}") :].strip("/")))
+        for name, body in self.files.items():
+            if path in (f"/datasets/{self.repo}/resolve/{rev}/{name}" for rev in ("main", self.SHA)):
+                headers = {"x-repo-commit": self.SHA, "etag": f'"{len(body)}-{hash(body)}"'}
+                headers["content-length"] = str(len(body))
+                return httpx2.Response(200, headers=headers, content=body if request.method == "GET" else b"")
+        code = "EntryNotFound" if path.startswith(f"/datasets/{self.repo}/") else "RepoNotFound"
+        return httpx2.Response(404, headers={"x-error-code": code, "x-repo-commit": self.SHA})
+
+    def _listing(self, folder: str) -> list[dict]:
+        entries = {}
+        for name, body in self.files.items():
+            if folder and not name.startswith(folder + "/"):
+                continue
+            child, _, deeper = name[len(folder) + 1 if folder else 0 :].partition("/")
+            child = f"{folder}/{child}" if folder else child
+            entries[child] = (
+                {"type": "directory", "path": child, "oid": "0" * 40}
+                if deeper
+                else {"type": "file", "path": name, "size": len(body), "oid": "0" * 40}
+            )
+        return list(entries.values())
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """tatsu-lab/alpaca on a FakeHub (train and test splits as data/*.jsonl), online."""
+    files = {
+        "data/train.jsonl": "".join(json.dumps(r) + "\n" for r in RECORDS).encode(),
+        "data/test.jsonl": (json.dumps(RECORDS[0]) + "\n").encode(),
+    }
+    fake = FakeHub("tatsu-lab/alpaca", files)
+    online(monkeypatch)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    huggingface_hub.set_client_factory(lambda: httpx2.Client(transport=httpx2.MockTransport(fake)))
+    yield fake
+    huggingface_hub.set_client_factory(default_client_factory)
 
 
 # ---------------------------------------------------------------------------------------------- hub ids
@@ -94,38 +155,26 @@ def test_offline_an_uncached_hub_id_is_one_line_naming_it_and_the_fix(tok, monke
     assert "datasets.load_dataset('someorg/absent')" in message
 
 
-def test_online_an_uncached_hub_id_is_fetched_by_datasets_in_one_line(tok, tmp_path, monkeypatch, capsys):
-    calls = []
-
-    def fake_load(path, **kwargs):
-        calls.append((path, kwargs))
-        return datasets.DatasetDict(
-            {"train": datasets.Dataset.from_list(RECORDS), "test": datasets.Dataset.from_list(RECORDS[:1])}
-        )
-
-    online(monkeypatch, fake_load)
+def test_online_an_uncached_hub_id_is_fetched_by_datasets_in_one_line(tok, tmp_path, hub, capsys):
     expected, _ = rows_of(tok, [write_jsonl(tmp_path / "a.jsonl", RECORDS)])
     capsys.readouterr()
     assert rows_of(tok, ["tatsu-lab/alpaca"])[0] == expected
-    assert rows_of(tok, ["tatsu-lab/alpaca:test"])[0] == expected[:1]
-    assert [path for path, _ in calls] == ["tatsu-lab/alpaca"] * 2
-    assert calls[0][1]["cache_dir"] == str(
-        tmp_path / "hf" / "datasets"
-    )  # datasets' own cache, nothing copied
-    lines = capsys.readouterr().err.splitlines()
-    assert [line for line in lines if line.startswith("data: fetched")] == [
-        f"data: fetched tatsu-lab/alpaca from the hub: split train, 4 rows (cached in {tmp_path / 'hf' / 'datasets'})",
-        f"data: fetched tatsu-lab/alpaca from the hub: split test, 1 rows (cached in {tmp_path / 'hf' / 'datasets'})",
-    ]
+    cache = tmp_path / "hf" / "datasets"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"data: fetched tatsu-lab/alpaca from the hub: split train, 4 rows (cached in {cache})"
+    )
+    assert (
+        f"GET https://huggingface.co/datasets/tatsu-lab/alpaca/resolve/{hub.SHA}/data/train.jsonl"
+        in hub.requests
+    )
+    hub.requests.clear()  # datasets' own cache has it now: read again without a request
+    assert rows_of(tok, ["tatsu-lab/alpaca:test"])[0] == expected[:1] and hub.requests == []
+    assert "data: fetched" not in capsys.readouterr().err
     with pytest.raises(UsafError, match=r"tatsu-lab/alpaca has no split 'dev'; its splits are train, test"):
         rows_of(tok, ["tatsu-lab/alpaca:dev"])
 
 
-def test_online_a_missing_hub_id_is_one_line(tok, monkeypatch):
-    def not_found(path, **kwargs):
-        raise datasets.exceptions.DatasetNotFoundError(f"Dataset '{path}' doesn't exist on the Hub")
-
-    online(monkeypatch, not_found)
+def test_online_a_missing_hub_id_is_one_line(tok, hub):
     with pytest.raises(UsafError, match=r"^someorg/absent: no such dataset on the hub \(or it is private"):
         rows_of(tok, ["someorg/absent"])
 
@@ -256,19 +305,12 @@ def test_a_stream_gives_the_rows_of_the_loaded_data_in_order(tok, tmp_path, fres
     assert "no eval: give data.eval" in stats.summary()
 
 
-def test_an_uncached_hub_id_is_streamed_by_datasets_in_one_line(tok, tmp_path, monkeypatch, capsys):
-    calls = []
-
-    def fake_load(path, **kwargs):
-        calls.append((path, kwargs))
-        return datasets.Dataset.from_list(RECORDS).to_iterable_dataset()
-
-    online(monkeypatch, fake_load)
+def test_an_uncached_hub_id_is_streamed_by_datasets_in_one_line(tok, tmp_path, hub, capsys):
     expected, _ = rows_of(tok, [write_jsonl(tmp_path / "a.jsonl", RECORDS)])
     capsys.readouterr()
-    assert streamed(tok, ["tatsu-lab/alpaca:test"])[0] == expected
-    assert calls == [("tatsu-lab/alpaca", {"split": "test", "streaming": True})]
+    assert streamed(tok, ["tatsu-lab/alpaca:test"])[0] == expected[:1]
     assert "data: streaming tatsu-lab/alpaca from the hub: split test\n" in capsys.readouterr().err
+    assert not (tmp_path / "hf" / "datasets" / "tatsu-lab___alpaca").exists()  # nothing cached
     with pytest.raises(UsafError, match=r"does not read preference pairs \(train\.objective=dpo\)"):
         streamed(tok, ["tatsu-lab/alpaca"], pairs=True)
 
