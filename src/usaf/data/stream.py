@@ -5,8 +5,9 @@ What a stream cannot do, said where it is asked for: the number of its rows and 
 advance (schedule.epochs, and anything else that needs len(), is refused in one line: set schedule.max_steps);
 no held-out split of a stream (give data.eval); rows are one document (or window) each, not packed; records come
 in the sources' order (mixed by data.weights through datasets.interleave_datasets when given), not shuffled; no
-preference pairs (train.objective=dpo); nothing is cached, so a resume reads the stream again from its start
-up to its position (bounded memory, the time of the skipped batches' tokenizing).
+preference pairs (train.objective=dpo); bad records skipped (skip_bad_records) are not counted; nothing is
+cached, so a resume reads the stream again from its start up to its position (bounded memory, the time of the
+skipped batches' tokenizing).
 """
 
 from __future__ import annotations
@@ -54,14 +55,9 @@ class StreamedRows:
         if mixing is not None:
             mixing.check(len(names))
         self.names, self.tokenizer, self.settings = list(names), tokenizer, settings
-        self.skip, self.pad_id, self.mixing, self.vocabulary = (
-            skip_bad_records,
-            pad_id,
-            mixing,
-            model_vocabulary,
-        )
+        self.skip, self.pad_id = skip_bad_records, pad_id
+        self.mixing, self.vocabulary = mixing, model_vocabulary
         self.max_seq_len = settings.max_seq_len
-        self.skipped = 0  # bad records skipped so far (skip_bad_records)
 
     def __len__(self) -> int:
         raise DataError(_UNKNOWN + ".")
@@ -94,11 +90,9 @@ class StreamedRows:
             for where, ids, labels, error in zip(
                 out["where"], out["input_ids"], out["labels"], out["error"], strict=True
             ):
-                if error:
-                    self.skipped += 1
-                    continue
-                self._check_vocabulary(where, ids)
-                yield ids, labels, where
+                if not error:  # a bad record under skip_bad_records: skipped (a stream is not counted ahead)
+                    self._check_vocabulary(where, ids)
+                    yield ids, labels, where
 
     def _check_vocabulary(self, where: str, ids: list[int]) -> None:
         if self.vocabulary is not None and ids and max(ids) >= self.vocabulary[0]:
@@ -129,13 +123,12 @@ class StreamedRows:
 
 class StreamBatches:
     """Batches of a stream, in its order, as `Batches` gives them (iterate for collated batches;
-    state_dict / load_state_dict resume at the same batch). A stream that ends starts again (the next epoch);
-    `epochs` stops after that many."""
+    state_dict / load_state_dict resume at the same batch). A stream that ends starts again (the next epoch)."""
 
-    def __init__(self, rows: StreamedRows, batch_size: int, epochs: int | None = None):
+    def __init__(self, rows: StreamedRows, batch_size: int):
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}.")
-        self.rows, self.batch_size, self.epochs = rows, batch_size, epochs
+        self.rows, self.batch_size = rows, batch_size
         self.epoch, self.position = 0, 0  # batches already taken from this epoch
         self.last_indices: list[int] = []
         self._iterator: Iterator | None = None
@@ -148,8 +141,6 @@ class StreamBatches:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         while True:
-            if self.epochs is not None and self.epoch >= self.epochs:
-                raise StopIteration
             if self._iterator is None:
                 self._iterator = iter(self.rows)
             taken = list(itertools.islice(self._iterator, self.batch_size))
