@@ -58,6 +58,7 @@ def marked_text(tokenizer, ids: list[int], labels: list[int], color: bool) -> st
 
 def run(args) -> int:
     from usaf.data import load_run_data
+    from usaf.data.stream import first_rows
     from usaf.train.session import load_tokenizer
 
     if args.show < 0:
@@ -72,8 +73,7 @@ def run(args) -> int:
         config.data, config.model, config.train, tokenizer, pack=False, held_out=False
     )
     color = not args.json and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    for index in range(min(args.show, len(data))):
-        row = data[index]
+    for index, row in enumerate(first_rows(data, args.show)):  # a stream (data.streaming) is read this far
         ids, labels = row["input_ids"].tolist(), row["labels"].tolist()
         if args.json:
             print(json.dumps({"input_ids": ids, "labels": labels}))

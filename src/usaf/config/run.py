@@ -137,4 +137,8 @@ def _read_config_file(path: str) -> dict:
 
 
 # Options added with a default that changes training: what a run saved before they existed trained with.
-EARLIER_DEFAULTS = {("optim", "decay_to_base"): 0.0}
+EARLIER_DEFAULTS = {
+    ("optim", "decay_to_base"): 0.0,
+    # alpaca records were plain text before data.alpaca_format: a resumed run keeps the rows it trained on
+    ("data", "alpaca_format"): "plain",
+}

@@ -15,8 +15,20 @@ from usaf.config.options import (
 )
 from usaf.config.section import Section
 from usaf.config.values import parse_size
+from usaf.errors import ConfigError
 from usaf.quant import FORMATS
 from usaf.registry import OBJECTIVES, TRACKERS
+
+
+def parse_weights(weights: list) -> None:
+    """data.weights: positive numbers (their sum need not be 1: they are normalized); a list option's items
+    arrive as text."""
+    try:
+        positive = all(float(w) > 0 for w in weights)
+    except (TypeError, ValueError):
+        positive = False
+    if not positive:
+        raise ConfigError(f"the weights must be positive numbers, e.g. [0.7, 0.3], got {weights!r}")
 
 
 @dataclass(frozen=True)
@@ -130,7 +142,8 @@ class DataSection(Section):
     train: list = option(
         [],
         "training data: files (jsonl, json, csv, tsv, parquet, arrow, txt, md; also .gz/.bz2/.xz/.zst), "
-        "datasets save_to_disk folders or hub dataset ids from the local cache (NAME:SPLIT picks a split); "
+        "datasets save_to_disk folders or hub dataset ids (downloaded by datasets when not cached; NAME:SPLIT picks a "
+        "split); "
         "records: text, messages (OpenAI or sharegpt), prompt/completion (plain or conversational), "
         "prompt/chosen/rejected, alpaca instruction/input/output, input_ids",
         path=True,
@@ -173,6 +186,32 @@ class DataSection(Section):
         "chat template of 'messages' records: a .jinja file or a name of TRL's templates (qwen3, llama3, chatml, "
         "...); empty: the tokenizer's own (TRL's training variant of it when it has no generation markers)",
         path=True,
+    )
+    # intake like the peers' (issue 38): hub downloads through datasets, mixing weights, streaming, alpaca as chat
+    alpaca_format: str = option(
+        "auto",
+        "alpaca records (instruction/input/output): chat renders them through the chat template as a user turn "
+        "(instruction and input) and a supervised assistant reply, as LLaMA-Factory does; plain keeps them as "
+        "text (the parts apart by blank lines); auto: chat when the tokenizer (or data.chat_template) has a template",
+        ("auto", "chat", "plain"),
+    )
+    weights: list = option(
+        [],
+        "mixing weights of the data.train entries, in order (as LLaMA-Factory's interleave_probs): records are "
+        "drawn from the sources with these probabilities, seeded by train.seed (datasets.interleave_datasets); "
+        "empty: every record of every source, in order",
+        parse=parse_weights,
+    )
+    mix_stopping: str = option(
+        "first_exhausted",
+        "with data.weights: stop when the first source runs out (first_exhausted), or when every source has been "
+        "used whole at least once, the others repeating (all_exhausted)",
+        ("first_exhausted", "all_exhausted"),
+    )
+    streaming: bool = option(
+        False,
+        "read data.train as a datasets IterableDataset and tokenize it on the fly (bounded memory and disk: no "
+        "cache, no packing, no shuffling but datasets' buffer, no eval split; set schedule.max_steps)",
     )
 
 

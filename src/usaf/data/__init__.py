@@ -1,7 +1,8 @@
-"""Training data, by stage: sources (files, save_to_disk folders, cached hub ids -> raw records) -> shapes (alpaca,
+"""Training data, by stage: sources (files, save_to_disk folders, hub ids -> raw records) -> shapes (alpaca,
 sharegpt, messages, prompt/completion, preference, text, token ids -> usaf's record kinds) -> records / templates
-(encoders) -> tokenize (documents with loss masks through datasets.map, cached; windows or truncation) -> pack
-(rows) -> batches; load_dataset runs them all.
+(encoders) -> tokenize (documents with loss masks through datasets.map, cached; windows or truncation) -> mix
+(data.weights) -> pack (rows) -> batches; load_dataset runs them all. stream: the same encoders over a
+datasets.IterableDataset, as batches are taken (data.streaming).
 
 Public API
   load_dataset(paths, tokenizer, max_seq_len, pack=True, skip_bad_records=False, eval_paths=None,
@@ -24,7 +25,8 @@ Sources (see usaf.data.sources)
   .txt/.md        one {"text"} document per blank-line-separated block (a whole file with no blank lines is
                   one document); errors name `file:LINE` of the block's first line.
   .csv/.tsv/.parquet/.arrow, save_to_disk folders (a DatasetDict's split: data.split or NAME:SPLIT), hub ids
-                  (from the local datasets cache only, never the network): read by `datasets`; errors name
+                  (from the local caches first; else downloaded by datasets.load_dataset, unless
+                  HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set): read by `datasets`; errors name
                   `file:row N` (N: the row's 0-based index); nulls count as absent, so files mixing shapes work.
   Any file may be compressed (.gz, .bz2, .xz, .zst). data.columns renames source columns to usaf's keys.
 

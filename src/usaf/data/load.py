@@ -9,9 +9,11 @@ from pathlib import Path
 import numpy as np
 
 from usaf.config import DataSection, ModelSection, TrainSection
+from usaf.data.mix import Mixing, mix
 from usaf.data.pack import TokenizedDataset
 from usaf.data.pairs import PreferencePairs
 from usaf.data.sources import open_source
+from usaf.data.stream import StreamedRows, streamed_stats
 from usaf.data.templates import use_chat_template
 from usaf.data.tokenize import DataStats, Documents, Settings, read_documents
 from usaf.errors import ConfigError, DataError
@@ -59,29 +61,55 @@ def load_dataset(
     num_proc: int | None = None,
     model_vocabulary: tuple[int, str] | None = None,
     pairs: bool = False,
-) -> tuple[TokenizedDataset, TokenizedDataset | None, DataStats]:
+    alpaca_format: str = "plain",
+    weights: list[float] | None = None,
+    mix_stopping: str = "first_exhausted",
+    streaming: bool = False,
+) -> tuple[TokenizedDataset | StreamedRows, TokenizedDataset | None, DataStats]:
     """Read, tokenize, window or truncate, split and pack `paths` (and `eval_paths`); see the module
-    docstring. Paths are files, save_to_disk folders or cached hub ids. model_vocabulary: (the model's
+    docstring. Paths are files, save_to_disk folders or hub ids. model_vocabulary: (the model's
     vocab_size, its config file), which every token id must be below. pairs: preference pairs for DPO
-    (`usaf.data.pairs.PreferencePairs`, never packed)."""
+    (`usaf.data.pairs.PreferencePairs`, never packed). alpaca_format: plain, chat or auto (chat when the
+    tokenizer has a chat template). weights: one a path, to draw the training records from them by weight
+    (usaf.data.mix; seeded by `seed`) rather than take them all in order. streaming: the training data as
+    usaf.data.stream.StreamedRows, read and tokenized as it is iterated (eval_paths are read whole; no
+    eval_fraction split of a stream)."""
     columns = columns or {}
     _check_arguments(paths, eval_paths, max_seq_len, eval_fraction, long_documents, stride, columns)
-    settings = Settings(max_seq_len, long_documents, stride, tuple(sorted(columns.items())), split, pairs)
+    alpaca = alpaca_rendering(alpaca_format, tokenizer)
+    settings = Settings(
+        max_seq_len, long_documents, stride, tuple(sorted(columns.items())), split, pairs, alpaca
+    )
     pack = pack and not pairs
     shown = sys.stderr.isatty()
+    mixing = Mixing(tuple(float(w) for w in weights), seed, mix_stopping) if weights else None
+    if mixing is not None:
+        mixing.check(len(paths))
 
-    def read(names):
+    def read(names, mixed: Mixing | None = None):
         sources = [open_source(str(name), split, shown) for name in names]
-        return read_documents(
-            sources, tokenizer, settings, skip_bad_records, stats, num_proc, model_vocabulary
-        )
+        if mixed is None:
+            return read_documents(
+                sources, tokenizer, settings, skip_bad_records, stats, num_proc, model_vocabulary
+            )
+        parts = [
+            read_documents([s], tokenizer, settings, skip_bad_records, stats, num_proc, model_vocabulary)
+            for s in sources
+        ]
+        documents, line = mix(parts, [s.name for s in sources], mixed)
+        stats.notes.append(line)
+        return documents
 
     pad_id = next(
         (i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0
     )  # the value is irrelevant to the loss: padded labels are -100
     stats = DataStats(max_seq_len=max_seq_len, packed=pack)
+    if streaming:
+        train = StreamedRows(paths, tokenizer, settings, skip_bad_records, pad_id, mixing, model_vocabulary)
+        held_out = _rows(read(eval_paths), max_seq_len, pack, pad_id, pairs) if eval_paths else None
+        return train, held_out, streamed_stats(train, stats, held_out)
 
-    train_docs = read(paths)
+    train_docs = read(paths, mixing)
     if not train_docs.ids:
         raise DataError(
             f"the data set is empty: no usable records in {', '.join(map(str, paths))}"
@@ -102,6 +130,16 @@ def load_dataset(
         stats.eval_documents, stats.eval_sequences = held_out.num_documents, len(held_out)
         stats.eval_supervised_tokens = held_out.supervised_tokens
     return train, held_out, stats
+
+
+def alpaca_rendering(alpaca_format: str, tokenizer) -> str:
+    """data.alpaca_format resolved: auto is chat when the tokenizer has a chat template (data.chat_template is
+    set on it before), else plain."""
+    if alpaca_format not in ("auto", "chat", "plain"):
+        raise ConfigError(f"alpaca_format must be auto, chat or plain, got {alpaca_format!r}.")
+    if alpaca_format == "auto":
+        return "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+    return alpaca_format
 
 
 def _check_arguments(paths, eval_paths, max_seq_len, eval_fraction, long_documents, stride, columns) -> None:
@@ -183,6 +221,10 @@ def load_run_data(
         num_proc=data.num_proc or None,
         model_vocabulary=vocabulary,
         pairs=OBJECTIVES[train.objective].pairs,
+        alpaca_format=data.alpaca_format,
+        weights=data.weights if files is None else None,
+        mix_stopping=data.mix_stopping,
+        streaming=data.streaming and files is None,
     )
     if clamped:
         stats.notes.insert(0, clamped)

@@ -167,8 +167,11 @@ def normalize_pair(
     return pieces[0][0], pieces[0][1], pieces[1][1], sorted(ignored), shape
 
 
-def normalize(record: object, columns: dict[str, str] | None = None) -> tuple[str, dict, list[str], str]:
-    """(kind, record in usaf's keys, keys not used, the shape it came in); raises BadRecord."""
+def normalize(
+    record: object, columns: dict[str, str] | None = None, alpaca: str = "plain"
+) -> tuple[str, dict, list[str], str]:
+    """(kind, record in usaf's keys, keys not used, the shape it came in); raises BadRecord. alpaca: how alpaca
+    records are rendered, "plain" or "chat" (data.alpaca_format resolved)."""
     if not isinstance(record, dict):
         raise BadRecord(f"a record must be a JSON object, got {type(record).__name__}")
     record = rename(drop_none(record), columns or {})
@@ -207,10 +210,26 @@ def normalize(record: object, columns: dict[str, str] | None = None) -> tuple[st
         if "tools" in record and kind != "chat completion":
             ignored.add("tools")
     elif shape == "alpaca":
-        parts = [record.get("system"), record["instruction"], record.get("input")]
-        if not all(isinstance(part, str) for part in parts if part is not None):
-            raise BadRecord("alpaca 'system', 'instruction' and 'input' must be strings")
-        # plain text, no chat template: the parts and the answer apart by a blank line each
-        prompt = "\n\n".join(part for part in parts if part and part.strip()) + "\n\n"
-        kind, out = "prompt/completion", {"prompt": prompt, "completion": record["output"]}
+        kind, out = _alpaca(record, alpaca)
     return kind, out, sorted(ignored), shape
+
+
+def _alpaca(record: dict, alpaca: str) -> tuple[str, dict]:
+    """alpaca_format=chat: a user turn (the instruction, then the input on the next line, as LLaMA-Factory joins
+    them) answered by the output, through the chat template; plain: text with no template, the parts and the
+    answer apart by a blank line each."""
+    system, instruction, given = record.get("system"), record["instruction"], record.get("input")
+    if not all(isinstance(part, str) for part in (system, instruction, given) if part is not None):
+        raise BadRecord("alpaca 'system', 'instruction' and 'input' must be strings")
+    if alpaca == "chat":
+        if not isinstance(record["output"], str):
+            raise BadRecord(f"'output' must be a string, got {type(record['output']).__name__}")
+        question = "\n".join(part for part in (instruction, given) if part and part.strip())
+        messages = [{"role": "system", "content": system}] if system and system.strip() else []
+        messages += [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": record["output"]},
+        ]
+        return "messages", {"messages": messages}
+    prompt = "\n\n".join(part for part in (system, instruction, given) if part and part.strip()) + "\n\n"
+    return "prompt/completion", {"prompt": prompt, "completion": record["output"]}

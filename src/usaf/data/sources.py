@@ -1,4 +1,4 @@
-"""Sources: what --data names (files, save_to_disk folders, cached hub ids) opened as `datasets.Dataset`s of raw
+"""Sources: what --data names (files, save_to_disk folders, hub ids) opened as `datasets.Dataset`s of raw
 records, each with a fingerprint of its content.
 
 JSON, JSON lines and text files are read here, one JSON string per record in a `json` column beside its
@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -277,9 +278,9 @@ def _saved_folder(path: Path, split: str, show_progress: bool) -> Source:
 
 
 def _hub_dataset(name: str, split: str, show_progress: bool) -> Source:
-    """A hub dataset from the local caches only: no network (a missing id fails at once, not after retries).
-    First what `datasets.load_dataset(NAME)` left in the datasets cache, then the repository's files in the hub
-    cache."""
+    """A hub dataset from the local caches first, without a request: what `datasets.load_dataset(NAME)` left in
+    the datasets cache, then the repository's files in the hub cache. Else downloaded by datasets, unless the
+    Hugging Face offline variables are set (then one line says what to do, at once rather than after retries)."""
     import datasets
     from datasets.packaged_modules.cache.cache import Cache
 
@@ -300,11 +301,13 @@ def _hub_dataset(name: str, split: str, show_progress: bool) -> Source:
             rows = builder.as_dataset(split=split)
         return Source(name, rows, rows._fingerprint, located=False)
     folder = cached_snapshot(name, repo_type="dataset")
+    if folder is None and not datasets.config.HF_HUB_OFFLINE:
+        return _downloaded(name, split, show_progress)
     if folder is None:
         raise DataError(
-            f"{name} is neither a local path nor a hub dataset in the local caches ({cache}, or the hub cache); "
-            f'usaf reads the hub offline: download it first, e.g. python -c "import datasets; '
-            f"datasets.load_dataset('{name}')\"."
+            f"{name} is neither a local path nor a hub dataset in the local caches ({cache}, or the hub cache), "
+            f"and HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set: unset it to download it, or download it where "
+            f"the hub can be reached, e.g. python -c \"import datasets; datasets.load_dataset('{name}')\"."
         )
     try:
         with progress_bars(show_progress):  # a local folder: datasets infers its splits from the file names
@@ -315,6 +318,34 @@ def _hub_dataset(name: str, split: str, show_progress: bool) -> Source:
         ) from None
     _pick_split(name, list(loaded), split)
     rows = loaded[split]
+    return Source(name, rows, rows._fingerprint, located=False)
+
+
+def _downloaded(name: str, split: str, show_progress: bool) -> Source:
+    """A hub dataset in no local cache, online: fetched and cached by `datasets.load_dataset` itself (the next
+    read finds it in the datasets cache), with one line saying what came."""
+    import datasets
+
+    cache = cache_root()
+    try:
+        with progress_bars(show_progress):
+            loaded = datasets.load_dataset(name, cache_dir=str(cache))
+    except datasets.exceptions.DatasetNotFoundError:
+        raise DataError(
+            f"{name}: no such dataset on the hub (or it is private or gated: log in with `hf auth login` and "
+            "accept its terms on its page)."
+        ) from None
+    except Exception as error:  # the network, the hub, or files datasets cannot read
+        if (full := full_cache(error)) is not None:
+            raise full from None
+        raise DataError(f"{name}: cannot download it from the hub: {first_line(error)}") from None
+    _pick_split(name, list(loaded), split)
+    rows = loaded[split]
+    print(
+        f"data: fetched {name} from the hub: split {split}, {len(rows):,} rows (cached in {cache})",
+        file=sys.stderr,
+        flush=True,
+    )
     return Source(name, rows, rows._fingerprint, located=False)
 
 
@@ -363,3 +394,67 @@ def is_missing(name: str) -> bool:
     """A local data entry that is not there (a resumed run's data moved); hub ids are checked when read."""
     base, _ = _split_suffix(str(name), "")
     return not is_hub_id(base) and not Path(base).expanduser().exists()
+
+
+def _located(rows, name: str, blank_is_absent: bool = False):
+    """A streamed table's rows in the located form of the files read here (`where`, `json`, `bad`), so one
+    encoder reads every stream; values JSON cannot hold (dates, bytes) as their text."""
+
+    def locate(row: dict, index: int) -> dict:
+        record = {k: v for k, v in row.items() if v != ""} if blank_is_absent else row
+        return {"where": f"{name}:row {index}", "json": json.dumps(record, default=str), "bad": ""}
+
+    return rows.map(locate, with_indices=True, remove_columns=list(rows.column_names or []) or None)
+
+
+def stream_source(name: str, split: str = "train"):
+    """One entry of data.train as a `datasets.IterableDataset` of located raw records (`where`, `json`, `bad`):
+    read as it is iterated, nothing written to the datasets cache (data.streaming). A hub id not in the local
+    caches is streamed from the hub by datasets (one line says so), unless the offline variables are set."""
+    import datasets
+
+    name, split = _split_suffix(str(name), split)
+    path = Path(name).expanduser()
+    if path.is_dir() or (not path.exists() and is_hub_id(name)):
+        if path.is_dir() or _in_local_caches(name):
+            # already on this disk: opened as without streaming (a hub-cache snapshot is converted once, as there)
+            source = open_source(str(path) if path.is_dir() else name, split)
+            # as plain Python values: a save_to_disk folder keeps the format it was saved with (torch tensors...)
+            return _located(source.rows.with_format(None).to_iterable_dataset(), source.name)
+        if datasets.config.HF_HUB_OFFLINE:
+            _hub_dataset(name, split, False)  # its one-line error
+        try:
+            rows = datasets.load_dataset(name, split=split, streaming=True)
+        except Exception as error:
+            raise DataError(f"{name}: cannot stream it from the hub: {first_line(error)}") from None
+        print(f"data: streaming {name} from the hub: split {split}", file=sys.stderr, flush=True)
+        return _located(rows, name)
+    kind, compression = file_kind(path)
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found.")
+    if kind in READERS:
+        return datasets.IterableDataset.from_generator(
+            _raw_rows, gen_kwargs={"path": str(path), "kind": kind, "compression": compression}
+        )
+    builder, options = _TABLE_BUILDERS[kind]
+    if builder == "csv":  # every cell as written, as _table_file reads it
+        header = _csv_header(path, compression, options.get("sep", ","))
+        options = {**options, "converters": dict.fromkeys(header, str), "keep_default_na": False}
+    rows = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
+    return _located(rows, str(path), blank_is_absent=builder == "csv")
+
+
+def _in_local_caches(name: str) -> bool:
+    from datasets.packaged_modules.cache.cache import Cache
+
+    try:
+        Cache(
+            cache_dir=str(cache_root()),
+            repo_id=name,
+            dataset_name=name.split("/")[-1],
+            version="auto",
+            hash="auto",
+        )
+    except ValueError:
+        return cached_snapshot(name, repo_type="dataset") is not None
+    return True

@@ -61,6 +61,7 @@ class DataStats:
     eval_supervised_tokens: int = 0
     first_skipped: list[str] = field(default_factory=list)  # the first few skip reasons, with locations
     notes: list[str] = field(default_factory=list)  # e.g. columns the records carry that usaf does not use
+    streamed: bool = False  # data.streaming: the training data is counted as it is read, not here
 
     def summary(self) -> str:
         skipped = f" ({self.skipped_records:,} bad skipped)" if self.skipped_records else ""
@@ -77,6 +78,8 @@ class DataStats:
             f"data: {self.records:,} records{skipped}, {truncated}; train {self.train_documents:,} docs in "
             f"{self.train_sequences:,} {rows}, {self.train_supervised_tokens:,} supervised tokens"
         )
+        if self.streamed:  # the training data is counted as it is read, not here
+            line = "data: train streamed"
         if self.eval_documents:
             line += (
                 f"; eval {self.eval_documents:,} docs in {self.eval_sequences:,} {rows}, "
@@ -98,6 +101,7 @@ class Settings:
     columns: tuple = ()  # data.columns as sorted (key, column) pairs
     split: str = "train"
     pairs: bool = False  # train.objective=dpo: each record is a chosen and a rejected document, in that order
+    alpaca: str = "plain"  # alpaca records as "plain" text or "chat" (data.alpaca_format, resolved)
 
 
 def encode_chat_completion(record: dict, tokenizer) -> tuple[list[int], list[int]]:
@@ -247,7 +251,7 @@ class Encoder:
     def encode(self, where: str, record: object) -> tuple[list, int, list[str]]:
         if self.settings.pairs:
             return self.encode_pair(where, record)
-        kind, record, ignored, shape = normalize(record, self.columns)
+        kind, record, ignored, shape = normalize(record, self.columns, self.settings.alpaca)
         self._check_tokenizer(where, kind)
         with limited(self.text_limit(kind)) as limit:
             ids, labels = ENCODERS[kind](record, self.tokenizer)
@@ -319,7 +323,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def cache_fingerprint(source: Source, tokenizer_digest: str, settings: Settings) -> str:
-    parts = [__version__, source.fingerprint, source.name, tokenizer_digest, json.dumps(asdict(settings))]
+    fields = asdict(settings)
+    if fields["alpaca"] == "plain":  # as before the option: the caches of earlier runs stay theirs
+        del fields["alpaca"]
+    parts = [__version__, source.fingerprint, source.name, tokenizer_digest, json.dumps(fields)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from usaf.config import RunConfig
-from usaf.data import Batches
 from usaf.data.load import fit_context
+from usaf.data.stream import batches_for
 from usaf.engine import expert_parallel
 from usaf.engine.state import streamed_bytes
 from usaf.errors import UsafError
@@ -186,7 +186,7 @@ class TrainingRun:
         self.model, self.device, self.dtype = session.model, session.device, session.dtype
         check_trainable_entries(self.model, session.config)
         self.data_stats, self.notes = session.data_stats, self.notes + session.notes
-        self.batches = Batches(session.train_data, session.config.data.batch_size, seed=given.train.seed)
+        self.batches = batches_for(session.train_data, session.config.data.batch_size, seed=given.train.seed)
         self.share = StepShare(self.batches, session.config.schedule.grad_accum)
         self.checkpointer = Checkpointer(self.run_dir, session.config.checkpoint, self.checkpoint_parts)
         self.config = config = self._resolve_length(session.config)  # not changed after this

@@ -36,6 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from usaf.data import collate
+from usaf.data.stream import first_rows
 from usaf.engine.loss import IGNORE_INDEX
 from usaf.registry import Registry
 from usaf.report import write_router_load
@@ -267,7 +268,7 @@ class Routers(Part):
         training data)."""
         session = run.session
         rows = session.eval_data if session.eval_data is not None else session.train_data
-        reference = collate([rows[i] for i in range(min(4, len(rows)))], rows.pad_id)
+        reference = collate(first_rows(rows, 4), rows.pad_id)
         routers = RouterTraining(
             run.model,
             run.config.router,

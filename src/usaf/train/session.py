@@ -18,9 +18,10 @@ from torch.distributed.tensor import DTensor
 from usaf import kernels
 from usaf.base.load import load_for_training
 from usaf.config import RunConfig
-from usaf.data import Batches, TokenizedDataset, load_run_data
+from usaf.data import TokenizedDataset, load_run_data
 from usaf.data.load import fit_context
 from usaf.data.sources import absolute_name
+from usaf.data.stream import batches_for
 from usaf.data.templates import template_names
 from usaf.engine import expert_parallel
 from usaf.engine.state import model_state
@@ -276,7 +277,7 @@ def check_positions(model_config, config: RunConfig, *datasets) -> None:
     config.json was not read there)."""
     if (limit := max_positions(model_config)) is None:
         return
-    longest = max((d.max_seq_len for d in datasets if d is not None and len(d)), default=0)
+    longest = max((d.max_seq_len for d in datasets if d is not None), default=0)  # loaded: never empty
     if longest > limit:
         raise ConfigError(
             f"data.max_seq_len={longest} is above the model's max_position_embeddings={limit} (config.json): "
@@ -338,7 +339,7 @@ def open_session(
         check_positions(load_config(folder), config, train_data, eval_data)
     calibration = None
     if calibrate and train_data is not None:
-        calibration = Batches(train_data, config.data.batch_size, seed=config.train.seed + 1)
+        calibration = batches_for(train_data, config.data.batch_size, seed=config.train.seed + 1)
     model = load_model(
         config,
         device,
