@@ -1,37 +1,27 @@
-"""usaf: fine-tune a Mixture-of-Experts model's own expert weights, sparsely, on a frozen base."""
+"""usaf: fine-tune a Mixture-of-Experts model's own expert weights, sparsely, on a frozen base.
 
-import usaf.startup  # noqa: F401  (first: Ctrl-C while the imports below run ends `usaf` in one line)
-from usaf import train  # callable: usaf.train(config, run_dir) runs the job (see usaf.train)
-from usaf.base.load import load_prepared
-from usaf.config import RunConfig, UsafConfig
-from usaf.engine.base_weights import BaseReference, base_weights
-from usaf.engine.loss import causal_lm_loss, chunked_causal_lm_loss
-from usaf.errors import UsafError
-from usaf.export.apply_delta import load_delta
-from usaf.export.live import save_delta
-from usaf.export.trainer import delta_from_trainer_checkpoint
-from usaf.prepare import enable_recomputation, get_delta, prepare_model, trainable_summary
-from usaf.train import loop as _loop  # noqa: F401 (loaded, so that usaf.train(...) finds it)
-from usaf.train.optim import CompactAdamW
-from usaf.version import __version__
+The public API lives in `usaf.api` and is imported here, with torch and transformers, when a program imports usaf.
+In the `usaf` command's own process (`usaf.startup.is_the_command`) it is not: `usaf --help` and a mistyped
+option answer at once, and `usaf.cli` imports the API when a command runs; a name asked for before then
+(a plug-in module's `usaf.UsafConfig`) imports it on first use (PEP 562)."""
 
-__all__ = [
-    "BaseReference",
-    "CompactAdamW",
-    "RunConfig",
-    "UsafConfig",
-    "UsafError",
-    "__version__",
-    "base_weights",
-    "causal_lm_loss",
-    "chunked_causal_lm_loss",
-    "delta_from_trainer_checkpoint",
-    "enable_recomputation",
-    "get_delta",
-    "load_delta",
-    "load_prepared",
-    "prepare_model",
-    "save_delta",
-    "train",
-    "trainable_summary",
-]
+import importlib
+
+import usaf.startup  # first: Ctrl-C while the API's imports run ends `usaf` in one line
+from usaf.version import __version__ as __version__
+
+
+def __getattr__(name: str):
+    # the import system's and tools' probes (__path__, __wrapped__...) are not the API
+    if name.startswith("__"):
+        raise AttributeError(f"module 'usaf' has no attribute {name!r}")
+    try:
+        return getattr(importlib.import_module("usaf.api"), name)
+    except AttributeError:
+        raise AttributeError(f"module 'usaf' has no attribute {name!r}") from None
+
+
+if not usaf.startup.is_the_command():  # a program that imports usaf: the whole API at once, as always
+    _api = importlib.import_module("usaf.api")
+    __all__ = _api.__all__
+    globals().update({name: getattr(_api, name) for name in __all__})

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from usaf import startup
@@ -20,7 +21,8 @@ from usaf.registry import Registry
 from usaf.version import __version__
 
 # One module of usaf.commands per command, in the order `usaf --help` lists them (the protocol: usaf.commands).
-# Their own imports are deferred into their functions: importing them all here costs what `usaf --help` did.
+# Their heavy imports (torch, transformers, the config) are deferred into their functions, so that importing them
+# all here, for their help lines, costs nothing: `usaf --help` answers at once (bench/startup.py).
 COMMANDS: Registry[Command] = Registry("usaf command", Command, command_name)
 for _name in (
     "plan",
@@ -51,7 +53,10 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}; see `{self.prog} --help`.")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. `commands`: those whose arguments are added (None: all); the others are
+    listed by their help line only, so that a command line builds only its own command's arguments (some, such
+    as `usaf plan`'s presets, import the heavy modules)."""
     parser = _Parser(
         prog="usaf",
         description="Fine-tune a Mixture-of-Experts model's own expert weights, sparsely, on a frozen base.",
@@ -61,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module in COMMANDS.items():
         help_line, description = command_texts(module)
         command = sub.add_parser(name, help=help_line, description=description)
-        module.add_arguments(command)
+        if commands is None or name in commands:
+            module.add_arguments(command)
         command.set_defaults(func=module.run)
     return parser
 
@@ -107,22 +113,30 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + signum
 
 
+def _chosen_command(argv: list[str]) -> str | None:
+    """The command a command line names: its first word that is not an option (`usaf` itself takes no values)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
 def _main(argv: list[str] | None) -> int:
-    parser = build_parser()
+    argv = _join_values(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser(commands=[name] if (name := _chosen_command(argv)) else [])
     try:
-        args, extra = parser.parse_known_args(_join_values(list(sys.argv[1:] if argv is None else argv)))
+        args, extra = parser.parse_known_args(argv)
         if extra:  # argparse names the top-level program; the options belong to the command's
             prog = f"usaf {args.command}" if getattr(args, "command", None) else "usaf"
             raise UsageError(f"{prog}: unrecognized arguments: {' '.join(extra)}; see `{prog} --help`.")
     except UsageError as err:
         print(f"usaf: error: {err}", file=sys.stderr)
         return 2
-    from usaf.model.hf import quiet_progress_bars
-
-    quiet_progress_bars()
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    with _still_starting():
+        import usaf.api  # noqa: F401 (every built-in plug-in registered, as `import usaf` does: the config's choices)
+    from usaf.model.hf import quiet_progress_bars
+
+    quiet_progress_bars()
     try:
         _read_arguments(args)
         with _progress_lines(_writes_files(args)):
@@ -168,6 +182,21 @@ def _interruptible():
             if handler is startup.leave:  # the command's process: it has started, and now it has ended
                 handler = startup.ended
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _still_starting():
+    """The API's imports, torch's and transformers' seconds, once the arguments are read: a signal meanwhile ends
+    the command's process as one before main does (usaf.startup.leave: one line, nothing written)."""
+    if not startup.is_the_command() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, startup.leave) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _writes_files(args) -> bool:

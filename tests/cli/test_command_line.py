@@ -111,3 +111,45 @@ def test_a_docstring_gives_the_help_line_and_the_description():
     )
     assert command_texts(module) == ("one line of help", "The description, reflowed. More.")
     assert command_texts(types.ModuleType("usaf.commands.y", "just help")) == ("just help", None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a fast start: the command line is read before torch, transformers and datasets are imported
+# ---------------------------------------------------------------------------------------------------------
+
+
+def imported_by_the_command(*argv: str) -> set[str]:
+    """The modules `python -m usaf ARGV` imports (the command's own process, as a user starts it)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "usaf", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+    return {line.rsplit("|", 1)[1].strip() for line in lines}
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["--version"], ["train", "--no-such-flag"], ["bogus"], ["train", "--help"]]
+)
+def test_help_version_and_argument_errors_import_no_heavy_library(argv):
+    modules = imported_by_the_command(*argv)
+    assert "usaf.cli" in modules
+    assert not {"torch", "transformers", "datasets"} & modules
+
+
+@pytest.mark.slow
+def test_a_command_in_its_own_process_knows_every_builtin_plugin():
+    """The API (and with it every built-in plug-in) is imported when the command runs, as `import usaf` does."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "usaf", "train", "--list-options"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = {line.split(" = ")[0]: line for line in done.stdout.splitlines()}
+    assert "(one of uniform, routing, gradient, file)" in lines["select.strategy"]
+    assert "(one of auto, random, magnitude, gradient)" in lines["select.selection"]

@@ -35,7 +35,7 @@ STAGES = [
     ["usaf.generate"],
     ["usaf.testing"],
     ["usaf.demo"],
-    ["usaf", "usaf.startup", "usaf.cli", "usaf.commands", "usaf.__main__"],
+    ["usaf", "usaf.api", "usaf.startup", "usaf.cli", "usaf.commands", "usaf.__main__"],
 ]
 # where an import inside a function is fine: the command line defers its commands to start fast
 DEFERRED_ALLOWED = ("usaf.cli", "usaf.commands")

@@ -66,6 +66,6 @@ def test_a_tracker_that_is_not_registered_is_refused_when_the_config_is_read(tmp
     err = capsys.readouterr().err.strip()
     assert err == (
         "usaf: error: config: log.report_to: unknown tracker 'recorder_test'; known: none, tensorboard, wandb, "
-        "mlflow."
+        "mlflow, aim, comet_ml, clearml, dvclive, swanlab, trackio."  # accelerate.tracking's, in usaf's order
     )
     assert not run.exists()

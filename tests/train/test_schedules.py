@@ -39,6 +39,17 @@ def test_usafs_cosine_is_unchanged():
     assert rates(config) == pytest.approx(want, rel=1e-12)
 
 
+def test_usafs_cosine_is_transformers_cosine_with_min_lr_after_its_warmup():
+    config = config_with(max_steps=40, warmup_steps=6, min_lr_ratio=0.15)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.optim.lr)
+    reference = get_scheduler(
+        "cosine_with_min_lr", optimizer, 6, 40, scheduler_specific_kwargs={"min_lr_rate": 0.15}
+    )
+    want = [config.optim.lr * reference.lr_lambdas[0](s) for s in range(6, 40)]
+    assert rates(config)[6:] == want  # bit for bit
+    assert rates(config)[0] == config.optim.lr / 7  # usaf's warm-up: the first step trains
+
+
 @pytest.mark.parametrize("name", [n for n in SCHEDULES if n != "cosine"])
 def test_transformers_schedules_are_get_scheduler(name):
     config = config_with(name=name, max_steps=30, warmup_steps=5, min_lr_ratio=0.2, decay_ratio=0.3)

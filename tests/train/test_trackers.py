@@ -214,3 +214,55 @@ def test_log_tensorboard_false_still_leaves_it_out(inputs, tmp_path):
     run = tmp_path / "run"
     assert train(inputs, run, "log.tensorboard=false") == 0
     assert not (run / "tensorboard").exists()
+
+
+def test_every_tracker_accelerate_knows_is_a_choice():
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    assert set(LOGGER_TYPE_TO_CLASS) <= set(trackers.TRACKERS)
+    assert all(
+        issubclass(trackers.TRACKERS[name], trackers.OnAccelerate)
+        for name in LOGGER_TYPE_TO_CLASS
+        if name != "mlflow"
+    )
+
+
+def test_a_tracker_of_accelerate_is_driven_through_its_class(tmp_path, monkeypatch):
+    """dvclive (not installed here) through a stand-in for accelerate's class: constructed to write into the run
+    folder, started, given the configuration on a new run only, each row at its step, finished."""
+    calls = []
+
+    class StandIn:
+        def __init__(self, **arguments):
+            calls.append(("init", arguments))
+
+        def start(self):
+            calls.append(("start",))
+
+        def store_init_configuration(self, values):
+            calls.append(("config", values))
+
+        def log(self, values, step=None):
+            calls.append(("log", step, values))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    monkeypatch.setitem(trackers.LOGGER_TYPE_TO_CLASS, "dvclive", StandIn)
+    monkeypatch.setattr(trackers.DVCLive, "package", "json")  # installed
+    for start_step in (0, 2):  # a new run, then its resume
+        started = trackers.Trackers(["dvclive"], tmp_path, {"schedule": {"max_steps": 3}}, start_step)
+        started.log(start_step + 1, {"loss": 2.5, "final": True, "note": "text"})
+        started.close()
+    dvclive = {"dir": str(tmp_path / "dvclive")}
+    assert calls == [
+        ("init", {**dvclive, "resume": False}),
+        ("start",),
+        ("config", {"schedule.max_steps": 3}),
+        ("log", 1, {"loss": 2.5}),
+        ("finish",),
+        ("init", {**dvclive, "resume": True}),
+        ("start",),
+        ("log", 3, {"loss": 2.5}),
+        ("finish",),
+    ]

@@ -9,17 +9,8 @@ import argparse
 import re
 from pathlib import Path
 
-from usaf.config import (
-    AUTO,
-    DEFAULT_DENSITY,
-    DEFAULT_LOGITS_CHUNK,
-    DEFAULT_TARGETS,
-    DEFAULT_WORKSPACE_MB,
-    RunConfig,
-)
 from usaf.errors import ConfigError
 from usaf.files import CONFIG_FILE
-from usaf.io.model_source import STORE, model_source
 
 
 def add_arguments(parser) -> None:
@@ -58,6 +49,8 @@ def _machine_options(p, planner) -> None:
 
 def _run_options(p, planner) -> None:
     """The run's shape: sequences, what is trained and how, the loss's chunks, the optimizer and the dtype."""
+    from usaf.config import DEFAULT_DENSITY, DEFAULT_LOGITS_CHUNK, DEFAULT_TARGETS
+
     seq, batch = planner.PLAN_DEFAULTS["seq"], planner.PLAN_DEFAULTS["batch"]
     p.add_argument("--seq", type=int, default=seq, help=f"tokens per sequence (default {seq})")
     p.add_argument("--batch", type=int, default=batch, help=f"sequences per step (default {batch})")
@@ -116,6 +109,8 @@ def _run_options(p, planner) -> None:
 
 def _storage_options(p, planner) -> None:
     """Where the frozen base lives and in what format."""
+    from usaf.config import DEFAULT_WORKSPACE_MB
+
     quant = planner.PLAN_DEFAULTS["quant"]
     p.add_argument(
         "--quant", default=quant, choices=list(planner.quant_formats()), help="frozen experts' format"
@@ -228,6 +223,8 @@ def _device(args) -> tuple:
 
 def run(args: argparse.Namespace) -> int:
     from usaf import planner
+    from usaf.config import AUTO, RunConfig
+    from usaf.io.model_source import STORE, model_source
     from usaf.io.published import published_method
 
     _check_numbers(args)

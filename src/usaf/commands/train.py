@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from usaf.commands import add_run_inputs, add_set_option
-from usaf.config import RunConfig, describe
 from usaf.errors import ConfigError, RunStateError, UsafError
 from usaf.files import CONFIG_FILE
+
+if TYPE_CHECKING:
+    from usaf.config import RunConfig
 
 
 def add_arguments(parser) -> None:
@@ -37,6 +40,8 @@ def add_arguments(parser) -> None:
 
 
 def effective_config(args) -> RunConfig:
+    from usaf.config import RunConfig
+
     overrides = list(args.set)
     config_path, load = args.config, RunConfig.load
     if getattr(args, "resume", None) and not config_path:
@@ -59,6 +64,7 @@ def effective_config(args) -> RunConfig:
 
 
 def run(args) -> int:
+    from usaf.config import describe
     from usaf.train.state import format_summary, stopped_exit_code
 
     if args.list_options:

@@ -261,8 +261,9 @@ class LogSection(Section):
     progress: bool = option(True, "live progress bar")
     report_to: list = option(
         ["tensorboard"],
-        "experiment trackers, as transformers' report_to: tensorboard, wandb, mlflow (each given the scalars of "
-        "metrics.jsonl and the run's configuration), or none; a tracker that is not installed is an error at start",
+        "experiment trackers, as transformers' report_to: tensorboard, wandb, mlflow, or any other that "
+        "accelerate.tracking knows or that is registered (each given the scalars of metrics.jsonl and the run's "
+        "configuration), or none; a tracker that is not installed is an error at start",
         # each name a registered tracker's (usaf.train.trackers registers the built-ins), [] allowed, order kept
         parse=TRACKERS.choices("none").check,
     )

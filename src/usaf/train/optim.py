@@ -385,27 +385,39 @@ def schedule_notes(config: RunConfig) -> list[str]:
 
 
 def build_scheduler(optimizer, config: RunConfig):
-    """A LambdaLR (its factors are what resume adjusts, see `apply_resumed_schedule`): usaf's cosine, or the one
-    transformers' get_scheduler makes under that name."""
+    """transformers' get_scheduler under schedule.name (a LambdaLR: its factors are what resume adjusts, see
+    `apply_resumed_schedule`). usaf's default `cosine` is transformers' cosine_with_min_lr after usaf's own
+    warm-up (`_warmed_up`)."""
     schedule = config.schedule
     warmup, total, floor = warmup_steps(config), max(1, schedule.max_steps), schedule.min_lr_ratio
+    name = "cosine_with_min_lr" if schedule.name == "cosine" else schedule.name
+    extra = {
+        "cosine_with_min_lr": {"min_lr_rate": floor},
+        "warmup_stable_decay": {
+            "num_decay_steps": round(schedule.decay_ratio * total),
+            "min_lr_ratio": floor,
+        },
+    }.get(name)
+    scheduler = transformers_scheduler(name, optimizer, warmup, total, extra)
     if schedule.name != "cosine":
-        extra = {
-            "cosine_with_min_lr": {"min_lr_rate": floor},
-            "warmup_stable_decay": {
-                "num_decay_steps": round(schedule.decay_ratio * total),
-                "min_lr_ratio": floor,
-            },
-        }.get(schedule.name)
-        return transformers_scheduler(schedule.name, optimizer, warmup, total, extra)
+        return scheduler
+    # a second LambdaLR over the same groups: their initial_lr (the peak) stands, their lr is set anew
+    factors = [_warmed_up(decay, warmup, total) for decay in scheduler.lr_lambdas]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+
+
+def _warmed_up(decay, warmup: int, total: int):
+    """A decay's factors after usaf's warm-up, (step + 1) / (warmup + 1): its first step trains at a share of the
+    peak where transformers' warm-up starts at 0 (a step that trains nothing), as usaf's cosine always has, so
+    that a run saved before resumes on the same rates (after the warm-up they are transformers' own, bit for bit);
+    held at the floor once the decay has ended, where transformers' cosine would rise again (a resume that
+    shortened the run; a warm-up as long as the run)."""
+    end = max(total, warmup + 1)  # where transformers' decay reaches its floor
 
     def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return (step + 1) / (warmup + 1) if step < warmup else decay(min(step, end))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return factor
 
 
 def router_params(model) -> list[torch.nn.Parameter]:

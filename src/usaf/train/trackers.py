@@ -1,6 +1,8 @@
 """Experiment trackers beside metrics.jsonl: `log.report_to`, with the names and behaviour of transformers'
-`report_to` (TensorBoard, Weights & Biases, MLflow; "none"). Each gets the scalars metrics.jsonl gets, at the same
-steps, and the run's configuration once.
+`report_to`: every tracker `accelerate.tracking` knows (LOGGER_TYPE_TO_CLASS: tensorboard, wandb, mlflow, aim,
+comet_ml, clearml, dvclive, swanlab, trackio), driven through accelerate's own tracker classes (`OnAccelerate`;
+MLflow through its client, see `MLflow`), and any registered from outside; "none". Each gets the scalars
+metrics.jsonl gets, at the same steps, and the run's configuration once.
 
 A tracker is a class in `TRACKERS` (`usaf.registry.TRACKERS`, whose names are log.report_to's choices: a name
 that is not registered is refused when the config is read), with the protocol `usaf.registry.Tracker`:
@@ -11,12 +13,16 @@ that is not registered is refused when the config is read), with the protocol `u
         def start(self, run_dir, config, start_step) -> None: ...    # config: the run's, as nested dicts
         def log(self, step, scalars) -> None: ...                     # a row of metrics.jsonl's numbers
 
+(a tracker of accelerate's, such as one registered with `accelerate.tracking.register_tracker_class`, is an
+`OnAccelerate` subclass naming it: `arguments` says what its class is constructed with).
+
 `available()` says whether its package is installed and `check()` whether it can start (credentials, a server
-that answers), both before anything is written; `start`, `log` and `close` do the rest. A tracker never hangs or ends a run: its start and close are given
-START_TIMEOUT_S, a start that fails is one line naming the setting to fix (before training), and a log or close
-that fails mid-run is one warning, after which the run goes on without it (metrics.jsonl keeps every row). Nothing
-a tracker writes leaves the run folder unless the user points it elsewhere through the tracker's own environment
-(WANDB_DIR, MLFLOW_TRACKING_URI, ...).
+that answers), both before anything is written; `start`, `log` and `close` do the rest. A tracker never hangs or
+ends a run: its start and close are given START_TIMEOUT_S, a start that fails is one line naming the setting to
+fix (before training), and a log or close that fails mid-run is one warning, after which the run goes on without
+it (metrics.jsonl keeps every row). Nothing a tracker writes locally leaves the run folder unless the user points
+it elsewhere through the tracker's own environment (WANDB_DIR, MLFLOW_TRACKING_URI, ...); the services' own
+trackers (comet_ml, clearml; trackio, whose store is TRACKIO_DIR's) keep their runs where their settings say.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
 from usaf.errors import ConfigError, UsafError, first_line
 from usaf.registry import TRACKERS
@@ -93,30 +101,47 @@ def run_id(run_dir: Path) -> str:
     return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
-class TensorBoard(Tracker):
-    name, package, install = "tensorboard", "tensorboard", "pip install tensorboard"
+class OnAccelerate(Tracker):
+    """A tracker of `accelerate.tracking` (LOGGER_TYPE_TO_CLASS[name]), driven through its own API: constructed
+    with `arguments` (where the tracker writes files: the run folder), started, given the configuration once (a
+    resume continues the tracker's run), each row, finished. A subclass gives only what differs."""
+
+    def arguments(self, run_dir: Path, start_step: int) -> dict:
+        return {"run_name": run_dir.name}
 
     def start(self, run_dir: Path, config: dict, start_step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        # a resume continues after its checkpoint's step: events written past it (by a killed process) are
-        # dropped, those at it kept, as metrics.jsonl keeps its rows up to that step
-        self.writer = SummaryWriter(
-            str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1 if start_step else None
-        )
+        self.tracker = LOGGER_TYPE_TO_CLASS[self.name](**self.arguments(Path(run_dir), start_step))
+        self.tracker.start()
         if not start_step:
-            text = "\n".join(f"    {k}: {v}" for k, v in _flat(config).items())  # indented: markdown code
-            self.writer.add_text("config", text, 0)
+            self.configure(_flat(config))
+
+    def configure(self, values: dict) -> None:
+        self.tracker.store_init_configuration(values)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        for key, value in scalars.items():
-            self.writer.add_scalar(key, value, step)
+        self.tracker.log(scalars, step=step)
 
     def close(self) -> None:
-        self.writer.close()
+        self.tracker.finish()
 
 
-class WandB(Tracker):
+class TensorBoard(OnAccelerate):
+    name, package, install = "tensorboard", "tensorboard", "pip install tensorboard"
+
+    def arguments(self, run_dir: Path, start_step: int) -> dict:
+        # run_dir/tensorboard; a resume continues after its checkpoint's step: events written past it (by a
+        # killed process) are dropped, those at it kept, as metrics.jsonl keeps its rows up to that step
+        purge = start_step + 1 if start_step else None
+        return {"run_name": "tensorboard", "logging_dir": str(run_dir), "purge_step": purge}
+
+    def configure(self, values: dict) -> None:
+        # a text, not accelerate's add_hparams: that writes a second event folder and an hparams.yml each start,
+        # and its table shows scalars only (the config has lists and paths)
+        text = "\n".join(f"    {k}: {v}" for k, v in values.items())  # indented: markdown code
+        self.tracker.tracker.add_text("config", text, 0)
+
+
+class WandB(OnAccelerate):
     name, package, install = "wandb", "wandb", "pip install 'usaf[wandb]'"
 
     @classmethod
@@ -142,25 +167,61 @@ class WandB(Tracker):
             "WANDB_MODE=offline to keep the run in the run folder, or leave wandb out of log.report_to"
         )
 
-    def start(self, run_dir: Path, config: dict, start_step: int) -> None:
-        import wandb
-
-        self.run = wandb.init(
+    def arguments(self, run_dir: Path, start_step: int) -> dict:
+        return {
+            "run_name": os.environ.get("WANDB_PROJECT", "usaf"),  # accelerate's run_name is W&B's project
             # read now, not from the settings W&B kept when `check` first asked it (a process may change it since)
-            mode=os.environ.get("WANDB_MODE") or None,
-            project=os.environ.get("WANDB_PROJECT", "usaf"),
-            name=Path(run_dir).name,
-            id=run_id(run_dir),
-            resume="allow",
-            dir=os.environ.get("WANDB_DIR", str(run_dir)),
-            config=_flat(config),
-        )
+            "mode": os.environ.get("WANDB_MODE") or None,
+            "name": run_dir.name,
+            "id": run_id(run_dir),
+            "resume": "allow",
+            "dir": os.environ.get("WANDB_DIR", str(run_dir)),
+        }
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(scalars, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+class Aim(OnAccelerate):
+    name, package, install = "aim", "aim", "pip install aim"
+
+    def arguments(self, run_dir: Path, start_step: int) -> dict:
+        return {"run_name": run_dir.name, "logging_dir": str(run_dir)}  # the Aim repository: run_dir/.aim
+
+
+class CometML(OnAccelerate):
+    """Comet's own settings (COMET_API_KEY, COMET_MODE=offline, ...) apply; its project is usaf's."""
+
+    name, package, install = "comet_ml", "comet_ml", "pip install comet_ml"
+
+    def arguments(self, run_dir: Path, start_step: int) -> dict:
+        return {"run_name": os.environ.get("COMET_PROJECT_NAME", "usaf")}
+
+
+class ClearML(OnAccelerate):
+    """ClearML's own settings (clearml.conf, CLEARML_PROJECT, CLEARML_TASK) apply."""
+
+    name, package, install = "clearml", "clearml", "pip install clearml"
+
+
+class DVCLive(OnAccelerate):
+    name, package, install = "dvclive", "dvclive", "pip install dvclive"
+
+    def arguments(self, run_dir: Path, start_step: int) -> dict:
+        return {"dir": str(run_dir / "dvclive"), "resume": bool(start_step)}
+
+
+class SwanLab(OnAccelerate):
+    name, package, install = "swanlab", "swanlab", "pip install swanlab"
+
+    def arguments(self, run_dir: Path, start_step: int) -> dict:
+        return {"run_name": "usaf", "experiment_name": run_dir.name, "logdir": str(run_dir / "swanlog")}
+
+
+class Trackio(OnAccelerate):
+    """Trackio keeps its runs where TRACKIO_DIR says (its default: the Hugging Face cache), not the run folder."""
+
+    name, package, install = "trackio", "trackio", "pip install trackio"
+
+    def arguments(self, run_dir: Path, start_step: int) -> dict:
+        return {"run_name": "usaf", "name": run_dir.name, "resume": "allow"}
 
 
 # MLflow's URI schemes of a database store (SQLAlchemy's dialects): SQLAlchemy and Alembic are needed for them
@@ -169,7 +230,10 @@ _DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 class MLflow(Tracker):
     """MLflow through its client (no process-wide active run or tracking URI is set): the store of
-    MLFLOW_TRACKING_URI (a server, sqlite:///..., file:///...), else a file store in the run folder."""
+    MLFLOW_TRACKING_URI (a server, sqlite:///..., file:///...), else a file store in the run folder. Not on
+    accelerate's MLflowTracker: that drives MLflow's fluent API, whose active run belongs to the thread that
+    started it (usaf starts a tracker in a thread bounded by START_TIMEOUT_S, and logs from the loop's) and whose
+    tracking URI is the process's (the run folder's store would be set for the whole process)."""
 
     name, package, install = "mlflow", "mlflow", "pip install 'usaf[mlflow]'"
 
@@ -269,6 +333,9 @@ def register_tracker(tracker: type[Tracker]) -> type[Tracker]:
 
 for _tracker in (TensorBoard, WandB, MLflow):
     register_tracker(_tracker)
+for _tracker in (Aim, CometML, ClearML, DVCLive, SwanLab, Trackio):  # the rest of what accelerate knows
+    if _tracker.name in LOGGER_TYPE_TO_CLASS:  # an older accelerate knows fewer
+        register_tracker(_tracker)
 
 
 def report_to(log) -> list[str]:
