@@ -24,7 +24,6 @@ from usaf.planner.sizes import GiB, MiB
 from usaf.quant import PUBLISHED, by_precision
 from usaf.registry import OBJECTIVES
 
-
 DEVICES: dict[str, Device] = CARDS  # the cards a plan knows: the ones a run can name (train.card)
 
 # Shares of the datasheet peaks MoE training reaches: grouped matmuls over a few hundred tokens per expert and
