@@ -339,10 +339,15 @@ _FLAG_FIELDS = {
 
 def _given_flags_over(from_run, args):
     """The run's settings, with every flag the user gave on top (flags default to None: the run's own)."""
-    given = {field: getattr(args, flag) for flag, field in _FLAG_FIELDS.items() if getattr(args, flag)}
-    given.update({"num_entries": args.num_entries} if args.num_entries is not None else {})
+    given = {
+        field: value
+        for flag, field in _FLAG_FIELDS.items()
+        if (value := getattr(args, flag)) is not None and value is not False
+    }
     if isinstance(given.get("targets"), str):
         given["targets"] = tuple(t.strip() for t in given["targets"].split(",") if t.strip())
+    if args.residency not in (None, "auto"):  # auto is the search's: the verdict tries each residency
+        given["residency"] = args.residency
     if args.no_recompute:
         given["recompute"] = False
     if args.no_reselect:

@@ -7,7 +7,7 @@ import yaml
 from usaf.config import plain
 from usaf.planner.ledger import Plan
 from usaf.planner.search import Verdict
-from usaf.planner.settings import PlanSettings, default_dtype
+from usaf.planner.settings import DEVICES, PlanSettings, default_dtype
 from usaf.planner.shape import list_presets, load_model_config
 from usaf.planner.sizes import GiB, MiB, format_count, format_size
 
@@ -22,7 +22,8 @@ def _size_arg(num_bytes: int) -> str:
 def command_line(model: str, p: Plan) -> str:
     """`usaf plan` arguments that reproduce this plan."""
     s, defaults = p.settings, PlanSettings()
-    parts = [f"usaf plan --model {model} --device {p.device.name}"]
+    known = p.device.name in DEVICES  # a GPU known by its memory alone is --vram only
+    parts = [f"usaf plan --model {model}" + (f" --device {p.device.name}" if known else "")]
     if p.device.is_gpu:
         parts.append(f"--vram {_size_arg(p.vram)}")
     parts += [
