@@ -264,34 +264,55 @@ def _dtype(args, run_config: RunConfig, device) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from usaf import planner
-    from usaf.data.load import fit_context
     from usaf.io.published import published_method
-    from usaf.train import memory_plan, recompute
 
     _check_numbers(args)
     named = model_source(args.model) if args.model else None  # read once: the run's or the model's
     run_config = _run_config(args, named)
-    model = args.model if named is None or not named.is_run else run_config.model.path
-    model = model or run_config.model.path
+    model = (args.model if named is None or not named.is_run else None) or run_config.model.path
     if not model:
         raise ConfigError("usaf plan needs --model (or --config with a model.path).")
-    data, context_line = fit_context(run_config.data, model)  # the model's positions, as usaf train fits them
-    run_config = run_config.replace({"data.max_seq_len": data.max_seq_len})
-    card = _card(args, run_config)
-    dtype = _dtype(args, run_config, card.device)
-    settings = _given_flags_over(planner.settings_for_run(planner.PlannedRun.of(run_config), dtype), args)
-    residency = args.residency or run_config.model.residency
     source = named if named is not None and not named.is_run else model_source(model)  # --model, or the base
-    if source.kind == STORE:  # its experts as stored: the store's format (another --quant is refused)
-        settings = settings.replace(quant=source.quant_for(args.quant or "none"))
     if Path(source.path).is_dir():  # a cached hub id: its snapshot's config.json
         model = source.path
+    run_config, lines = _fitted(run_config, model)
+    card = _card(args, run_config)
+    settings = _given_flags_over(
+        planner.settings_for_run(planner.PlannedRun.of(run_config), _dtype(args, run_config, card.device)),
+        args,
+    )
+    if source.kind == STORE:  # its experts as stored: the store's format (another --quant is refused)
+        settings = settings.replace(quant=source.quant_for(args.quant or "none"))
     name, config = planner.load_model_config(model)
     method = published_method(config, model)  # any other quantization: refused as usaf train refuses it
     if method is not None:  # its experts are planned as published, as usaf train keeps them
         settings = settings.replace(quant=method)
     shape = planner.model_shape(config, name)
-    # the autos as usaf train resolves them, by the same functions: density and workspace, then recomputation
+    residency = args.residency or run_config.model.residency
+    settings, block = _resolved(shape, settings, card, residency)
+    print("\n".join([*lines, *block, ""]))
+    verdict = planner.decide(shape, settings, card.device, *card.memory, residency=residency)
+    print(planner.format_verdict(model, verdict))
+    if method is not None:
+        print(planner.published_line(shape, settings, card.device, card.ram, residency))
+    return 0 if verdict.status != "does not fit" else 1
+
+
+def _fitted(run_config: RunConfig, model: str) -> tuple[RunConfig, list[str]]:
+    """The run's data.max_seq_len within the model's positions, as usaf train fits it, and the line saying so."""
+    from usaf.data.load import fit_context
+
+    data, line = fit_context(run_config.data, model)
+    return run_config.replace({"data.max_seq_len": data.max_seq_len}), [line] if line else []
+
+
+def _resolved(shape, settings, card, residency: str) -> tuple:
+    """The settings with their autos resolved as usaf train resolves them, by the same functions (density and
+    workspace, then recomputation, then the forward's precision), and the lines train prints for them: what each
+    auto chose, and the effective settings block."""
+    from usaf import planner
+    from usaf.train import memory_plan, recompute
+
     planned, lines = memory_plan.auto_settings(memory_plan.RunPlan(shape, settings, card), residency)
     setting = planned.settings.run.train.recompute
     chosen = recompute.planned_recompute(planned) if setting == "auto" else recompute.given_recompute(setting)
@@ -299,22 +320,7 @@ def run(args: argparse.Namespace) -> int:
     precision = memory_plan.precision_name(
         settings.run.train.precision, memory_plan.TORCH_DTYPES[settings.dtype]
     )
-    print(
-        "\n".join(
-            [
-                *filter(None, [context_line]),
-                *lines,
-                chosen.line,
-                planner.effective_settings(settings, precision, card.line),
-                "",
-            ]
-        )
-    )
-    verdict = planner.decide(shape, settings, card.device, *card.memory, residency=residency)
-    print(planner.format_verdict(model, verdict))
-    if method is not None:
-        print(planner.published_line(shape, settings, card.device, card.ram, residency))
-    return 0 if verdict.status != "does not fit" else 1
+    return settings, [*lines, chosen.line, planner.effective_settings(settings, precision, card.line)]
 
 
 # the flags a run's configuration also sets, and the settings field each one fills
