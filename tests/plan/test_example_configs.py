@@ -1,5 +1,5 @@
-"""examples/configs: every run configuration we advertise validates as `usaf train` reads it, and fits the card its
-header names, as `usaf plan` says from the model's preset (no download)."""
+"""examples/configs: every run configuration we advertise validates as `usaf train` reads it, names its card
+(train.card), and fits it, as `usaf plan --config` says from the model's preset (no download) with no card flag."""
 
 import re
 import shlex
@@ -43,8 +43,12 @@ def test_a_configuration_validates_and_fits_its_card(path, capsys):
     for section, values in given.items():
         for key, value in values.items():
             assert printed[section][key] == value, f"{path.name}: {section}.{key}"
-    assert main(["plan", "--config", str(path), *check_line(path)]) == 0
+    args = check_line(path)
+    assert "--device" not in args and "--vram" not in args  # the config names its card
+    assert main(["plan", "--config", str(path), *args]) == 0
     shown = capsys.readouterr().out
+    card = given["train"]["card"]
+    assert f"  card:      {card}, budget " in shown and f" on {card}: compute " in shown  # its own figures
     verdict = next(line for line in shown.splitlines() if line.startswith("verdict:"))
     assert verdict.startswith(("verdict: fits on device", "verdict: needs host offload")), verdict
     assert f"residency {given['model']['residency']}" in shown.split("verdict:")[0]

@@ -1,16 +1,23 @@
 """memory ledger, verdict and step-time estimate for a model, from its config alone
 
-Plan a sparse fine-tune: where memory goes, whether it fits, and settings that would.
+Plan a sparse fine-tune: where memory goes, whether it fits, and settings that would. With no flags it plans what
+`usaf train` would run: the run's defaults (or --config's), its autos resolved as train resolves them, on its card
+(train.card, else this machine's device).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from usaf.errors import ConfigError
 from usaf.files import CONFIG_FILE
+
+if TYPE_CHECKING:
+    from usaf.config import RunConfig
 
 
 def add_arguments(parser) -> None:
@@ -40,25 +47,23 @@ def _machine_options(p, planner) -> None:
     p.add_argument(
         "--device",
         default=None,
-        help=f"device preset: {', '.join(planner.DEVICES)} (default: "
-        "rtx-3060-12gb, or the preset whose memory matches --vram)",
+        help=f"device preset: {', '.join(planner.DEVICES)} (default: the preset whose memory matches --vram, "
+        "else the run's train.card, else the device usaf train would compute on)",
     )
-    p.add_argument("--vram", default=None, help="device memory, e.g. 12GB (default: the device preset's)")
+    p.add_argument("--vram", default=None, help="device memory, e.g. 12GB (default: the card's)")
     p.add_argument("--ram", default=None, help="host RAM, e.g. 32GB (default: this machine's)")
 
 
 def _run_options(p, planner) -> None:
-    """The run's shape: sequences, what is trained and how, the loss's chunks, the optimizer and the dtype."""
-    from usaf.config import DEFAULT_DENSITY, DEFAULT_LOGITS_CHUNK, DEFAULT_TARGETS
-
-    seq, batch = planner.PLAN_DEFAULTS["seq"], planner.PLAN_DEFAULTS["batch"]
-    p.add_argument("--seq", type=int, default=seq, help=f"tokens per sequence (default {seq})")
-    p.add_argument("--batch", type=int, default=batch, help=f"sequences per step (default {batch})")
+    """The run's shape: sequences, what is trained and how, the loss's chunks, the optimizer and the dtype. Each
+    defaults to the run's own option (--config's, else usaf train's default), named in its help."""
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (data.max_seq_len)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (data.batch_size)")
     p.add_argument(
         "--density",
         type=float,
-        default=DEFAULT_DENSITY,
-        help=f"share of each targeted weight's entries trained (default {DEFAULT_DENSITY})",
+        default=None,
+        help="share of each targeted weight's entries trained (select.density)",
     )
     p.add_argument(
         "--num-entries",
@@ -73,13 +78,11 @@ def _run_options(p, planner) -> None:
         "output layer)",
     )
     p.add_argument(
-        "--targets",
-        default=",".join(DEFAULT_TARGETS),
-        help=f"weights that hold trained entries, comma-separated (select.targets; default {','.join(DEFAULT_TARGETS)})",
+        "--targets", default=None, help="weights that hold trained entries, comma-separated (select.targets)"
     )
-    p.add_argument("--granularity", default="element", choices=["element", "neuron"])
+    p.add_argument("--granularity", default=None, choices=["element", "neuron"], help="select.granularity")
     p.add_argument(
-        "--no-recompute", action="store_true", help="keep every layer's activations (no recomputation)"
+        "--no-recompute", action="store_true", help="keep every layer's activations (train.recompute=false)"
     )
     p.add_argument(
         "--no-reselect",
@@ -89,31 +92,31 @@ def _run_options(p, planner) -> None:
     p.add_argument(
         "--logits-chunk",
         type=int,
-        default=DEFAULT_LOGITS_CHUNK,
-        help=f"tokens per logits chunk of the loss (default {DEFAULT_LOGITS_CHUNK}, as train.logits_chunk_tokens)",
+        default=None,
+        help="tokens per logits chunk of the loss (train.logits_chunk_tokens)",
     )
     p.add_argument(
         "--optimizer",
-        default="adamw",
+        default=None,
         choices=list(planner.OPTIMIZERS),
-        help="adamw: bf16 moments with stochastic rounding (4 B per value, the default); adamw-fp32: 8 B; "
+        help="adamw: bf16 moments with stochastic rounding (4 B per value, optim's default); adamw-fp32: 8 B; "
         "adamw8bit: 2 B",
     )
     p.add_argument(
         "--dtype",
         default=None,
         choices=list(planner.DTYPE_BYTES),
-        help="compute and dense-weight dtype (default bf16 on GPUs, fp32 on the CPU)",
+        help="compute and dense-weight dtype (default: model.dtype, whose auto is bf16 on GPUs, fp32 on the CPU)",
     )
 
 
 def _storage_options(p, planner) -> None:
     """Where the frozen base lives and in what format."""
-    from usaf.config import DEFAULT_WORKSPACE_MB
-
-    quant = planner.PLAN_DEFAULTS["quant"]
     p.add_argument(
-        "--quant", default=quant, choices=list(planner.quant_formats()), help="frozen experts' format"
+        "--quant",
+        default=None,
+        choices=list(planner.quant_formats()),
+        help="frozen experts' format (model.quant)",
     )
     p.add_argument(
         "--quant-dense",
@@ -122,16 +125,16 @@ def _storage_options(p, planner) -> None:
     )
     p.add_argument(
         "--residency",
-        default="auto",
+        default=None,
         choices=["auto", *planner.RESIDENCIES],
-        help="where the frozen experts live (auto: the device if they fit, else pinned host memory, "
-        "else memory-mapped)",
+        help="where the frozen experts live (model.residency; auto: the device if they fit, else pinned host "
+        "memory, else memory-mapped)",
     )
     p.add_argument(
         "--workspace-mb",
         type=int,
-        default=DEFAULT_WORKSPACE_MB,
-        help=f"dequantized routed-expert workspace bound (default {DEFAULT_WORKSPACE_MB}, as select.workspace_mb)",
+        default=None,
+        help="dequantized routed-expert workspace bound (select.workspace_mb)",
     )
 
 
@@ -140,9 +143,9 @@ def _parallel_options(p) -> None:
     p.add_argument(
         "--gpus",
         type=int,
-        default=1,
+        default=None,
         help="GPUs of a torchrun job, one process each (data parallel: every GPU holds the whole model); "
-        "the ledger is then one rank's, with the bytes exchanged per step",
+        "the ledger is then one rank's, with the bytes exchanged per step (default: distributed.expert_parallel)",
     )
     p.add_argument(
         "--expert-parallel",
@@ -199,97 +202,130 @@ def _check_numbers(args) -> None:
         ("--gpus", args.gpus, 1, 1 << 20),
         ("--gpus-per-host", args.gpus_per_host, 0, 1 << 20),
     ):
+        if value is None:  # not given: the run's own, checked when it was read
+            continue
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}.")
         if value > most:
             raise ConfigError(f"{flag} must be at most {most}, got {value}.")
-    if not 0 < args.density <= 1:
+    if args.density is not None and not 0 < args.density <= 1:
         raise ConfigError(f"--density must be in (0, 1], got {args.density:g} (e.g. 0.005 for 0.5 %).")
 
 
-def _device(args) -> tuple:
+def _card(args, run_config: RunConfig):
+    """What the plan is for (`usaf.train.memory_plan.Card`): --device, else the preset whose memory is --vram (or
+    a GPU of that memory, without speed figures), else the card usaf train would plan the run against
+    (train.card, else the device it computes on); --vram and --ram set the memory."""
     from usaf import planner
+    from usaf.train import memory_plan, runtime
 
     vram = memory_size(args.vram, "--vram") if args.vram is not None else None
-    if args.device is None:
-        matching = [d for d in planner.DEVICES.values() if d.is_gpu and d.memory == vram]
-        device = matching[0] if matching else planner.DEVICES["rtx-3060-12gb"]
-    elif args.device in planner.DEVICES:
-        device = planner.DEVICES[args.device]
-    else:
+    ram = memory_size(args.ram, "--ram") if args.ram is not None else None
+    if args.device is not None and args.device not in planner.DEVICES:
         raise ConfigError(f"Unknown device {args.device!r}; device presets: {', '.join(planner.DEVICES)}.")
-    return device, vram if vram is not None else (device.memory if device.is_gpu else None)
+    if args.device is None and vram is None:  # usaf train's own card
+        card = memory_plan.run_card(run_config, runtime.resolve_device(run_config.model.device))
+        if card.device.is_gpu:
+            return dataclasses.replace(card, ram=ram)
+        budget = ram if ram is not None else card.budget
+        where = card.where if ram is None else f"{planner.format_size(ram)} (--ram)"
+        return memory_plan.Card(card.device, budget, where)
+    if args.device is not None:
+        device, source = planner.DEVICES[args.device], f"--device {args.device}"
+    else:
+        matching = [d for d in planner.DEVICES.values() if d.is_gpu and d.memory == vram]
+        device, source = (matching[0], f"--vram, as {matching[0].name}") if matching else (None, "--vram")
+        device = device or planner.Device(f"a {planner.format_size(vram)} GPU", vram, 0.0, 0.0, 0.0)
+    if not device.is_gpu:
+        budget = ram if ram is not None else planner.machine_ram()
+        where = "--ram" if ram is not None else "the machine's RAM"
+        return memory_plan.Card(device, budget, f"{planner.format_size(budget)} ({where})")
+    budget, source = (vram, "--vram") if vram is not None else (device.memory, source)
+    device = dataclasses.replace(device, memory=budget)
+    return memory_plan.Card(device, budget, f"{planner.format_size(budget)} ({source})", ram)
+
+
+def _run_config(args, named) -> RunConfig:
+    """The run planned: --config's, a run's own (--model RUN), else usaf train's defaults."""
+    from usaf.config import RunConfig
+
+    if args.config is not None:
+        return RunConfig.load(args.config)
+    if named is not None and named.is_run:
+        return RunConfig.load_saved(str(Path(named.path) / CONFIG_FILE))
+    return RunConfig()
+
+
+def _dtype(args, run_config: RunConfig, device) -> str:
+    """The compute dtype: --dtype, else model.dtype, whose auto is what usaf train resolves on the card."""
+    from usaf import planner
+
+    if args.dtype is not None:
+        return args.dtype
+    named = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(run_config.model.dtype)
+    return named or planner.default_dtype(device)
 
 
 def run(args: argparse.Namespace) -> int:
     from usaf import planner
-    from usaf.config import AUTO, RunConfig
     from usaf.io.model_source import STORE, model_source
     from usaf.io.published import published_method
 
     _check_numbers(args)
-    device, vram = _device(args)
-    ram = memory_size(args.ram, "--ram") if args.ram is not None else None
-    settings = planner.PlanSettings(
-        seq=args.seq,
-        batch=args.batch,
-        density=args.density,
-        quant=args.quant,
-        quant_dense=args.quant_dense,
-        granularity=args.granularity,
-        recompute=not args.no_recompute,
-        reselect=not args.no_reselect,
-        logits_chunk=args.logits_chunk,
-        optimizer=args.optimizer,
-        dtype=args.dtype or planner.default_dtype(device),
-        workspace_mb=args.workspace_mb,
-        targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()),
-        num_entries=args.num_entries,
-        layers=args.layers,
-        gpus=args.gpus,
-        expert_parallel=args.expert_parallel,
-        gpus_per_host=args.gpus_per_host,
-    )
-    model, residency = args.model, args.residency
-    named = model_source(model) if model else None  # read once: the run's or the model's
-    run = named if named is not None and named.is_run else None
-    if run is not None:  # a run: its base, planned with the run's own configuration
-        model = None
-    if args.config is not None or run is not None:
-        if args.config is not None:
-            run_config = RunConfig.load(args.config)
-        else:
-            run_config = RunConfig.load_saved(str(Path(run.path) / CONFIG_FILE))
-        model = model or run_config.model.path
-        residency = residency if residency != "auto" else run_config.model.residency
-        settings = _given_flags_over(
-            planner.settings_for_run(planner.PlannedRun.of(run_config), settings.dtype), settings, args
-        )
+    named = model_source(args.model) if args.model else None  # read once: the run's or the model's
+    run_config = _run_config(args, named)
+    model = (args.model if named is None or not named.is_run else None) or run_config.model.path
     if not model:
         raise ConfigError("usaf plan needs --model (or --config with a model.path).")
-    source = named if named is not None and run is None else model_source(model)  # --model, or the run's base
-    if source.kind == STORE:  # its experts as stored: the store's format (another --quant is refused)
-        given = args.quant if args.quant != planner.PLAN_DEFAULTS["quant"] else "none"
-        settings = settings.replace(quant=source.quant_for(given))
+    source = named if named is not None and not named.is_run else model_source(model)  # --model, or the base
     if Path(source.path).is_dir():  # a cached hub id: its snapshot's config.json
         model = source.path
+    run_config, lines = _fitted(run_config, model)
+    card = _card(args, run_config)
+    settings = _given_flags_over(
+        planner.settings_for_run(planner.PlannedRun.of(run_config), _dtype(args, run_config, card.device)),
+        args,
+    )
+    if source.kind == STORE:  # its experts as stored: the store's format (another --quant is refused)
+        settings = settings.replace(quant=source.quant_for(args.quant or "none"))
     name, config = planner.load_model_config(model)
     method = published_method(config, model)  # any other quantization: refused as usaf train refuses it
     if method is not None:  # its experts are planned as published, as usaf train keeps them
         settings = settings.replace(quant=method)
     shape = planner.model_shape(config, name)
-    if settings.run.select.density is AUTO and settings.num_entries is None:  # as usaf train resolves it
-        settings, why = planner.auto_density(shape, settings, device, vram, ram, residency=residency)
-        print(f"select.density=auto: {settings.density:.2%}, {why}")
-    if settings.run.select.workspace_mb is AUTO:  # then the workspace, at that density
-        settings, why = planner.auto_workspace(shape, settings, device, vram, ram, residency=residency)
-        if why is not None:
-            print(f"select.workspace_mb=auto: {settings.workspace_mb} MB, {why}")
-    verdict = planner.decide(shape, settings, device, vram, ram, residency=residency)
+    residency = args.residency or run_config.model.residency
+    settings, block = _resolved(shape, settings, card, residency)
+    print("\n".join([*lines, *block, ""]))
+    verdict = planner.decide(shape, settings, card.device, *card.memory, residency=residency)
     print(planner.format_verdict(model, verdict))
     if method is not None:
-        print(planner.published_line(shape, settings, device, ram, residency))
+        print(planner.published_line(shape, settings, card.device, card.ram, residency))
     return 0 if verdict.status != "does not fit" else 1
+
+
+def _fitted(run_config: RunConfig, model: str) -> tuple[RunConfig, list[str]]:
+    """The run's data.max_seq_len within the model's positions, as usaf train fits it, and the line saying so."""
+    from usaf.data.load import fit_context
+
+    data, line = fit_context(run_config.data, model)
+    return run_config.replace({"data.max_seq_len": data.max_seq_len}), [line] if line else []
+
+
+def _resolved(shape, settings, card, residency: str) -> tuple:
+    """The settings with their autos resolved as usaf train resolves them, by the same functions (density and
+    workspace, then recomputation, then the forward's precision), and the lines train prints for them: what each
+    auto chose, and the effective settings block."""
+    from usaf import planner
+    from usaf.train import memory_plan, recompute
+
+    planned, lines = memory_plan.auto_settings(memory_plan.RunPlan(shape, settings, card), residency)
+    setting = planned.settings.run.train.recompute
+    chosen = recompute.planned_recompute(planned) if setting == "auto" else recompute.given_recompute(setting)
+    settings = planned.settings.replace(recompute=chosen.recompute)
+    precision = memory_plan.precision_name(
+        settings.run.train.precision, memory_plan.TORCH_DTYPES[settings.dtype]
+    )
+    return settings, [*lines, chosen.line, planner.effective_settings(settings, precision, card.line)]
 
 
 # the flags a run's configuration also sets, and the settings field each one fills
@@ -305,26 +341,26 @@ _FLAG_FIELDS = {
     "targets": "targets",
     "num_entries": "num_entries",
     "layers": "layers",
-    "no_recompute": "recompute",
-    "no_reselect": "reselect",
     "gpus": "gpus",
     "expert_parallel": "expert_parallel",
     "gpus_per_host": "gpus_per_host",
+    "quant_dense": "quant_dense",
 }
 
 
-def _given_flags_over(from_config, from_flags, args):
-    """The run's settings, with every flag the user gave (a value other than the flag's default) on top."""
-    defaults = _parser_defaults()
+def _given_flags_over(from_run, args):
+    """The run's settings, with every flag the user gave on top (flags default to None: the run's own)."""
     given = {
-        field: getattr(from_flags, field)
+        field: value
         for flag, field in _FLAG_FIELDS.items()
-        if getattr(args, flag) != defaults[flag]
+        if (value := getattr(args, flag)) is not None and value is not False
     }
-    return from_config.replace(**given)
-
-
-def _parser_defaults() -> dict:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return vars(parser.parse_args(["--model", "x"]))
+    if isinstance(given.get("targets"), str):
+        given["targets"] = tuple(t.strip() for t in given["targets"].split(",") if t.strip())
+    if args.residency not in (None, "auto"):  # auto is the search's: the verdict tries each residency
+        given["residency"] = args.residency
+    if args.no_recompute:
+        given["recompute"] = False
+    if args.no_reselect:
+        given["reselect"] = False
+    return from_run.replace(**given)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from usaf.config.cards import CARDS
 from usaf.config.options import (
     DEFAULT_LOGITS_CHUNK,
     GUARD_ACTIONS,
@@ -290,6 +291,12 @@ class TrainSection(Section):
         "",
         "memory recompute=auto plans against, e.g. 12GB (empty: the GPU's memory, or the machine's RAM on CPU)",
         parse=lambda text: parse_size(text),  # "lots" fails when the config is read, not when planned
+    )
+    card: str = option(
+        "",
+        "the card the run is planned for (recompute, density and workspace auto; usaf plan reads it too): its memory "
+        "(train.memory_limit overrides it) and its speed figures; empty: the device the run computes on",
+        ("", *CARDS),
     )
     max_bad_steps: int = option(10, "stop after this many steps with NaN/Inf loss or gradients")
     logits_chunk_tokens: int = option(

@@ -4,7 +4,7 @@ sizes -> settings (devices, formats, PlanSettings) -> shape (a model's parameter
 every byte goes, in which phase) -> search (the verdict, and settings that fit) -> format (the text)."""
 
 from usaf.config import RESIDENCIES
-from usaf.planner.format import command_line, format_plan, format_verdict
+from usaf.planner.format import command_line, effective_settings, format_plan, format_verdict
 from usaf.planner.ledger import (
     LedgerLine,
     Plan,
@@ -19,7 +19,6 @@ from usaf.planner.settings import (
     DEVICES,
     DTYPE_BYTES,
     OPTIMIZERS,
-    PLAN_DEFAULTS,
     Device,
     PlannedRun,
     PlanSettings,
@@ -35,7 +34,6 @@ __all__ = [
     "DEVICES",
     "DTYPE_BYTES",
     "OPTIMIZERS",
-    "PLAN_DEFAULTS",
     "RESIDENCIES",
     "Device",
     "GiB",
@@ -52,6 +50,7 @@ __all__ = [
     "command_line",
     "decide",
     "default_dtype",
+    "effective_settings",
     "format_count",
     "format_plan",
     "format_size",

@@ -7,7 +7,7 @@ import yaml
 from usaf.config import plain
 from usaf.planner.ledger import Plan
 from usaf.planner.search import Verdict
-from usaf.planner.settings import PlanSettings, default_dtype
+from usaf.planner.settings import DEVICES, PlanSettings, default_dtype
 from usaf.planner.shape import list_presets, load_model_config
 from usaf.planner.sizes import GiB, MiB, format_count, format_size
 
@@ -22,7 +22,8 @@ def _size_arg(num_bytes: int) -> str:
 def command_line(model: str, p: Plan) -> str:
     """`usaf plan` arguments that reproduce this plan."""
     s, defaults = p.settings, PlanSettings()
-    parts = [f"usaf plan --model {model} --device {p.device.name}"]
+    known = p.device.name in DEVICES  # a GPU known by its memory alone is --vram only
+    parts = [f"usaf plan --model {model}" + (f" --device {p.device.name}" if known else "")]
     if p.device.is_gpu:
         parts.append(f"--vram {_size_arg(p.vram)}")
     parts += [
@@ -107,6 +108,24 @@ def _budget(s) -> str:
     return budget if s.layers is None else f"{budget} in layers {s.layers}"
 
 
+def effective_settings(s: PlanSettings, precision: str, card: str) -> str:
+    """The block `usaf train` prints at its start and `usaf plan` in its output, for one run alike: the settings
+    with every auto resolved (`s`), the forward's autocast dtype and the card it is planned for."""
+    run = s.run
+    workspace = f", workspace {s.workspace_mb} MB" if s.quant != "none" or s.residency != "device" else ""
+    reselect = f"every {run.select.reselect_every} steps" if s.reselect else "off"
+    rows = {
+        "data": f"seq {s.seq} x batch {run.data.batch_size}",
+        "select": f"{_budget(s)} ({s.granularity}) of {','.join(s.targets)}{workspace}, reselect {reselect}",
+        "base": f"experts {s.quant}, residency {s.residency}, cache_mb {s.cache_mb}",
+        "compute": f"{s.dtype}, precision {precision}, recompute {'on' if s.recompute else 'off'}, "
+        f"logits chunk {s.logits_chunk}",
+        "objective": f"{s.objective}, {s.optimizer}",
+        "card": card,
+    }
+    return "\n".join(["effective settings:", *(f"  {key + ':':10} {value}" for key, value in rows.items())])
+
+
 def format_plan(p: Plan) -> str:
     """The ledger as a table: device and host columns (one memory column on the CPU), peak marks, totals."""
     shape, s, gpu = p.shape, p.settings, p.device.is_gpu
@@ -147,15 +166,30 @@ def format_plan(p: Plan) -> str:
         + f"  during the {p.peak_phase or 'whole run'}"
     )
     out.append(f"{'available':{width}}" + "".join(f"{format_size(v):>10}" for v in budgets))
+    out.append(_step_line(p))
+    out += _traffic_lines(p)
+    out += [f"note: {note}" for note in p.notes]
+    return "\n".join(out)
+
+
+def _step_line(p: Plan) -> str:
+    """The step-time estimate, from the planned card's own figures, or that it has none (never another card's)."""
     st = p.step
-    out.append(
+    if not p.device.has_figures:
+        return (
+            f"step time: no speed figures for {p.device.name} ({st.flops / 1e12:.1f} TFLOP a step); name its card "
+            "(train.card, or --device) for an estimate"
+        )
+    return (
         f"step ~ {st.seconds:.2f} s on {p.device.name}: compute {st.compute_s:.2f} s ({st.flops / 1e12:.1f} "
         f"TFLOP), memory traffic {st.memory_s:.2f} s, streaming {st.streaming_s:.2f} s -> {st.dominant} "
         "dominates"
     )
-    out += _traffic_lines(p)
-    out += [f"note: {note}" for note in p.notes]
-    return "\n".join(out)
+
+
+def _step(p: Plan) -> str:
+    """The step time in a verdict's suggestion: seconds on a card with figures."""
+    return f", step ~ {p.step.seconds:.2f} s" if p.device.has_figures else ""
 
 
 def _traffic_lines(p: Plan) -> list[str]:
@@ -201,8 +235,8 @@ def format_verdict(model: str, v: Verdict) -> str:
         ]
         if v.on_device is not None:
             lines.append(
-                f"to fit on the device instead ({format_size(v.on_device.device_peak)}, step "
-                f"~ {v.on_device.step.seconds:.2f} s):\n  {command_line(model, v.on_device)}"
+                f"to fit on the device instead ({format_size(v.on_device.device_peak)}{_step(v.on_device)}):"
+                f"\n  {command_line(model, v.on_device)}"
             )
             lines += _as_run_config(model, v.on_device)
         return "\n".join(lines)
@@ -224,7 +258,7 @@ def format_verdict(model: str, v: Verdict) -> str:
     else:
         sp = v.suggestion
         lines += [
-            f"settings that fit ({format_size(sp.device_peak)} on the device, step ~ {sp.step.seconds:.2f} s):",
+            f"settings that fit ({format_size(sp.device_peak)} on the device{_step(sp)}):",
             f"  {command_line(model, sp)}",
             *_as_run_config(model, sp),
             "",

@@ -552,6 +552,18 @@ def _workspace(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: s
             2 * stored / max(1, shape.num_moe_layers),
             "two layers of quantized experts: the current and the prefetched",
         )
+        if s.cache_mb:
+            ledger.add(
+                "expert cache",
+                _cached(s, stored),
+                f"model.cache_mb={s.cache_mb}: the most-routed experts kept on the device, not streamed again "
+                "(usaf.store.offload)",
+            )
+
+
+def _cached(s: PlanSettings, stored: float) -> float:
+    """Bytes of this rank's stored experts that model.cache_mb keeps on the device (with host or mmap residency)."""
+    return min(s.cache_mb * MiB, stored)
 
 
 def _gradient_kernels(ledger: _Ledger, shape: ModelShape, s: PlanSettings, trained: _Trained) -> None:
@@ -729,6 +741,8 @@ def _step_time(shape: ModelShape, s: PlanSettings, device: Device, residency: st
     # an objective's reference forward (DPO's log-probabilities): one more, without gradients, on the same weights
     passes = 4 if s.reference_forward else 3
     flops = passes * forward + sparse_grads
+    if not device.has_figures:  # a card known by its memory alone: no time is quoted for it
+        return StepTime(0.0, 0.0, 0.0, flops)
     compute_s = flops / (device.tflops * 1e12 * COMPUTE_EFFICIENCY)
     # each pass reads the routed experts' weights: quantized ones are read, written in the dtype and read again
     payload, constants = stored_bytes(shape.expert_matrices, s.quant, d)
@@ -746,8 +760,10 @@ def _step_time(shape: ModelShape, s: PlanSettings, device: Device, residency: st
             residency == "mmap" and payload + constants > ram / 2
         ):  # the page cache cannot hold them: disk reads
             rate = min(rate, DISK_GBPS)
-        # forward, then backward (recomputation shares it), and DPO's reference forward: the rank's experts
-        streaming_s = (passes - 1) * (payload + constants) * _expert_share(s) / (rate * 1e9)
+        # forward, then backward (recomputation shares it), and DPO's reference forward: the rank's experts, but
+        # those model.cache_mb keeps on the device (uniform routing: the cache's share of them, no more)
+        held = (payload + constants) * _expert_share(s)
+        streaming_s = (passes - 1) * (held - _cached(s, held)) / (rate * 1e9)
     return StepTime(compute_s, memory_s, streaming_s, flops)
 
 

@@ -7,7 +7,6 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from usaf.config import (
-    DEFAULT_DENSITY,
     DEFAULT_RESELECT_EVERY,
     SECTIONS,
     DataSection,
@@ -17,6 +16,7 @@ from usaf.config import (
     UsafConfig,
     check_option,
 )
+from usaf.config.cards import CARDS, Device
 from usaf.config.sections import DistributedSection
 from usaf.errors import ConfigError
 from usaf.io.published import checkpoint_method
@@ -24,26 +24,7 @@ from usaf.planner.sizes import GiB, MiB
 from usaf.quant import PUBLISHED, by_precision
 from usaf.registry import OBJECTIVES
 
-
-@dataclass(frozen=True)
-class Device:
-    """Datasheet figures of a compute device; the step-time model applies the efficiencies below to them."""
-
-    name: str
-    memory: int  # bytes of device memory (0 for the CPU: it uses --ram)
-    tflops: float  # dense matmul peak at the compute dtype (bf16 tensor cores; fp32 SIMD on the CPU)
-    memory_gbps: float  # device memory bandwidth
-    link_gbps: float  # host -> device copy rate from pinned memory
-    is_gpu: bool = True
-    fast_bf16: bool = True  # bf16 matrix units; without them `usaf train` computes in fp16 with loss scaling
-    peer_gbps: float = (
-        0.0  # GPU-to-GPU rate per direction (NVLink, Infinity Fabric); 0: through PCIe (link_gbps)
-    )
-
-    def __post_init__(self):
-        if not self.peer_gbps:
-            object.__setattr__(self, "peer_gbps", self.link_gbps)
-
+DEVICES: dict[str, Device] = CARDS  # the cards a plan knows: the ones a run can name (train.card)
 
 # Shares of the datasheet peaks MoE training reaches: grouped matmuls over a few hundred tokens per expert and
 # gather-heavy routing keep matmul units far from peak; streaming copies run near the link rate.
@@ -89,9 +70,6 @@ OPTIMIZERS = {
 }
 
 
-# usaf plan's defaults where they differ from a run's: one long sequence at a time, NF4 experts
-PLAN_DEFAULTS = {"seq": 2048, "batch": 1, "quant": "nf4", "recompute": True, "density": DEFAULT_DENSITY}
-
 # the run options (section, key) that a plan's settings of the same meaning read and set
 RUN_OPTIONS = {
     "seq": ("data", "max_seq_len"),
@@ -103,6 +81,7 @@ RUN_OPTIONS = {
     "targets": ("select", "targets"),
     "workspace_mb": ("select", "workspace_mb"),
     "residency": ("model", "residency"),
+    "cache_mb": ("model", "cache_mb"),
     "logits_chunk": ("train", "logits_chunk_tokens"),
     "recompute": ("train", "recompute"),
     "expert_parallel": ("distributed", "expert_parallel"),
@@ -145,8 +124,8 @@ class PlanSettings:
     means EP = `gpus`.
 
     `PlanSettings(run)` plans a run's configuration (a run's or a PlannedRun); `PlanSettings(seq=4096,
-    quant="int4", ...)` sets the run options those flags stand for on a run with `usaf plan`'s defaults
-    (PLAN_DEFAULTS)."""
+    quant="int4", ...)` sets the run options those flags stand for on a run with `usaf train`'s defaults (one set:
+    the planner has none of its own)."""
 
     run: PlannedRun
     dtype: str = "bf16"
@@ -166,9 +145,7 @@ class PlanSettings:
         gpus_per_host: int = 0,
         **options,
     ):
-        if run is None:
-            run, options = PlannedRun(), {**PLAN_DEFAULTS, **options}
-        run = PlannedRun.of(run)
+        run = PlannedRun.of(run or PlannedRun())  # a run's own sections, or a run's defaults
         if isinstance(options.get("expert_parallel"), bool):  # the bare flag: every GPU in one EP group
             if options["expert_parallel"] and gpus == 1:
                 raise ConfigError("--expert-parallel divides the experts among GPUs: give --gpus 2 or more.")
@@ -227,6 +204,7 @@ class PlanSettings:
         return self.run.select.fixed_workspace_mb
 
     residency = _run_option("residency")
+    cache_mb = _run_option("cache_mb")
     logits_chunk = _run_option("logits_chunk")
     expert_parallel = _run_option("expert_parallel")
     shard_dense = _run_option(
@@ -335,24 +313,3 @@ def run_optimizer(optim: OptimSection) -> str:
     if optim.eight_bit:
         return "adamw8bit"
     return "adamw" if optim.moments == "bf16" else "adamw-fp32"
-
-
-DEVICES: dict[str, Device] = {
-    "rtx-3060-12gb": Device("rtx-3060-12gb", 12 * GiB, 51.0, 360.0, 25.0),
-    "rtx-3090": Device("rtx-3090", 24 * GiB, 71.0, 936.0, 25.0),
-    "rtx-4090": Device("rtx-4090", 24 * GiB, 165.0, 1008.0, 25.0),
-    # RTX 6000 Ada (AD102): 48 GB GDDR6 at 960 GB/s, 364.2 TFLOPS dense bf16 tensor (728.5 with sparsity); PCIe 4.0
-    # x16, no NVLink: peers talk through PCIe
-    "rtx-6000-ada": Device("rtx-6000-ada", 48 * GiB, 364.2, 960.0, 25.0),
-    # H100 SXM: NVLink 4, 900 GB/s both directions together
-    "h100": Device("h100", 80 * GiB, 989.0, 3350.0, 50.0, peer_gbps=450.0),
-    # AMD (ROCm), from amd.com product specifications. RX 6750 XT (RDNA2, gfx1031): 12 GB GDDR6 at 432 GB/s,
-    # 13.3 TFLOPS fp32 and 26.6 fp16 (packed, twice fp32), no bf16 matrix units; PCIe 4.0 x16
-    "rx-6750-xt": Device("rx-6750-xt", 12 * GiB, 26.6, 432.0, 25.0, fast_bf16=False),
-    # RX 7900 XTX (RDNA3, gfx1100): 24 GB at 960 GB/s, 122.8 TFLOPS fp16/bf16 (WMMA, dual issue); PCIe 4.0 x16
-    "rx-7900-xtx": Device("rx-7900-xtx", 24 * GiB, 122.8, 960.0, 25.0),
-    # Instinct MI300X (CDNA3, gfx942): 192 GB HBM3 at 5.3 TB/s, 1307.4 TFLOPS dense bf16; PCIe 5.0 x16 host link
-    # and 7 Infinity Fabric links of 64 GB/s each way to its peers on an 8-GPU platform
-    "mi300x": Device("mi300x", 192 * GiB, 1307.4, 5300.0, 50.0, peer_gbps=448.0),
-    "cpu": Device("cpu", 0, 0.2, 20.0, 0.0, is_gpu=False),
-}

@@ -37,7 +37,7 @@ from usaf.train import (
 from usaf.train.checkpoint import Checkpointer, restore_trainable
 from usaf.train.distributed import StepShare, gradient_reducer
 from usaf.train.evaluate import Evaluator
-from usaf.train.memory_plan import resolve_auto
+from usaf.train.memory_plan import effective_settings, resolve_auto
 from usaf.train.metrics import eval_record, open_metrics
 from usaf.train.objectives import OBJECTIVES  # with the built-in objectives registered
 from usaf.train.optim import (
@@ -294,6 +294,7 @@ class TrainingRun:
         for line in self.auto_lines:
             print(line, flush=True)
         print(self.recompute.line, flush=True)
+        print(effective_settings(self.config, self.device, self.dtype, self.recompute.recompute), flush=True)
         if self.shard_dense.line is not None:  # under torchrun
             print(self.shard_dense.line, flush=True)
         for note in self.notes:

@@ -17,23 +17,58 @@ from usaf.config import AUTO, DEFAULT_DENSITY, DEFAULT_WORKSPACE_MB, RunConfig
 from usaf.errors import ConfigError, ModelError, UsafError, first_line
 from usaf.model.hf import load_config
 from usaf.planner.shape import load_model_config
-from usaf.train import distributed
+from usaf.train import distributed, runtime
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+
+# how the autos' chosen values read in their lines
+SHOW_DENSITY, SHOW_WORKSPACE = (lambda d: f"{d:.2%}"), (lambda mb: f"{mb} MB")
+
+
+@dataclasses.dataclass(frozen=True)
+class Card:
+    """What a run is planned against: the planner's device (its memory and, where known, its speed figures), the
+    memory budget in bytes, how the budget reads in messages, and a GPU's host RAM (None: this machine's)."""
+
+    device: planner.Device
+    budget: int
+    where: str
+    ram: int | None = None
+
+    @property
+    def memory(self) -> tuple[int | None, int | None]:
+        """(vram, ram) as the planner takes them: the budget is the GPU's, or on the CPU the host's."""
+        return (self.budget, self.ram) if self.device.is_gpu else (None, self.budget)
+
+    @property
+    def line(self) -> str:
+        """The card as the effective settings name it."""
+        figures = "" if self.device.has_figures else "; no speed figures (name one: train.card)"
+        return f"{self.device.name}, budget {self.where}{figures}"
 
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
     shape: planner.ModelShape
     settings: planner.PlanSettings
-    device: planner.Device
-    budget: int  # bytes
-    where: str  # how the budget reads in messages
+    card: Card
+
+    @property
+    def device(self) -> planner.Device:
+        return self.card.device
+
+    @property
+    def budget(self) -> int:
+        return self.card.budget
+
+    @property
+    def where(self) -> str:
+        return self.card.where
 
     @property
     def memory(self) -> tuple[int | None, int | None]:
-        """(vram, ram) as the planner takes them: the budget is the GPU's, or on the CPU the host's."""
-        return (self.budget, None) if self.device.is_gpu else (None, self.budget)
+        return self.card.memory
 
     def plan(self, settings: planner.PlanSettings) -> planner.Plan:
         return planner.plan(self.shape, settings, self.device, *self.memory)
@@ -41,7 +76,7 @@ class RunPlan:
 
 def run_plan(config: RunConfig, device: torch.device, dtype: torch.dtype) -> RunPlan:
     """The planner's view of the run on `device`, or a UsafError saying why there is none."""
-    budget, where, planned_device = _budget(config, device)
+    card = run_card(config, device)
     try:
         with (
             warnings.catch_warnings()
@@ -49,12 +84,36 @@ def run_plan(config: RunConfig, device: torch.device, dtype: torch.dtype) -> Run
             warnings.simplefilter("ignore")
             shape = planner.model_shape(_model_config(config.model.path), Path(config.model.path).name)
         # under torchrun each rank also holds the gradient buckets it sums with the others
-        settings = planner.settings_for_run(
-            planner.PlannedRun.of(config), _DTYPES.get(dtype, "fp32")
-        ).replace(gpus=distributed.world_size())
+        settings = planner.settings_for_run(planner.PlannedRun.of(config), planner_dtype(dtype)).replace(
+            gpus=distributed.world_size()
+        )
     except Exception as err:
         raise ModelError(f"the planner cannot read this model: {first_line(err)}") from None
-    return RunPlan(shape, settings, planned_device, budget, where)
+    return RunPlan(shape, settings, card)
+
+
+def effective_settings(config: RunConfig, device: torch.device, dtype: torch.dtype, recompute: bool) -> str:
+    """The run's effective settings as `usaf train` prints them at its start: `planner.effective_settings`, the
+    block `usaf plan` prints for the same configuration."""
+    settings = planner.settings_for_run(planner.PlannedRun.of(config), planner_dtype(dtype))
+    try:
+        card = run_card(config, device).line
+    except UsafError as err:
+        card = f"none ({err})"
+    return planner.effective_settings(
+        settings.replace(recompute=recompute), precision_name(config.train.precision, dtype), card
+    )
+
+
+def precision_name(precision: str, dtype: torch.dtype) -> str:
+    """train.precision as the run computes it (`runtime.autocast_dtype`): the forward's autocast dtype, or none."""
+    autocast = runtime.autocast_dtype(precision, dtype)
+    return "none" if autocast is None else planner_dtype(autocast)
+
+
+def planner_dtype(dtype: torch.dtype) -> str:
+    """The planner's name of a compute dtype."""
+    return _DTYPES.get(dtype, "fp32")
 
 
 def choose_density(
@@ -64,9 +123,7 @@ def choose_density(
     where train.recompute allows it), and the line that says what was chosen and why; as given otherwise."""
     if config.select.num_entries is not None:  # a number of entries: no density
         return config, None
-    return _resolved(
-        config, device, dtype, "density", planner.auto_density, DEFAULT_DENSITY, lambda d: f"{d:.2%}"
-    )
+    return _resolved(config, device, dtype, "density", planner.auto_density, DEFAULT_DENSITY, SHOW_DENSITY)
 
 
 def choose_workspace(
@@ -81,7 +138,7 @@ def choose_workspace(
         "workspace_mb",
         planner.auto_workspace,
         DEFAULT_WORKSPACE_MB,
-        lambda mb: f"{mb} MB",
+        SHOW_WORKSPACE,
     )
 
 
@@ -94,14 +151,37 @@ def _resolved(
         return config, None
     try:
         run = run_plan(config, device, dtype)
-        chosen, why = choose(
-            run.shape, run.settings, run.device, *run.memory, residency=config.model.residency
-        )
-        value, why = getattr(chosen, key), why and f"{why}; budget: {run.where}"
+        chosen, line = auto_choice(run, key, choose, shown, config.model.residency)
+        value = getattr(chosen, key)
     except UsafError as err:
-        value, why = fallback, str(err)
-    line = why and f"select.{key}=auto: {shown(value)}, {why}"  # None: nothing worth a line (unused)
+        value, line = fallback, f"select.{key}=auto: {shown(fallback)}, {err}"
     return config.replace({f"select.{key}": value}), line
+
+
+def auto_choice(
+    run: RunPlan, key: str, choose, shown, residency: str
+) -> tuple[planner.PlanSettings, str | None]:
+    """The run's settings with select.<key>=auto chosen by the planner's `choose` against the run's card, and the
+    line that says what and why (None: nothing worth a line); `usaf plan` resolves its autos by this too."""
+    chosen, why = choose(run.shape, run.settings, run.device, *run.memory, residency=residency)
+    line = why and f"select.{key}=auto: {shown(getattr(chosen, key))}, {why}; budget: {run.where}"
+    return chosen, line
+
+
+def auto_settings(run: RunPlan, residency: str) -> tuple[RunPlan, list[str]]:
+    """`run` with its settings' autos resolved as `resolve_auto` resolves a run's (the density unless a number of
+    entries is given, then the workspace at it), and their lines: what `usaf plan` plans."""
+    lines = []
+    select = run.settings.run.select
+    for key, choose, shown, wanted in (
+        ("density", planner.auto_density, SHOW_DENSITY, select.num_entries is None),
+        ("workspace_mb", planner.auto_workspace, SHOW_WORKSPACE, True),
+    ):
+        if wanted and getattr(run.settings.run.select, key) is AUTO:
+            settings, line = auto_choice(run, key, choose, shown, residency)
+            run = dataclasses.replace(run, settings=settings)
+            lines += [line] if line else []
+    return run, lines
 
 
 def resolve_auto(config: RunConfig, device: torch.device, dtype: torch.dtype) -> tuple[RunConfig, list[str]]:
@@ -111,22 +191,36 @@ def resolve_auto(config: RunConfig, device: torch.device, dtype: torch.dtype) ->
     return config, [line for line in (density, workspace) if line]
 
 
-def _budget(config: RunConfig, device: torch.device) -> tuple[int, str, planner.Device]:
-    """(bytes, how the budget reads, the planner's Device) for the run's device."""
+def run_card(config: RunConfig, device: torch.device) -> Card:
+    """What the run on `device` is planned against: train.card where the config names one, else the device itself
+    (a GPU's memory, or on the CPU the machine's RAM); train.memory_limit, when given, is the budget either way."""
     limit = planner.parse_size(config.train.memory_limit) if config.train.memory_limit else None
-    if device.type == "cpu":
-        ram = limit if limit is not None else planner.machine_ram()
-        where = "train.memory_limit" if limit is not None else "the machine's RAM"
-        return ram, f"{planner.format_size(ram)} ({where})", planner.DEVICES["cpu"]
-    if limit is None:
-        if device.type != "cuda":  # torch.cuda also drives ROCm (HIP) devices
-            raise ConfigError(f"the memory of {device} is not known; give train.memory_limit")
-        limit = torch.cuda.get_device_properties(device).total_memory
-        where = f"{planner.format_size(limit)} of {torch.cuda.get_device_name(device)}"
+    if config.train.card:
+        card = planner.DEVICES[config.train.card]
+        memory = card.memory if card.is_gpu else planner.machine_ram()
+        source = f"train.card={card.name}" if card.is_gpu else "the machine's RAM"
+    elif device.type == "cpu":
+        card, memory, source = planner.DEVICES["cpu"], planner.machine_ram(), "the machine's RAM"
+    elif device.type == "cuda":  # torch.cuda also drives ROCm (HIP) devices
+        memory = torch.cuda.get_device_properties(device).total_memory
+        card, source = _unnamed_gpu(torch.cuda.get_device_name(device), memory), None
+    elif limit is None:
+        raise ConfigError(f"the memory of {device} is not known; give train.memory_limit or train.card")
     else:
-        where = f"{planner.format_size(limit)} (train.memory_limit)"
-    # throughput figures do not enter the memory ledger: any positive ones
-    return limit, where, planner.Device(str(device), limit, 1.0, 1.0, 1.0, is_gpu=True)
+        card, memory, source = _unnamed_gpu(str(device), limit), limit, None
+    if limit is not None:
+        memory, source = limit, "train.memory_limit"
+    where = (
+        f"{planner.format_size(memory)} ({source})"
+        if source
+        else f"{planner.format_size(memory)} of {card.name}"
+    )
+    return Card(dataclasses.replace(card, memory=memory) if card.is_gpu else card, memory, where)
+
+
+def _unnamed_gpu(name: str, memory: int) -> planner.Device:
+    """A GPU known by its memory alone: no speed figures (the step-time estimate says it has none)."""
+    return planner.Device(name, memory, 0.0, 0.0, 0.0)
 
 
 def _model_config(path: str) -> dict:

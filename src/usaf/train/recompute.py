@@ -15,7 +15,7 @@ import torch
 
 from usaf.errors import UsafError
 from usaf.planner.sizes import format_size
-from usaf.train.memory_plan import run_plan
+from usaf.train.memory_plan import RunPlan, run_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,13 +28,23 @@ def choose_recompute(config, device: torch.device, dtype: torch.dtype) -> Recomp
     """Resolve `config.train.recompute` (a RunConfig's): true and false as given, auto from the planner."""
     setting = config.train.recompute
     if setting is True or setting is False:
-        return RecomputeChoice(
-            setting, f"recompute: {'on' if setting else 'off'} (train.recompute={str(setting).lower()})"
-        )
+        return given_recompute(setting)
     try:
         run = run_plan(config, device, dtype)
     except UsafError as err:
         return RecomputeChoice(True, f"recompute: on (train.recompute=auto: {err})")
+    return planned_recompute(run)
+
+
+def given_recompute(setting: bool) -> RecomputeChoice:
+    return RecomputeChoice(
+        setting, f"recompute: {'on' if setting else 'off'} (train.recompute={str(setting).lower()})"
+    )
+
+
+def planned_recompute(run: RunPlan) -> RecomputeChoice:
+    """train.recompute=auto on a run's plan (`usaf plan` decides by this too): its peak without recomputation
+    against the run's budget."""
     without = run.plan(run.settings.replace(recompute=False))
     return decide(without.device_peak, _activations(without), run.budget, run.where)
 
