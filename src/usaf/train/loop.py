@@ -3,10 +3,11 @@
 set up the run dir -> load and prepare the model -> load the data -> optimizer and schedule -> (resume) ->
 evaluate -> loop { micro-batches, backward, skip bad steps, clip, step, log, checkpoint } -> evaluate -> summary.
 
-The loop names no optional part: reselection, the prefix cache, the routers, evaluation, stop requests, the metrics
-log and checkpoints are `usaf.train.parts`, called at their hooks, each deciding its own cadence and doing its own
-sync across ranks (as do the gradient reducer and StepShare): nothing below calls usaf.train.distributed but joining
-the job. What the run minimizes is its objective's (`usaf.train.objectives`).
+The loop names no optional part: reselection, the prefix cache, the routers, evaluation, the best checkpoint and
+early stopping, stop requests, the metrics log and checkpoints are `usaf.train.parts`, called at their hooks, each
+deciding its own cadence and doing its own sync across ranks (as do the gradient reducer and StepShare): nothing
+below calls usaf.train.distributed but joining the job. What the run minimizes is its objective's
+(`usaf.train.objectives`).
 """
 
 from __future__ import annotations

@@ -46,12 +46,12 @@ from usaf.version import __version__
 # fixed by the checkpoint (selection, data order, optimizer state, seeds) and refused.
 RESUME_MAY_CHANGE = (
     "schedule.max_steps",
-    # a run that stopped early goes on when its patience is raised (or early stopping turned off)
-    "schedule.early_stopping_patience",
-    "schedule.early_stopping_threshold",
     "optim.lr",
     "optim.clip_grad_norm",
     "train.max_bad_steps",
+    # a run that stopped early goes on when its patience is raised (or early stopping turned off)
+    "schedule.early_stopping_patience",
+    "schedule.early_stopping_threshold",
     "log",
     "checkpoint",
     # where the base and the data are (a moved folder): the base is checked against base.json and the checkpoint's
@@ -304,8 +304,9 @@ def _stops_early_at_once(latest: Path, config: RunConfig) -> bool:
     """Whether early stopping ends the training before its first resumed step: the evaluations without
     improvement that the latest checkpoint counted reach schedule.early_stopping_patience."""
     patience = config.schedule.early_stopping_patience
-    counted = (checkpoint.read_state(latest).get(checkpoint.BEST_KEY) or {}).get("since", 0)
-    return bool(patience) and counted >= patience
+    if not patience:
+        return False
+    return (checkpoint.read_state(latest).get(checkpoint.BEST_KEY) or {}).get("since", 0) >= patience
 
 
 def may_change_on_resume(key: str) -> bool:
