@@ -182,6 +182,29 @@ def test_each_rank_reads_back_its_own_entries_and_another_ep_size_is_resharded(o
             checkpoint.restore_optimizer(optimizer, restored)
 
 
+def test_the_best_checkpoint_keeps_its_shards_through_the_rotation(one, tmp_path, monkeypatch):
+    """checkpoint.keep_best spares a whole checkpoint folder: an expert-parallel one keeps its shards, and the export
+    of the best gathers them."""
+    run = tmp_path / "ep"
+    best = write_ep_checkpoint(one, run, 2, monkeypatch)  # step 1, the best
+    shard_files = sorted(p.name for p in best.iterdir() if "-of-" in p.name)
+    for step in (2, 3):  # later checkpoints record it; the rotation keeps the newest one and the best
+        state = {"rng": runtime.rng_state(), checkpoint.BEST_KEY: {"step": 1, "kept": True}}
+        checkpoint.save(
+            run, step, model=one.model, optimizer=one.optimizer, scheduler=Scheduler(), state=state, keep_last=1,
+            spare=1,
+        )  # fmt: skip
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(run)] == [1, 3]
+    assert shard_files and sorted(p.name for p in best.iterdir() if "-of-" in p.name) == shard_files
+    assert checkpoint.best(run) == best
+    exported, single = delta_from_run(run, best=True), delta_from_run(one.run)
+    assert exported.info["source"]["step"] == 1 and sorted(exported.changes) == sorted(single.changes)
+    for name, change in single.changes.items():
+        assert torch.equal(
+            exported.changes[name].values.view(torch.uint8), change.values.view(torch.uint8)
+        ), name
+
+
 def test_a_damaged_or_missing_shard_is_named_in_one_line(one, tmp_path, monkeypatch):
     saved = write_ep_checkpoint(one, tmp_path / "ep", 2, monkeypatch)
     shard = saved / "trainable-ep1-of-2.safetensors"

@@ -43,6 +43,11 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--from-trainer", metavar="CKPT_DIR", help="a transformers.Trainer checkpoint-N folder"
     )
+    parser.add_argument(
+        "--best",
+        action="store_true",
+        help="the checkpoint of the run's best evaluation (kept by checkpoint.keep_best) instead of the latest",
+    )
     parser.add_argument("--force", action="store_true", help="replace existing outputs")
 
 
@@ -81,6 +86,8 @@ def run(args) -> int:
         if args.outtype not in OUTTYPES:
             raise ConfigError(f"--outtype must be one of {', '.join(OUTTYPES)}, not {args.outtype!r}.")
         converter = find_converter(args.llama_cpp)  # before any work: a missing converter is said at once
+    if args.best and not args.run_dir:
+        raise ConfigError("--best picks a checkpoint of a usaf run: give RUN_DIR.")
     if args.from_trainer:
         if args.run_dir:
             raise ConfigError("give either RUN_DIR or --from-trainer CKPT_DIR, not both.")
@@ -91,7 +98,7 @@ def run(args) -> int:
         base = BaseCheckpoint(args.base)
         delta = trainer_checkpoint_delta(args.from_trainer, base)
     elif args.run_dir:
-        delta, base = run_delta_and_base(args.run_dir, args.base)
+        delta, base = run_delta_and_base(args.run_dir, args.base, best=args.best)
     else:
         raise ConfigError("give RUN_DIR (a usaf run directory) or --from-trainer CKPT_DIR --base MODEL_DIR.")
     if args.delta:
@@ -105,7 +112,7 @@ def run(args) -> int:
     if args.gguf:
         _write_gguf(args, base, delta, converter)
     if args.run_dir:
-        print(_which_step(Path(args.run_dir), delta))
+        print(_which_step(Path(args.run_dir), delta, args.best))
     return 0
 
 
@@ -149,12 +156,14 @@ def _export_inputs(args) -> list[tuple[str, str | Path | None]]:
     ]
 
 
-def _which_step(run_dir: Path, delta) -> str:
+def _which_step(run_dir: Path, delta, best: bool = False) -> str:
     """Which step was exported, and whether the run had finished (a stopped run exports its last checkpoint)."""
     from usaf.config import read_yaml
 
     source = delta.info.get("source") or {}
     step = source.get("step")
+    if best:
+        return f"exported step {step} ({source.get('checkpoint')}): the run's best evaluation so far"
     try:
         planned = (
             (read_yaml((run_dir / CONFIG_FILE).read_text(), CONFIG_FILE) or {}).get("schedule") or {}

@@ -134,6 +134,16 @@ class ScheduleSection(Section):
         "passes over the training data; above 0 it sets max_steps from the data and the global batch (said on the "
         "first lines)",
     )
+    # as transformers' EarlyStoppingCallback (early_stopping_patience, early_stopping_threshold), on the metric of
+    # checkpoint.best_metric
+    early_stopping_patience: int = option(
+        0,
+        "stop when checkpoint.best_metric did not improve for N evaluations in a row (0: off); needs evaluations "
+        "during training (log.eval_every_steps) on held-out data",
+    )
+    early_stopping_threshold: float = option(
+        0.0, "how much an evaluation must beat the best so far to count as an improvement for early stopping"
+    )
 
 
 @dataclass(frozen=True)
@@ -225,6 +235,22 @@ class CheckpointSection(Section):
         "save a checkpoint every N optimizer steps (0: off; the last step and SIGINT/SIGTERM always save)",
     )
     keep_last: int = option(2, "checkpoints to keep (0: all)")
+    # as transformers' load_best_model_at_end / metric_for_best_model / greater_is_better
+    keep_best: bool = option(
+        False,
+        "also keep the checkpoint of the best evaluation (best_metric), beside the newest keep_last: "
+        "`usaf export RUN --best` exports it; needs evaluations during training (log.eval_every_steps)",
+    )
+    best_metric: str = option(
+        "loss",
+        "the evaluation's number that ranks checkpoints (keep_best) and early stopping, as metrics.jsonl's eval/ "
+        "keys name it: loss, perplexity; DPO: margin, accuracy",
+    )
+    greater_is_better: str | bool = option(
+        "auto",
+        "whether a larger best_metric is better; auto: false for a loss or perplexity",
+        ("auto", True, False),
+    )
 
 
 @dataclass(frozen=True)

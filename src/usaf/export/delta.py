@@ -48,9 +48,10 @@ class Delta:
 # ---- deltas: from a run, from a file -----------------------------------------------------------------------------
 
 
-def delta_from_run(run_dir: str | Path) -> Delta:
-    """The trained entries and routers of a run's latest finished checkpoint (an expert-parallel run's shards
-    gathered by `checkpoint.load`: the entries a single process would hold)."""
+def delta_from_run(run_dir: str | Path, best: bool = False) -> Delta:
+    """The trained entries and routers of a run's latest finished checkpoint, or (`best`) of the checkpoint of its
+    best evaluation (checkpoint.keep_best); an expert-parallel run's shards gathered by `checkpoint.load`: the
+    entries a single process would hold."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
         raise RunStateError(
@@ -58,7 +59,11 @@ def delta_from_run(run_dir: str | Path) -> Delta:
         )
     if not run_dir.is_dir():
         raise RunStateError(f"Run directory {run_dir} does not exist; pass the --out folder of `usaf train`.")
-    latest, saved = _load_latest(run_dir)
+    if best:
+        latest = checkpoint.best(run_dir)
+        saved = checkpoint.load(latest)
+    else:
+        latest, saved = _load_latest(run_dir)
     trainable = saved["trainable"]
     changes: dict[str, TensorChange] = {}
     claimed: set[str] = set()
@@ -331,11 +336,12 @@ def export_delta(
 
 
 def run_delta_and_base(
-    run_dir: str | Path, base_dir: str | Path | None = None
+    run_dir: str | Path, base_dir: str | Path | None = None, best: bool = False
 ) -> tuple[Delta, BaseCheckpoint]:
-    """A run's delta and the base to write it against (--base or the run's own), checked as `usaf apply` checks
-    a delta file's base: the same `check_base`, and the recorded checksums while writing."""
-    delta = delta_from_run(run_dir)
+    """A run's delta (`best`: its best checkpoint's) and the base to write it against (--base or the run's own),
+    checked as `usaf apply` checks a delta file's base: the same `check_base`, and the recorded checksums while
+    writing."""
+    delta = delta_from_run(run_dir, best)
     base = BaseCheckpoint(run_base_dir(Path(run_dir), base_dir))
     check_base(delta, base)
     return delta, base

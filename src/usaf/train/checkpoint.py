@@ -60,6 +60,9 @@ RUN_CONFIG_KEY = "run_config"
 _NESTED = "/"
 # state.json's record of an expert-parallel checkpoint's shards
 EXPERT_PARALLEL_KEY = "expert_parallel"
+# state.json's record of the run's best evaluation so far (usaf.train.best): its step, value, and whether its
+# checkpoint is kept (checkpoint.keep_best)
+BEST_KEY = "best_evaluation"
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -86,6 +89,30 @@ def step_of(path: Path) -> int:
 def latest(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def best(run_dir: Path) -> Path:
+    """The checkpoint of the run's best evaluation (checkpoint.keep_best), as its latest checkpoint records it."""
+    run_dir = Path(run_dir)
+    newest = latest(run_dir)
+    if newest is None:
+        raise RunStateError(
+            f"{run_dir} has no finished checkpoint (checkpoints/step-*/state.json): train it first, or resume it "
+            "with `usaf train --resume` until it saves one."
+        )
+    record = read_state(newest).get(BEST_KEY) or {}
+    if not record.get("kept") or record.get("step") is None:
+        raise RunStateError(
+            f"{run_dir} kept no best checkpoint ({newest.name} records none): train with --set "
+            "checkpoint.keep_best=true and log.eval_every_steps=N (the best is chosen among those evaluations)."
+        )
+    found = checkpoints_dir(run_dir) / f"{PREFIX}{int(record['step']):08d}"
+    if not (found / STATE_FILE).is_file():
+        raise RunStateError(
+            f"the best checkpoint of {run_dir}, {found.name}, is missing (removed by hand?); export the latest "
+            "checkpoint instead (without --best)."
+        )
+    return found
 
 
 def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -130,8 +157,10 @@ def save(
     keep_last: int,
     extra_tensors: dict[str, torch.Tensor] | None = None,
     expert_layout: ExpertLayout | None = None,
+    spare: int | None = None,
 ) -> Path | None:
-    """Write checkpoint `step` atomically and keep the newest `keep_last`. Under expert parallelism
+    """Write checkpoint `step` atomically and keep the newest `keep_last`, and checkpoint `spare` (the best, a
+    whole folder: its expert-parallel shards are in it). Under expert parallelism
     (`expert_layout`) every rank calls it: rank 0 writes the checkpoint, the other ranks their shards into it (or
     nothing: DP groups past the first) and get None."""
     folder = checkpoints_dir(run_dir)
@@ -157,7 +186,8 @@ def save(
             tmp, model, flat or _flatten_optimizer(optimizer), scheduler, state, step, extra_tensors, shards
         )
     for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if step_of(old) != spare:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -530,15 +560,21 @@ class Checkpointer:
     when forced: the final one, a stop's, a failure's); `collect()` gives what it holds (model, optimizer,
     scheduler, state, extra_tensors). Only rank 0 writes, with the world size a resume must match (under expert
     parallelism the ranks of DP group 0 write their shards too); every rank reads. A file given to
-    `write_with_next` is written after the next checkpoint, which records the same."""
+    `write_with_next` is written after the next checkpoint, which records the same. `keep_best(step)`: the
+    checkpoint of `step` is saved at that step and spared by the rotation."""
 
     def __init__(self, run_dir: Path, section, collect):
         self.run_dir, self.every_steps, self.keep_last = run_dir, section.every_steps, section.keep_last
         self.collect = collect
         self.pending: dict[Path, str] = {}
+        self.best_step: int | None = None
 
     def should_save(self, step: int) -> bool:
-        return bool(self.every_steps) and step % self.every_steps == 0
+        return (bool(self.every_steps) and step % self.every_steps == 0) or step == self.best_step
+
+    def keep_best(self, step: int | None) -> None:
+        """The checkpoint of `step` (the step just taken, or a restored run's best) is the run's best."""
+        self.best_step = step
 
     def save(self, step: int, force: bool = False) -> Path | None:
         if not (force or self.should_save(step)):
@@ -548,7 +584,14 @@ class Checkpointer:
             return None
         parts = self.collect()
         parts["state"]["world_size"] = distributed.world_size()  # a resume must match it
-        saved = save(self.run_dir, step, keep_last=self.keep_last, expert_layout=expert_layout, **parts)
+        saved = save(
+            self.run_dir,
+            step,
+            keep_last=self.keep_last,
+            expert_layout=expert_layout,
+            spare=self.best_step,
+            **parts,
+        )
         if saved is None:
             return None  # another rank's shard
         for path, text in self.pending.items():

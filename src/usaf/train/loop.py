@@ -3,10 +3,11 @@
 set up the run dir -> load and prepare the model -> load the data -> optimizer and schedule -> (resume) ->
 evaluate -> loop { micro-batches, backward, skip bad steps, clip, step, log, checkpoint } -> evaluate -> summary.
 
-The loop names no optional part: reselection, the prefix cache, the routers, evaluation, stop requests, the metrics
-log and checkpoints are `usaf.train.parts`, called at their hooks, each deciding its own cadence and doing its own
-sync across ranks (as do the gradient reducer and StepShare): nothing below calls usaf.train.distributed but joining
-the job. What the run minimizes is its objective's (`usaf.train.objectives`).
+The loop names no optional part: reselection, the prefix cache, the routers, evaluation, the best checkpoint and
+early stopping, stop requests, the metrics log and checkpoints are `usaf.train.parts`, called at their hooks, each
+deciding its own cadence and doing its own sync across ranks (as do the gradient reducer and StepShare): nothing
+below calls usaf.train.distributed but joining the job. What the run minimizes is its objective's
+(`usaf.train.objectives`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from usaf.train import (
     grpo,  # noqa: F401  (registers train.objective=grpo and its rollouts part)
     runtime,
 )
+from usaf.train.best import check_evaluations
 from usaf.train.checkpoint import Checkpointer, restore_trainable
 from usaf.train.distributed import StepShare, gradient_reducer
 from usaf.train.evaluate import Evaluator
@@ -83,6 +85,7 @@ def train(config: RunConfig, run_dir: str | Path, resume: bool = False, force: b
     config.check()  # a config built or changed in Python gets the same range checks as a file
     check_report_to(report_to(config.log))  # a tracker that is not installed is said now, not after loading
     OBJECTIVES[config.train.objective].check(config.train)  # what it cannot train with, before anything loads
+    check_evaluations(config)  # keep_best and early stopping rank evaluations: there must be some
     config = absolute_paths(config)  # the run's config.yaml must not depend on the working directory
     # [usaf.distributed] join torchrun's job; a rank > 0 neither checks, locks nor cleans the folder (rank 0 does)
     if distributed.init(config) and not distributed.is_main():
@@ -256,8 +259,9 @@ class TrainingRun:
         try:
             self.evaluate_before()
             self.model.train()
+            ended = None
             try:
-                while state.step < config.schedule.max_steps:
+                while state.step < config.schedule.max_steps and (ended := self.ends_training()) is None:
                     self.step()
                 if stop.request.requested:  # asked during the last step
                     stop.stop(state.step)
@@ -265,10 +269,15 @@ class TrainingRun:
                 self.log.message(stopped.message(self.checkpointer.save(state.step, force=True)))
                 return stopped.summary
             stop.request.restore()  # a signal while finishing acts as it did after the loop (restoring again is harmless)
+            state.stop_reason = ended
             return self.finish()  # while the log is open: the final evaluation is a row of it
         finally:
             stop.request.restore()
             self.log.close()
+
+    def ends_training(self) -> str | None:
+        """Why a part ends the training before the next step (early stopping), or None."""
+        return next((reason for part in self.parts if (reason := part.ends_training()) is not None), None)
 
     def step(self) -> None:
         """One optimizer step and what follows it (nothing follows a skipped one)."""

@@ -44,6 +44,10 @@ def open_metrics(run_dir: Path, section, total_steps: int, start_step: int, resu
 
 
 class MetricsLog:
+    """metrics.jsonl and the trackers, a row every `every_steps` (and every evaluation's); shown as a live progress
+    bar on a terminal, else (stdout not a terminal, or `progress` off) as a plain line a row, the Trainer's
+    `logging_steps` lines: a log file gets whole lines, no carriage returns."""
+
     def __init__(
         self,
         run_dir: Path,
@@ -72,9 +76,11 @@ class MetricsLog:
                 dynamic_ncols=True,
                 file=sys.stderr,
             )
-            if progress
+            if progress and sys.stderr.isatty()
             else None
         )
+        self.total_steps = total_steps
+        self.plain = self.bar is None or not sys.stdout.isatty()
 
     def should_log(self, step: int, record: dict) -> bool:
         """Whether step `step`'s row is due: every `log.every_steps`, and whenever it holds an evaluation."""
@@ -87,6 +93,8 @@ class MetricsLog:
         self.trackers.log(step, record)
         if self.bar is not None and show is not None:
             self.bar.set_postfix(show, refresh=False)
+        if self.plain:
+            self.message(plain_line(step, self.total_steps, record, show))
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
@@ -131,6 +139,18 @@ class NullLog(MetricsLog):
 
     def close(self) -> None:
         pass
+
+
+def plain_line(step: int, total_steps: int, record: dict, show: dict | None) -> str:
+    """A row as one line: the progress bar's fields (loss, lr, tok/s, mem, ...) and any evaluation's numbers."""
+    shown = dict(show or {})
+    if "grad_norm" in record:
+        shown["grad_norm"] = f"{record['grad_norm']:.3g}"
+    for key, value in record.items():
+        if key.startswith(EVAL_PREFIX) and isinstance(value, float):
+            shown[key] = f"{value:.4f}"
+    final = " (final evaluation)" if record.get(FINAL_KEY) else ""
+    return f"step {step}/{total_steps}{final}: " + ", ".join(f"{k} {v}" for k, v in shown.items())
 
 
 def truncate_metrics(path: Path, step: int, max_steps: int) -> None:

@@ -13,6 +13,8 @@ A part acts at the hooks it needs and inherits a no-op for the others (from `Par
     before_update(step)       after clipping, before the optimizer's update
     due(step) / after_step(done)  its cadence, and what it does after the step (`step`: the step just taken)
                               when due: its entries for the step's metrics row
+    ends_training()           before each step: why the training ends here as after its last step (early
+                              stopping: final evaluation, checkpoint, summary), or None to go on
     finish(state)             after the last step, before the summary is written
     state_dict / tensor_state / load_state   what it checkpoints (plain values at the top of state.json, tensors
                               in extra.safetensors) and restores, before the optimizer is built
@@ -42,9 +44,10 @@ from usaf.registry import Registry
 from usaf.report import write_router_load
 from usaf.selection.reselect import Reselector
 from usaf.train import distributed
-from usaf.train.checkpoint import Checkpointer
+from usaf.train.best import BestEvaluation
+from usaf.train.checkpoint import BEST_KEY, Checkpointer
 from usaf.train.evaluate import Evaluator
-from usaf.train.metrics import MetricsLog, eval_record
+from usaf.train.metrics import EVAL_PREFIX, MetricsLog, eval_record
 from usaf.train.optim import router_params
 from usaf.train.prefix_cache import FrozenPrefixCache
 from usaf.train.router_health import RouterCollapse
@@ -100,6 +103,8 @@ class LoopPart(Protocol):
     def before_update(self, step: int) -> None: ...
 
     def after_step(self, done: StepDone) -> dict[str, Any]: ...
+
+    def ends_training(self) -> str | None: ...
 
     def finish(self, state: TrainState) -> None: ...
 
@@ -157,6 +162,9 @@ class Part:
 
     def after_step(self, done: StepDone) -> dict[str, Any]:
         return {}
+
+    def ends_training(self) -> str | None:
+        return None
 
     def finish(self, state: TrainState) -> None:
         pass
@@ -343,7 +351,70 @@ class Evaluation(Part):
         return eval_record(self.evaluator.evaluate())
 
 
-for _kind in (Reselection, PrefixCache, Routers, Evaluation):
+class Best(Part):
+    """checkpoint.keep_best and schedule.early_stopping_patience (`usaf.train.best`): each evaluation during
+    training updates the best so far, whose checkpoint the Checkpointer then saves and spares (keep_best), and the
+    evaluations since it; once they reach the patience, the training ends before the next step."""
+
+    name = "best"
+
+    def __init__(
+        self, best: BestEvaluation, checkpointer: Checkpointer, keep: bool, patience: int, max_steps: int
+    ):
+        self.best, self.checkpointer, self.keep, self.patience = best, checkpointer, keep, patience
+        self.max_steps = max_steps
+
+    @classmethod
+    def build(cls, run) -> Best | None:
+        config = run.config
+        keep, patience = config.checkpoint.keep_best, config.schedule.early_stopping_patience
+        if not (keep or patience):
+            return None
+        return cls(
+            BestEvaluation.for_config(config), run.checkpointer, keep, patience, config.schedule.max_steps
+        )
+
+    def after_step(self, done: StepDone) -> dict[str, Any]:
+        keys = [key for key in done.record if key.startswith(EVAL_PREFIX)]
+        if not keys:
+            return {}
+        # [usaf.distributed] rank 0's numbers on every rank: the ranks keep and stop alike
+        values = distributed.per_rank([float(done.record[key]) for key in keys])[0]
+        if self.best.observe(done.step, dict(zip(keys, values, strict=True))) and self.keep:
+            self.checkpointer.keep_best(done.step)
+        if done.step < self.max_steps and (reason := self.ends_training()) is not None:
+            done.messages.append(f"{reason}: the training ends after step {done.step}")
+        return {}
+
+    def ends_training(self) -> str | None:
+        best = self.best
+        if not self.patience or best.since < self.patience:
+            return None
+        return (
+            f"early stopping: eval/{best.metric} did not improve on {best.value:.6g} (step {best.step}) for "
+            f"{best.since} evaluations (schedule.early_stopping_patience={self.patience})"
+        )
+
+    def finish(self, state: TrainState) -> None:
+        best = self.best
+        if best.step is not None:
+            state.best = {
+                "metric": EVAL_PREFIX + best.metric,
+                "step": best.step,
+                "value": best.value,
+                **({"checkpoint": f"step-{best.step:08d}"} if self.keep else {}),
+            }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {BEST_KEY: {**self.best.state_dict(), "kept": self.keep}}
+
+    def load_state(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
+        self.best.load_state_dict(state.get(BEST_KEY))
+        if self.keep:
+            self.checkpointer.keep_best(self.best.step)
+
+
+for _kind in (Reselection, PrefixCache, Routers, Evaluation, Best):
     LOOP_PARTS.register(_kind)
 
 

@@ -49,6 +49,9 @@ RESUME_MAY_CHANGE = (
     "optim.lr",
     "optim.clip_grad_norm",
     "train.max_bad_steps",
+    # a run that stopped early goes on when its patience is raised (or early stopping turned off)
+    "schedule.early_stopping_patience",
+    "schedule.early_stopping_threshold",
     "log",
     "checkpoint",
     # where the base and the data are (a moved folder): the base is checked against base.json and the checkpoint's
@@ -273,12 +276,14 @@ class RunLock:
 
 
 def finished_run(run_dir: Path, config: RunConfig) -> dict | None:
-    """The saved summary (marked `already_finished`) when the run being resumed has reached max_steps and
-    written its summary; None when there is training (or the summary) left to do."""
-    step = checkpoint.step_of(checkpoint.latest(run_dir))
+    """The saved summary (marked `already_finished`) when the run being resumed has reached max_steps, or stopped
+    early and would again at once, and written its summary; None when there is training (or the summary) left to
+    do."""
+    latest = checkpoint.latest(run_dir)
+    step = checkpoint.step_of(latest)
     max_steps = config.schedule.max_steps
     summary_path = run_dir / SUMMARY_FILE
-    if step >= max_steps and summary_path.exists():
+    if (step >= max_steps or _stops_early_at_once(latest, config)) and summary_path.exists():
         try:
             summary = json.loads(summary_path.read_text())
         except (OSError, ValueError) as err:
@@ -293,6 +298,15 @@ def finished_run(run_dir: Path, config: RunConfig) -> dict | None:
             f"--set schedule.max_steps={step} or more."
         )
     return None
+
+
+def _stops_early_at_once(latest: Path, config: RunConfig) -> bool:
+    """Whether early stopping ends the training before its first resumed step: the evaluations without
+    improvement that the latest checkpoint counted reach schedule.early_stopping_patience."""
+    patience = config.schedule.early_stopping_patience
+    if not patience:
+        return False
+    return (checkpoint.read_state(latest).get(checkpoint.BEST_KEY) or {}).get("since", 0) >= patience
 
 
 def may_change_on_resume(key: str) -> bool:

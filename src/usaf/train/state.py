@@ -22,6 +22,8 @@ class TrainState:
     first_loss: float | None = None
     last_loss: float | None = None
     prefix_cache_hits: int = 0
+    best: dict | None = None  # the best evaluation during training (checkpoint.keep_best, early stopping)
+    stop_reason: str | None = None  # why the training ended before schedule.max_steps (early stopping)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,6 +65,8 @@ class TrainState:
             "skipped_steps": self.bad_steps,
             "fp16_overflow_steps": self.overflow_steps,
             "prefix_cache_hits": self.prefix_cache_hits,
+            **({"best_evaluation": self.best} if self.best else {}),
+            **({"stop_reason": self.stop_reason} if self.stop_reason else {}),
             "data": data_stats.summary(),
         }
 
@@ -104,6 +108,11 @@ def format_summary(summary: dict) -> str:
         ("trained router weights", f"{summary['trained_router_weights']:,}"),
         ("skipped steps", summary["skipped_steps"]),
     ]
+    if best := summary.get("best_evaluation"):
+        kept = f" ({best['checkpoint']})" if best.get("checkpoint") else ""
+        rows.append((f"best {best['metric']}", f"{best['value']:.4f} at step {best['step']}{kept}"))
+    if summary.get("stop_reason"):
+        rows.append(("stopped", summary["stop_reason"]))
     if summary.get("fp16_overflow_steps"):
         rows.append(("fp16 overflow steps (loss scale lowered)", summary["fp16_overflow_steps"]))
     width = max(len(k) for k, _ in rows)
