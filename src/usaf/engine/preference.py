@@ -28,10 +28,11 @@ def _token_logps(hidden: torch.Tensor, targets: torch.Tensor, head: Callable) ->
     return torch.gather(logits.log_softmax(-1), 1, targets.unsqueeze(1)).squeeze(1)
 
 
-def sequence_logps(
+def token_logps(
     model: torch.nn.Module, input_ids, labels, position_ids=None, chunk_tokens: int = 1024
-) -> torch.Tensor:
-    """[batch] sums of log p(token) over each row's labelled tokens (labels aligned with the inputs)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p(token) of each labelled token, its row, the [batch, seq - 1] mask of labelled targets), labels
+    aligned with the inputs."""
     out = decoder_body(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     hidden = out.last_hidden_state[:, :-1, :]
     targets = labels[:, 1:]
@@ -46,6 +47,14 @@ def sequence_logps(
         else:
             pieces.append(_token_logps(hidden[part], targets[part], head))
     per_token = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+    return per_token, rows, keep
+
+
+def sequence_logps(
+    model: torch.nn.Module, input_ids, labels, position_ids=None, chunk_tokens: int = 1024
+) -> torch.Tensor:
+    """[batch] sums of log p(token) over each row's labelled tokens (labels aligned with the inputs)."""
+    per_token, rows, _ = token_logps(model, input_ids, labels, position_ids, chunk_tokens)
     return per_token.new_zeros(labels.shape[0]).index_add_(0, rows, per_token)
 
 
