@@ -11,6 +11,7 @@ from datasets import Dataset
 import usaf
 from usaf.config import RunConfig
 from usaf.data import Batches, load_dataset
+from usaf.engine.trl_preference import mismatched_rows
 from usaf.registry import OBJECTIVES
 from usaf.testing.tiny import tiny_model
 from usaf.train.objectives import OBJECTIVES as REGISTERED  # the built-in objectives, registered
@@ -22,6 +23,10 @@ assert REGISTERED is OBJECTIVES
 PAIRS = [
     {"prompt": f"copy {w} ->", "chosen": f" {w}", "rejected": f" {w[::-1]}x"}
     for w in ["abc", "cab", "fed", "bead", "dab", "face", "ace", "bed"]
+]
+# KTO's unpaired records, in the order TRL unpairs PAIRS: every chosen answer, then every rejected one
+UNPAIRED = [{"prompt": p["prompt"], "completion": p["chosen"], "label": True} for p in PAIRS] + [
+    {"prompt": p["prompt"], "completion": p["rejected"], "label": False} for p in PAIRS
 ]
 STEPS, LR = 3, 5e-2
 
@@ -52,9 +57,9 @@ COMMON = dict(
 
 
 def trl_run(name, tokenizer, out):
-    """TRL's trainer for the objective: (its logged losses, its tokenized data set)."""
+    """TRL's trainer for the objective: (its logged losses, its logs, its tokenized data set)."""
     model = prepared(tokenizer)
-    data = Dataset.from_list(PAIRS)
+    data = Dataset.from_list(UNPAIRED if name == "kto" else PAIRS)
     if name == "orpo":
         args = trl.experimental.orpo.ORPOConfig(output_dir=str(out), beta=0.1, max_length=64, **COMMON)
         trainer = trl.experimental.orpo.ORPOTrainer(
@@ -91,13 +96,17 @@ def trl_run(name, tokenizer, out):
 
 def usaf_run(name, tokenizer, tmp_path):
     """usaf's objective on its own reading of the pairs, with the optimizer TRL's trainer uses: (losses, batch)."""
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
-    pairs, _, _ = load_dataset([str(path)], tokenizer, 64, eval_fraction=0.0, pairs=True)
-    batch = next(iter(Batches(pairs, len(PAIRS), shuffle=False)))
+    path = tmp_path / "records.jsonl"
+    records = UNPAIRED if name == "kto" else PAIRS
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    objective = OBJECTIVES[name]
+    rows, _, _ = load_dataset(
+        [str(path)], tokenizer, 64, eval_fraction=0.0, pairs=objective.pairs, objective=name
+    )
+    batch = next(iter(Batches(rows, len(rows), shuffle=False)))
     model = prepared(tokenizer).train()  # as the Trainer (and usaf's loop) train it
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
-    objective, train = OBJECTIVES[name], RunConfig().train
+    train = RunConfig().train
     losses = []
     for _ in range(STEPS):
         loss_sum, _ = objective.loss_sum(model, batch, train)
@@ -130,12 +139,14 @@ def test_orpo_and_simpo_equal_trls_trainers(name, tmp_path):
 
 
 @pytest.mark.slow
-def test_kto_equals_trls_trainer_on_the_pairs_unpaired(tmp_path):
+def test_kto_equals_trls_trainer(tmp_path):
     tokenizer = char_tokenizer()
     theirs, logs, tokenized = trl_run("kto", tokenizer, tmp_path / "trl")
     ours, batch = usaf_run("kto", tokenizer, tmp_path)
     assert [r["prompt_ids"] + r["completion_ids"] for r in tokenized] == rows_of(batch)
-    assert [bool(r["label"]) for r in tokenized] == [True] * len(PAIRS) + [False] * len(PAIRS)
+    # the KL term's mismatched rows: each prompt with the answer before it, as TRL pairs them
+    assert [r["prompt_ids"] + r["KL_completion_ids"] for r in tokenized] == rows_of(mismatched_rows(batch))
+    assert [bool(r["label"]) for r in tokenized] == batch["label"].tolist() == [r["label"] for r in UNPAIRED]
     assert [row["num_tokens"] for row in logs] == [
         sum(map(len, rows_of(batch))) * (s + 1) for s in range(STEPS)
     ]

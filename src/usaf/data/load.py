@@ -10,7 +10,7 @@ import numpy as np
 
 from usaf.config import DataSection, ModelSection, TrainSection
 from usaf.data.pack import TokenizedDataset
-from usaf.data.pairs import PreferencePairs
+from usaf.data.pairs import LabelledRows, PreferencePairs
 from usaf.data.sources import open_source
 from usaf.data.templates import use_chat_template
 from usaf.data.tokenize import DataStats, Documents, Settings, read_documents
@@ -40,6 +40,7 @@ def split_documents(documents: Documents, eval_fraction: float, seed: int) -> tu
         part.ids.append(documents.ids[index])
         part.labels.append(documents.labels[index])
         part.records.append(record)
+        part.desirable += documents.desirable[index : index + 1]
     return train, held_out
 
 
@@ -59,15 +60,19 @@ def load_dataset(
     num_proc: int | None = None,
     model_vocabulary: tuple[int, str] | None = None,
     pairs: bool = False,
+    objective: str = "dpo",
 ) -> tuple[TokenizedDataset, TokenizedDataset | None, DataStats]:
     """Read, tokenize, window or truncate, split and pack `paths` (and `eval_paths`); see the module
     docstring. Paths are files, save_to_disk folders or cached hub ids. model_vocabulary: (the model's
     vocab_size, its config file), which every token id must be below. pairs: preference pairs for DPO
-    (`usaf.data.pairs.PreferencePairs`, never packed)."""
+    (`usaf.data.pairs.PreferencePairs`, never packed); objective: train.objective, whose name the pairs' errors
+    say, and kto: KTO's labelled rows (`usaf.data.pairs.LabelledRows`, never packed)."""
     columns = columns or {}
     _check_arguments(paths, eval_paths, max_seq_len, eval_fraction, long_documents, stride, columns)
-    settings = Settings(max_seq_len, long_documents, stride, tuple(sorted(columns.items())), split, pairs)
-    pack = pack and not pairs
+    settings = Settings(
+        max_seq_len, long_documents, stride, tuple(sorted(columns.items())), split, pairs, objective
+    )
+    pack = pack and not pairs and objective != "kto"
     shown = sys.stderr.isatty()
 
     def read(names):
@@ -93,12 +98,12 @@ def load_dataset(
             + "."
         )
     train_docs, eval_docs = _held_out(train_docs, eval_paths, eval_fraction, seed, read)
-    train = _rows(train_docs, max_seq_len, pack, pad_id, pairs)
+    train = _rows(train_docs, max_seq_len, pack, pad_id, pairs, objective)
     stats.train_documents, stats.train_sequences = train.num_documents, len(train)
     stats.train_supervised_tokens = train.supervised_tokens
     held_out = None
     if eval_docs is not None:
-        held_out = _rows(eval_docs, max_seq_len, pack, pad_id, pairs)
+        held_out = _rows(eval_docs, max_seq_len, pack, pad_id, pairs, objective)
         stats.eval_documents, stats.eval_sequences = held_out.num_documents, len(held_out)
         stats.eval_supervised_tokens = held_out.supervised_tokens
     return train, held_out, stats
@@ -146,8 +151,10 @@ def _held_out(train_docs: Documents, eval_paths, eval_fraction: float, seed: int
     return train_docs, None
 
 
-def _rows(documents: Documents, max_seq_len: int, pack: bool, pad_id: int, pairs: bool):
+def _rows(documents: Documents, max_seq_len: int, pack: bool, pad_id: int, pairs: bool, objective: str):
     rows = TokenizedDataset(documents, max_seq_len, pack, pad_id)
+    if objective == "kto":
+        return LabelledRows(rows, documents.desirable)
     return PreferencePairs(rows) if pairs else rows
 
 
@@ -183,6 +190,7 @@ def load_run_data(
         num_proc=data.num_proc or None,
         model_vocabulary=vocabulary,
         pairs=OBJECTIVES[train.objective].pairs,
+        objective=train.objective,
     )
     if clamped:
         stats.notes.insert(0, clamped)

@@ -137,21 +137,20 @@ class SimplePreference(OddsRatio):
 
 
 class Unpaired:
-    """kto: KTO (TRL's KTOTrainer loss), the base itself the reference. It reads preference pairs unpaired as TRL
-    does: each chosen answer a desirable row, each rejected one an undesirable row; its units are rows."""
+    """kto: KTO (TRL's KTOTrainer loss), the base itself the reference, on rows labelled desirable or not
+    (`usaf.data.pairs.LabelledRows`: {prompt, completion, label} records, and preference pairs unpaired as TRL
+    unpairs them); its units are rows."""
 
-    name, pairs, reference_forward = "kto", True, True
+    name, pairs, reference_forward = "kto", False, True
 
     def check(self, train) -> None:
         _no_prefix_cache(train, self.name)
 
     def loss_sum(self, model, batch: dict, train) -> tuple[torch.Tensor, dict]:
-        rows = batch["input_ids"].shape[0]
-        desirable = torch.arange(rows, device=batch["input_ids"].device) < rows // 2
         return kto_loss(
             model,
             batch,
-            desirable,
+            batch["label"],
             train.kto_beta,
             train.kto_desirable_weight,
             train.kto_undesirable_weight,
