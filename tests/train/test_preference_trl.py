@@ -65,6 +65,16 @@ def trl_run(name, tokenizer, out):
         trainer = trl.experimental.orpo.ORPOTrainer(
             model=model, args=args, train_dataset=data, processing_class=tokenizer
         )
+    elif name == "dpo":
+        # DPO adds the MoE's load-balancing loss by default, which usaf's objectives do not
+        args = trl.DPOConfig(output_dir=str(out), beta=0.1, max_length=64, router_aux_loss_coef=0.0, **COMMON)
+        trainer = trl.DPOTrainer(
+            model=model,
+            ref_model=usaf.BaseReference(model),
+            args=args,
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
     elif name == "simpo":
         args = trl.experimental.cpo.CPOConfig(
             output_dir=str(out),
@@ -136,6 +146,18 @@ def test_orpo_and_simpo_equal_trls_trainers(name, tmp_path):
     assert chosen == rows_of(batch)[: len(PAIRS)]
     assert ours == pytest.approx(theirs, rel=1e-5)
     assert ours[-1] < ours[0]  # it trained
+
+
+@pytest.mark.slow
+def test_dpo_equals_trls_trainer(tmp_path):
+    """usaf's own DPO loss (TRL 1.16 has none to call) against DPOTrainer with the base as reference."""
+    tokenizer = char_tokenizer()
+    theirs, _, tokenized = trl_run("dpo", tokenizer, tmp_path / "trl")
+    ours, batch = usaf_run("dpo", tokenizer, tmp_path)
+    assert [r["prompt_ids"] + r["chosen_ids"] for r in tokenized] == rows_of(batch)[: len(PAIRS)]
+    assert [r["prompt_ids"] + r["rejected_ids"] for r in tokenized] == rows_of(batch)[len(PAIRS) :]
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    assert ours[-1] < ours[0]
 
 
 @pytest.mark.slow

@@ -73,7 +73,9 @@ class PreferenceResult:
 
 def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tuple[torch.Tensor, ...]:
     """Per pair: the sigmoid DPO loss -log σ(β((π_c − ref_c) − (π_r − ref_r))) and the implicit rewards
-    β(π − ref) of the chosen and the rejected answers (`policy`, `reference`: [chosen..., rejected...])."""
+    β(π − ref) of the chosen and the rejected answers (`policy`, `reference`: [chosen..., rejected...]).
+    Written here: TRL 1.16 computes it inline in `DPOTrainer._compute_loss`, with no function to call
+    (`usaf.engine.trl_preference` calls TRL's where it has one); tests/train/test_preference_trl.py checks it equals."""
     chosen, rejected = policy.chunk(2)
     ref_chosen, ref_rejected = reference.chunk(2)
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected

@@ -16,12 +16,16 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from trl.experimental.cpo.cpo_trainer import CPOTrainer
-from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+from trl.import_utils import suppress_experimental_warning
 
 from usaf.engine.base_weights import base_weights
 from usaf.engine.loss import IGNORE_INDEX
 from usaf.engine.preference import sequence_logps, token_logps
+
+# TRL keeps ORPO and CPO under trl.experimental, whose import warns on every run; TRL's own helper silences it
+with suppress_experimental_warning():
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
 
 Metrics = dict[str, tuple[torch.Tensor, int]]
 
