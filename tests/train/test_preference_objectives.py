@@ -12,6 +12,9 @@ from helpers import FAST_RUN, make_model_dir
 
 import usaf
 from usaf.cli import main
+from usaf.data import Batches, load_dataset
+from usaf.data.pairs import LabelledRows
+from usaf.train.tokenizer import char_tokenizer
 
 BUNDLED_PAIRS = Path(usaf.__file__).parent / "demo_assets" / "data" / "preference_train.jsonl"
 METRICS = {
@@ -105,3 +108,23 @@ def test_the_planner_counts_each_objectives_rows_and_passes(tmp_path, capsys):
     assert "fourth pass" not in shown["orpo"] and "the reference forward is a fourth pass" in shown["kto"]
     step = {k: float(re.search(r"step ~ ([\d.]+) s", v).group(1)) for k, v in shown.items()}
     assert step["kto"] > step["sft"]  # the reference forward
+
+
+def test_kto_reads_pairs_unpaired_and_labelled_records_as_labelled_rows(tmp_path):
+    data = tmp_path / "mixed.jsonl"
+    records = [
+        {"prompt": "copy ab ->", "chosen": " ab", "rejected": " ba"},
+        {"prompt": "copy cd ->", "completion": " dc", "label": False},
+        {"prompt": "copy ef ->", "completion": " ef", "label": True},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer = char_tokenizer()
+    rows, _, _ = load_dataset([str(data)], tokenizer, 32, eval_fraction=0.0, objective="kto")
+    assert isinstance(rows, LabelledRows) and len(rows) == 4
+    batch = next(iter(Batches(rows, 4, shuffle=False)))
+    answers = [
+        tokenizer.decode(ids[labels != -100][:-1])
+        for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True)
+    ]
+    assert answers == [" ab", " ba", " dc", " ef"]
+    assert batch["label"].tolist() == [True, False, False, True]
