@@ -265,8 +265,8 @@ class TrainSection(Section):
         "sft",
         "sft: next-token loss on the supervised tokens; dpo: preference tuning on prompt/chosen/rejected pairs, the "
         "base itself the reference (no second model: one extra forward without gradients); orpo, simpo: TRL's "
-        "ORPO and SimPO on the same pairs, no reference; kto: TRL's KTO on the pairs unpaired (chosen desirable, "
-        "rejected undesirable), the base itself the reference",
+        "ORPO and SimPO on the same pairs, no reference; kto: TRL's KTO on prompt/completion/label records (or "
+        "pairs unpaired: chosen desirable, rejected not), the base itself the reference",
         OBJECTIVES.choices(),
     )
     dpo_beta: float = option(
