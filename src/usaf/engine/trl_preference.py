@@ -6,7 +6,7 @@ namespace holding exactly those settings. KTO's loss is written inline in `KTOTr
 function to call: `kto_losses` restates its lines (see there).
 
 The batches are those of `usaf.engine.preference`: chosen rows then rejected rows, right-padded, labels -100
-outside the answers. Every function returns the batch's summed loss over its units (pairs; KTO: rows), which the
+outside the answers (KTO's: rows each with its "label", `usaf.data.pairs.LabelledRows`). Every function returns the batch's summed loss over its units (pairs; KTO: rows), which the
 loop divides by the step's units, and `metrics`: {TRL's metric name: (sum, count)} over the batch, detached.
 """
 
@@ -125,7 +125,9 @@ def simpo_loss(
 
 def mismatched_rows(batch: dict) -> dict:
     """KTO's KL sample as TRL builds it: each row's prompt followed by the answer of the row before it (the first
-    row's by the last row's), so the answers are the batch's own, paired with other prompts."""
+    row's by the last row's), so the answers are the batch's own, paired with other prompts. TRL rotates within
+    chunks of a batch's size in the data set's order, before shuffling; here within the batch itself, which is
+    what TRL's comment asks of the sample (the same answers as the batch's) and equal to it on unshuffled data."""
     input_ids, labels = batch["input_ids"], batch["labels"]
     start, end = answer_bounds(labels)
     rows, answers = [], []
