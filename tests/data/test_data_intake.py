@@ -311,7 +311,7 @@ def test_an_uncached_hub_id_is_streamed_by_datasets_in_one_line(tok, tmp_path, h
     assert streamed(tok, ["tatsu-lab/alpaca:test"])[0] == expected[:1]
     assert "data: streaming tatsu-lab/alpaca from the hub: split test\n" in capsys.readouterr().err
     assert not (tmp_path / "hf" / "datasets" / "tatsu-lab___alpaca").exists()  # nothing cached
-    with pytest.raises(UsafError, match=r"does not read preference pairs \(train\.objective=dpo\)"):
+    with pytest.raises(UsafError, match=r"reads documents, not preference records \(train\.objective=dpo\)"):
         streamed(tok, ["tatsu-lab/alpaca"], pairs=True)
 
 

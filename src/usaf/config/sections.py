@@ -339,6 +339,9 @@ class TrainSection(Section):
         "sft: next-token loss on the supervised tokens; dpo: preference tuning on prompt/chosen/rejected pairs, the "
         "base itself the reference (no second model: one extra forward without gradients); grpo: completions "
         "of {prompt} records generated and scored by train.reward_functions",
+        "base itself the reference (no second model: one extra forward without gradients); orpo, simpo: TRL's "
+        "ORPO and SimPO on the same pairs, no reference; kto: TRL's KTO on prompt/completion/label records (or "
+        "pairs unpaired: chosen desirable, rejected not), the base itself the reference",
         OBJECTIVES.choices(),
     )
     dpo_beta: float = option(
@@ -364,6 +367,34 @@ class TrainSection(Section):
         0.0,
         "grpo: the KL penalty toward the reference, the base itself (TRL's beta; 0: no reference forward)",
         bounds="[0, inf)",
+    )
+    # each objective's own settings, named and defaulted as TRL's configs name them (ORPOConfig, CPOConfig, KTOConfig)
+    orpo_beta: float = option(
+        0.1,
+        "orpo: the weight of the odds-ratio term against the NLL term (ORPOConfig.beta)",
+        bounds="(0, inf)",
+    )
+    simpo_beta: float = option(
+        0.1, "simpo: the scale of the reward margin (CPOConfig.beta)", bounds="(0, inf)"
+    )
+    simpo_gamma: float = option(
+        0.5, "simpo: the target reward margin (CPOConfig.simpo_gamma)", bounds="[0, inf)"
+    )
+    cpo_alpha: float = option(
+        1.0,
+        "simpo: the weight of the chosen answers' NLL term, 0 for pure SimPO (CPOConfig.cpo_alpha)",
+        bounds="[0, inf)",
+    )
+    kto_beta: float = option(
+        0.1, "kto: the strength of the pull toward the reference (KTOConfig.beta)", bounds="(0, inf)"
+    )
+    kto_desirable_weight: float = option(
+        1.0, "kto: the weight of the desirable rows' losses (KTOConfig.desirable_weight)", bounds="(0, inf)"
+    )
+    kto_undesirable_weight: float = option(
+        1.0,
+        "kto: the weight of the undesirable rows' losses (KTOConfig.undesirable_weight)",
+        bounds="(0, inf)",
     )
     kernels: str = option(
         "auto",

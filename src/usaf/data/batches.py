@@ -27,6 +27,8 @@ def collate(rows: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch
         batch["labels"][index, :length] = row["labels"]
         batch["position_ids"][index, :length] = row["position_ids"]
         batch["position_ids"][index, length:] = torch.arange(width - length)
+    if "label" in rows[0]:  # KTO's rows (usaf.data.pairs.LabelledRows): each one's label
+        batch["label"] = torch.stack([row["label"] for row in rows])
     return batch
 
 

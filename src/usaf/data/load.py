@@ -11,7 +11,7 @@ import numpy as np
 from usaf.config import DataSection, ModelSection, TrainSection
 from usaf.data.mix import Mixing, mix
 from usaf.data.pack import TokenizedDataset
-from usaf.data.pairs import PreferencePairs
+from usaf.data.pairs import LabelledRows, PreferencePairs
 from usaf.data.sources import open_source
 from usaf.data.stream import StreamedRows, streamed_stats
 from usaf.data.templates import use_chat_template
@@ -42,6 +42,7 @@ def split_documents(documents: Documents, eval_fraction: float, seed: int) -> tu
         part.ids.append(documents.ids[index])
         part.labels.append(documents.labels[index])
         part.records.append(record)
+        part.desirable += documents.desirable[index : index + 1]
     return train, held_out
 
 
@@ -65,6 +66,7 @@ def load_dataset(
     weights: list[float] | None = None,
     mix_stopping: str = "first_exhausted",
     streaming: bool = False,
+    objective: str = "dpo",
 ) -> tuple[TokenizedDataset | StreamedRows, TokenizedDataset | None, DataStats]:
     """Read, tokenize, window or truncate, split and pack `paths` (and `eval_paths`); see the module
     docstring. Paths are files, save_to_disk folders or hub ids. model_vocabulary: (the model's
@@ -73,14 +75,15 @@ def load_dataset(
     tokenizer has a chat template). weights: one a path, to draw the training records from them by weight
     (usaf.data.mix; seeded by `seed`) rather than take them all in order. streaming: the training data as
     usaf.data.stream.StreamedRows, read and tokenized as it is iterated (eval_paths are read whole; no
-    eval_fraction split of a stream)."""
+    eval_fraction split of a stream). objective: train.objective, whose name the pairs' errors say, and kto:
+    KTO's labelled rows (`usaf.data.pairs.LabelledRows`, never packed)."""
     columns = columns or {}
     _check_arguments(paths, eval_paths, max_seq_len, eval_fraction, long_documents, stride, columns)
     alpaca = alpaca_rendering(alpaca_format, tokenizer)
     settings = Settings(
-        max_seq_len, long_documents, stride, tuple(sorted(columns.items())), split, pairs, alpaca
+        max_seq_len, long_documents, stride, tuple(sorted(columns.items())), split, pairs, alpaca, objective
     )
-    pack = pack and not pairs
+    pack = pack and not pairs and objective != "kto"
     shown = sys.stderr.isatty()
     mixing = Mixing(tuple(float(w) for w in weights), seed, mix_stopping) if weights else None
     if mixing is not None:
@@ -106,7 +109,9 @@ def load_dataset(
     stats = DataStats(max_seq_len=max_seq_len, packed=pack)
     if streaming:
         train = StreamedRows(paths, tokenizer, settings, skip_bad_records, pad_id, mixing, model_vocabulary)
-        held_out = _rows(read(eval_paths), max_seq_len, pack, pad_id, pairs) if eval_paths else None
+        held_out = (
+            _rows(read(eval_paths), max_seq_len, pack, pad_id, pairs, objective) if eval_paths else None
+        )
         return train, held_out, streamed_stats(train, stats, held_out)
 
     train_docs = read(paths, mixing)
@@ -121,12 +126,12 @@ def load_dataset(
             + "."
         )
     train_docs, eval_docs = _held_out(train_docs, eval_paths, eval_fraction, seed, read)
-    train = _rows(train_docs, max_seq_len, pack, pad_id, pairs)
+    train = _rows(train_docs, max_seq_len, pack, pad_id, pairs, objective)
     stats.train_documents, stats.train_sequences = train.num_documents, len(train)
     stats.train_supervised_tokens = train.supervised_tokens
     held_out = None
     if eval_docs is not None:
-        held_out = _rows(eval_docs, max_seq_len, pack, pad_id, pairs)
+        held_out = _rows(eval_docs, max_seq_len, pack, pad_id, pairs, objective)
         stats.eval_documents, stats.eval_sequences = held_out.num_documents, len(held_out)
         stats.eval_supervised_tokens = held_out.supervised_tokens
     return train, held_out, stats
@@ -184,8 +189,10 @@ def _held_out(train_docs: Documents, eval_paths, eval_fraction: float, seed: int
     return train_docs, None
 
 
-def _rows(documents: Documents, max_seq_len: int, pack: bool, pad_id: int, pairs: bool):
+def _rows(documents: Documents, max_seq_len: int, pack: bool, pad_id: int, pairs: bool, objective: str):
     rows = TokenizedDataset(documents, max_seq_len, pack, pad_id)
+    if objective == "kto":
+        return LabelledRows(rows, documents.desirable)
     return PreferencePairs(rows) if pairs else rows
 
 
@@ -225,6 +232,7 @@ def load_run_data(
         weights=data.weights if files is None else None,
         mix_stopping=data.mix_stopping,
         streaming=data.streaming and files is None,
+        objective=train.objective,
     )
     if clamped:
         stats.notes.insert(0, clamped)

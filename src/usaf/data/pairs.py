@@ -1,8 +1,11 @@
-"""Preference pairs (train.objective=dpo): the tokenized documents of a pair data set, chosen then rejected per
-record, held as pairs. A batch of pairs is its chosen rows, then its rejected rows in the same order: the layout
-`usaf.engine.preference` reads."""
+"""Preference data. Pairs (train.objective=dpo, orpo, simpo): the tokenized documents of a pair data set, chosen
+then rejected per record, held as pairs; a batch of pairs is its chosen rows, then its rejected rows in the same
+order: the layout `usaf.engine.preference` reads. Labelled rows (train.objective=kto): one document a row, each
+desirable or not, the label in the batch as "label"."""
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -38,3 +41,31 @@ class PreferencePairs:
 
     def fingerprint(self) -> str:
         return "pairs-" + self.rows.fingerprint()
+
+
+class LabelledRows:
+    """KTO's rows: `rows` (one document each, never packed), row i desirable when `desirable[i]`."""
+
+    def __init__(self, rows: TokenizedDataset, desirable: list[bool]):
+        if rows.packed or len(rows) != len(desirable):
+            raise ValueError("labelled rows need unpacked rows, one label a row")
+        self.rows, self.desirable = rows, torch.tensor(desirable, dtype=torch.bool)
+        self.pad_id, self.max_seq_len, self.packed = rows.pad_id, rows.max_seq_len, False
+        self.num_documents, self.num_tokens, self.supervised_tokens = (
+            rows.num_documents,
+            rows.num_tokens,
+            rows.supervised_tokens,
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {**self.rows[index], "label": self.desirable[index]}
+
+    def batch_rows(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        return [self[i] for i in indices]
+
+    def fingerprint(self) -> str:
+        labels = "".join("1" if d else "0" for d in self.desirable.tolist())
+        return "labelled-" + hashlib.sha256((self.rows.fingerprint() + labels).encode()).hexdigest()[:16]

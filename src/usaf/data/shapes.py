@@ -29,7 +29,10 @@ SHAPES = [  # (shape, trigger keys, required keys, optional keys)
     ("alpaca", {"instruction", "output"}, {"instruction", "output"}, {"input", "system"}),
     ("text", {"text"}, {"text"}, set()),
 ]
-RECORD_KEYS = set().union(*(triggers | required | optional for _, triggers, required, optional in SHAPES))
+# and KTO's "label" (normalize_unpaired), which the other objectives leave unused
+RECORD_KEYS = set().union(*(triggers | required | optional for _, triggers, required, optional in SHAPES)) | {
+    "label"
+}
 EXPECTED = (
     "expected text, messages (OpenAI or sharegpt), prompt/completion, prompt/chosen/rejected, "
     "instruction/input/output (alpaca) or input_ids records; map other column names with data.columns, "
@@ -127,18 +130,18 @@ def _tools(record: dict) -> dict:
 
 
 def normalize_pair(
-    record: object, columns: dict[str, str] | None = None
+    record: object, columns: dict[str, str] | None = None, objective: str = "dpo"
 ) -> tuple[str, dict, dict, list[str], str]:
-    """A preference pair for DPO (train.objective=dpo): (kind, the chosen record, the rejected record, keys not
-    used, shape), both prompt/completion records of one kind with the same prompt. Without a 'prompt', chosen and
-    rejected conversations that share all turns but their last have it implicitly."""
+    """A preference pair (train.objective=dpo, orpo, simpo, kto): (kind, the chosen record, the rejected record,
+    keys not used, shape), both prompt/completion records of one kind with the same prompt. Without a 'prompt',
+    chosen and rejected conversations that share all turns but their last have it implicitly."""
     if not isinstance(record, dict):
         raise BadRecord(f"a record must be a JSON object, got {type(record).__name__}")
     record = rename(drop_none(record), columns or {})
     shape, used, optional = shape_of(set(record))
     if shape != "preference":
         raise BadRecord(
-            f"train.objective=dpo trains on preference pairs (prompt/chosen/rejected), not {shape} records"
+            f"train.objective={objective} trains on preference pairs (prompt/chosen/rejected), not {shape} records"
         )
     prompt, chosen, rejected = record.get("prompt"), record["chosen"], record["rejected"]
     if prompt is None and isinstance(chosen, list) and isinstance(rejected, list):
@@ -165,6 +168,32 @@ def normalize_pair(
         raise BadRecord("'chosen' and 'rejected' must both be text or both conversations")
     ignored = {key for key in record if key not in used | optional} | set(pieces[0][2]) | set(pieces[1][2])
     return pieces[0][0], pieces[0][1], pieces[1][1], sorted(ignored), shape
+
+
+def normalize_unpaired(
+    record: object, columns: dict[str, str] | None = None
+) -> tuple[str, list[tuple[dict, bool]], list[str], str]:
+    """KTO's records (train.objective=kto), TRL's unpaired preference format: (kind, [(prompt/completion record,
+    desirable)], keys not used, shape). {prompt, completion, label: bool} is one; a preference pair is unpaired as
+    TRL unpairs it, its chosen answer desirable and its rejected one not."""
+    if not isinstance(record, dict):
+        raise BadRecord(f"a record must be a JSON object, got {type(record).__name__}")
+    renamed = rename(drop_none(record), columns or {})
+    if {"chosen", "rejected"} & set(renamed):
+        kind, chosen, rejected, ignored, shape = normalize_pair(renamed, objective="kto")
+        return kind, [(chosen, True), (rejected, False)], ignored, shape
+    if "label" not in renamed:
+        raise BadRecord(
+            "train.objective=kto trains on {prompt, completion, label: true|false} records (or prompt/chosen/"
+            "rejected pairs); this record has no 'label'"
+        )
+    label = renamed.pop("label")
+    if not isinstance(label, bool):
+        raise BadRecord(f"'label' must be true (a desirable completion) or false, got {label!r}")
+    kind, out, ignored, shape = normalize(renamed)
+    if shape != "prompt/completion":
+        raise BadRecord(f"train.objective=kto labels prompt/completion records, not {shape} records")
+    return kind, [(out, label)], ignored, shape
 
 
 def normalize(

@@ -48,9 +48,10 @@ class StreamedRows:
         mixing: Mixing | None = None,
         model_vocabulary: tuple[int, str] | None = None,
     ):
-        if settings.pairs:
+        if settings.pairs or settings.objective == "kto":
             raise ConfigError(
-                "data.streaming does not read preference pairs (train.objective=dpo): set it false."
+                f"data.streaming reads documents, not preference records (train.objective={settings.objective}): "
+                "set it false."
             )
         if mixing is not None:
             mixing.check(len(names))

@@ -26,7 +26,14 @@ from usaf.data.records import (
     encode_text,
     limited,
 )
-from usaf.data.shapes import EXPECTED, RECORD_KEYS, normalize, normalize_pair, possible_shapes
+from usaf.data.shapes import (
+    EXPECTED,
+    RECORD_KEYS,
+    normalize,
+    normalize_pair,
+    normalize_unpaired,
+    possible_shapes,
+)
 from usaf.data.sources import Source, progress_bars
 from usaf.data.templates import check_chat_support, encode_messages
 from usaf.engine.loss import IGNORE_INDEX
@@ -38,7 +45,7 @@ SKIP_HINT = " (skip such records with skip_bad_records / --skip-bad-records)"
 # kinds split into windows under long_documents=split: a window of a chat or a prompt/completion record would
 # train answers without their question, so those are truncated (and counted) instead
 SPLITTABLE = ("text", "input_ids")
-_ROW_COLUMNS = ("where", "input_ids", "labels", "error", "cut", "window", "ignored")
+_ROW_COLUMNS = ("where", "input_ids", "labels", "error", "cut", "window", "ignored", "desirable")
 
 
 @dataclass
@@ -102,6 +109,7 @@ class Settings:
     split: str = "train"
     pairs: bool = False  # train.objective=dpo: each record is a chosen and a rejected document, in that order
     alpaca: str = "plain"  # alpaca records as "plain" text or "chat" (data.alpaca_format, resolved)
+    objective: str = "dpo"  # train.objective, what the records are read for where it is not sft (pairs, KTO)
 
 
 def encode_chat_completion(record: dict, tokenizer) -> tuple[list[int], list[int]]:
@@ -210,7 +218,7 @@ class Encoder:
 
     def encode_pair(self, where: str, record: object) -> tuple[list, int, list[str]]:
         """A preference pair: the chosen document, then the rejected one, each truncated (never split)."""
-        kind, chosen, rejected, ignored, shape = normalize_pair(record, self.columns)
+        kind, chosen, rejected, ignored, shape = normalize_pair(record, self.columns, self.settings.objective)
         self._check_tokenizer(where, kind)
         documents, cut = [], 0
         for name, part in (("chosen", chosen), ("rejected", rejected)):
@@ -248,7 +256,26 @@ class Encoder:
         if kind in ("messages", "chat completion"):
             check_chat_support(tokenizer, where)
 
+    def encode_unpaired(self, where: str, record: object) -> tuple[list, int, list[str]]:
+        """KTO's records (`normalize_unpaired`): one document each, truncated (never split), with its label."""
+        kind, parts, ignored, shape = normalize_unpaired(record, self.columns)
+        self._check_tokenizer(where, kind)
+        documents, cut = [], 0
+        for part, desirable in parts:
+            with limited(self.text_limit(kind)) as limit:
+                ids, labels = ENCODERS[kind](part, self.tokenizer)
+            labels[0] = IGNORE_INDEX
+            (document,), dropped = fit(ids, labels, kind, self.settings)
+            dropped += limit.dropped_tokens(len(ids)) if limit is not None else 0
+            cut += dropped
+            if all(label == IGNORE_INDEX for label in document[1]):
+                raise BadRecord(f"the completion has no supervised tokens{self._after_truncation(dropped)}")
+            documents.append((*document, desirable))
+        return documents, cut, [f"{shape}:{key}" for key in sorted({*ignored, *self.unused})]
+
     def encode(self, where: str, record: object) -> tuple[list, int, list[str]]:
+        if self.settings.objective == "kto":
+            return self.encode_unpaired(where, record)
         if self.settings.pairs:
             return self.encode_pair(where, record)
         kind, record, ignored, shape = normalize(record, self.columns, self.settings.alpaca)
@@ -266,9 +293,9 @@ class Encoder:
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         out = {column: [] for column in _ROW_COLUMNS}
 
-        def add(where, ids, labels, error="", cut=0, window=-1, ignored=""):
+        def add(where, ids, labels, error="", cut=0, window=-1, ignored="", desirable=True):
             for column, value in zip(
-                _ROW_COLUMNS, (where, ids, labels, error, cut, window, ignored), strict=True
+                _ROW_COLUMNS, (where, ids, labels, error, cut, window, ignored, desirable), strict=True
             ):
                 out[column].append(value)
 
@@ -284,15 +311,17 @@ class Encoder:
                     raise DataError(f"{where}: {problem}{SKIP_HINT}") from None
                 add(where, [], [], error=str(problem))  # counted and quoted by read_documents
                 continue
-            for number, (ids, labels) in enumerate(windows):
+            split = len(windows) > 1 and not self.settings.pairs and self.settings.objective != "kto"
+            for number, (ids, labels, *desirable) in enumerate(windows):
                 # window -1: a whole record; 0, 1, ...: the windows of a split one
                 add(
                     where,
                     ids,
                     labels,
                     cut=cut,
-                    window=number if len(windows) > 1 and not self.settings.pairs else -1,
+                    window=number if split else -1,
                     ignored=",".join(ignored),
+                    desirable=desirable[0] if desirable else True,  # KTO's label; True for the others
                 )
         return out
 
@@ -326,6 +355,8 @@ def cache_fingerprint(source: Source, tokenizer_digest: str, settings: Settings)
     fields = asdict(settings)
     if fields["alpaca"] == "plain":  # as before the option: the caches of earlier runs stay theirs
         del fields["alpaca"]
+    if fields["objective"] != "kto":  # only KTO's labelled rows differ; the others' caches stay theirs
+        del fields["objective"]
     parts = [__version__, source.fingerprint, source.name, tokenizer_digest, json.dumps(fields)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
@@ -374,6 +405,7 @@ def tokenize_source(
             "cut": datasets.Value("int64"),
             "window": datasets.Value("int32"),
             "ignored": datasets.Value("string"),
+            "desirable": datasets.Value("bool"),
         }
     )
     drop_torn(folder.glob(f"{fingerprint}*.arrow"))  # its shards too, under num_proc
@@ -397,6 +429,7 @@ class Documents:
     ids: list[list[int]] = field(default_factory=list)
     labels: list[list[int]] = field(default_factory=list)
     records: list[str] = field(default_factory=list)  # the record each came from (windows share one)
+    desirable: list[bool] = field(default_factory=list)  # train.objective=kto: each document's label
 
 
 def _note(ignored: set[str]) -> list[str]:
@@ -495,5 +528,6 @@ def read_documents(
         documents.ids += good["input_ids"].to_pylist()
         documents.labels += good["labels"].to_pylist()
         documents.records += good["where"].to_pylist()
+        documents.desirable += good["desirable"].to_pylist()
     stats.notes = sorted(set(stats.notes) | set(_note(ignored)))
     return documents

@@ -30,14 +30,6 @@ def _token_logps(
     return torch.gather(logits.log_softmax(-1), 1, targets.unsqueeze(1)).squeeze(1)
 
 
-def sequence_logps(
-    model: torch.nn.Module, input_ids, labels, position_ids=None, chunk_tokens: int = 1024
-) -> torch.Tensor:
-    """[batch] sums of log p(token) over each row's labelled tokens (labels aligned with the inputs)."""
-    per_token, rows = token_logps(model, input_ids, labels, position_ids, chunk_tokens)
-    return per_token.new_zeros(labels.shape[0]).index_add_(0, rows, per_token)
-
-
 def token_logps(
     model: torch.nn.Module,
     input_ids,
@@ -45,9 +37,10 @@ def token_logps(
     position_ids=None,
     chunk_tokens: int = 1024,
     temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(token) of every labelled token (labels aligned with the inputs), in row-major order, and the row each
-    is in; `temperature` divides the logits first (GRPO scores its samples at the temperature they were drawn at)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p(token) of every labelled token in row-major order, the row each is in, the [batch, seq - 1] mask of
+    labelled targets), labels aligned with the inputs; `temperature` divides the logits first (GRPO scores its
+    samples at the temperature they were drawn at)."""
     out = decoder_body(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     hidden = out.last_hidden_state[:, :-1, :]
     targets = labels[:, 1:]
@@ -63,7 +56,16 @@ def token_logps(
             )
         else:
             pieces.append(_token_logps(hidden[part], targets[part], head, temperature))
-    return (torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)), rows
+    per_token = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+    return per_token, rows, keep
+
+
+def sequence_logps(
+    model: torch.nn.Module, input_ids, labels, position_ids=None, chunk_tokens: int = 1024
+) -> torch.Tensor:
+    """[batch] sums of log p(token) over each row's labelled tokens (labels aligned with the inputs)."""
+    per_token, rows, _ = token_logps(model, input_ids, labels, position_ids, chunk_tokens)
+    return per_token.new_zeros(labels.shape[0]).index_add_(0, rows, per_token)
 
 
 @dataclass
@@ -81,7 +83,9 @@ class PreferenceResult:
 
 def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tuple[torch.Tensor, ...]:
     """Per pair: the sigmoid DPO loss -log σ(β((π_c − ref_c) − (π_r − ref_r))) and the implicit rewards
-    β(π − ref) of the chosen and the rejected answers (`policy`, `reference`: [chosen..., rejected...])."""
+    β(π − ref) of the chosen and the rejected answers (`policy`, `reference`: [chosen..., rejected...]).
+    Written here: TRL 1.16 computes it inline in `DPOTrainer._compute_loss`, with no function to call
+    (`usaf.engine.trl_preference` calls TRL's where it has one); tests/train/test_preference_trl.py checks it equals."""
     chosen, rejected = policy.chunk(2)
     ref_chosen, ref_rejected = reference.chunk(2)
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected

@@ -244,8 +244,8 @@ class GroupRelative:
         reference = None
         if train.grpo_beta:
             with torch.no_grad(), base_weights(model):
-                reference, _ = token_logps(*inputs, temperature=train.temperature)
-        policy, rows = token_logps(*inputs, temperature=train.temperature)
+                reference, _, _ = token_logps(*inputs, temperature=train.temperature)
+        policy, rows, _ = token_logps(*inputs, temperature=train.temperature)
         ratio = torch.exp(policy - policy.detach())  # 1 in value, the policy's gradient
         per_token = -ratio * batch["advantages"][rows]
         if reference is not None:

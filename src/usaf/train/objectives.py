@@ -22,6 +22,7 @@ import torch
 
 from usaf.engine.loss import causal_lm_loss
 from usaf.engine.preference import preference_loss
+from usaf.engine.trl_preference import kto_loss, orpo_loss, simpo_loss
 from usaf.errors import ConfigError
 from usaf.registry import OBJECTIVES
 from usaf.train.evaluate import supervised_units
@@ -86,5 +87,86 @@ class Preference:
         return {"rewards/margins": margin_sum / supervised, "rewards/accuracies": ahead / supervised}
 
 
+def _no_prefix_cache(train, name: str) -> None:
+    if train.prefix_cache != "off":
+        raise ConfigError(
+            f"train.prefix_cache caches one forward per row; train.objective={name} needs it off."
+        )
+
+
+def _means(extras: list, total: Callable) -> dict:
+    """{TRL's metric name: its mean over the step's units on all ranks}, from each micro-batch's
+    {name: (sum, count)}."""
+    names = list(extras[0])
+    sums = [float(sum(extra[name][0] for extra in extras)) for name in names]
+    counts = [sum(extra[name][1] for extra in extras) for name in names]
+    totals = total(*sums, *counts)
+    return {name: totals[i] / max(totals[len(names) + i], 1) for i, name in enumerate(names)}
+
+
+class OddsRatio:
+    """orpo: ORPO over preference pairs (TRL's ORPOTrainer loss), no reference: the chosen rows' next-token loss
+    less train.orpo_beta times the log-sigmoid of the answers' log odds ratio."""
+
+    name, pairs, reference_forward = "orpo", True, False
+
+    def check(self, train) -> None:
+        _no_prefix_cache(train, self.name)
+
+    def loss_sum(self, model, batch: dict, train) -> tuple[torch.Tensor, dict]:
+        return orpo_loss(model, batch, train.orpo_beta, train.logits_chunk_tokens)
+
+    def supervised_units(self, batch: dict) -> int:
+        return supervised_units(batch, pairs=True)
+
+    def step_metrics(self, extras: list, supervised: int, total: Callable) -> dict:
+        return _means(extras, total)
+
+
+class SimplePreference(OddsRatio):
+    """simpo: SimPO over preference pairs (TRL's CPOTrainer with loss_type="simpo"), no reference: the answers'
+    length-normalized log-probabilities against a margin train.simpo_gamma, plus train.cpo_alpha times the chosen
+    answers' next-token loss."""
+
+    name = "simpo"
+
+    def loss_sum(self, model, batch: dict, train) -> tuple[torch.Tensor, dict]:
+        return simpo_loss(
+            model, batch, train.simpo_beta, train.simpo_gamma, train.cpo_alpha, train.logits_chunk_tokens
+        )
+
+
+class Unpaired:
+    """kto: KTO (TRL's KTOTrainer loss), the base itself the reference, on rows labelled desirable or not
+    (`usaf.data.pairs.LabelledRows`: {prompt, completion, label} records, and preference pairs unpaired as TRL
+    unpairs them); its units are rows."""
+
+    name, pairs, reference_forward = "kto", False, True
+
+    def check(self, train) -> None:
+        _no_prefix_cache(train, self.name)
+
+    def loss_sum(self, model, batch: dict, train) -> tuple[torch.Tensor, dict]:
+        return kto_loss(
+            model,
+            batch,
+            batch["label"],
+            train.kto_beta,
+            train.kto_desirable_weight,
+            train.kto_undesirable_weight,
+            train.logits_chunk_tokens,
+        )
+
+    def supervised_units(self, batch: dict) -> int:
+        return batch["input_ids"].shape[0]
+
+    def step_metrics(self, extras: list, supervised: int, total: Callable) -> dict:
+        means = _means(extras, total)
+        return {**means, "rewards/margins": means["rewards/chosen"] - means["rewards/rejected"]}
+
+
 OBJECTIVES.register(NextToken())
 OBJECTIVES.register(Preference())
+OBJECTIVES.register(OddsRatio())
+OBJECTIVES.register(SimplePreference())
+OBJECTIVES.register(Unpaired())

@@ -1,0 +1,130 @@
+"""`usaf train --set train.objective=orpo|simpo|kto` on the bundled preference pairs and on KTO's unpaired
+records: a few steps, TRL's metric names in metrics.jsonl, one-line errors for data of the wrong shape, and what
+`usaf plan` counts of each."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import FAST_RUN, make_model_dir
+
+import usaf
+from usaf.cli import main
+from usaf.data import Batches, load_dataset
+from usaf.data.pairs import LabelledRows
+from usaf.train.tokenizer import char_tokenizer
+
+BUNDLED_PAIRS = Path(usaf.__file__).parent / "demo_assets" / "data" / "preference_train.jsonl"
+METRICS = {
+    "orpo": {"nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/margins", "rewards/accuracies"},
+    "simpo": {"nll_loss", "rewards/margins", "rewards/accuracies", "logps/chosen"},
+    "kto": {"kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/rejected"},
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("objectives") / "model")
+
+
+def train(model, data, out, *sets) -> int:
+    options = [*FAST_RUN, "schedule.max_steps=2", "data.eval_fraction=0.02", *sets]
+    return main(
+        ["train", f"--model={model}", f"--data={data}", f"--out={out}", *[f"--set={s}" for s in options]]
+    )
+
+
+def metric_rows(run) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "loss" in row]
+
+
+@pytest.mark.slow  # a whole run each (selection, evaluation, checkpoint): 5-40 s on a busy 2-core CPU
+@pytest.mark.parametrize("objective", ["orpo", "simpo", "kto"])
+def test_each_objective_trains_on_the_bundled_pairs(model, tmp_path, objective):
+    assert train(model, BUNDLED_PAIRS, tmp_path / "run", f"train.objective={objective}") == 0
+    rows = metric_rows(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(METRICS[objective] <= set(row) for row in rows)
+
+
+@pytest.mark.slow
+def test_kto_trains_on_unpaired_records(model, tmp_path):
+    data = tmp_path / "unpaired.jsonl"
+    words = ["abcde", "fedcb", "bead", "faced", "cabbed", "dabbe"] * 4
+    data.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": f"copy {w} ->", "completion": f" {w if i % 3 else w[::-1]}", "label": bool(i % 3)}
+            )
+            + "\n"
+            for i, w in enumerate(words)
+        )
+    )
+    assert train(model, data, tmp_path / "run", "train.objective=kto") == 0
+    rows = metric_rows(tmp_path / "run")
+    assert len(rows) == 2 and all(row["tokens"] > 0 and "kl" in row for row in rows)
+
+
+@pytest.mark.parametrize(
+    "objective, record, says",
+    [
+        ("kto", {"prompt": "a", "completion": "b"}, "this record has no 'label'"),
+        ("kto", {"prompt": "a", "completion": "b", "label": "yes"}, "'label' must be true"),
+        ("kto", {"messages": [{"role": "user", "content": "x"}], "label": True}, "not messages records"),
+        (
+            "orpo",
+            {"prompt": "a", "completion": "b"},
+            "orpo trains on preference pairs (prompt/chosen/rejected)",
+        ),
+        ("simpo", {"text": "a"}, "simpo trains on preference pairs"),
+    ],
+)
+def test_data_of_the_wrong_shape_is_one_line(model, tmp_path, capsys, objective, record, says):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(
+        json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"}) + "\n" + json.dumps(record) + "\n"
+    )
+    assert train(model, data, tmp_path / "run", f"train.objective={objective}") == 2
+    err = capsys.readouterr().err
+    assert f"{data}:2: " in err and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_planner_counts_each_objectives_rows_and_passes(tmp_path, capsys):
+    example = Path(__file__).resolve().parents[2] / "examples" / "configs" / "olmoe-1b-7b.yaml"
+    config = yaml.safe_load(example.read_text())
+    shown = {}
+    for objective in ("sft", "orpo", "kto"):
+        path = tmp_path / f"{objective}.yaml"
+        path.write_text(
+            yaml.safe_dump({**config, "train": {**config.get("train", {}), "objective": objective}})
+        )
+        assert main(["plan", "--config", str(path), "--device", "rtx-3060-12gb", "--ram", "32GB"]) == 0
+        shown[objective] = capsys.readouterr().out
+    batch = config["data"]["batch_size"]
+    assert f"x batch {2 * batch}," in shown["orpo"] and f"x batch {batch}," in shown["kto"]
+    assert "fourth pass" not in shown["orpo"] and "the reference forward is a fourth pass" in shown["kto"]
+    step = {k: float(re.search(r"step ~ ([\d.]+) s", v).group(1)) for k, v in shown.items()}
+    assert step["kto"] > step["sft"]  # the reference forward
+
+
+def test_kto_reads_pairs_unpaired_and_labelled_records_as_labelled_rows(tmp_path):
+    data = tmp_path / "mixed.jsonl"
+    records = [
+        {"prompt": "copy ab ->", "chosen": " ab", "rejected": " ba"},
+        {"prompt": "copy cd ->", "completion": " dc", "label": False},
+        {"prompt": "copy ef ->", "completion": " ef", "label": True},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer = char_tokenizer()
+    rows, _, _ = load_dataset([str(data)], tokenizer, 32, eval_fraction=0.0, objective="kto")
+    assert isinstance(rows, LabelledRows) and len(rows) == 4
+    batch = next(iter(Batches(rows, 4, shuffle=False)))
+    answers = [
+        tokenizer.decode(ids[labels != -100][:-1])
+        for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True)
+    ]
+    assert answers == [" ab", " ba", " dc", " ef"]
+    assert batch["label"].tolist() == [True, False, False, True]
