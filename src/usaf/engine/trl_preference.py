@@ -12,20 +12,29 @@ loop divides by the step's units, and `metrics`: {TRL's metric name: (sum, count
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from trl.import_utils import suppress_experimental_warning
 
 from usaf.engine.base_weights import base_weights
 from usaf.engine.loss import IGNORE_INDEX
 from usaf.engine.preference import sequence_logps, token_logps
 
-# TRL keeps ORPO and CPO under trl.experimental, whose import warns on every run; TRL's own helper silences it
-with suppress_experimental_warning():
-    from trl.experimental.cpo.cpo_trainer import CPOTrainer
-    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+@functools.cache
+def _trl_trainers() -> SimpleNamespace:
+    """TRL's ORPOTrainer and CPOTrainer, imported on first use: importing them takes seconds (peft, the Trainer),
+    which only the runs that train with them should pay. TRL keeps them under trl.experimental, whose import warns
+    on every run; TRL's own helper silences it."""
+    from trl.import_utils import suppress_experimental_warning
+
+    with suppress_experimental_warning():
+        from trl.experimental.cpo.cpo_trainer import CPOTrainer
+        from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+    return SimpleNamespace(orpo=ORPOTrainer, cpo=CPOTrainer)
+
 
 Metrics = dict[str, tuple[torch.Tensor, int]]
 
@@ -91,7 +100,7 @@ def orpo_loss(model, batch: dict, beta: float, chunk_tokens: int = 1024) -> tupl
     nll = -all_sum[:pairs].sum() / all_tokens[:pairs].sum()
     trainer = _trainer_self(chosen.device, beta=beta)
     ratio_losses, chosen_rewards, rejected_rewards, log_odds_ratio, log_odds_chosen = (
-        ORPOTrainer.odds_ratio_loss(trainer, chosen, rejected)
+        _trl_trainers().orpo.odds_ratio_loss(trainer, chosen, rejected)
     )
     metrics = _reward_metrics(chosen_rewards, rejected_rewards, mean_logps)
     metrics["nll_loss"] = (nll.detach() * pairs, pairs)
@@ -112,7 +121,7 @@ def simpo_loss(
     trainer = _trainer_self(
         chosen.device, alpha=0.0, loss_type="simpo", beta=beta, simpo_gamma=gamma, label_smoothing=0.0
     )
-    losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(trainer, chosen, rejected)
+    losses, chosen_rewards, rejected_rewards = _trl_trainers().cpo.cpo_loss(trainer, chosen, rejected)
     loss_sum = losses.sum()
     metrics = _reward_metrics(chosen_rewards, rejected_rewards, mean_logps)
     if cpo_alpha:
