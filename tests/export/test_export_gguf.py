@@ -38,6 +38,8 @@ def test_gguf_is_the_converters_file_of_the_merged_export(ws, llama_cpp, tmp_pat
         not Path(seen["merged"]).exists() and leftovers(tmp_path) == []
     )  # the scratch merged folder is gone
     assert f"gguf: {out}" in capsys.readouterr().out
+    # general.name is what the base and the run are called, not the scratch folder's name
+    assert seen["name"] == f"{ws.base.name}-{ws.finished.name}"
 
 
 def test_gguf_beside_merged_converts_that_folder(ws, llama_cpp, tmp_path, monkeypatch):
@@ -74,7 +76,7 @@ def test_a_missing_converter_is_said_before_any_work(ws, tmp_path, capsys, monke
     assert main(["export", str(ws.finished), f"--gguf={out}", f"--llama-cpp={tmp_path}"]) == 2
     assert "holds no convert_hf_to_gguf.py" in capsys.readouterr().err
     assert main(["export", str(ws.finished), f"--gguf={out}", "--llama-cpp=x", "--outtype=q4"]) == 2
-    assert "--outtype must be one of f16, bf16, q8_0, f32" in capsys.readouterr().err
+    assert "--outtype must be one of f16, bf16, q8_0, f32, q4_k_m" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -83,3 +85,65 @@ def test_gguf_never_replaces_another_file(ws, llama_cpp, tmp_path, capsys):
     out.write_text("mine")
     assert main(["export", str(ws.finished), f"--gguf={out}", f"--llama-cpp={llama_cpp}", "--force"]) == 2
     assert "is not a GGUF file" in capsys.readouterr().err and out.read_text() == "mine"
+
+
+def test_model_name_can_be_given(ws, llama_cpp, tmp_path):
+    out = tmp_path / "model.gguf"
+    args = ["export", str(ws.finished), f"--gguf={out}", f"--llama-cpp={llama_cpp}", "--model-name=My Tune 7B"]
+    assert main(args) == 0
+    assert json.loads((llama_cpp / "seen.json").read_text())["name"] == "My Tune 7B"
+
+
+def test_a_k_quant_is_llama_quantize_on_a_16_bit_conversion(ws, tmp_path, capsys):
+    llama_cpp = fake_llama_cpp(tmp_path / "llama.cpp", quantize=True)
+    out = tmp_path / "out" / "model.gguf"
+    args = ["export", str(ws.finished), f"--gguf={out}", f"--llama-cpp={llama_cpp}", "--outtype=q4_k_m"]
+    assert main(args) == 0
+    seen = json.loads((llama_cpp / "seen.json").read_text())
+    assert seen["outtype"] == "f16"  # the converter wrote the 16-bit file that llama-quantize read
+    assert out.read_bytes() == b"GGUFQ4_K_M:GGUF" + seen["digest"].encode()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["Modelfile", "model.gguf"]  # no intermediate left
+    printed = capsys.readouterr().out
+    assert "q4_k_m" in printed and "llama-quantize" in printed
+
+
+def test_a_missing_llama_quantize_is_said_before_any_work(ws, llama_cpp, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LLAMA_QUANTIZE", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    out = tmp_path / "out" / "model.gguf"
+    args = ["export", str(ws.finished), f"--gguf={out}", f"--llama-cpp={llama_cpp}", "--outtype=q5_k_m"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "llama-quantize, which was not found" in err and "cmake" in err and len(err.strip().splitlines()) == 1
+    assert not out.parent.exists() and not (llama_cpp / "seen.json").exists()
+    monkeypatch.setenv("LLAMA_QUANTIZE", str(tmp_path / "none"))
+    assert main(args) == 2
+    assert "LLAMA_QUANTIZE=" in capsys.readouterr().err
+
+
+def test_a_failing_llama_quantize_leaves_nothing(ws, tmp_path, capsys, monkeypatch):
+    llama_cpp = fake_llama_cpp(tmp_path / "llama.cpp")
+    broken = tmp_path / "llama-quantize"
+    broken.write_text("#!/bin/sh\necho 'main: invalid ftype' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("LLAMA_QUANTIZE", str(broken))
+    out = tmp_path / "out" / "model.gguf"
+    args = ["export", str(ws.finished), f"--gguf={out}", f"--llama-cpp={llama_cpp}", "--outtype=q6_k"]
+    assert main(args) == 2
+    assert "llama.cpp's llama-quantize failed (main: invalid ftype)" in capsys.readouterr().err
+    assert sorted(p.name for p in out.parent.iterdir()) == []  # neither the GGUF nor the 16-bit intermediate
+
+
+def test_the_modelfile_carries_the_models_template_and_stop_tokens(ws, llama_cpp, tmp_path, capsys):
+    out = tmp_path / "model.gguf"
+    assert main(["export", str(ws.finished), f"--gguf={out}", f"--llama-cpp={llama_cpp}"]) == 0
+    text = (tmp_path / "Modelfile").read_text()
+    assert "FROM ./model.gguf" in text and 'PARAMETER stop "<eos>"' in text
+    # the char tokenizer's template, `<|role|>content<eos>` per message, in Go template syntax
+    assert 'eq .Role "user" }}<|user|>{{ .Content }}<eos>' in text
+    assert '{{ if and $last (ne .Role "assistant") }}<|assistant|>{{ end }}' in text
+    assert "translated to Go template syntax" in text
+    # an existing Modelfile is not replaced without --force
+    again = ["export", str(ws.finished), f"--gguf={tmp_path / 'other.gguf'}", f"--llama-cpp={llama_cpp}"]
+    assert main(again) == 2
+    assert "Modelfile exists" in capsys.readouterr().err and not (tmp_path / "other.gguf").exists()
