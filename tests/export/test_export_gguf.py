@@ -89,7 +89,13 @@ def test_gguf_never_replaces_another_file(ws, llama_cpp, tmp_path, capsys):
 
 def test_model_name_can_be_given(ws, llama_cpp, tmp_path):
     out = tmp_path / "model.gguf"
-    args = ["export", str(ws.finished), f"--gguf={out}", f"--llama-cpp={llama_cpp}", "--model-name=My Tune 7B"]
+    args = [
+        "export",
+        str(ws.finished),
+        f"--gguf={out}",
+        f"--llama-cpp={llama_cpp}",
+        "--model-name=My Tune 7B",
+    ]
     assert main(args) == 0
     assert json.loads((llama_cpp / "seen.json").read_text())["name"] == "My Tune 7B"
 
@@ -114,7 +120,9 @@ def test_a_missing_llama_quantize_is_said_before_any_work(ws, llama_cpp, tmp_pat
     args = ["export", str(ws.finished), f"--gguf={out}", f"--llama-cpp={llama_cpp}", "--outtype=q5_k_m"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "llama-quantize, which was not found" in err and "cmake" in err and len(err.strip().splitlines()) == 1
+    assert (
+        "llama-quantize, which was not found" in err and "cmake" in err and len(err.strip().splitlines()) == 1
+    )
     assert not out.parent.exists() and not (llama_cpp / "seen.json").exists()
     monkeypatch.setenv("LLAMA_QUANTIZE", str(tmp_path / "none"))
     assert main(args) == 2
