@@ -1,18 +1,26 @@
 """`usaf export --gguf`: llama.cpp's converter found (--llama-cpp, $LLAMA_CPP), run on the merged export, its file
-placed only when it is one; a missing or failing converter is one line and leaves nothing behind.
+placed only when it is one; a missing or failing converter is one line and leaves nothing behind; k-quants through
+llama-quantize; the run's name as general.name; an Ollama Modelfile beside the GGUF.
 
-The converter here is a stand-in with llama.cpp's command line (no network in tests; `helpers.fake_llama_cpp`): it
-records what it was given and the merged checkpoint's bytes, so the test sees it converted exactly what `--merged`
-writes."""
+Most tests run a stand-in with llama.cpp's command line (no network in tests; `helpers.fake_llama_cpp`): it records
+what it was given and the merged checkpoint's bytes, so the test sees it converted exactly what `--merged` writes.
+The last two run llama.cpp's own converter and llama-quantize where they are installed (skipped otherwise, saying
+why), on a tiny Mixtral: the bundled demo model is a qwen3_moe, whose vocabulary llama.cpp converts only for the
+published tokenizers it knows by hash (see usaf.train.tokenizer)."""
 
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-from helpers import fake_llama_cpp
+from helpers import FAST_RUN, fake_llama_cpp, write_copy_task
 
 from usaf.cli import main
+from usaf.errors import UsafError
+from usaf.export.gguf import find_converter, find_quantize
+from usaf.testing.tiny import tiny_model
+from usaf.train.tokenizer import char_tokenizer
 
 
 @pytest.fixture
@@ -155,3 +163,80 @@ def test_the_modelfile_carries_the_models_template_and_stop_tokens(ws, llama_cpp
     again = ["export", str(ws.finished), f"--gguf={tmp_path / 'other.gguf'}", f"--llama-cpp={llama_cpp}"]
     assert main(again) == 2
     assert "Modelfile exists" in capsys.readouterr().err and not (tmp_path / "other.gguf").exists()
+
+
+# ---- llama.cpp's own converter and llama-quantize, where they are installed ------------------------------------
+
+
+def real_llama_cpp() -> tuple[Path, Path | None]:
+    """llama.cpp's converter (--llama-cpp's search: $LLAMA_CPP, PATH, llama-cpp-python's vendor folder) and its
+    llama-quantize if built; the test is skipped, saying why, where the converter or what it imports is missing."""
+    pytest.importorskip("gguf", reason="reading the GGUF needs the gguf package (pip install gguf)")
+    try:
+        converter = find_converter(None)
+    except UsafError as err:
+        pytest.skip(f"llama.cpp is not installed: {err}")
+    if importlib.util.find_spec("sentencepiece") is None:
+        pytest.skip("llama.cpp's converter imports sentencepiece (its requirements-convert_hf_to_gguf.txt)")
+    try:
+        return converter, find_quantize(converter)
+    except UsafError:
+        return converter, None
+
+
+@pytest.fixture(scope="module")
+def mixtral_run(tmp_path_factory):
+    """A short usaf run on a tiny Mixtral whose character tokenizer is spelled as a Llama vocabulary (the layout
+    llama.cpp's converter reads without a known pre-tokenizer hash; see usaf.train.tokenizer)."""
+    root = tmp_path_factory.mktemp("mixtral")
+    tokenizer = char_tokenizer(llama_vocab=True)
+    tiny_model("mixtral", vocab_size=len(tokenizer)).save_pretrained(root / "tinymix")
+    tokenizer.save_pretrained(root / "tinymix")
+    write_copy_task(root / "train.jsonl", 16)
+    run = root / "run"
+    args = ["train", f"--model={root / 'tinymix'}", f"--data={root / 'train.jsonl'}", f"--out={run}"]
+    assert main([*args, *(f"--set={s}" for s in [*FAST_RUN, "schedule.max_steps=2"])]) == 0
+    return run
+
+
+def layers(run: Path) -> int:
+    return json.loads((run.parent / "tinymix" / "config.json").read_text())["num_hidden_layers"]
+
+
+def read_gguf(path: Path) -> tuple[dict, int]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    keys = ("general.name", "general.architecture", "general.file_type", "tokenizer.ggml.add_space_prefix")
+    return {k: reader.fields[k].contents() for k in keys if k in reader.fields}, len(reader.tensors)
+
+
+@pytest.mark.slow
+def test_the_real_converter_on_an_export(mixtral_run, tmp_path):
+    real_llama_cpp()
+    out = tmp_path / "tinymix.gguf"
+    assert main(["export", str(mixtral_run), f"--gguf={out}", "--outtype=f16"]) == 0
+    fields, tensors = read_gguf(out)
+    assert fields["general.name"] == "tinymix-run" and fields["general.architecture"] == "llama"
+    assert fields["general.file_type"] == 1  # LLAMA_FTYPE_MOSTLY_F16
+    assert fields["tokenizer.ggml.add_space_prefix"] is False  # the text is tokenized as transformers does
+    # llama.cpp's tensors: embedding, output norm and head, and per layer 4 attention, 2 norms, the router and
+    # the experts' gate, up and down stacked
+    assert tensors == 3 + 10 * layers(mixtral_run)
+    assert "FROM ./tinymix.gguf" in (tmp_path / "Modelfile").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "tinymix.gguf"]
+
+
+@pytest.mark.slow
+def test_the_real_llama_quantize_writes_a_k_quant(mixtral_run, tmp_path):
+    _, quantize = real_llama_cpp()
+    if quantize is None:
+        pytest.skip(
+            "llama.cpp's llama-quantize is not built (build/bin beside the converter, PATH, $LLAMA_QUANTIZE)"
+        )
+    out = tmp_path / "tinymix-q4_k_m.gguf"
+    assert main(["export", str(mixtral_run), f"--gguf={out}", "--outtype=q4_k_m", "--model-name=tiny"]) == 0
+    fields, tensors = read_gguf(out)
+    assert fields["general.name"] == "tiny" and fields["general.file_type"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert tensors == 3 + 10 * layers(mixtral_run)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "tinymix-q4_k_m.gguf"]
