@@ -240,3 +240,14 @@ def test_the_real_llama_quantize_writes_a_k_quant(mixtral_run, tmp_path):
     assert fields["general.name"] == "tiny" and fields["general.file_type"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     assert tensors == 3 + 10 * layers(mixtral_run)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "tinymix-q4_k_m.gguf"]
+
+
+def test_the_llama_vocabulary_tokenizes_as_the_plain_one(tmp_path):
+    plain, llama = char_tokenizer(), char_tokenizer(llama_vocab=True)
+    llama.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert saved["model"]["byte_fallback"] is True and "\u2581" in saved["model"]["vocab"]
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["add_prefix_space"] is False
+    for text in ("shift: abc -> bcd", " two  spaces\nand é", "<|user|>hi<eos>"):
+        ids = plain(text).input_ids
+        assert llama(text).input_ids == ids and llama.decode(ids) == plain.decode(ids)
