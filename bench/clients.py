@@ -76,7 +76,7 @@ def llama_cpp_logprobs(gguf: Path, prompts: list[str]) -> list[tuple[list[int], 
     import numpy as np
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(gguf), n_ctx=128, logits_all=True, n_threads=1, verbose=False)
+    llm = Llama(model_path=str(gguf), n_ctx=64, logits_all=True, n_threads=1, verbose=False)
     found = []
     for text in prompts:
         ids = llm.tokenize(text.encode(), add_bos=True, special=False)

@@ -4,9 +4,8 @@ llama-quantize; the run's name as general.name; an Ollama Modelfile beside the G
 
 Most tests run a stand-in with llama.cpp's command line (no network in tests; `helpers.fake_llama_cpp`): it records
 what it was given and the merged checkpoint's bytes, so the test sees it converted exactly what `--merged` writes.
-The last two run llama.cpp's own converter and llama-quantize where they are installed (skipped otherwise, saying
-why), on a tiny Mixtral: the bundled demo model is a qwen3_moe, whose vocabulary llama.cpp converts only for the
-published tokenizers it knows by hash (see usaf.train.tokenizer)."""
+Two run llama.cpp's own converter and llama-quantize where they are installed (skipped otherwise, saying why), on
+an export of the bundled demo model."""
 
 import hashlib
 import importlib.util
@@ -14,13 +13,14 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import FAST_RUN, fake_llama_cpp, write_copy_task
+from helpers import FAST_RUN, fake_llama_cpp
 
 from usaf.cli import main
 from usaf.errors import UsafError
 from usaf.export.gguf import find_converter, find_quantize
-from usaf.testing.tiny import tiny_model
 from usaf.train.tokenizer import char_tokenizer
+
+DEMO = Path(__file__).resolve().parents[2] / "src" / "usaf" / "demo_assets"
 
 
 @pytest.fixture
@@ -116,7 +116,10 @@ def test_a_k_quant_is_llama_quantize_on_a_16_bit_conversion(ws, tmp_path, capsys
     seen = json.loads((llama_cpp / "seen.json").read_text())
     assert seen["outtype"] == "f16"  # the converter wrote the 16-bit file that llama-quantize read
     assert out.read_bytes() == b"GGUFQ4_K_M:GGUF" + seen["digest"].encode()
-    assert sorted(p.name for p in out.parent.iterdir()) == ["Modelfile", "model.gguf"]  # no intermediate left
+    assert sorted(p.name for p in out.parent.iterdir()) == [
+        "model.Modelfile",
+        "model.gguf",
+    ]  # no intermediate left
     printed = capsys.readouterr().out
     assert "q4_k_m" in printed and "llama-quantize" in printed
 
@@ -153,16 +156,18 @@ def test_a_failing_llama_quantize_leaves_nothing(ws, tmp_path, capsys, monkeypat
 def test_the_modelfile_carries_the_models_template_and_stop_tokens(ws, llama_cpp, tmp_path, capsys):
     out = tmp_path / "model.gguf"
     assert main(["export", str(ws.finished), f"--gguf={out}", f"--llama-cpp={llama_cpp}"]) == 0
-    text = (tmp_path / "Modelfile").read_text()
+    text = (tmp_path / "model.Modelfile").read_text()
     assert "FROM ./model.gguf" in text and 'PARAMETER stop "<eos>"' in text
     # the char tokenizer's template, `<|role|>content<eos>` per message, in Go template syntax
     assert 'eq .Role "user" }}<|user|>{{ .Content }}<eos>' in text
     assert '{{ if and $last (ne .Role "assistant") }}<|assistant|>{{ end }}' in text
     assert "translated to Go template syntax" in text
     # an existing Modelfile is not replaced without --force
+    (tmp_path / "other.Modelfile").write_text("mine")
     again = ["export", str(ws.finished), f"--gguf={tmp_path / 'other.gguf'}", f"--llama-cpp={llama_cpp}"]
     assert main(again) == 2
-    assert "Modelfile exists" in capsys.readouterr().err and not (tmp_path / "other.gguf").exists()
+    assert "other.Modelfile exists" in capsys.readouterr().err and not (tmp_path / "other.gguf").exists()
+    assert (tmp_path / "other.Modelfile").read_text() == "mine"
 
 
 # ---- llama.cpp's own converter and llama-quantize, where they are installed ------------------------------------
@@ -185,22 +190,17 @@ def real_llama_cpp() -> tuple[Path, Path | None]:
 
 
 @pytest.fixture(scope="module")
-def mixtral_run(tmp_path_factory):
-    """A short usaf run on a tiny Mixtral whose character tokenizer is spelled as a Llama vocabulary (the layout
-    llama.cpp's converter reads without a known pre-tokenizer hash; see usaf.train.tokenizer)."""
-    root = tmp_path_factory.mktemp("mixtral")
-    tokenizer = char_tokenizer(llama_vocab=True)
-    tiny_model("mixtral", vocab_size=len(tokenizer)).save_pretrained(root / "tinymix")
-    tokenizer.save_pretrained(root / "tinymix")
-    write_copy_task(root / "train.jsonl", 16)
-    run = root / "run"
-    args = ["train", f"--model={root / 'tinymix'}", f"--data={root / 'train.jsonl'}", f"--out={run}"]
+def demo_run(tmp_path_factory):
+    """Two steps of usaf train on the bundled demo model (a Mixtral with a character vocabulary spelled as a Llama
+    one, which llama.cpp's converter reads; see scripts/make_demo_model.py)."""
+    run = tmp_path_factory.mktemp("demo") / "run"
+    args = ["train", f"--model={DEMO / 'model'}", f"--data={DEMO / 'data' / 'train.jsonl'}", f"--out={run}"]
     assert main([*args, *(f"--set={s}" for s in [*FAST_RUN, "schedule.max_steps=2"])]) == 0
     return run
 
 
-def layers(run: Path) -> int:
-    return json.loads((run.parent / "tinymix" / "config.json").read_text())["num_hidden_layers"]
+def layers() -> int:
+    return json.loads((DEMO / "model" / "config.json").read_text())["num_hidden_layers"]
 
 
 def read_gguf(path: Path) -> tuple[dict, int]:
@@ -212,34 +212,36 @@ def read_gguf(path: Path) -> tuple[dict, int]:
 
 
 @pytest.mark.slow
-def test_the_real_converter_on_an_export(mixtral_run, tmp_path):
+def test_the_real_converter_on_an_export(demo_run, tmp_path):
     real_llama_cpp()
-    out = tmp_path / "tinymix.gguf"
-    assert main(["export", str(mixtral_run), f"--gguf={out}", "--outtype=f16"]) == 0
+    out = tmp_path / "demo.gguf"
+    assert main(["export", str(demo_run), f"--gguf={out}", "--outtype=f16"]) == 0
     fields, tensors = read_gguf(out)
-    assert fields["general.name"] == "tinymix-run" and fields["general.architecture"] == "llama"
+    assert (
+        fields["general.name"] == "model-run"
+    )  # the bundled folder is model/ and fields["general.architecture"] == "llama"
     assert fields["general.file_type"] == 1  # LLAMA_FTYPE_MOSTLY_F16
     assert fields["tokenizer.ggml.add_space_prefix"] is False  # the text is tokenized as transformers does
     # llama.cpp's tensors: embedding, output norm and head, and per layer 4 attention, 2 norms, the router and
     # the experts' gate, up and down stacked
-    assert tensors == 3 + 10 * layers(mixtral_run)
-    assert "FROM ./tinymix.gguf" in (tmp_path / "Modelfile").read_text()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "tinymix.gguf"]
+    assert tensors == 3 + 10 * layers()
+    assert "FROM ./demo.gguf" in (tmp_path / "demo.Modelfile").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.Modelfile", "demo.gguf"]
 
 
 @pytest.mark.slow
-def test_the_real_llama_quantize_writes_a_k_quant(mixtral_run, tmp_path):
+def test_the_real_llama_quantize_writes_a_k_quant(demo_run, tmp_path):
     _, quantize = real_llama_cpp()
     if quantize is None:
         pytest.skip(
             "llama.cpp's llama-quantize is not built (build/bin beside the converter, PATH, $LLAMA_QUANTIZE)"
         )
-    out = tmp_path / "tinymix-q4_k_m.gguf"
-    assert main(["export", str(mixtral_run), f"--gguf={out}", "--outtype=q4_k_m", "--model-name=tiny"]) == 0
+    out = tmp_path / "demo-q4_k_m.gguf"
+    assert main(["export", str(demo_run), f"--gguf={out}", "--outtype=q4_k_m", "--model-name=tiny"]) == 0
     fields, tensors = read_gguf(out)
     assert fields["general.name"] == "tiny" and fields["general.file_type"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-    assert tensors == 3 + 10 * layers(mixtral_run)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "tinymix-q4_k_m.gguf"]
+    assert tensors == 3 + 10 * layers()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-q4_k_m.Modelfile", "demo-q4_k_m.gguf"]
 
 
 def test_the_llama_vocabulary_tokenizes_as_the_plain_one(tmp_path):

@@ -24,7 +24,7 @@ def add_arguments(parser) -> None:
         "--gguf",
         metavar="OUT.gguf",
         help="also convert the merged checkpoint to GGUF with llama.cpp's convert_hf_to_gguf.py (without --merged, "
-        "a temporary merged folder beside OUT.gguf, removed after), and write an Ollama Modelfile beside it",
+        "a temporary merged folder beside OUT.gguf, removed after), and write an Ollama OUT.Modelfile beside it",
     )
     default = "bf16"
     parser.add_argument(
@@ -57,11 +57,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from usaf.base.checkpoint import BaseCheckpoint
     from usaf.export.delta import run_delta_and_base, write_delta
-    from usaf.export.gguf import QUANTIZE_OUTTYPES, check_outtype, find_converter, find_quantize
     from usaf.export.merged import dequantized_note, write_merged
-    from usaf.export.ollama import FILE as MODELFILE
     from usaf.export.trainer import trainer_checkpoint_delta
-    from usaf.io.guard import DELTA, GGUF, MERGED, check_output
+    from usaf.io.guard import DELTA, MERGED, check_output
     from usaf.io.model_source import base_folder, run_folder
 
     if args.run_dir:
@@ -84,18 +82,7 @@ def run(args) -> int:
         check_output(
             args.merged, MERGED, flag="--merged", force=args.force, inputs=inputs, noun="output directory"
         )
-    converter = quantize = None
-    if args.gguf:
-        check_output(args.gguf, GGUF, flag="--gguf", force=args.force, inputs=inputs, noun="output file")
-        if (modelfile := Path(args.gguf).parent / MODELFILE).exists() and not args.force:
-            raise UsafError(
-                f"{modelfile} exists (the Modelfile --gguf writes beside it); pass --force to replace it."
-            )
-        check_outtype(args.outtype)
-        # before any work: a missing converter or llama-quantize is said at once
-        converter = find_converter(args.llama_cpp)
-        if args.outtype in QUANTIZE_OUTTYPES:
-            quantize = find_quantize(converter)
+    converter, quantize = _gguf_tools(args, inputs) if args.gguf else (None, None)
     if args.from_trainer:
         if args.run_dir:
             raise ConfigError("give either RUN_DIR or --from-trainer CKPT_DIR, not both.")
@@ -122,6 +109,23 @@ def run(args) -> int:
     if args.run_dir:
         print(_which_step(Path(args.run_dir), delta))
     return 0
+
+
+def _gguf_tools(args, inputs):
+    """llama.cpp's converter and, for its types, llama-quantize, found before any work (a missing one is said at
+    once), once the GGUF and its Modelfile are known to be writable."""
+    from usaf.export.gguf import QUANTIZE_OUTTYPES, check_outtype, find_converter, find_quantize
+    from usaf.export.ollama import modelfile_path
+    from usaf.io.guard import GGUF, check_output
+
+    check_output(args.gguf, GGUF, flag="--gguf", force=args.force, inputs=inputs, noun="output file")
+    if (modelfile := modelfile_path(Path(args.gguf))).exists() and not args.force:
+        raise UsafError(
+            f"{modelfile} exists (the Modelfile --gguf writes beside it); pass --force to replace it."
+        )
+    check_outtype(args.outtype)
+    converter = find_converter(args.llama_cpp)
+    return converter, find_quantize(converter) if args.outtype in QUANTIZE_OUTTYPES else None
 
 
 def _write_gguf(args, base, delta, converter, quantize) -> None:

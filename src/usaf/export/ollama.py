@@ -1,4 +1,5 @@
-"""An Ollama `Modelfile` beside a GGUF: FROM the file, the model's chat template as a Go template, its stop tokens.
+"""An Ollama Modelfile beside a GGUF (OUT.gguf's is OUT.Modelfile, so that several GGUFs share a folder): FROM the
+file, the model's chat template as a Go template, its stop tokens.
 
 Ollama's TEMPLATE is a Go template over `.Messages` (each with `.Role` and `.Content`), not Jinja, and arbitrary Jinja
 cannot be translated faithfully. Most chat templates, though, wrap each message in a fixed prefix and suffix by role
@@ -17,7 +18,6 @@ from pathlib import Path
 from usaf.io.atomic import atomic_file
 from usaf.model.hf import load_tokenizer
 
-FILE = "Modelfile"
 ROLES = ("system", "user", "assistant")
 CONTENT = "\x1fusaf-content\x1f"  # a marker no template writes itself
 CHECK = [
@@ -145,7 +145,7 @@ def modelfile(model_dir: Path, gguf: Path) -> str:
             "translated to Go template syntax and the tokenizer has no ChatML tokens; write the TEMPLATE by hand"
         )
     lines = [
-        f"# written by usaf export for {gguf.name}: ollama create NAME -f {FILE}",
+        f"# written by usaf export for {gguf.name}: ollama create NAME -f {modelfile_path(gguf).name}",
         f"# {note}",
         f"FROM ./{gguf.name}",
         f'TEMPLATE """{turns.go_template()}"""',
@@ -154,9 +154,13 @@ def modelfile(model_dir: Path, gguf: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def modelfile_path(gguf: Path) -> Path:
+    return Path(gguf).with_suffix(".Modelfile")
+
+
 def write_modelfile(model_dir: Path, gguf: Path) -> Path:
-    """`Modelfile` beside `gguf`, written whole or not at all."""
-    path = gguf.parent / FILE
+    """The Modelfile beside `gguf`, written whole or not at all."""
+    path = modelfile_path(gguf)
     text = modelfile(Path(model_dir), gguf)
     atomic_file(path, lambda tmp: tmp.write_text(text))
     return path
