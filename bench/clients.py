@@ -127,8 +127,8 @@ def report(results: dict, out: Path) -> None:
         f"Command: `{results['command']}`",
         "",
         f"Model: the bundled demo model ({results['model']}) after {results['steps']} steps of `usaf train` on the "
-        f"shift task, exported merged and as GGUF by llama.cpp {results['llama_cpp']} (convert_hf_to_gguf.py, "
-        "llama-quantize). Next-token log-probabilities over the whole vocabulary at every position of "
+        f"shift task, exported merged and as GGUF by llama.cpp's convert_hf_to_gguf.py and llama-quantize (the "
+        f"llama.cpp of {results['llama_cpp']}'s source package, built for this CPU). Next-token log-probabilities over the whole vocabulary at every position of "
         f"{results['texts']} held-out prompts with their answers: transformers {results['machine']['transformers']} "
         "(float32) on the merged export against llama.cpp (llama-cpp-python's bindings, CPU) on each GGUF.",
         "",
