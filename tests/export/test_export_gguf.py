@@ -18,6 +18,7 @@ from helpers import FAST_RUN, fake_llama_cpp
 from usaf.cli import main
 from usaf.errors import UsafError
 from usaf.export.gguf import find_converter, find_quantize
+from usaf.export.ollama import modelfile
 from usaf.train.tokenizer import char_tokenizer
 
 DEMO = Path(__file__).resolve().parents[2] / "src" / "usaf" / "demo_assets"
@@ -253,3 +254,15 @@ def test_the_llama_vocabulary_tokenizes_as_the_plain_one(tmp_path):
     for text in ("shift: abc -> bcd", " two  spaces\nand é", "<|user|>hi<eos>"):
         ids = plain(text).input_ids
         assert llama(text).input_ids == ids and llama.decode(ids) == plain.decode(ids)
+
+
+def test_a_template_that_cannot_be_translated_is_said_in_the_modelfile(tmp_path):
+    tokenizer = char_tokenizer()
+    # content changed by the template: no fixed per-role wrapping reproduces it, so no Go template is claimed
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | upper }}{% endfor %}"
+    )
+    tokenizer.save_pretrained(tmp_path / "model")
+    text = modelfile(tmp_path / "model", tmp_path / "m.gguf")
+    assert "NOT the model's own" in text and 'eq .Role "user" }}user: {{ .Content }}' in text
+    assert "FROM ./m.gguf" in text and 'PARAMETER stop "<eos>"' in text
