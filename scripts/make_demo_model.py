@@ -3,12 +3,16 @@
     .venv/bin/python scripts/make_demo_model.py            # rewrites src/usaf/demo_assets/{model,data}
     .venv/bin/python scripts/make_demo_model.py --out DIR  # somewhere else (DIR/model, DIR/data)
 
-A fresh qwen3_moe model (3 layers, hidden 64, 8 experts, top-2; ~0.5 M parameters, fp32, ~2 MB) is fully
+A fresh Mixtral model (3 layers, hidden 64, 8 experts, top-2; ~0.5 M parameters, fp32, ~2 MB) is fully
 trained with plain transformers/torch on the demo's pretraining skills, `copy: kqzm -> kqzm` and
 `upper: kqzm -> KQZM` (usaf.demo.task), loss on the completion only. Its attention thereby learns to fetch
 the aligned source character and its FFNs to map it; the demo's new skill, `shift: kqzm -> lran`, reuses the
 attention pattern and needs a new per-character mapping, which training only expert weights (+ routers) can
 provide.
+
+The tokenizer is usaf's character tokenizer spelled as a Llama vocabulary (`char_tokenizer(llama_vocab=True)`: the
+same ids), and the family is Mixtral, so that llama.cpp's convert_hf_to_gguf.py converts the model (for a
+qwen3_moe it takes only the published tokenizers it recognises by hash) and the demo reaches a GGUF.
 
 Deterministic: everything is seeded, the data is generated from fixed seeds, and the run uses one CPU thread
 (float reductions depend on the thread count; one thread also avoids the large slow-downs of oversubscribed
@@ -50,21 +54,22 @@ DEMO_MODEL_SHAPE = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
-    intermediate_size=128,  # unused: every layer is MoE (decoder_sparse_step=1)
-    moe_intermediate_size=96,
-    num_experts=8,
+    intermediate_size=96,  # each expert's width
+    num_local_experts=8,
     num_experts_per_tok=2,
-    norm_topk_prob=True,
     max_position_embeddings=64,
     tie_word_embeddings=False,
     router_aux_loss_coef=0.01,  # keeps all 8 experts in use, so the demo has experts worth choosing among
 )
+# Mixtral, because llama.cpp's converter reads a Llama-family model's character vocabulary as it is
+# (char_tokenizer(llama_vocab=True)); for a qwen3_moe it accepts only the published tokenizers it knows by hash.
+FAMILY = "mixtral"
 
 
 def demo_model_config(tokenizer):
     """The demo model's transformers config, for a tokenizer like `usaf.train.tokenizer.char_tokenizer()`."""
     return AutoConfig.for_model(
-        "qwen3_moe",
+        FAMILY,
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -148,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
-    tokenizer = char_tokenizer()
+    tokenizer = char_tokenizer(llama_vocab=True)
     model = build_model(tokenizer)
-    print(f"qwen3_moe: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {len(tokenizer)}")
+    print(f"{FAMILY}: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {len(tokenizer)}")
     pretrain(model, tokenizer, args.steps, args.batch_size, args.lr, args.log_every)
 
     save(model, tokenizer, args.out / "model")

@@ -217,13 +217,28 @@ if mode == "fail":
     sys.exit(1)
 digest = hashlib.sha256((merged / "model.safetensors").read_bytes()).hexdigest()
 Path(__file__).with_name("seen.json").write_text(json.dumps({"merged": str(merged), "outtype": outtype,
-    "digest": digest, "config": (merged / "config.json").is_file()}))
+    "digest": digest, "config": (merged / "config.json").is_file(), "name": args[args.index("--model-name") + 1]}))
 Path(out).write_bytes((b"NOPE" if mode == "junk" else b"GGUF") + digest.encode())
 """
 
 
-def fake_llama_cpp(folder: Path) -> Path:
-    """A llama.cpp folder whose converter is FAKE_CONVERTER (no network in tests)."""
+# a stand-in for llama.cpp's llama-quantize (INPUT OUTPUT TYPE): writes a GGUF naming the type and the input's bytes
+FAKE_QUANTIZE = """
+import sys
+from pathlib import Path
+source, out, kind = sys.argv[1:4]
+Path(out).write_bytes(b"GGUF" + kind.encode() + b":" + Path(source).read_bytes())
+"""
+
+
+def fake_llama_cpp(folder: Path, quantize: bool = False) -> Path:
+    """A llama.cpp folder whose converter is FAKE_CONVERTER (no network in tests), with FAKE_QUANTIZE built where
+    llama.cpp's cmake build puts it if `quantize`."""
     folder.mkdir(parents=True)
     (folder / "convert_hf_to_gguf.py").write_text(FAKE_CONVERTER)
+    if quantize:
+        tool = folder / "build" / "bin" / "llama-quantize"
+        tool.parent.mkdir(parents=True)
+        tool.write_text(f"#!{sys.executable}\n{FAKE_QUANTIZE}")
+        tool.chmod(0o755)
     return folder

@@ -222,7 +222,7 @@ def test_every_command_of_the_readme_table_runs(tmp_path, monkeypatch, capsys):
     them: the run by `usaf train`, the delta by `usaf export --delta`)."""
     home = users_folder(tmp_path)
     monkeypatch.chdir(home)
-    monkeypatch.setenv("LLAMA_CPP", str(fake_llama_cpp(tmp_path / "llama.cpp")))
+    monkeypatch.setenv("LLAMA_CPP", str(fake_llama_cpp(tmp_path / "llama.cpp", quantize=True)))
     monkeypatch.setattr(sys, "stdin", io.StringIO("shift: abc -> \n/exit\n"))
     value = table_values(home)
     for command in table_commands():

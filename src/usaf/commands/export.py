@@ -15,7 +15,7 @@ from usaf.files import CONFIG_FILE
 
 
 def add_arguments(parser) -> None:
-    from usaf.export.gguf import OUTTYPES
+    from usaf.export.gguf import CONVERTER_OUTTYPES, QUANTIZE_OUTTYPES
 
     parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="usaf run directory")
     parser.add_argument("--delta", metavar="OUT.safetensors", help="write a delta file")
@@ -24,15 +24,23 @@ def add_arguments(parser) -> None:
         "--gguf",
         metavar="OUT.gguf",
         help="also convert the merged checkpoint to GGUF with llama.cpp's convert_hf_to_gguf.py (without --merged, "
-        "a temporary merged folder beside OUT.gguf, removed after)",
+        "a temporary merged folder beside OUT.gguf, removed after), and write an Ollama OUT.Modelfile beside it",
     )
-    outtypes, default = (
-        f"{', '.join(OUTTYPES[:-1])} or {OUTTYPES[-1]}",
-        "bf16",
-    )  # the help says both as they are
-    parser.add_argument("--outtype", default=default, help=f"with --gguf: {outtypes} (default {default})")
+    default = "bf16"
+    parser.add_argument(
+        "--outtype",
+        default=default,
+        help=f"with --gguf: {', '.join(CONVERTER_OUTTYPES)} (by the converter), or {', '.join(QUANTIZE_OUTTYPES)} "
+        f"(the k-quants and others, by llama.cpp's llama-quantize: $LLAMA_QUANTIZE, the checkout's build/bin or "
+        f"PATH) (default {default})",
+    )
     parser.add_argument(
         "--llama-cpp", metavar="DIR", help="with --gguf: a llama.cpp checkout (default: $LLAMA_CPP, PATH)"
+    )
+    parser.add_argument(
+        "--model-name",
+        metavar="NAME",
+        help="with --gguf: the GGUF's general.name (default: the base's name, then the run folder's name)",
     )
     parser.add_argument(
         "--fp32", action="store_true", help="delta values in float32 instead of the base's dtype"
@@ -54,10 +62,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from usaf.base.checkpoint import BaseCheckpoint
     from usaf.export.delta import run_delta_and_base, write_delta
-    from usaf.export.gguf import OUTTYPES, find_converter
     from usaf.export.merged import dequantized_note, write_merged
     from usaf.export.trainer import trainer_checkpoint_delta
-    from usaf.io.guard import DELTA, GGUF, MERGED, check_output
+    from usaf.io.guard import DELTA, MERGED, check_output
     from usaf.io.model_source import base_folder, run_folder
 
     if args.run_dir:
@@ -80,14 +87,9 @@ def run(args) -> int:
         check_output(
             args.merged, MERGED, flag="--merged", force=args.force, inputs=inputs, noun="output directory"
         )
-    converter = None
-    if args.gguf:
-        check_output(args.gguf, GGUF, flag="--gguf", force=args.force, inputs=inputs, noun="output file")
-        if args.outtype not in OUTTYPES:
-            raise ConfigError(f"--outtype must be one of {', '.join(OUTTYPES)}, not {args.outtype!r}.")
-        converter = find_converter(args.llama_cpp)  # before any work: a missing converter is said at once
     if args.best and not args.run_dir:
         raise ConfigError("--best picks a checkpoint of a usaf run: give RUN_DIR.")
+    converter, quantize = _gguf_tools(args, inputs) if args.gguf else (None, None)
     if args.from_trainer:
         if args.run_dir:
             raise ConfigError("give either RUN_DIR or --from-trainer CKPT_DIR, not both.")
@@ -110,18 +112,37 @@ def run(args) -> int:
         if (note := dequantized_note(base, path)) is not None:
             print(note)
     if args.gguf:
-        _write_gguf(args, base, delta, converter)
+        _write_gguf(args, base, delta, converter, quantize)
     if args.run_dir:
         print(_which_step(Path(args.run_dir), delta, args.best))
     return 0
 
 
-def _write_gguf(args, base, delta, converter) -> None:
-    """The GGUF from --merged, or from a merged folder written beside it for the conversion and removed after."""
+def _gguf_tools(args, inputs):
+    """llama.cpp's converter and, for its types, llama-quantize, found before any work (a missing one is said at
+    once), once the GGUF and its Modelfile are known to be writable."""
+    from usaf.export.gguf import QUANTIZE_OUTTYPES, check_outtype, find_converter, find_quantize
+    from usaf.export.ollama import modelfile_path
+    from usaf.io.guard import GGUF, check_output
+
+    check_output(args.gguf, GGUF, flag="--gguf", force=args.force, inputs=inputs, noun="output file")
+    if (modelfile := modelfile_path(Path(args.gguf))).exists() and not args.force:
+        raise UsafError(
+            f"{modelfile} exists (the Modelfile --gguf writes beside it); pass --force to replace it."
+        )
+    check_outtype(args.outtype)
+    converter = find_converter(args.llama_cpp)
+    return converter, find_quantize(converter) if args.outtype in QUANTIZE_OUTTYPES else None
+
+
+def _write_gguf(args, base, delta, converter, quantize) -> None:
+    """The GGUF and its Modelfile from --merged, or from a merged folder written beside it for the conversion and
+    removed after."""
     import shutil
 
-    from usaf.export.gguf import convert
+    from usaf.export.gguf import convert, model_name
     from usaf.export.merged import write_merged
+    from usaf.export.ollama import write_modelfile
     from usaf.io.atomic import remove_stale_temporaries, temporary_name
 
     out = Path(args.gguf)
@@ -131,12 +152,16 @@ def _write_gguf(args, base, delta, converter) -> None:
         remove_stale_temporaries(out)
         scratch = temporary_name(out)
         merged = write_merged(base, delta, scratch, flag="--gguf")
+    name = args.model_name or model_name(base.dir, Path(args.run_dir) if args.run_dir else None)
     try:
-        path = convert(merged, out, args.outtype, converter)
+        path = convert(merged, out, args.outtype, converter, name, quantize)
+        modelfile = write_modelfile(merged, path)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-    print(f"gguf: {path} ({_size(path)}, {args.outtype}, by {converter})")
+    by = f"{converter} and {quantize}" if quantize else str(converter)
+    print(f"gguf: {path} ({_size(path)}, {args.outtype}, general.name {name!r}, by {by})")
+    print(f"ollama: {modelfile} (ollama create NAME -f {modelfile})")
 
 
 def _export_inputs(args) -> list[tuple[str, str | Path | None]]:

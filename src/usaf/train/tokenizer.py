@@ -14,13 +14,19 @@ markers, so `apply_chat_template(..., return_assistant_tokens_mask=True)` works.
 With `add_generation_prompt=True` the rendering ends with `<|assistant|>`.
 
 It is a `PreTrainedTokenizerFast` and round-trips through `save_pretrained` / `AutoTokenizer.from_pretrained`.
+
+`char_tokenizer(llama_vocab=True)` encodes and decodes exactly the same, with the same ids, but writes the space as
+SentencePiece's "▁" and marks the BPE byte-fallback: the layout llama.cpp's `convert_hf_to_gguf.py` reads as a
+Llama vocabulary for the Llama-family models (Mixtral), which needs no known pre-tokenizer. (The converter takes a
+GPT-2-style vocabulary only for other families, e.g. qwen3_moe, and only when the tokens of a test string hash to
+one of the published tokenizers it lists, which no small vocabulary does.)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, processors
+from tokenizers import Tokenizer, decoders, models, normalizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from usaf.errors import ConfigError, ModelError, UsafError, first_line
@@ -44,19 +50,29 @@ CHAT_TEMPLATE = (
 )
 
 
-def char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer with a chat template; `alphabet` defaults to printable ASCII + newline."""
+SPACE = "\u2581"  # SentencePiece's space
+
+
+def char_tokenizer(alphabet: str | None = None, llama_vocab: bool = False) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with a chat template; `alphabet` defaults to printable ASCII + newline;
+    `llama_vocab` spells it as a Llama (SentencePiece-style) vocabulary, same ids (see the module's text)."""
     alphabet = DEFAULT_ALPHABET if alphabet is None else alphabet
     if not alphabet or len(set(alphabet)) != len(alphabet):
         raise ConfigError("char_tokenizer: the alphabet must be a non-empty string of distinct characters.")
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + ROLE_TOKENS)}
     for char in alphabet:
-        vocab[char] = len(vocab)
+        vocab[SPACE if llama_vocab and char == " " else char] = len(vocab)
 
     # BPE without merges is exactly one token per character, and encodes ~2.5x faster than WordLevel over a
     # one-character split.
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=llama_vocab))
     backend.decoder = decoders.Fuse()  # join the characters back without separators
+    if llama_vocab:
+        # no <0xNN> tokens: a character outside the alphabet stays <unk>, as in the plain layout
+        backend.normalizer = normalizers.Replace(" ", SPACE)
+        backend.decoder = decoders.Sequence(
+            [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
     backend.add_special_tokens(list(SPECIAL_TOKENS + ROLE_TOKENS))
     backend.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
@@ -69,6 +85,8 @@ def char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         additional_special_tokens=list(ROLE_TOKENS),
         chat_template=CHAT_TEMPLATE,
+        # said in tokenizer_config.json, so that llama.cpp does not put a space before the text as SentencePiece does
+        **({"add_prefix_space": False} if llama_vocab else {}),
     )
 
 
