@@ -337,11 +337,10 @@ class TrainSection(Section):
     objective: str = option(
         "sft",
         "sft: next-token loss on the supervised tokens; dpo: preference tuning on prompt/chosen/rejected pairs, the "
-        "base itself the reference (no second model: one extra forward without gradients); grpo: completions "
-        "of {prompt} records generated and scored by train.reward_functions",
         "base itself the reference (no second model: one extra forward without gradients); orpo, simpo: TRL's "
         "ORPO and SimPO on the same pairs, no reference; kto: TRL's KTO on prompt/completion/label records (or "
-        "pairs unpaired: chosen desirable, rejected not), the base itself the reference",
+        "pairs unpaired: chosen desirable, rejected not), the base itself the reference; grpo: completions "
+        "of {prompt} records generated and scored by train.reward_functions",
         OBJECTIVES.choices(),
     )
     dpo_beta: float = option(
