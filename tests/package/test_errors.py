@@ -126,6 +126,7 @@ PLAIN = {
     # an output path the user gave: it exists, is a file, holds or lies inside an input, a link, too long
     "usaf.base.writer:_check_output": "the prepared store's --out",
     "usaf.commands.export:run": "--delta inside --merged: two outputs the user gave",
+    "usaf.commands.export:_gguf_tools": "the Modelfile beside --gguf exists",
     "usaf.commands.select:run": "the selection's .json summary exists already",
     "usaf.demo.run:run_demo": "the demo's --out exists and is not a demo run",
     "usaf.io.atomic:refuse_link": "an output that is a symbolic link",
@@ -142,7 +143,11 @@ PLAIN = {
     "usaf.io.guard:inside": "a damaged name in metadata",
     # a missing or failing external tool or package
     "usaf.export.gguf:find_converter": "llama.cpp's converter not found",
-    "usaf.export.gguf:convert.write": "llama.cpp's converter failed",
+    "usaf.export.gguf:convert.write": "llama.cpp's converter wrote no GGUF",
+    "usaf.export.gguf:convert": "a k-quant asked of convert() without llama-quantize",
+    "usaf.export.gguf:find_quantize": "llama.cpp's llama-quantize not found",
+    "usaf.export.gguf:_run": "llama.cpp's converter or llama-quantize failed",
+    "usaf.train.grpo:score": "a user's reward function that returned the wrong number of rewards",
     "usaf.report:_pyplot": "matplotlib not installed",
     "usaf.train.optim:build_optimizer": "bitsandbytes without kernels for the device",
     "usaf.train.trackers:MLflow.check": "SQLAlchemy and Alembic not installed",

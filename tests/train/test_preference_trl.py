@@ -18,6 +18,10 @@ from usaf.train.objectives import OBJECTIVES as REGISTERED  # the built-in objec
 from usaf.train.tokenizer import char_tokenizer
 
 trl = pytest.importorskip("trl")
+suppress_experimental_warning = pytest.importorskip("trl.import_utils").suppress_experimental_warning
+with suppress_experimental_warning():  # usaf imports them only when a run trains with them
+    import trl.experimental.cpo
+    import trl.experimental.orpo
 assert REGISTERED is OBJECTIVES
 
 PAIRS = [

@@ -17,9 +17,14 @@ DESCRIPTOR = Descriptor(
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hpu": "HPU"}
 
 
+# bitsandbytes logs a warning about optional CPU kernels when it is imported, and the hub kernel it then asks
+# `kernels` for logs that the hub is offline: noise for usaf's users, and bitsandbytes may be imported before this
+# module is (by accelerate, transformers), so the loggers are quieted here, at usaf's import
+for _noisy in ("bitsandbytes", "kernels"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
+
+
 def _functional():
-    # bitsandbytes logs a warning about optional CPU kernels on import; it is noise for usaf's users.
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     import bitsandbytes.functional as F
 
     return F
