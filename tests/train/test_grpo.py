@@ -57,6 +57,13 @@ def test_the_settings_grpo_cannot_run_with_are_refused():
     assert reward_function("test_grpo:lowercase") is lowercase
 
 
+def test_a_weight_that_is_no_number_is_one_line():
+    with pytest.raises(ConfigError, match=r"train\.reward_weights: the weights must be numbers") as error:
+        grpo(reward_weights=["heavy"])
+    assert "\n" not in str(error.value)
+    assert grpo(reward_weights=["-0.5"]).train.reward_weights == ["-0.5"]  # any sign, as TRL's
+
+
 def test_advantages_are_relative_to_the_group():
     rewards = torch.tensor(
         [[1.0, 0.0], [0.0, 0.0], [2.0, 2.0], [2.0, math.nan], [math.nan, math.nan], [1.0, 1.0]]

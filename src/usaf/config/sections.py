@@ -32,6 +32,14 @@ def parse_weights(weights: list) -> None:
         raise ConfigError(f"the weights must be positive numbers, e.g. [0.7, 0.3], got {weights!r}")
 
 
+def parse_numbers(values: list) -> None:
+    """train.reward_weights: numbers, any sign (as TRL's); a list option's items arrive as text."""
+    try:
+        [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise ConfigError(f"the weights must be numbers, e.g. [1.0, 0.5], got {values!r}") from None
+
+
 @dataclass(frozen=True)
 class ModelSection(Section):
     NAME = "model"
@@ -352,7 +360,9 @@ class TrainSection(Section):
         "grpo: reward functions by import path, module:function, each called as TRL calls them: "
         "fn(prompts=..., completions=..., completion_ids=..., **the records' other columns) -> list of floats",
     )
-    reward_weights: list = option([], "grpo: a weight per reward function (empty: 1 each)")
+    reward_weights: list = option(
+        [], "grpo: a weight per reward function (empty: 1 each)", parse=parse_numbers
+    )
     num_generations: int = option(
         8, "grpo: completions generated per prompt (a group: its rewards are compared)", bounds="[2, inf)"
     )

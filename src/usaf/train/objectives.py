@@ -98,7 +98,8 @@ def _means(extras: list, total: Callable) -> dict:
     """{TRL's metric name: its mean over the step's units on all ranks}, from each micro-batch's
     {name: (sum, count)}."""
     names = list(extras[0])
-    sums = [float(sum(extra[name][0] for extra in extras)) for name in names]
+    # one copy from the device for the step, not one a metric
+    sums = torch.stack([sum(extra[name][0] for extra in extras) for name in names]).tolist()
     counts = [sum(extra[name][1] for extra in extras) for name in names]
     totals = total(*sums, *counts)
     return {name: totals[i] / max(totals[len(names) + i], 1) for i, name in enumerate(names)}
