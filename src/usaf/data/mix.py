@@ -32,6 +32,19 @@ class Mixing:
                 f"data.mix_stopping must be one of {', '.join(STOPPING)}, got {self.stopping!r}."
             )
 
+    def interleave(self, parts: list):
+        """`parts` (Datasets or IterableDatasets, one a weight) drawn by `datasets.interleave_datasets` with the
+        normalized weights, the seed and the stopping strategy."""
+        import datasets
+
+        total = sum(self.weights)
+        return datasets.interleave_datasets(
+            parts,
+            probabilities=[w / total for w in self.weights],
+            seed=self.seed,
+            stopping_strategy=self.stopping,
+        )
+
 
 def _record_starts(documents: Documents) -> list[int]:
     """The index of each record's first document, and the end: a record's documents are consecutive and share
@@ -51,19 +64,14 @@ def mix(parts: list[Documents], names: list[str], mixing: Mixing) -> tuple[Docum
         datasets.Dataset.from_dict({"source": [i] * (len(s) - 1), "record": list(range(len(s) - 1))})
         for i, s in enumerate(starts)
     ]
-    total = sum(mixing.weights)
-    order = datasets.interleave_datasets(
-        draws,
-        probabilities=[w / total for w in mixing.weights],
-        seed=mixing.seed,
-        stopping_strategy=mixing.stopping,
-    )
+    order = mixing.interleave(draws)
     mixed, taken = Documents(), [0] * len(parts)
     for source, record in zip(order["source"], order["record"], strict=True):
         part, first, end = parts[source], starts[source][record], starts[source][record + 1]
         mixed.ids += part.ids[first:end]
         mixed.labels += part.labels[first:end]
         mixed.records += part.records[first:end]
+        mixed.desirable += part.desirable[first:end]  # train.objective=kto: each document's label
         taken[source] += 1
     counts = ", ".join(
         f"{count:,} of {name}'s {len(s) - 1:,}" for count, name, s in zip(taken, names, starts, strict=True)

@@ -24,7 +24,7 @@ from usaf.data.batches import Batches, collate
 from usaf.data.mix import Mixing
 from usaf.data.pack import TokenizedDataset
 from usaf.data.sources import Source, stream_source
-from usaf.data.tokenize import DataStats, Encoder, Settings, tokenizer_fingerprint
+from usaf.data.tokenize import DataStats, Encoder, Settings, check_vocabulary, tokenizer_fingerprint
 from usaf.errors import ConfigError, DataError
 
 _CHUNK = 64  # records tokenized at a time
@@ -69,16 +69,12 @@ class StreamedRows:
         streams = [stream_source(name, self.settings.split) for name in self.names]
         if self.mixing is None:
             return datasets.concatenate_datasets(streams) if len(streams) > 1 else streams[0]
-        total = sum(self.mixing.weights)
-        return datasets.interleave_datasets(
-            streams,
-            probabilities=[w / total for w in self.mixing.weights],
-            seed=self.mixing.seed,
-            stopping_strategy=self.mixing.stopping,
-        )
+        return self.mixing.interleave(streams)
 
     def documents(self) -> Iterator[tuple[list[int], list[int], str]]:
         """(input_ids, labels, where) of every document or window, in stream order."""
+        import pyarrow as pa
+
         source = Source(", ".join(self.names), None, "", located=True)  # every stream is in the located form
         encode = Encoder(source, self.tokenizer, self.settings, self.skip)
         records = iter(self._records())
@@ -88,20 +84,13 @@ class StreamedRows:
                 return
             batch = {key: [row[key] for row in chunk] for key in ("where", "json", "bad")}
             out = encode(batch, list(range(start, start + len(chunk))))
-            for where, ids, labels, error in zip(
-                out["where"], out["input_ids"], out["labels"], out["error"], strict=True
-            ):
-                if not error:  # a bad record under skip_bad_records: skipped (a stream is not counted ahead)
-                    self._check_vocabulary(where, ids)
-                    yield ids, labels, where
-
-    def _check_vocabulary(self, where: str, ids: list[int]) -> None:
-        if self.vocabulary is not None and ids and max(ids) >= self.vocabulary[0]:
-            size, config_file = self.vocabulary
-            raise DataError(
-                f"{where}: token id {max(ids)} is outside the model's vocabulary: {config_file} has vocab_size "
-                f"{size}; use the model's own tokenizer."
-            )
+            # a bad record under skip_bad_records: skipped (a stream is not counted ahead)
+            good = [i for i, error in enumerate(out["error"]) if not error]
+            if self.vocabulary is not None:  # the check of read_documents, a chunk at a time
+                table = pa.table({key: [out[key][i] for i in good] for key in ("where", "input_ids")})
+                check_vocabulary(table, self.tokenizer, source.name, *self.vocabulary)
+            for i in good:
+                yield out["input_ids"][i], out["labels"][i], out["where"][i]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for ids, labels, _ in self.documents():

@@ -86,6 +86,11 @@ def step_of(path: Path) -> int:
     return int(Path(path).name[len(PREFIX) :])
 
 
+def folder_name(step: int) -> str:
+    """The name of step `step`'s checkpoint folder: 20 -> step-00000020."""
+    return f"{PREFIX}{step:08d}"
+
+
 def latest(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
@@ -106,7 +111,7 @@ def best(run_dir: Path) -> Path:
             f"{run_dir} kept no best checkpoint ({newest.name} records none): train with --set "
             "checkpoint.keep_best=true and log.eval_every_steps=N (the best is chosen among those evaluations)."
         )
-    found = checkpoints_dir(run_dir) / f"{PREFIX}{int(record['step']):08d}"
+    found = checkpoints_dir(run_dir) / folder_name(int(record["step"]))
     if not (found / STATE_FILE).is_file():
         raise RunStateError(
             f"the best checkpoint of {run_dir}, {found.name}, is missing (removed by hand?); export the latest "
@@ -164,7 +169,7 @@ def save(
     (`expert_layout`) every rank calls it: rank 0 writes the checkpoint, the other ranks their shards into it (or
     nothing: DP groups past the first) and get None."""
     folder = checkpoints_dir(run_dir)
-    final = folder / f"{PREFIX}{step:08d}"
+    final = folder / folder_name(step)
     if expert_layout is not None and not distributed.is_main():
         tmp = folder / f".tmp-{final.name}-{_writer_pid()}"
         if expert_layout.dp_rank == 0:

@@ -45,7 +45,7 @@ from usaf.report import write_router_load
 from usaf.selection.reselect import Reselector
 from usaf.train import distributed
 from usaf.train.best import BestEvaluation
-from usaf.train.checkpoint import BEST_KEY, Checkpointer
+from usaf.train.checkpoint import BEST_KEY, Checkpointer, folder_name
 from usaf.train.evaluate import Evaluator
 from usaf.train.metrics import EVAL_PREFIX, MetricsLog, eval_record
 from usaf.train.optim import router_params
@@ -402,7 +402,7 @@ class Best(Part):
                 "metric": EVAL_PREFIX + best.metric,
                 "step": best.step,
                 "value": best.value,
-                **({"checkpoint": f"step-{best.step:08d}"} if self.keep else {}),
+                **({"checkpoint": folder_name(best.step)} if self.keep else {}),
             }
 
     def state_dict(self) -> dict[str, Any]:
