@@ -266,3 +266,16 @@ def test_a_template_that_cannot_be_translated_is_said_in_the_modelfile(tmp_path)
     text = modelfile(tmp_path / "model", tmp_path / "m.gguf")
     assert "NOT the model's own" in text and 'eq .Role "user" }}user: {{ .Content }}' in text
     assert "FROM ./m.gguf" in text and 'PARAMETER stop "<eos>"' in text
+
+
+def test_a_template_that_trims_the_content_is_translated(tmp_path):
+    tokenizer = char_tokenizer()
+    # Llama 3's shape: the content trimmed; the marker read off the template must survive the trim
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tokenizer.save_pretrained(tmp_path / "model")
+    text = modelfile(tmp_path / "model", tmp_path / "m.gguf")
+    assert "translated to Go template syntax" in text and "NOT the model's own" not in text
+    assert 'eq .Role "user" }}<|user|>{{ .Content }}<eos>' in text

@@ -235,7 +235,7 @@ def _card(args, run_config: RunConfig):
     else:
         matching = [d for d in planner.DEVICES.values() if d.is_gpu and d.memory == vram]
         device, source = (matching[0], f"--vram, as {matching[0].name}") if matching else (None, "--vram")
-        device = device or planner.Device(f"a {planner.format_size(vram)} GPU", vram, 0.0, 0.0, 0.0)
+        device = device or memory_plan.unnamed_gpu(f"a {planner.format_size(vram)} GPU", vram)
     if not device.is_gpu:
         budget = ram if ram is not None else planner.machine_ram()
         where = "--ram" if ram is not None else "the machine's RAM"
@@ -259,11 +259,13 @@ def _run_config(args, named) -> RunConfig:
 def _dtype(args, run_config: RunConfig, device) -> str:
     """The compute dtype: --dtype, else model.dtype, whose auto is what usaf train resolves on the card."""
     from usaf import planner
+    from usaf.train import memory_plan, runtime
 
     if args.dtype is not None:
         return args.dtype
-    named = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(run_config.model.dtype)
-    return named or planner.default_dtype(device)
+    if run_config.model.dtype != "auto":
+        return memory_plan.planner_dtype(runtime.DTYPES[run_config.model.dtype])
+    return planner.default_dtype(device)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,9 @@ from usaf.io.atomic import atomic_file
 from usaf.model.hf import load_tokenizer
 
 ROLES = ("system", "user", "assistant")
-CONTENT = "\x1fusaf-content\x1f"  # a marker no template writes itself
+# a marker no template writes itself, and none of it whitespace: a template that trims the content (Llama 3's
+# `| trim`) keeps it whole (Python's str.strip, which Jinja's trim is, strips \x1c-\x1f too)
+CONTENT = "usaf-Content-7f3a"
 CHECK = [
     {"role": "system", "content": "sys"},
     {"role": "user", "content": "first question"},

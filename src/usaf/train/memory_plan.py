@@ -203,11 +203,11 @@ def run_card(config: RunConfig, device: torch.device) -> Card:
         card, memory, source = planner.DEVICES["cpu"], planner.machine_ram(), "the machine's RAM"
     elif device.type == "cuda":  # torch.cuda also drives ROCm (HIP) devices
         memory = torch.cuda.get_device_properties(device).total_memory
-        card, source = _unnamed_gpu(torch.cuda.get_device_name(device), memory), None
+        card, source = unnamed_gpu(torch.cuda.get_device_name(device), memory), None
     elif limit is None:
         raise ConfigError(f"the memory of {device} is not known; give train.memory_limit or train.card")
     else:
-        card, memory, source = _unnamed_gpu(str(device), limit), limit, None
+        card, memory, source = unnamed_gpu(str(device), limit), limit, None
     if limit is not None:
         memory, source = limit, "train.memory_limit"
     where = (
@@ -218,7 +218,7 @@ def run_card(config: RunConfig, device: torch.device) -> Card:
     return Card(dataclasses.replace(card, memory=memory) if card.is_gpu else card, memory, where)
 
 
-def _unnamed_gpu(name: str, memory: int) -> planner.Device:
+def unnamed_gpu(name: str, memory: int) -> planner.Device:
     """A GPU known by its memory alone: no speed figures (the step-time estimate says it has none)."""
     return planner.Device(name, memory, 0.0, 0.0, 0.0)
 
