@@ -171,6 +171,7 @@ def test_a_resume_continues_the_patience_count_exactly(run, tmp_path):
             r"checkpoint\.keep_best=true and schedule\.early_stopping_patience=2 .*log\.eval_every_steps",
         ),
         (["data.eval_fraction=0"], r"held-out data: give data\.eval .*data\.eval_fraction"),
+        (["data.streaming=true", "schedule.epochs=0"], r"data\.streaming holds none out of a stream"),
     ],
 )
 def test_keep_best_and_early_stopping_need_evaluations(workspace, tmp_path, sets, named):

@@ -48,6 +48,12 @@ def test_each_objective_trains_on_the_bundled_pairs(model, tmp_path, objective):
     rows = metric_rows(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2]
     assert all(METRICS[objective] <= set(row) for row in rows)
+    # held out by the objective's own loss and metrics (what best_metric and early stopping rank), not DPO's
+    every = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [row for row in every if "eval/loss" in row]
+    assert evaluations and all(
+        {f"eval/{name}" for name in METRICS[objective]} <= set(row) for row in evaluations
+    )
 
 
 @pytest.mark.slow

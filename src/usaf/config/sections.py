@@ -230,7 +230,7 @@ class DataSection(Section):
     streaming: bool = option(
         False,
         "read data.train as a datasets IterableDataset and tokenize it on the fly (bounded memory and disk: no "
-        "cache, no packing, no shuffling but datasets' buffer, no eval split; set schedule.max_steps)",
+        "cache, no packing, no shuffling: records in source order or the weighted mix, no eval split (give data.eval); set schedule.max_steps)",
     )
 
 

@@ -41,6 +41,11 @@ def check_evaluations(config: RunConfig) -> None:
         raise ConfigError(
             f"{' and '.join(users)} need held-out data: give data.eval (--eval-data) or data.eval_fraction above 0."
         )
+    if not config.data.eval and config.data.streaming:  # a stream is never split: nothing would be evaluated
+        raise ConfigError(
+            f"{' and '.join(users)} need held-out data, and data.streaming holds none out of a stream: give "
+            "data.eval (--eval-data)."
+        )
 
 
 def greater_is_better(section) -> bool:

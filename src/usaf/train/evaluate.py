@@ -45,6 +45,20 @@ class Evaluator:
 
     def evaluate(self) -> dict:
         config = self.config
+        objective = OBJECTIVES[config.train.objective]
+        if objective.name != "dpo" and (objective.pairs or objective.reference_forward):
+            # preference objectives but DPO (whose loss, margin and accuracy rows came first) are held out by
+            # their own loss: what checkpoint.best_metric and early stopping rank, and what the run minimizes
+            return evaluate_objective(
+                self.model,
+                self.dataset,
+                objective,
+                config.train,
+                config.data.batch_size,
+                self.device,
+                self.autocast,
+                config.data.eval_batches,
+            )
         return evaluate(
             self.model,
             self.dataset,
@@ -113,6 +127,37 @@ def evaluate(
             "pairs": count,
         }
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+@torch.no_grad()
+def evaluate_objective(
+    model: torch.nn.Module,
+    dataset: TokenizedDataset,
+    objective,
+    train,
+    batch_size: int,
+    device: torch.device,
+    autocast_ctx=None,
+    max_batches: int = 0,
+) -> dict:
+    """The objective's own loss per unit over `dataset` (or its first `max_batches` batches), its step metrics over
+    the same batches (TRL's names: rewards/margins, ...) and the units counted."""
+    was_training = model.training
+    model.eval()
+    total, count, extras = 0.0, 0, []
+    batches = Batches(dataset, batch_size, shuffle=False, epochs=1)
+    for index, batch in enumerate(batches):
+        if max_batches and index >= max_batches:
+            break
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast_ctx or torch.autocast(device.type, enabled=False):
+            loss_sum, extra = objective.loss_sum(model, batch, train)
+        total += float(loss_sum)
+        count += objective.supervised_units(batch)
+        extras.append(extra)
+    model.train(was_training)
+    metrics = objective.step_metrics(extras, count, lambda *values: values)  # one process's held-out data
+    return {"loss": total / max(count, 1), **metrics, "units": count}
 
 
 def supervised_units(batch: dict, pairs: bool) -> int:
