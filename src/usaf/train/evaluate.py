@@ -85,14 +85,8 @@ def evaluate(
     """Mean next-token loss over every supervised token of `dataset` (or its first `max_batches` batches); with
     `dpo_beta` (preference pairs), the mean DPO loss per pair, the mean reward margin and the share of pairs whose
     chosen answer is ahead."""
-    was_training = model.training
-    model.eval()
     total, count, margins = 0.0, 0, []
-    batches = Batches(dataset, batch_size, shuffle=False, epochs=1)
-    for index, batch in enumerate(batches):
-        if max_batches and index >= max_batches:
-            break
-        batch = {k: v.to(device) for k, v in batch.items()}
+    for batch in held_out_batches(model, dataset, batch_size, device, max_batches):
         with autocast_ctx or torch.autocast(device.type, enabled=False):
             if dpo_beta is not None:
                 result = preference_loss(
@@ -116,7 +110,6 @@ def evaluate(
                 )
         total += float(loss_sum)
         count += supervised_units(batch, dpo_beta is not None)
-    model.train(was_training)
     loss = total / max(count, 1)
     if dpo_beta is not None:
         margin = torch.cat(margins)
@@ -142,22 +135,29 @@ def evaluate_objective(
 ) -> dict:
     """The objective's own loss per unit over `dataset` (or its first `max_batches` batches), its step metrics over
     the same batches (TRL's names: rewards/margins, ...) and the units counted."""
-    was_training = model.training
-    model.eval()
     total, count, extras = 0.0, 0, []
-    batches = Batches(dataset, batch_size, shuffle=False, epochs=1)
-    for index, batch in enumerate(batches):
-        if max_batches and index >= max_batches:
-            break
-        batch = {k: v.to(device) for k, v in batch.items()}
+    for batch in held_out_batches(model, dataset, batch_size, device, max_batches):
         with autocast_ctx or torch.autocast(device.type, enabled=False):
             loss_sum, extra = objective.loss_sum(model, batch, train)
         total += float(loss_sum)
         count += objective.supervised_units(batch)
         extras.append(extra)
-    model.train(was_training)
     metrics = objective.step_metrics(extras, count, lambda *values: values)  # one process's held-out data
     return {"loss": total / max(count, 1), **metrics, "units": count}
+
+
+def held_out_batches(model: torch.nn.Module, dataset, batch_size: int, device, max_batches: int = 0):
+    """`dataset`'s batches in order on `device` (its first `max_batches`; 0: all), the model in eval mode while they
+    are read."""
+    was_training = model.training
+    model.eval()
+    try:
+        for index, batch in enumerate(Batches(dataset, batch_size, shuffle=False, epochs=1)):
+            if max_batches and index >= max_batches:
+                break
+            yield {k: v.to(device) for k, v in batch.items()}
+    finally:
+        model.train(was_training)
 
 
 def supervised_units(batch: dict, pairs: bool) -> int:
