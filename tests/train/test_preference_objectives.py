@@ -98,6 +98,13 @@ def test_data_of_the_wrong_shape_is_one_line(model, tmp_path, capsys, objective,
     assert f"{data}:2: " in err and says in err and len(err.strip().splitlines()) == 1
 
 
+def test_kto_needs_two_rows_a_micro_batch(model, tmp_path, capsys):
+    """KTO's KL term pairs each prompt with another row's answer: with one row a micro-batch, its own."""
+    assert train(model, BUNDLED_PAIRS, tmp_path / "run", "train.objective=kto", "data.batch_size=1") == 2
+    err = capsys.readouterr().err
+    assert "kto needs data.batch_size of 2 or more" in err and len(err.strip().splitlines()) == 1
+
+
 def test_the_planner_counts_each_objectives_rows_and_passes(tmp_path, capsys):
     example = Path(__file__).resolve().parents[2] / "examples" / "configs" / "olmoe-1b-7b.yaml"
     config = yaml.safe_load(example.read_text())

@@ -209,6 +209,11 @@ def load_run_data(
     from `train`): what `usaf train`, `usaf eval`, `usaf select` and `usaf data` read. files: other files than
     data.train (eval); held_out=False: no eval split. data.max_seq_len is first fitted to the model's context
     (`fit_context`; its line becomes a note of the stats)."""
+    if train.objective == "kto" and data.batch_size < 2:  # TRL's KTOTrainer refuses it too
+        raise ConfigError(
+            "train.objective=kto needs data.batch_size of 2 or more: its KL term pairs each prompt with the answer "
+            "of another row of the micro-batch (with 1, with its own)."
+        )
     data, clamped = fit_context(data, model.path)
     use_chat_template(tokenizer, data.chat_template)
     vocabulary = model_vocabulary(model.path)
