@@ -22,8 +22,10 @@ from usaf.train.tokenizer import char_tokenizer
 DEMO_MODEL = Path(str(resources.files("usaf") / "demo_assets" / "model"))
 
 
-def lowercase(prompts, completions, **kwargs):
-    """A reward from a test file: the share of a completion's characters that are lower-case letters."""
+def lowercase(prompts, completions, trainer_state, log_metric, **kwargs):
+    """A reward from a test file: the share of a completion's characters that are lower-case letters; it names
+    two of the arguments TRL passes, the trainer's state and log_metric, and logs a metric of its own."""
+    log_metric("steps_done", trainer_state.global_step)
     return [sum(ch.islower() for ch in c) / max(len(c), 1) for c in completions]
 
 
@@ -150,4 +152,9 @@ def test_grpo_on_the_bundled_model_raises_the_mean_reward(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [row["reward"] for row in rows if "reward" in row]
     assert len(rewards) == 3 and all(f"rewards/lowercase/{k}" in rows[-1] for k in ("mean", "std"))
+    assert [row["steps_done"] for row in rows if "reward" in row] == [
+        0,
+        1,
+        2,
+    ]  # TRL's trainer_state, log_metric
     assert rewards[-1] > rewards[0] + 0.1, rewards

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -79,14 +81,21 @@ def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int) -
 
 
 def score(
-    functions: list[Callable], names: list[str], prompts, completions, completion_ids, records
+    functions: list[Callable],
+    names: list[str],
+    prompts,
+    completions,
+    completion_ids,
+    records,
+    **given,
 ) -> torch.Tensor:
     """[completions, functions] rewards, each function called as TRL calls it: prompts, completions and their
-    token ids, and every other column of the records as keyword arguments (one value a completion)."""
+    token ids, every other column of the records as keyword arguments (one value a completion), and `given`
+    (`Rollouts` gives TRL's trainer_state, log_extra and log_metric)."""
     columns = {
         key for record in records for key in record if key not in ("prompt", "completion", "completion_ids")
     }
-    kwargs = {key: [record.get(key) for record in records] for key in sorted(columns)}
+    kwargs = {key: [record.get(key) for record in records] for key in sorted(columns)} | given
     rewards = torch.zeros(len(prompts), len(functions))
     for index, (function, name) in enumerate(zip(functions, names, strict=True)):
         out = function(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
@@ -150,11 +159,32 @@ class Rollouts(Part):
     functions] beside its input_ids / labels (completion tokens) / position_ids."""
 
     name = "rollouts"
-    every = 0
+    every = 1  # its after_step logs what the reward functions logged (log_metric)
 
-    def __init__(self, prompts: PromptRows, sampler: Sampler, train):
+    def __init__(self, prompts: PromptRows, sampler: Sampler, train, max_steps: int):
         self.prompts, self.sample, self.train = prompts, sampler, train
         self.functions = [reward_function(path) for path in train.reward_functions]
+        # what TRL hands a reward function of its trainer's state: the steps done and to do
+        self.state = SimpleNamespace(global_step=0, max_steps=max_steps)
+        self.logged: dict[str, list[float]] = defaultdict(list)
+
+    def start_step(self, step: int) -> None:
+        self.state.global_step = (
+            step - 1
+        )  # the steps done, as TRL's TrainerState counts them while generating
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's log_metric: a scalar a reward function logs, averaged over the step into its metrics row."""
+        self.logged[name].append(float(value))
+
+    @staticmethod
+    def log_extra(column: str, values: list) -> None:
+        """TRL's log_extra: a column for TRL's completions table, which usaf does not keep (accepted, unused)."""
+
+    def after_step(self, done) -> dict:
+        logged = {name: sum(values) / len(values) for name, values in self.logged.items()}
+        self.logged.clear()
+        return logged
 
     @classmethod
     def build(cls, run) -> Rollouts | None:
@@ -168,7 +198,7 @@ class Rollouts(Part):
             train.max_completion_length,
             train.temperature,
         )
-        return cls(run.session.train_data, sampler, train)
+        return cls(run.session.train_data, sampler, train, run.config.schedule.max_steps)
 
     def step_batches(self, micro: list[tuple[dict, list[int]]]) -> list[tuple[dict, list[int]]]:
         return [(self.rollout(rows), rows) for _, rows in micro]
@@ -192,7 +222,17 @@ class Rollouts(Part):
             for prompt, text in zip(prompts, texts, strict=True)
         ]
         names = reward_names(self.train)
-        rewards = score(self.functions, names, prompts, completions, completion_ids, records)
+        rewards = score(
+            self.functions,
+            names,
+            prompts,
+            completions,
+            completion_ids,
+            records,
+            trainer_state=self.state,
+            log_extra=self.log_extra,
+            log_metric=self.log_metric,
+        )
         batch = collate(sequences, self.prompts.pad_id)
         batch["rewards"] = rewards
         batch["advantages"] = group_advantages(rewards, reward_weights(self.train), group)
