@@ -228,7 +228,9 @@ class Objective(Protocol):
 
     name: str
     pairs: bool  # trains on preference pairs: a batch's chosen rows, then its rejected rows
-    reference_forward: bool  # each step runs one more forward, without gradients (DPO's reference log-probs)
+    # the forwards without gradients each step runs besides its own, over as many rows (DPO's reference: True, 1;
+    # KTO's reference and KL rows: 3); what `usaf plan` counts of a step's time
+    reference_forward: bool | int
 
     def check(self, train) -> None: ...
 

@@ -97,7 +97,12 @@ def _objective(s) -> str:
     """What the settings line says of an objective that changes the plan: its pairs, its reference forward."""
     said = [
         *(["batch counts the chosen and rejected rows"] if s.pairs else []),
-        *(["the reference forward is a fourth pass"] if s.reference_forward else []),
+        *(["the reference forward is a fourth pass"] if s.reference_forward == 1 else []),
+        *(
+            [f"{s.reference_forward} forwards without gradients are passes 4 to {3 + s.reference_forward}"]
+            if s.reference_forward > 1
+            else []
+        ),
     ]
     return f", {s.objective} ({'; '.join(said)})" if said else ""
 

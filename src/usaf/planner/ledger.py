@@ -738,8 +738,8 @@ def _step_time(shape: ModelShape, s: PlanSettings, device: Device, residency: st
     sparse_grads = (
         2 * trained_entries(shape, s) * tokens * shape.experts_per_token / max(1, shape.num_experts)
     )
-    # an objective's reference forward (DPO's log-probabilities): one more, without gradients, on the same weights
-    passes = 4 if s.reference_forward else 3
+    # an objective's forwards without gradients (DPO's reference log-probabilities; KTO's three): on the same weights
+    passes = 3 + s.reference_forward
     flops = passes * forward + sparse_grads
     if not device.has_figures:  # a card known by its memory alone: no time is quoted for it
         return StepTime(0.0, 0.0, 0.0, flops)

@@ -226,9 +226,9 @@ class PlanSettings:
         return OBJECTIVES[self.objective].pairs
 
     @property
-    def reference_forward(self) -> bool:
-        """The objective runs one more forward a step, without gradients."""
-        return OBJECTIVES[self.objective].reference_forward
+    def reference_forward(self) -> int:
+        """The forwards without gradients the objective runs a step besides its own (0: none)."""
+        return int(OBJECTIVES[self.objective].reference_forward)
 
     @property
     def batch(self) -> int:

@@ -2,8 +2,8 @@
 registered in `OBJECTIVES` (the config offers its names), so the loop names none of them.
 
 - `name`: the value of `train.objective`; `pairs`: whether it trains on preference pairs (a batch's chosen rows,
-  then its rejected rows, in the same order); `reference_forward`: whether each step runs one more forward without
-  gradients (what `usaf plan` counts of its time).
+  then its rejected rows, in the same order); `reference_forward`: the forwards without gradients each step runs
+  besides its own, over as many rows (True: one; what `usaf plan` counts of its time).
 - `check(train)`: refuses the `train` settings it cannot run with (a UsafError that says what to set).
 - `loss_sum(model, batch, train)`: a micro-batch's summed loss (a tensor the loop divides by the step's
   supervised units and backpropagates) and what the step's metrics need of it (None: nothing).
@@ -142,7 +142,11 @@ class Unpaired:
     (`usaf.data.pairs.LabelledRows`: {prompt, completion, label} records, and preference pairs unpaired as TRL
     unpairs them); its units are rows."""
 
-    name, pairs, reference_forward = "kto", False, True
+    name, pairs, reference_forward = (
+        "kto",
+        False,
+        3,
+    )  # the reference on its rows, policy and reference on the KL rows
 
     def check(self, train) -> None:
         _no_prefix_cache(train, self.name)
