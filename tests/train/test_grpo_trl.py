@@ -143,7 +143,7 @@ def with_usaf(folder, tokenizer, beta, data):
     train, objective = config.train, GroupRelative()
     objective.check(train)
     prompts, _, _ = load_prompts(config.data, tokenizer)
-    rollouts = Rollouts(prompts, Sampler(model, tokenizer, GENERATIONS, LONGEST, TEMPERATURE), train)
+    rollouts = Rollouts(prompts, Sampler(model, tokenizer, GENERATIONS, LONGEST, TEMPERATURE), train, STEPS)
     optimizer = sgd(model)
     model.train()
     losses, tokens, rewards = [], [], []
