@@ -242,3 +242,23 @@ def fake_llama_cpp(folder: Path, quantize: bool = False) -> Path:
         tool.write_text(f"#!{sys.executable}\n{FAKE_QUANTIZE}")
         tool.chmod(0o755)
     return folder
+
+
+def plans_by_objective(objectives: list[str], tmp_path: Path, capsys) -> tuple[dict[str, str], int]:
+    """`usaf plan` of the OLMoE example config on a 12 GB card, once per objective: {objective: its output}, and
+    the example's data.batch_size."""
+    import yaml
+
+    from usaf.cli import main
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "configs" / "olmoe-1b-7b.yaml"
+    config = yaml.safe_load(example.read_text())
+    shown = {}
+    for objective in objectives:
+        path = tmp_path / f"{objective}.yaml"
+        path.write_text(
+            yaml.safe_dump({**config, "train": {**config.get("train", {}), "objective": objective}})
+        )
+        assert main(["plan", "--config", str(path), "--device", "rtx-3060-12gb", "--ram", "32GB"]) == 0
+        shown[objective] = capsys.readouterr().out
+    return shown, config["data"]["batch_size"]

@@ -3,11 +3,10 @@ base as its own reference, the preferred answers' margin moving the right way, r
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST_RUN, losses, make_model_dir, run_killed
+from helpers import FAST_RUN, losses, make_model_dir, plans_by_objective, run_killed
 from safetensors.torch import load_file
 
 from usaf.cli import main
@@ -156,19 +155,7 @@ def test_dpo_refuses_the_prefix_cache(inputs, tmp_path, capsys):
 def test_the_planner_counts_the_pairs_rows_and_the_reference_forward(tmp_path, capsys):
     import re
 
-    import yaml
-
-    example = Path(__file__).resolve().parents[2] / "examples" / "configs" / "olmoe-1b-7b.yaml"
-    config = yaml.safe_load(example.read_text())
-    shown = {}
-    for objective in ("sft", "dpo"):
-        path = tmp_path / f"{objective}.yaml"
-        path.write_text(
-            yaml.safe_dump({**config, "train": {**config.get("train", {}), "objective": objective}})
-        )
-        assert main(["plan", "--config", str(path), "--device", "rtx-3060-12gb", "--ram", "32GB"]) == 0
-        shown[objective] = capsys.readouterr().out
-    batch = config["data"]["batch_size"]
+    shown, batch = plans_by_objective(["sft", "dpo"], tmp_path, capsys)
     assert f"x batch {batch}," in shown["sft"] and f"x batch {2 * batch}," in shown["dpo"]
     assert "dpo (batch counts the chosen and rejected rows" in shown["dpo"]
     step = {k: float(re.search(r"step ~ ([\d.]+) s", v).group(1)) for k, v in shown.items()}

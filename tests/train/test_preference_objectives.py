@@ -7,8 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
-from helpers import FAST_RUN, make_model_dir
+from helpers import FAST_RUN, make_model_dir, plans_by_objective
 
 import usaf
 from usaf.cli import main
@@ -106,17 +105,7 @@ def test_kto_needs_two_rows_a_micro_batch(model, tmp_path, capsys):
 
 
 def test_the_planner_counts_each_objectives_rows_and_passes(tmp_path, capsys):
-    example = Path(__file__).resolve().parents[2] / "examples" / "configs" / "olmoe-1b-7b.yaml"
-    config = yaml.safe_load(example.read_text())
-    shown = {}
-    for objective in ("sft", "orpo", "kto"):
-        path = tmp_path / f"{objective}.yaml"
-        path.write_text(
-            yaml.safe_dump({**config, "train": {**config.get("train", {}), "objective": objective}})
-        )
-        assert main(["plan", "--config", str(path), "--device", "rtx-3060-12gb", "--ram", "32GB"]) == 0
-        shown[objective] = capsys.readouterr().out
-    batch = config["data"]["batch_size"]
+    shown, batch = plans_by_objective(["sft", "orpo", "kto"], tmp_path, capsys)
     assert f"x batch {2 * batch}," in shown["orpo"] and f"x batch {batch}," in shown["kto"]
     assert (
         "fourth pass" not in shown["orpo"]

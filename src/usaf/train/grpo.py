@@ -29,6 +29,7 @@ from usaf.engine.loss import IGNORE_INDEX
 from usaf.engine.preference import token_logps
 from usaf.errors import ConfigError, UsafError
 from usaf.model.hf import max_positions
+from usaf.train.evaluate import supervised_units
 from usaf.train.objectives import OBJECTIVES  # after the built-in objectives: the choices list them first
 from usaf.train.parts import LOOP_PARTS, Part
 from usaf.train.prompts import PromptRows
@@ -169,9 +170,8 @@ class Rollouts(Part):
         self.logged: dict[str, list[float]] = defaultdict(list)
 
     def start_step(self, step: int) -> None:
-        self.state.global_step = (
-            step - 1
-        )  # the steps done, as TRL's TrainerState counts them while generating
+        # the steps done, as TRL's TrainerState counts them while it generates
+        self.state.global_step = step - 1
 
     def log_metric(self, name: str, value: float) -> None:
         """TRL's log_metric: a scalar a reward function logs, averaged over the step into its metrics row."""
@@ -296,7 +296,7 @@ class GroupRelative:
 
     def supervised_units(self, batch: dict) -> int:
         """The completion tokens (the step's, over all ranks, divide its summed loss: DAPO)."""
-        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        return supervised_units(batch, pairs=False)
 
     def step_metrics(self, extras: list[Scores], supervised: int, total: Callable) -> dict:
         """TRL's reward metrics over the step's completions on all ranks: `reward` and `reward_std` of the weighted
