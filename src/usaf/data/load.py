@@ -127,13 +127,11 @@ def load_dataset(
         )
     train_docs, eval_docs = _held_out(train_docs, eval_paths, eval_fraction, seed, read)
     train = _rows(train_docs, max_seq_len, pack, pad_id, pairs, objective)
-    stats.train_documents, stats.train_sequences = train.num_documents, len(train)
-    stats.train_supervised_tokens = train.supervised_tokens
+    stats.count_train(train)
     held_out = None
     if eval_docs is not None:
         held_out = _rows(eval_docs, max_seq_len, pack, pad_id, pairs, objective)
-        stats.eval_documents, stats.eval_sequences = held_out.num_documents, len(held_out)
-        stats.eval_supervised_tokens = held_out.supervised_tokens
+        stats.count_eval(held_out)
     return train, held_out, stats
 
 

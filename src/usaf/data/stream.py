@@ -183,8 +183,7 @@ def streamed_stats(rows: StreamedRows, stats: DataStats, held_out: TokenizedData
     """The stats of a streamed load: what is known before the stream is read (the eval rows, read whole)."""
     stats.streamed = True
     if held_out is not None:
-        stats.eval_documents, stats.eval_sequences = held_out.num_documents, len(held_out)
-        stats.eval_supervised_tokens = held_out.supervised_tokens
+        stats.count_eval(held_out)
     stats.notes.append(
         f"data.streaming: {', '.join(rows.names)} read and tokenized as training goes, in order, one document a "
         "row (no packing" + (")" if held_out is not None else "; no eval: give data.eval)")

@@ -70,6 +70,16 @@ class DataStats:
     notes: list[str] = field(default_factory=list)  # e.g. columns the records carry that usaf does not use
     streamed: bool = False  # data.streaming: the training data is counted as it is read, not here
 
+    def count_train(self, rows) -> None:
+        """The documents, rows and supervised tokens of the training rows (a TokenizedDataset)."""
+        self.train_documents, self.train_sequences = rows.num_documents, len(rows)
+        self.train_supervised_tokens = rows.supervised_tokens
+
+    def count_eval(self, rows) -> None:
+        """The documents, rows and supervised tokens of the held-out rows (a TokenizedDataset)."""
+        self.eval_documents, self.eval_sequences = rows.num_documents, len(rows)
+        self.eval_supervised_tokens = rows.supervised_tokens
+
     def summary(self) -> str:
         skipped = f" ({self.skipped_records:,} bad skipped)" if self.skipped_records else ""
         truncated = (
