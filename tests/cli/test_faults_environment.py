@@ -1,7 +1,8 @@
 """The fault table of the environment and the caches (issue 35): HOME and the datasets cache unwritable, a file or
-full; a cached file cut short; standard output closed or its reader gone; Ctrl-C and SIGTERM from the first
-instant; output names at the file system's limits or under a file; write errors without a file name; absurd memory
-sizes. Each fails in one line or heals itself (one line saying so); none prints a traceback.
+full; a cached file cut short; two runs at once on new data; standard output closed or its reader gone; Ctrl-C and
+SIGTERM from the first instant; output names at the file system's limits or under a file; write errors without a
+file name; absurd memory sizes. Each fails in one line or heals itself (one line saying so); none prints a
+traceback.
 
 Tests run as root, whom chmod does not stop: unwritable and full places are simulated with monkeypatched calls
 raising EACCES / ENOSPC, as tests/cli/test_faults_commands.py does."""
@@ -175,6 +176,48 @@ def test_a_cached_file_cut_short_is_rebuilt_with_one_line(ws, tmp_path, monkeypa
         assert str(path) in err and "Traceback" not in err
     assert main(_data(ws)) == 0  # rebuilt: read from the cache, without a word
     assert "cut short" not in capsys.readouterr().err
+
+
+_SLOW_BUILD = """
+import os, sys, time
+from pathlib import Path
+import usaf.data.sources as sources
+marker = Path(os.environ["SECOND_STARTED"])
+def until_second_is_at_the_cache():
+    print("building", file=sys.stderr, flush=True)
+    while not marker.exists():
+        time.sleep(0.1)
+    time.sleep(5)  # the second process reads its config and tokenizer, then meets this entry
+if sys.argv.pop(1) == "first":
+    rows = sources._raw_rows
+    def raw_rows(*args, **kwargs):
+        for i, row in enumerate(rows(*args, **kwargs)):
+            if i == 1:  # the entry's Arrow file is open, half written
+                until_second_is_at_the_cache()
+            yield row
+    sources._raw_rows = raw_rows
+else:
+    marker.touch()
+from usaf.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_two_runs_at_once_on_new_data_wait_for_one_builder(ws, tmp_path):
+    """A sweep started in parallel on the same new file: the second process meets the first's half-written cache
+    entry. It must neither take it for a torn one (and remove it under its writer) nor read it half written."""
+    env = _env(HF_DATASETS_CACHE=str(tmp_path / "cache"), SECOND_STARTED=str(tmp_path / "second"))
+    first = subprocess.Popen([sys.executable, "-c", _SLOW_BUILD, "first", *_data(ws)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    assert first.stderr.readline() == "building\n"
+    second = subprocess.run([sys.executable, "-c", _SLOW_BUILD, "second", *_data(ws)], capture_output=True,
+                            text=True, env=env)  # fmt: skip
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0 and "Traceback" not in err, err
+    assert second.returncode == 0 and "Traceback" not in second.stderr, second.stderr
+    assert "cut short" not in err + second.stderr
+    assert second.stdout == out and "[[" in out
 
 
 # ---- standard output gone -----------------------------------------------------------------------------------------

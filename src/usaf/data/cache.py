@@ -1,7 +1,7 @@
 """The datasets cache, where sources and tokenized rows are written: its place (HF_DATASETS_CACHE, else under
 HF_HOME, XDG_CACHE_HOME or HOME), a temporary stand-in when it cannot be written (one warning line; the run works,
-only without the cache), a full cache as one error naming its variable, and cache files cut short (removed and
-rebuilt, with one line)."""
+only without the cache), a full cache as one error naming its variable, cache files cut short (removed and
+rebuilt, with one line), and one builder at a time per cache entry across processes."""
 
 from __future__ import annotations
 
@@ -97,10 +97,24 @@ def cache_writes():
         raise converted from None
 
 
+@contextlib.contextmanager
+def one_builder(entry: str):
+    """Held while this process checks and builds the cache entry named `entry` (its fingerprint). Two runs started
+    at once on the same data (a sweep of seeds, two terminals) would otherwise each find the other's half-written
+    entry, take it for a torn one and remove it under its writer, or read it before it is complete; the second
+    waits here instead, then reads the finished entry. filelock: the lock datasets and huggingface_hub use."""
+    import filelock
+
+    folder = cache_root() / "usaf_locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(folder / f"{entry}.lock")):
+        yield
+
+
 def drop_torn(entries: Iterable[Path]) -> None:
     """Remove the cache entries (Arrow files, or folders of them) if a file among them is cut short (no
     end-of-stream marker, as a full disk, a crash or a copy leaves it), with one line: the next read rebuilds them
-    instead of failing on them, now and on every later run."""
+    instead of failing on them, now and on every later run. Only under `one_builder` of their entry."""
     entries = list(entries)
     files = [f for entry in entries for f in ([entry] if entry.is_file() else sorted(entry.rglob("*.arrow")))]
     torn = next((path for path in files if not _complete(path)), None)
