@@ -1,34 +1,44 @@
 """Quality of fine-tunes, side by side: how much each method learns of a new domain and how much it forgets of
-the old one, at equal steps, equal wall-clock and equal peak memory. `make bench-quality` runs it; results go to
-bench/results/quality-<date>.{md,json,png}.
+the old one, at equal steps, against LoRA's and full fine-tuning's frontiers, over seeds. `make bench-quality`
+runs it; results go to bench/results/quality-<date>.{md,json,png}.
 
-    .venv/bin/python bench/quality.py                     # both tasks, every method, seeds 0 1, 60 steps (~20 min)
-    .venv/bin/python bench/quality.py --steps 150         # longer runs (~2.5x the time)
+    .venv/bin/python bench/quality.py                     # shift + arith, every method, seeds 0 1 2
+    .venv/bin/python bench/quality.py --task shift --steps 60
     .venv/bin/python bench/quality.py --quick             # fewer steps and methods, one seed (a few minutes)
     .venv/bin/python bench/quality.py --smoke --out DIR   # tiny shapes, seconds of work (tests)
-    .venv/bin/python bench/quality.py --usaf-spec '{"label": "usaf 2 %", "select": {"density": 0.02}, "lr": 1e-2}'
+    .venv/bin/python bench/quality.py --usaf-spec '{"label": "usaf 1 %", "set": {"select.density": 0.01}}'
 
-Tasks
-- shift (the headline): a byte-level Qwen3-MoE (~13.5 M parameters) pretrained on English documentation/licence
-  prose (scripts/make_shift_model.py, cached in bench/.cache/shift-model/) is fine-tuned on roff man-page
-  source. Adaptation: held-out loss on the new domain (nats/byte = nats/token); forgetting: held-out loss on the
-  old domain. Lower is better for both.
+Tasks (--task shift, arith, demo; all: shift and arith)
+- shift: a byte-level Qwen3-MoE (~13.5 M parameters) pretrained on English documentation/licence prose
+  (scripts/make_shift_model.py, cached in bench/.cache/shift-model/) is fine-tuned on roff man-page source.
+  Adaptation: held-out loss on the new domain (nats/byte = nats/token); forgetting: held-out loss on the old
+  domain. Lower is better for both.
+- arith: the same pretrained model fine-tuned on lines of integer arithmetic (bench/arith.py), a shift unlike the
+  first: adaptation = held-out arithmetic loss, forgetting = the same held-out prose loss.
 - demo: the bundled demo model (knows `copy` and `upper`) learns `shift` (usaf.demo.task) from the bundled
   train.jsonl. Adaptation: exact-match accuracy on the bundled held-out shift records; forgetting: the mean
   accuracy on fresh copy and upper records (a seed that neither pretraining nor the bundled data used).
   Higher is better for both.
 
 How it measures
+- A usaf row is the command line a user runs: `python -m usaf train` on the task's training records (a JSONL of
+  text records) with only the task's shape set (steps, batch size, sequence length, seed; no in-run evaluation,
+  logging off) plus the row's `--set` overrides, then `python -m usaf export --merged`; the exported folder is
+  loaded with plain transformers and judged by the same evaluator as every other method. Its curve has two points:
+  the base (step 0) and the exported model (the last step).
+- The baselines (PEFT LoRA, full fine-tuning, dense experts) train in the bench on the same records, a record a
+  row (<bos> text <eos>, at most the sequence length), the same batch size and steps, in a seeded order per seed
+  (usaf orders its own, seeded by train.seed): AdamW (betas 0.9/0.999, no weight decay), clipping at 1.0, linear
+  warm-up over 10 % of the steps then cosine to 10 % of the peak learning rate, transformers' `grouped_mm` experts.
 - Every run (method x learning rate x seed) is its own process, forked from a server that imported torch,
-  transformers, peft and usaf once; `--jobs` of them run at once (default 2, 1 torch thread each: on a shared
-  2-core CPU, 2-thread processes stall on OpenMP barriers). Peak memory: the resident set's peak above the
-  process's baseline (VmHWM, reset after the model is built), and the live-tensor peak of one more training step
-  (bench/harness.py's TensorPeak: what a GPU allocator's peak would count).
-- Every training run: the same batches in the same order for a given seed, the same number of steps,
-  `usaf.causal_lm_loss`, AdamW (betas 0.9/0.999, no weight decay), clipping at 1.0, linear warm-up over 10 % of the
-  steps then cosine to 10 % of the peak learning rate. Baselines run transformers' `grouped_mm` experts.
-- Evaluations at step 0 and every `eval_every` steps, with the training seconds elapsed (evaluation time not
-  counted), so methods compare at equal steps and, interpolated, at equal wall-clock.
+  transformers and peft once; `--jobs` of them run at once (default 2, 1 torch thread each, OMP_NUM_THREADS for
+  the usaf processes: on a shared 2-core CPU, 2-thread processes stall on OpenMP barriers). Peak memory of a
+  baseline: the resident set's peak above the process's baseline (VmHWM, reset after the model is built), and the
+  live-tensor peak of one more step (bench/harness.py's TensorPeak); of a usaf row: its metrics.jsonl's
+  peak_memory_mb (the whole `usaf train` process).
+- Frontiers: LoRA's and full fine-tuning's, piecewise linear through their per-learning-rate means (new, old);
+  a usaf row's distance is its old value minus the frontier's old at its new value (signs flipped where higher
+  is better), so negative = past the frontier; "outside" where the new value lies beyond the frontier's range.
 """
 
 from __future__ import annotations
@@ -41,7 +51,9 @@ import itertools
 import json
 import os
 import random
+import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +64,7 @@ REPO = BENCH.parent
 RESULTS = BENCH / "results"
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "scripts"))
+import arith  # noqa: E402
 from harness import (  # noqa: E402
     PeakMemory,
     TensorPeak,
@@ -67,113 +80,47 @@ from harness import (  # noqa: E402
 )
 from recipe import LORA_ALPHA, LORA_ATTENTION, LORA_EXPERTS, LORA_RANK, lr_factor, stock_baseline  # noqa: E402
 
-from usaf.config import AUTO_DENSITIES, OptimSection  # noqa: E402
+from usaf.config import OptimSection  # noqa: E402
 
-DEFAULT_DECAY = OptimSection().decay_to_base  # optim.decay_to_base
+DEFAULT_LR = OptimSection().lr  # optim.lr: the rate of a usaf row that does not set one
 
 # ============================================================================================================
-# usaf configurations: EXTEND HERE (or pass --usaf-spec JSON on the command line, repeatable).
-# "select" goes to usaf.UsafConfig(**select) untouched, so any UsafConfig keyword works (new ones too);
-# routers train at lr * router_lr_multiplier (0.1: what the README found better than 1.0 on the demo task).
+# usaf rows: EXTEND HERE (or pass --usaf-spec JSON on the command line, repeatable). "set" holds `usaf train
+# --set` overrides, dotted keys exactly as the command line takes them; nothing else of usaf's configuration is
+# touched, so {"set": {}} is what a user gets with the defaults.
 # ============================================================================================================
 USAF_SPECS: list[dict] = [
-    # the defaults (usaf.RunConfig()): experts + attention + embedding and output rows at select.density=auto (the
-    # most auto takes, AUTO_DENSITIES[0] = 2 %, where usaf train's memory plan fits it, as on this machine), chosen
-    # by gradient on calibration batches and reselected every 10 steps, optim.decay_to_base 4, routers frozen,
-    # values' moments in bf16; at the default rate 1e-2, at half and twice it, and at four times it
-    *(
-        {
-            "label": "usaf default",
-            "select": {"density": AUTO_DENSITIES[0]},
-            "lr": lr,
-            "router_lr_multiplier": 0.1,
-            "decay_to_base": DEFAULT_DECAY,
-        }
-        for lr in (1e-2, 5e-3, 2e-2, 4e-2)
-    ),
-    # what auto takes on a 12 GB card for Qwen3-30B-A3B (1 %: usaf plan), and the previous default (1 %, 5e-3, no
-    # decay toward the base)
-    {
-        "label": "usaf default at 1 %",
-        "select": {"density": 0.01},
-        "lr": 1e-2,
-        "router_lr_multiplier": 0.1,
-        "decay_to_base": DEFAULT_DECAY,
-    },
-    {
-        "label": "usaf 0.2.0 default (1 %, no decay)",
-        "select": {"density": 0.01},
-        "lr": 5e-3,
-        "router_lr_multiplier": 0.1,
-    },
-    # the same with fp32 moments: what the 16-byte entry state (bf16 moments) changes
-    {
-        "label": "usaf default, fp32 moments",
-        "select": {"density": AUTO_DENSITIES[0]},
-        "lr": 1e-2,
-        "router_lr_multiplier": 0.1,
-        "decay_to_base": DEFAULT_DECAY,
-        "moments": "fp32",
-    },
-    # what reselection and the larger budget add: the previous default (0.5 %, no reselection) and 1 % without
-    {
-        "label": "usaf 0.5 %, no reselection",
-        "select": {"density": 0.005, "reselect_every": 0},
-        "lr": 1e-2,
-        "router_lr_multiplier": 0.1,
-    },
-    {
-        "label": "usaf 1 %, no reselection",
-        "select": {"density": 0.01, "reselect_every": 0},
-        "lr": 5e-3,
-        "router_lr_multiplier": 0.1,
-    },
-    # 0.1.0's defaults: experts + routers at 0.5 % by magnitude, lr 1e-3, routers at the same rate
-    {
-        "label": "usaf 0.1.0 default (experts + routers, magnitude)",
-        "select": {
-            "targets": ["experts", "routers"],
-            "selection": "magnitude",
-            "density": 0.005,
-            "reselect_every": 0,
-        },
-        "lr": 1e-3,
-        "router_lr_multiplier": 1.0,
-    },
-    # routers on top of the default, at a tenth of the rate
-    {
-        "label": "usaf default + routers (lr x 0.1)",
-        "select": {
-            "density": AUTO_DENSITIES[0],
-            "targets": ["experts", "routers", "attention", "embeddings", "lm_head"],
-        },
-        "lr": 1e-2,
-        "decay_to_base": DEFAULT_DECAY,
-        "router_lr_multiplier": 0.1,
-    },
+    {"label": "usaf default", "set": {}},
+    # the default at half and twice the rate: usaf's own frontier
+    {"label": "usaf default, lr x 0.5", "set": {"optim.lr": DEFAULT_LR / 2}},
+    {"label": "usaf default, lr x 2", "set": {"optim.lr": DEFAULT_LR * 2}},
 ]
 
-# Baselines: learning rates per family (LoRA's middle one is the reference point of "dominates").
+# Baselines: learning rates per family (LoRA's middle one is the reference of "at equal wall-clock").
 LORA_LRS = [1e-3, 3e-3, 1e-2]
 FULL_LRS = [1e-4, 3e-4, 1e-3]  # three: full fine-tuning's frontier spans the usaf rows' adaptation
 EXPERTS_LRS = [3e-4, 1e-3]
+SPREAD_LIMIT = 0.03  # the issue's bound on the seed spread of a usaf row, on both axes
 
-# Per-mode sizes of the runs.
+# Per-mode sizes of the runs. arith: 100 steps in full mode, not 150: arithmetic is learnt fast.
+# train_records: the first N training records only (None: all of them).
 MODES = {
     "full": dict(
-        # 60 steps, not 150: at 150 the whole benchmark takes ~60 min on this project's 2-core CPU (--steps 150)
-        shift=dict(steps=150, batch=8, seq=128, eval_every=25, eval_windows=32),
-        demo=dict(steps=150, batch=32, eval_every=50, eval_records=200),
-        seeds=[0, 1],
+        shift=dict(steps=150, batch=8, seq=128, eval_every=25, eval_windows=32, train_records=None),
+        arith=dict(steps=100, batch=8, seq=128, eval_every=25, eval_windows=32, train_records=None),
+        demo=dict(steps=150, batch=32, seq=64, eval_every=50, eval_records=200),
+        seeds=[0, 1, 2],
     ),
     "quick": dict(
-        shift=dict(steps=40, batch=8, seq=128, eval_every=10, eval_windows=16),
-        demo=dict(steps=60, batch=32, eval_every=20, eval_records=100),
+        shift=dict(steps=40, batch=8, seq=128, eval_every=10, eval_windows=16, train_records=None),
+        arith=dict(steps=30, batch=8, seq=128, eval_every=10, eval_windows=16, train_records=None),
+        demo=dict(steps=60, batch=32, seq=64, eval_every=20, eval_records=100),
         seeds=[0],
     ),
     "smoke": dict(
-        shift=dict(steps=3, batch=2, seq=32, eval_every=3, eval_windows=2),
-        demo=dict(steps=3, batch=8, eval_every=3, eval_records=8),
+        shift=dict(steps=3, batch=2, seq=32, eval_every=3, eval_windows=2, train_records=64),
+        arith=dict(steps=3, batch=2, seq=32, eval_every=3, eval_windows=2, train_records=64),
+        demo=dict(steps=3, batch=8, seq=64, eval_every=3, eval_records=8),
         seeds=[0],
     ),
 }
@@ -188,6 +135,13 @@ TASKS = {
         old="old-domain loss (prose)",
         higher_is_better=False,
     ),
+    "arith": dict(
+        title="second shift (English prose -> integer arithmetic)",
+        metric="held-out loss (nats/byte)",
+        new="new-domain loss (arithmetic)",
+        old="old-domain loss (prose)",
+        higher_is_better=False,
+    ),
     "demo": dict(
         title="demo model: learn `shift`, keep `copy` and `upper`",
         metric="exact-match accuracy",
@@ -196,21 +150,17 @@ TASKS = {
         higher_is_better=True,
     ),
 }
+TEXT_TASKS = ("shift", "arith")
 
 
 def methods_for(mode: str, extra_specs: list[dict], builtin_usaf: bool = True) -> list[dict]:
-    """Every row: {key, label, kind, lr, select, router_lr_multiplier}."""
+    """Every row: {key, label, kind, lr} (+ set: the `usaf train --set` overrides of a usaf row)."""
     rows = [{"key": "inference", "label": "inference (no training)", "kind": "inference", "lr": 0.0}]
     lora, full, experts, specs = LORA_LRS, FULL_LRS, EXPERTS_LRS, USAF_SPECS
     if mode == "quick":
-        full, experts, specs = FULL_LRS[-1:], EXPERTS_LRS[-1:], USAF_SPECS[:2]
+        full, experts, specs = FULL_LRS[-1:], EXPERTS_LRS[-1:], USAF_SPECS[:1]
     if mode == "smoke":
-        lora, full, experts, specs = (
-            LORA_LRS[:2],
-            FULL_LRS[-1:],
-            EXPERTS_LRS[-1:],
-            [USAF_SPECS[0], USAF_SPECS[3]],
-        )
+        lora, full, experts, specs = LORA_LRS[:2], FULL_LRS[1:], EXPERTS_LRS[-1:], USAF_SPECS[:1]
     if not builtin_usaf:
         specs = []
     rows += [
@@ -223,23 +173,20 @@ def methods_for(mode: str, extra_specs: list[dict], builtin_usaf: bool = True) -
         for lr in experts
     ]
     for spec in [*specs, *extra_specs]:
-        if not {"label", "select", "lr"} <= set(spec):
-            raise SystemExit(f"a usaf spec needs label, select and lr: {spec}")
+        if set(spec) != {"label", "set"} or not isinstance(spec["set"], dict):
+            raise SystemExit(f'a usaf spec is {{"label": ..., "set": {{"optim.lr": ..., ...}}}}: {spec}')
         rows.append(
             {
-                "key": f"usaf:{spec['label']}@{spec['lr']:g}",
+                "key": f"usaf:{spec['label']}",
                 "label": spec["label"],
                 "kind": "usaf",
-                "lr": float(spec["lr"]),
-                "select": dict(spec["select"]),
-                "router_lr_multiplier": float(spec.get("router_lr_multiplier", 1.0)),
-                "moments": spec.get("moments", "bf16"),
-                "decay_to_base": float(spec.get("decay_to_base", 0.0)),  # optim.decay_to_base
+                "lr": float(spec["set"].get("optim.lr", DEFAULT_LR)),
+                "set": dict(spec["set"]),
             }
         )
     keys = [r["key"] for r in rows]
     if len(set(keys)) != len(keys):
-        raise SystemExit(f"two methods share label and lr: {sorted(k for k in keys if keys.count(k) > 1)}")
+        raise SystemExit(f"two methods share a label: {sorted(k for k in keys if keys.count(k) > 1)}")
     return rows
 
 
@@ -247,69 +194,125 @@ def methods_for(mode: str, extra_specs: list[dict], builtin_usaf: bool = True) -
 
 
 def prepare_task(task: str, sizes: dict, seeds: list[int], workdir: str, smoke: bool) -> dict:
-    """Writes the model (smoke: a tiny one) and per-seed batches; returns {model_dir, data: {seed: path}, facts}."""
+    """Writes the model (smoke: a tiny one), the training records usaf train reads and per-seed batches of the
+    same records for the baselines; returns {model_dir, records, data: {seed: path}, facts}."""
     import torch
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     root = Path(workdir) / task
     root.mkdir(parents=True, exist_ok=True)
-    return (_prepare_shift if task == "shift" else _prepare_demo)(root, sizes, seeds, smoke)
+    return (_prepare_demo if task == "demo" else _prepare_text)(root, task, sizes, seeds, smoke)
 
 
-def _prepare_shift(root: Path, sizes: dict, seeds: list[int], smoke: bool) -> dict:
+def utf8_records(data: bytes, size: int) -> list[str]:
+    """`data` cut into pieces of at most `size` bytes, never inside a multi-byte UTF-8 character, decoded; blank
+    pieces are left out (usaf train refuses a blank text record)."""
+    out, start = [], 0
+    while start < len(data):
+        end = min(start + size, len(data))
+        while end < len(data) and data[end] & 0xC0 == 0x80:  # a continuation byte: cut before its character
+            end -= 1
+        piece = data[start:end].decode("utf-8")
+        if piece.strip():
+            out.append(piece)
+        start = end
+    return out
+
+
+def seeded_batches(items: list, batch: int, count: int, order: random.Random) -> list[list]:
+    """`count` batches of `batch` items, the items reshuffled by `order` each epoch."""
+    batches, pool = [], []
+    while len(batches) < count:
+        if len(pool) < batch:
+            fresh = list(items)
+            order.shuffle(fresh)
+            pool += fresh
+        batches.append(pool[:batch])
+        pool = pool[batch:]
+    return batches
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _shift_model(root: Path, old_train: bytes, smoke: bool) -> tuple[Path, dict]:
+    """The pretrained shift model's folder and its facts (smoke: a tiny model, a few pretraining steps)."""
+    import make_shift_model as shift
+
+    if not smoke:
+        model_dir = shift.build(log=lambda line: print(f"  [pretrain] {line}", flush=True))
+        return model_dir, json.loads((model_dir / "pretrain.json").read_text())
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    tiny = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    tiny.update(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(shift.model_config(**tiny), dtype=torch.float32)
+    settings = dict(steps=4, batch=4, seq=32, lr=3e-3, warmup=1)
+    shift.pretrain(model, shift.encode(old_train), {}, settings, log=lambda *_: None)
+    model_dir = root / "model"
+    model.save_pretrained(model_dir)
+    shift.byte_tokenizer().save_pretrained(model_dir)
+    return model_dir, {"parameters": sum(p.numel() for p in model.parameters()), "smoke": True}
+
+
+def _prepare_text(root: Path, task: str, sizes: dict, seeds: list[int], smoke: bool) -> dict:
     import make_shift_model as shift
     import torch
+    from transformers import AutoTokenizer
 
     data = shift.domains()
-    if smoke:  # a tiny byte-level model, a few pretraining steps: seconds
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(0)
-        tiny = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-        tiny.update(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
-        model = AutoModelForCausalLM.from_config(shift.model_config(**tiny), dtype=torch.float32)
-        shift.pretrain(
-            model,
-            shift.encode(data["old"]["train"]),
-            {},
-            dict(steps=4, batch=4, seq=32, lr=3e-3, warmup=1),
-            log=lambda *_: None,
-        )
-        model_dir = root / "model"
-        model.save_pretrained(model_dir)
-        shift.byte_tokenizer().save_pretrained(model_dir)
-        pretrained = {"parameters": sum(p.numel() for p in model.parameters()), "smoke": True}
-    else:
-        model_dir = shift.build(log=lambda line: print(f"  [pretrain] {line}", flush=True))
-        pretrained = json.loads((model_dir / "pretrain.json").read_text())
+    new = data["new"] if task == "shift" else arith.domain()
+    model_dir, pretrained = _shift_model(root, data["old"]["train"], smoke)
     seq = sizes["seq"]
     evals = {
-        name: shift.held_out_batches(shift.encode(data[name]["held_out"]), seq, sizes["eval_windows"], 16)
-        for name in ("old", "new")
+        "old": shift.held_out_batches(shift.encode(data["old"]["held_out"]), seq, sizes["eval_windows"], 16),
+        "new": shift.held_out_batches(shift.encode(new["held_out"]), seq, sizes["eval_windows"], 16),
     }
-    train_ids = shift.encode(data["new"]["train"])
+    # usaf train reads a text record as <bos> text <eos> (usaf.data.records.encode_text): seq - 2 bytes fill a row
+    texts = utf8_records(new["train"], seq - 2)[: sizes["train_records"]]
+    records = root / "train.jsonl"
+    _write_jsonl(records, [{"text": t} for t in texts])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [[*ids, tokenizer.eos_token_id] for ids in tokenizer(texts)["input_ids"]]
+    assert max(map(len, rows)) <= seq, "a record longer than a row"
     paths = {}
     for seed in seeds:
-        generator = torch.Generator().manual_seed(1000 + seed)
-        batches = [
-            shift.windows(train_ids, sizes["batch"], seq, generator) for _ in range(sizes["steps"] + 1)
-        ]
+        batches = seeded_batches(rows, sizes["batch"], sizes["steps"] + 1, random.Random(seed))
         path = root / f"data-{seed}.pt"
-        torch.save({"train": [(b, b) for b in batches], "eval": evals}, path)
+        torch.save({"train": [_padded(b, tokenizer.pad_token_id) for b in batches], "eval": evals}, path)
         paths[seed] = str(path)
     return {
         "model_dir": str(model_dir),
+        "records": str(records),
         "data": paths,
         "facts": {
             "model": pretrained,
-            "domains": {k: {kk: len(vv) for kk, vv in v.items()} for k, v in data.items()},
+            "domains": {
+                "old": {k: len(v) for k, v in data["old"].items()},
+                "new": {k: len(v) for k, v in new.items()},
+            },
+            "train_records": len(texts),
             "tokens_per_step": sizes["batch"] * seq,
             "eval_tokens": {k: sum(b.numel() for b in v) for k, v in evals.items()},
         },
     }
 
 
-def _prepare_demo(root: Path, sizes: dict, seeds: list[int], smoke: bool) -> dict:
+def _padded(rows: list[list[int]], pad: int):
+    """(input_ids, labels) of token rows, right-padded to the longest (labels -100 on the padding: a causal
+    model's earlier positions never see it)."""
+    import torch
+
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    labels = torch.tensor([r + [-100] * (width - len(r)) for r in rows])
+    return ids, labels
+
+
+def _prepare_demo(root: Path, task: str, sizes: dict, seeds: list[int], smoke: bool) -> dict:
     import torch
     from transformers import AutoTokenizer
 
@@ -330,22 +333,15 @@ def _prepare_demo(root: Path, sizes: dict, seeds: list[int], smoke: bool) -> dic
     train_prompts = {r["prompt"] for r in records}
     assert not train_prompts & {r["prompt"] for r in evals["shift"]}, "held-out shift records overlap train"
     paths = {}
-    for seed in seeds:
-        order = random.Random(seed)  # seeded, reshuffled each epoch, the same for every method
-        batches, pool = [], []
-        while len(batches) < sizes["steps"] + 1:
-            if len(pool) < sizes["batch"]:
-                fresh = list(records)
-                order.shuffle(fresh)
-                pool += fresh
-            batches.append(encode_records(tokenizer, pool[: sizes["batch"]]))
-            pool = pool[sizes["batch"] :]
+    for seed in seeds:  # seeded, reshuffled each epoch, the same for every baseline
+        batches = seeded_batches(records, sizes["batch"], sizes["steps"] + 1, random.Random(seed))
         path = root / f"data-{seed}.pt"
-        torch.save({"train": batches, "eval": evals}, path)
+        torch.save({"train": [encode_records(tokenizer, b) for b in batches], "eval": evals}, path)
         paths[seed] = str(path)
     params = sum(t.numel() for t in _safetensors(model_dir).values())
     return {
         "model_dir": str(model_dir),
+        "records": str(data_dir / "train.jsonl"),
         "data": paths,
         "facts": {"model": {"parameters": params}, "train_records": len(records), "eval_records": n},
     }
@@ -363,38 +359,20 @@ def _safetensors(model_dir: Path) -> dict:
 # ---- one run, in its own process -------------------------------------------------------------------------------
 
 
-def _build(method: dict, model_dir: str, calibration: list):
-    """The model of one method, with exactly its trainable parameters; and the optimizer's parameter groups."""
+def _load(model_dir):
+    """A checkpoint folder as plain transformers loads it (float32), its weights in process memory."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    import usaf
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     own_mapped_weights(model)
-    kind, lr = method["kind"], method["lr"]
-    if kind == "usaf":
-        from usaf.train.optim import router_params as _router_params
-
-        config = usaf.UsafConfig(**method["select"])
-        usaf.prepare_model(model, config, calibration_batches=calibration)
-        routers = {id(p) for p in _router_params(model)}
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        # the values' moments as `usaf train` keeps them (optim.moments): bf16 unless the spec says "fp32"
-        compact = method.get("moments", "bf16") == "bf16"
-        values = [p for p in trainable if id(p) not in routers]
-        decay = method.get("decay_to_base", 0.0)
-        groups = [{"params": values, "lr": lr, "compact": compact, "decay_to_base": decay}]
-        router_list = [p for p in trainable if id(p) in routers]
-        if router_list:
-            groups.append({"params": router_list, "lr": lr * method["router_lr_multiplier"]})
-        return model, groups, config
-    model = stock_baseline(model, kind)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return model, ([{"params": trainable, "lr": lr}] if trainable else []), None
+    return model
 
 
 class _Evaluator:
+    """The held-out numbers of a model, the same function for every method and the exported usaf checkpoints:
+    transformers' own loss (text tasks) or the demo task's exact-match accuracy."""
+
     def __init__(self, task: str, evals: dict, model_dir: str):
         self.task, self.evals = task, evals
         if task == "demo":
@@ -405,16 +383,14 @@ class _Evaluator:
     def __call__(self, model) -> dict:
         import torch
 
-        import usaf
-
         was = model.training
         model.eval()
         try:
-            if self.task == "shift":
+            if self.task in TEXT_TASKS:
                 out = {}
                 with torch.no_grad():
                     for name, batches in self.evals.items():
-                        total = sum(float(usaf.causal_lm_loss(model, b, b)) * b.shape[0] for b in batches)
+                        total = sum(float(model(input_ids=b, labels=b).loss) * b.shape[0] for b in batches)
                         out[name] = total / sum(b.shape[0] for b in batches)
                 return out
             from usaf.demo.task import task_accuracy
@@ -426,26 +402,94 @@ class _Evaluator:
 
 
 def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
-    """Train one method on one task with one seed; evaluations along the way; its own process's memory."""
+    """Train one method on one task with one seed, judged by the task's evaluator; a usaf row through usaf's
+    command line, a baseline in this process."""
     import torch
-
-    import usaf
 
     torch.set_num_threads(job["threads"])
     torch.manual_seed(seed)
     data = torch.load(job["data"][seed], weights_only=True)  # the bench's own tensors, lists and strings
-    train, steps = data["train"], job["steps"]
-    memory = PeakMemory(torch.device("cpu"))
-
-    def as_batch(ids, labels):
-        return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(ids.shape[1]).expand_as(ids)}
-
-    calibration = [as_batch(*train[i]) for i in range(min(4, len(train)))]
-    started = time.perf_counter()
-    model, groups, config = _build(method, job["model_dir"], calibration)
-    setup_s = time.perf_counter() - started
-    trainable = [p for g in groups for p in g["params"]]
     evaluate = _Evaluator(task, data["eval"], job["model_dir"])
+    if method["kind"] == "usaf":
+        return _run_usaf_cli(task, method, seed, job, evaluate)
+    return _run_baseline(task, method, seed, job, data["train"], evaluate)
+
+
+def usaf_commands(method: dict, seed: int, job: dict, run_dir: Path) -> tuple[list[str], list[str]]:
+    """`usaf train` with the task's shape and the row's overrides, and `usaf export --merged` of its run."""
+    shape = {
+        "train.seed": seed,
+        "schedule.max_steps": job["steps"],
+        "data.batch_size": job["batch"],
+        "data.max_seq_len": job["seq"],
+        "data.pack": "false",  # a record a row, as the baselines train
+        "data.eval_fraction": 0,  # every record trains; the bench judges on its own held-out data
+        "checkpoint.every_steps": 0,  # the last step saves
+        "log.report_to": "none",
+        "log.progress": "false",
+    }
+    sets = [f"{k}={v}" for k, v in {**shape, **method["set"]}.items()]
+    train = [sys.executable, "-m", "usaf", "train", "--model", job["model_dir"], "--data", job["records"]]
+    train += ["--out", str(run_dir / "run"), "--set", *sets]
+    export = [
+        sys.executable,
+        "-m",
+        "usaf",
+        "export",
+        str(run_dir / "run"),
+        "--merged",
+        str(run_dir / "merged"),
+    ]
+    return train, export
+
+
+def _run_usaf_cli(task: str, method: dict, seed: int, job: dict, evaluate) -> dict:
+    import usaf
+
+    run_dir = Path(tempfile.mkdtemp(prefix=f"usaf-{seed}-", dir=job["workdir"]))
+    train, export = usaf_commands(method, seed, job, run_dir)
+    env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"])}
+    # the same usaf the bench imported (a worktree's src/, or the installed one)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(usaf.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    for command in (train, export):
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if done.returncode:
+            raise RuntimeError(f"{shlex.join(command)} failed:\n{done.stderr[-3000:]}")
+    summary = json.loads((run_dir / "run" / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    base, tuned = _load(job["model_dir"]), _load(run_dir / "merged")
+    train_s = summary["train_seconds"]
+    trained = summary["trained_expert_entries"] + summary["trained_router_weights"]
+    trained += sum(summary["trained_entries_beyond_experts"].values())
+    return {
+        "task": task,
+        "method": method["key"],
+        "seed": seed,
+        "commands": [shlex.join(["python", *train[1:]]), shlex.join(["python", *export[1:]])],
+        "judged_from": str(run_dir / "merged"),
+        "trainable_params": trained,
+        "total_params": sum(p.numel() for p in tuned.parameters()),
+        "curve": [
+            {"step": 0, "elapsed_s": 0.0, **evaluate(base)},
+            {"step": summary["steps"], "elapsed_s": train_s, **evaluate(tuned)},
+        ],
+        "step_times_s": [train_s / summary["steps"]] * summary["steps"],  # the run's mean: no per-step times
+        "train_losses": [row["loss"] for row in metrics if "loss" in row],
+        "peak_bytes": max(row.get("peak_memory_mb", 0) for row in metrics) * 2**20 or None,
+    }
+
+
+def _run_baseline(task: str, method: dict, seed: int, job: dict, train: list, evaluate) -> dict:
+    """One baseline (or the untrained model) on the bench's batches, evaluated every eval_every steps."""
+    import torch
+
+    import usaf
+
+    memory = PeakMemory(torch.device("cpu"))
+    started = time.perf_counter()
+    model = stock_baseline(_load(job["model_dir"]), method["kind"])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    setup_s = time.perf_counter() - started
     curve = [{"step": 0, "elapsed_s": 0.0, **evaluate(model)}]
     result = {
         "task": task,
@@ -457,39 +501,21 @@ def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
     }
     if method["kind"] == "inference":
         return {**result, "curve": curve, "step_times_s": [], "train_losses": [], "peak_bytes": None}
-    if method["kind"] == "usaf":  # usaf's own AdamW (bf16 moments where the group is compact)
-        from usaf.train.optim import CompactAdamW, base_lookup
-
-        optimizer = CompactAdamW(
-            groups, seed=seed, base_of=base_lookup(model), betas=(0.9, 0.999), weight_decay=0.0
-        )
-    else:
-        optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999), weight_decay=0.0)
+    steps = job["steps"]
+    optimizer = torch.optim.AdamW(trainable, lr=method["lr"], betas=(0.9, 0.999), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(steps))
-    reselector = None
-    if config is not None and getattr(config, "reselect_every", 0):
-        from usaf.selection.reselect import Reselector
-
-        reselector = Reselector(model, config, steps)
     model.train()
     memory.reset()
     step_times, losses, elapsed = [], [], 0.0
     for step in range(steps):
         ids, labels = train[step]
         start = time.perf_counter()
-        if reselector is not None:
-            reselector.before_step(step + 1)
-            reselector.set_observing(True)
         loss = usaf.causal_lm_loss(model, ids, labels)
-        if reselector is not None:
-            reselector.set_observing(False)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if reselector is not None:
-            reselector.after_step(step + 1, optimizer)
         took = time.perf_counter() - start
         step_times.append(took)
         elapsed += took
@@ -530,9 +556,51 @@ def _interp(points: list[tuple[float, float]], x: float) -> float | None:
     return points[0][1]
 
 
+def frontier(rows: dict, kind: str) -> list[tuple[float, float]]:
+    """A family's frontier: its per-learning-rate means (new, old), sorted by new."""
+    return sorted((r["after"]["new"], r["after"]["old"]) for r in rows.values() if r["kind"] == kind)
+
+
+def distance(
+    points: list[tuple[float, float]], new: float, old: float, higher_is_better: bool
+) -> float | None:
+    """How far `old` lies behind the frontier at the same `new` (negative: past it); None outside its range."""
+    at = _interp(points, new)
+    if at is None:
+        return None
+    return at - old if higher_is_better else old - at
+
+
+def against_frontiers(row: dict, rows: dict, higher_is_better: bool) -> dict:
+    """A usaf row against LoRA's and full fine-tuning's frontiers: distances of the mean and of each seed, the
+    seed spread on both axes, and the verdict."""
+    out = {}
+    for kind in ("full", "lora"):
+        points = frontier(rows, kind)
+        out[kind] = {
+            "frontier": points,
+            "old_at_same_new": _interp(points, row["after"]["new"]),
+            "mean": distance(points, row["after"]["new"], row["after"]["old"], higher_is_better),
+            "per_seed": [
+                distance(points, s["new"], s["old"], higher_is_better) for s in row["per_seed_after"]
+            ],
+        }
+    spread = {
+        k: max(s[k] for s in row["per_seed_after"]) - min(s[k] for s in row["per_seed_after"])
+        for k in ("new", "old")
+    }
+    full, lora = out["full"]["mean"], out["lora"]["mean"]
+    out["spread"] = spread
+    out["verdict"] = {
+        "past_full": None if full is None else full <= 0,
+        "lora_dominated": None if lora is None else lora < 0,
+        "spread_within_limit": max(spread.values()) <= SPREAD_LIMIT,
+    }
+    return out
+
+
 def aggregate(task: str, methods: list[dict], runs: dict, errors: dict) -> dict:
-    """Per method: means over seeds of every curve point, per-seed finals, times, memory; then the comparisons."""
-    better = TASKS[task]["higher_is_better"]
+    """Per method: means over seeds of every curve point, per-seed finals, times, memory; then the frontiers."""
     rows = {}
     for m in methods:
         seeds = runs.get(m["key"], [])
@@ -569,23 +637,16 @@ def aggregate(task: str, methods: list[dict], runs: dict, errors: dict) -> dict:
             "tensor_peak_mb": _mean([s.get("tensor_peak_bytes", 0) / 2**20 or None for s in seeds]),
             "runs": seeds,
         }
+    better = TASKS[task]["higher_is_better"]
+    for r in rows.values():
+        if r["kind"] == "usaf":
+            r["against_frontiers"] = against_frontiers(r, rows, better)
     lora = sorted((r for r in rows.values() if r["kind"] == "lora"), key=lambda r: r["lr"])
     mid = lora[len(lora) // 2] if lora else None
-    frontier = [(r["after"]["new"], r["after"]["old"]) for r in lora]
-    full_frontier = [(r["after"]["new"], r["after"]["old"]) for r in rows.values() if r["kind"] == "full"]
     wall = mid["train_s"] if mid else None
-    for _key, r in rows.items():
-        if mid is not None and r["kind"] == "usaf":
-            sign = -1 if better else 1  # compare as "lower is better"
-            new, old = sign * r["after"]["new"], sign * r["after"]["old"]
-            r["dominates_lora_mid"] = new < sign * mid["after"]["new"] and old < sign * mid["after"]["old"]
-            at = _interp(frontier, r["after"]["new"])
-            r["lora_frontier_old_at_same_new"] = at
-            r["ahead_of_lora_frontier"] = None if at is None else old < sign * at
-            at_full = _interp(full_frontier, r["after"]["new"])
-            r["full_frontier_old_at_same_new"] = at_full
-            r["reaches_full_frontier"] = None if at_full is None else old <= sign * at_full
-        if wall is not None:
+    for r in rows.values():
+        # a usaf row's curve has no middle points: a line from the base to the end would be made up
+        if wall is not None and not (r["kind"] == "usaf" and r["train_s"] > wall):
             curve = r["curve"]
             points = {k: [(p["elapsed_s"], p[k]) for p in curve] for k in ("new", "old")}
             done = r["train_s"] is not None and r["train_s"] <= wall
@@ -612,10 +673,6 @@ def _metric(task: str, value) -> str:
     return fmt(value, "{:.1%}" if TASKS[task]["higher_is_better"] else "{:.3f}")
 
 
-def _yes(value) -> str:
-    return "–" if value is None else ("**yes**" if value else "no")
-
-
 def markdown(payload: dict) -> str:
     m = payload["machine"]
     lines = [
@@ -627,14 +684,17 @@ def markdown(payload: dict) -> str:
         f"{payload['jobs']} run(s) at once (each run its own process). Mode {payload['mode']}, seeds "
         f"{payload['seeds']}; whole benchmark {payload['wall_s']:.0f} s.",
         "",
-        "Every training run: the same batches in the same order per seed, AdamW (0.9/0.999, no weight decay), clip "
-        "1.0, warm-up 10 % then cosine to 10 %, `usaf.causal_lm_loss`. Values are means over seeds, per-seed values "
-        "in brackets. Step ms: median step time over all seeds (first 2 steps of each left out); train s: training "
-        "seconds of the whole run (evaluation excluded). Peak MB: resident-set peak above the run's process "
-        "baseline during training (model, optimizer state and activations); live MB: live-tensor peak of one more "
-        "step (what a GPU allocator's peak counts). usaf routers train at lr × router_lr_multiplier; usaf rows use "
-        "usaf's AdamW (`usaf.train.optim.CompactAdamW`: the values' moments in bf16 with stochastic rounding) unless a "
-        "row says moments fp32.",
+        "usaf rows: `usaf train` from the command line with the defaults and only the task's shape set (plus the "
+        "row's `--set` overrides: see the commands below), exported with `usaf export --merged` and judged from the "
+        "exported folder loaded by plain transformers; their curves have two points, the base (step 0) and the last "
+        "step; step ms = the run's train_seconds ÷ steps; peak MB = the run's metrics.jsonl peak_memory_mb (the whole "
+        "process, not above a baseline). Baselines: trained in the bench on the same records (a record a row), the "
+        "same batch size and steps, in a seeded order per seed, AdamW (0.9/0.999, no weight decay), clip 1.0, "
+        "warm-up 10 % then cosine to 10 %; step ms: median step time over all seeds (first 2 steps of each left "
+        "out); peak MB: resident-set peak above the run's process baseline during training; live MB: live-tensor "
+        "peak of one more step. Every model, trained either way, is judged by the same evaluator (transformers' own "
+        "loss on the held-out windows, or the demo's exact-match accuracy). Values are means over seeds, per-seed "
+        "values in brackets; train s: training seconds of the whole run (evaluation excluded).",
         "",
     ]
     if payload.get("reused_baselines"):
@@ -649,7 +709,7 @@ def markdown(payload: dict) -> str:
         facts = data["facts"]
         arrow = "higher is better" if info["higher_is_better"] else "lower is better"
         lines += [f"## Task: {info['title']}", ""]
-        if task == "shift":
+        if task in TEXT_TASKS:
             mdl = facts["model"]
             lines.append(
                 f"Model: byte-level qwen3_moe, {mdl.get('parameters', 0) / 1e6:.1f} M parameters"
@@ -661,8 +721,8 @@ def markdown(payload: dict) -> str:
                     if "old_loss" in mdl
                     else " (smoke: a tiny model)"
                 )
-                + f". Domains (bytes): {json.dumps(facts['domains'])}. {facts['tokens_per_step']} tokens per step; "
-                f"eval tokens {json.dumps(facts['eval_tokens'])}."
+                + f". Domains (bytes): {json.dumps(facts['domains'])}; {facts['train_records']} training records; "
+                f"{facts['tokens_per_step']} tokens per step; eval tokens {json.dumps(facts['eval_tokens'])}."
             )
         else:
             lines.append(
@@ -679,9 +739,7 @@ def markdown(payload: dict) -> str:
         for r in rows.values():
             per_new = " / ".join(_metric(task, s["new"]) for s in r["per_seed_after"])
             per_old = " / ".join(_metric(task, s["old"]) for s in r["per_seed_after"])
-            lr = f"{r['lr']:g}" + (
-                f" (routers ×{r['router_lr_multiplier']:g})" if r["kind"] == "usaf" else ""
-            )
+            lr = f"{r['lr']:g}"
             table_rows.append(
                 [
                     r["label"],
@@ -720,30 +778,33 @@ def markdown(payload: dict) -> str:
                 ),
             ]
         # equal steps: the curves
-        steps = [p["step"] for p in next(iter(rows.values()))["curve"]] if rows else []
         trained = [r for r in rows.values() if r["kind"] != "inference"]
         if trained:
-            steps = [p["step"] for p in trained[0]["curve"]]
+            steps = sorted({p["step"] for r in trained for p in r["curve"]})
             lines += [
                 "",
-                "### At equal steps: new / old along the run (means over seeds; training seconds in brackets)",
+                "### At equal steps: new / old along the run (means over seeds; training seconds in brackets; "
+                "usaf rows: the base and the last step only)",
                 "",
             ]
-            curves = [
-                [r["label"], f"{r['lr']:g}"]
-                + [
+            curves = []
+            for r in trained:
+                at = {p["step"]: p for p in r["curve"]}
+                cells = [
                     f"{_metric(task, p['new'])} / {_metric(task, p['old'])} ({p['elapsed_s']:.0f} s)"
-                    for p in r["curve"]
+                    if (p := at.get(step))
+                    else "–"
+                    for step in steps
                 ]
-                for r in trained
-            ]
+                curves.append([r["label"], f"{r['lr']:g}", *cells])
             lines += table(["method", "lr", *(f"step {s}" for s in steps)], curves, align="lr")
         if data.get("wall_reference_s"):
             wall = data["wall_reference_s"]
             lines += [
                 "",
                 f"### At equal wall-clock: {wall:.0f} training seconds (LoRA at lr {data['lora_mid']['lr']:g}, its "
-                "whole run); a method that finished sooner shows its final values",
+                "whole run); a method that finished sooner shows its final values; a usaf row that did not is left "
+                "out (its curve has no middle points)",
                 "",
             ]
             at_wall = []
@@ -755,12 +816,14 @@ def markdown(payload: dict) -> str:
                 lr = f"{r['lr']:g}" if r["kind"] != "inference" else "–"
                 at_wall.append([r["label"], lr, _metric(task, w["new"]), _metric(task, w["old"]), note])
             lines += table(["method", "lr", "new", "old", "note"], at_wall, align="lrrr")
-        measured = [r for r in rows.values() if r["peak_mb"] is not None]
+        # usaf rows' peaks are their whole process's (metrics.jsonl), not above a baseline: not compared here
+        measured = [r for r in rows.values() if r["peak_mb"] is not None and r["kind"] != "usaf"]
         lora_peak = _mean([r["peak_mb"] for r in rows.values() if r["kind"] == "lora"])
         if measured:
             lines += [
                 "",
-                "### At equal peak memory: methods by peak RSS; best new-domain result within each budget",
+                "### At equal peak memory: the baselines by peak RSS; best new-domain result within each budget "
+                "(usaf rows measure their whole `usaf train` process: see the first table, not comparable here)",
                 "",
             ]
             sign = -1 if info["higher_is_better"] else 1
@@ -782,40 +845,84 @@ def markdown(payload: dict) -> str:
                 )
             header = ["method", "lr", "peak MB", "÷ LoRA", "live MB", "new", "old"]
             lines += table([*header, "best new within this peak (method)"], by_peak, align="lrrrrrr")
-        usaf_rows = [r for r in rows.values() if r["kind"] == "usaf"]
-        if usaf_rows and data.get("lora_mid"):
-            mid = rows[data["lora_mid"]["key"]]
-            lines += [
-                "",
-                f"### usaf against LoRA (middle lr {mid['lr']:g}: new {_metric(task, mid['after']['new'])}, old "
-                f"{_metric(task, mid['after']['old'])})",
-                "",
-                "Dominates: better new AND better old than LoRA at its middle lr. Ahead of the frontier: better old "
-                "than LoRA's frontier (linear between its learning rates) at the same new value; – when the new "
-                "value lies outside LoRA's range. Reaches full fine-tuning's frontier: old no worse than full "
-                "fine-tuning's (linear between its learning rates) at the same new value.",
-                "",
-            ]
-            header = ["usaf", "lr", "new", "old", "dominates LoRA mid", "LoRA frontier's old at same new"]
-            header += ["ahead of frontier", "full FT frontier's old at same new", "reaches full FT frontier"]
-            against_lora = [
-                [
-                    r["label"],
-                    f"{r['lr']:g}",
-                    _metric(task, r["after"]["new"]),
-                    _metric(task, r["after"]["old"]),
-                    _yes(r.get("dominates_lora_mid")),
-                    _metric(task, r.get("lora_frontier_old_at_same_new")),
-                    _yes(r.get("ahead_of_lora_frontier")),
-                    _metric(task, r.get("full_frontier_old_at_same_new")),
-                    _yes(r.get("reaches_full_frontier")),
-                ]
-                for r in usaf_rows
-            ]
-            lines += table(header, against_lora, align="lrrrlrlrl")
+        lines += frontier_lines(task, rows)
         lines.append("")
     lines += ["## usaf specs", "", "```json", json.dumps(payload["usaf_specs"], indent=1), "```", ""]
     return "\n".join(lines)
+
+
+def _distance(task: str, value) -> str:
+    return (
+        "outside"
+        if value is None
+        else fmt(value, "{:+.1%}" if TASKS[task]["higher_is_better"] else "{:+.3f}")
+    )
+
+
+def frontier_lines(task: str, rows: dict) -> list[str]:
+    """The "Against the frontiers" table, a verdict a usaf row, and the usaf runs' command lines."""
+    usaf_rows = [r for r in rows.values() if r["kind"] == "usaf"]
+    if not usaf_rows:
+        return []
+    flip = (
+        " (accuracies: signs flipped, so negative = past the frontier here too)"
+        if TASKS[task]["higher_is_better"]
+        else ""
+    )
+    lines = [
+        "",
+        "### Against the frontiers",
+        "",
+        "A frontier: the family's per-learning-rate means (new, old), piecewise linear, sorted by new. Distance: the "
+        "usaf row's old minus the frontier's old at the row's new value, for the mean and [each seed]; negative = "
+        f"past the frontier{flip}; outside = the new value lies beyond the frontier's range (no extrapolation). "
+        "Spread: max − min over seeds.",
+        "",
+    ]
+    header = [
+        "usaf",
+        "lr",
+        "new [per seed]",
+        "old [per seed]",
+        "full FT's old at same new",
+        "to full FT [per seed]",
+    ]
+    header += ["LoRA's old at same new", "to LoRA [per seed]", "spread new / old"]
+    body, verdicts = [], []
+    for r in usaf_rows:
+        against, seeds = r["against_frontiers"], r["per_seed_after"]
+        cells = [r["label"], f"{r['lr']:g}"]
+        for k in ("new", "old"):
+            cells.append(f"{_metric(task, r['after'][k])} [{' / '.join(_metric(task, s[k]) for s in seeds)}]")
+        for kind in ("full", "lora"):
+            a = against[kind]
+            cells.append(_metric(task, a["old_at_same_new"]))
+            cells.append(
+                f"{_distance(task, a['mean'])} [{' / '.join(_distance(task, d) for d in a['per_seed'])}]"
+            )
+        spread, verdict = against["spread"], against["verdict"]
+        cells.append(f"{_metric(task, spread['new'])} / {_metric(task, spread['old'])}")
+        body.append(cells)
+        past = {True: "yes", False: "no", None: "outside"}
+        verdicts.append(
+            f"- {r['label']}: on/past full FT's frontier: {past[verdict['past_full']]}; LoRA dominated: "
+            f"{past[verdict['lora_dominated']]}; spread new {_metric(task, spread['new'])} / old "
+            f"{_metric(task, spread['old'])} (≤ {SPREAD_LIMIT}: {past[verdict['spread_within_limit']]})"
+        )
+    lines += [
+        *table(header, body, align="lrllrlrlr"),
+        "",
+        *verdicts,
+        "",
+        "usaf runs (each seed's command lines):",
+        "",
+    ]
+    for r in usaf_rows:
+        for run in r["runs"]:
+            lines += [
+                f"- {r['label']}, seed {run['seed']}: `{run['commands'][0]}` then `{run['commands'][1]}`"
+            ]
+    return lines
 
 
 def chart(payload: dict, path: Path) -> None:
@@ -825,27 +932,34 @@ def chart(payload: dict, path: Path) -> None:
     for ax, (task, data) in zip(axes[:, 0], tasks.items(), strict=True):
         info, rows = TASKS[task], data["methods"]
         scale = 100 if info["higher_is_better"] else 1
-        lora = sorted((r for r in rows.values() if r["kind"] == "lora"), key=lambda r: r["after"]["new"])
-        if lora:
-            ax.plot(
-                [r["after"]["new"] * scale for r in lora],
-                [r["after"]["old"] * scale for r in lora],
-                "-",
-                color="tab:blue",
-                alpha=0.6,
-                label="LoRA frontier",
-            )
+        for kind, name in (("lora", "LoRA frontier"), ("full", "full fine-tuning frontier")):
+            points = frontier(rows, kind)
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(
+                    [x * scale for x in xs],
+                    [y * scale for y in ys],
+                    "-",
+                    color=colors[kind],
+                    alpha=0.6,
+                    label=name,
+                )
         markers = {"lora": "o", "full": "s", "experts": "D", "usaf": "^", "inference": "*"}
         for i, r in enumerate(rows.values()):
+            color = colors.get(r["kind"], "black")
+            if len(r["per_seed_after"]) > 1:  # each seed's point, faint
+                ax.scatter(
+                    [s["new"] * scale for s in r["per_seed_after"]],
+                    [s["old"] * scale for s in r["per_seed_after"]],
+                    marker=markers[r["kind"]],
+                    s=18,
+                    color=color,
+                    alpha=0.25,
+                    zorder=2,
+                )
             x, y = r["after"]["new"] * scale, r["after"]["old"] * scale
-            ax.scatter(
-                x,
-                y,
-                marker=markers[r["kind"]],
-                s=90 if r["kind"] == "inference" else 50,
-                color=colors.get(r["kind"], "black"),
-                zorder=3,
-            )
+            size = 90 if r["kind"] in ("inference", "usaf") else 50
+            ax.scatter(x, y, marker=markers[r["kind"]], s=size, color=color, zorder=3)
             ax.annotate(f"{i}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         legend = "\n".join(
             f"{i}: {r['label']}" + (f" @ {r['lr']:g}" if r["kind"] != "inference" else "")
@@ -861,7 +975,10 @@ def chart(payload: dict, path: Path) -> None:
         )
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
-    fig.suptitle(f"usaf vs LoRA / full FT / experts: adaptation vs forgetting — {payload['machine']['date']}")
+    fig.suptitle(
+        f"usaf (usaf train, exported) vs LoRA / full FT / experts: adaptation vs forgetting, means and seeds — "
+        f"{payload['machine']['date']}"
+    )
     save_figure(fig, path, right=0.66)  # room for the numbered legend on the right
 
 
@@ -891,9 +1008,11 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quick", action="store_const", dest="mode", const="quick", help="a few minutes")
     mode.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="tiny shapes (tests)")
     parser.set_defaults(mode="full")
-    parser.add_argument("--task", choices=["shift", "demo", "both"], default="both")
-    parser.add_argument("--steps", type=int, default=None, help="training steps of every run (both tasks)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 (quick, smoke: 0)")
+    parser.add_argument(
+        "--task", choices=["shift", "arith", "demo", "all"], default="all", help="all: shift and arith"
+    )
+    parser.add_argument("--steps", type=int, default=None, help="training steps of every run (every task)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (quick, smoke: 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     parser.add_argument(
         "--jobs", type=int, default=None, help="runs at once (default: CPUs // threads, <= 2)"
@@ -907,8 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         type=json.loads,
-        help='one more usaf row: {"label", "select": {UsafConfig kwargs}, "lr", "router_lr_multiplier", '
-        '"moments", "decay_to_base"}',
+        help='one more usaf row: {"label": ..., "set": {"optim.lr": 5e-3, ...}} (usaf train --set keys)',
     )
     parser.add_argument(
         "--only-given-specs", action="store_true", help="of the usaf rows, run only those of --usaf-spec"
@@ -924,7 +1042,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = copy.deepcopy(MODES[args.mode])
     seeds = args.seeds if args.seeds is not None else sizes["seeds"]
     if args.steps:
-        for task in ("shift", "demo"):
+        for task in TASKS:
             sizes[task]["steps"] = args.steps
             sizes[task]["eval_every"] = min(sizes[task]["eval_every"], args.steps)
     jobs = args.jobs or max(1, min(2, (os.cpu_count() or 1) // args.threads))
@@ -932,14 +1050,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.methods:
         kinds = set(args.methods.split(","))
         methods = [m for m in methods if m["kind"] in kinds]
-    tasks = ["shift", "demo"] if args.task == "both" else [args.task]
+    tasks = list(TEXT_TASKS) if args.task == "all" else [args.task]
     stem = "quality" if args.mode == "full" else f"quality-{args.mode}"
 
     import multiprocessing as mp
 
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(
-        ["torch", "transformers", "peft", "usaf", "usaf.demo.task", "recipe", "harness"]
+        ["torch", "transformers", "peft", "usaf", "usaf.demo.task", "recipe", "harness", "arith"]
     )
     started = time.perf_counter()
     env = call_in_fork(context, "harness", "environment", threads=args.threads)
@@ -985,9 +1103,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   prepared in {time.perf_counter() - began:.0f} s", flush=True)
             job = {
                 "model_dir": prepared["model_dir"],
+                "records": prepared["records"],
                 "data": prepared["data"],
+                "workdir": str(workdir / task),
                 "threads": args.threads,
                 "steps": sizes[task]["steps"],
+                "batch": sizes[task]["batch"],
+                "seq": sizes[task]["seq"],
                 "eval_every": sizes[task]["eval_every"],
             }
             runs: dict[str, list] = {k: v for (t, k), v in reused.items() if t == task}

@@ -13,7 +13,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
+import arith  # noqa: E402
 import compare  # noqa: E402
+import quality  # noqa: E402
 import scale  # noqa: E402
 
 
@@ -109,7 +111,9 @@ def test_scale_dry_run_reports_peaks_against_the_planner_split_and_correctness(d
 
 
 @pytest.mark.slow
-def test_quality_smoke_reports_both_tasks(tmp_path):
+def test_quality_smoke_judges_usaf_train_from_its_export_against_the_frontiers(tmp_path):
+    """bench/quality.py --smoke: both shifts; the usaf row is a `usaf train` + `usaf export` command line with only
+    the task's shape set, judged from the exported folder; LoRA's and full fine-tuning's frontiers are reported."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "quality.py"), "--smoke", "--out", str(tmp_path)],
         capture_output=True,
@@ -121,30 +125,70 @@ def test_quality_smoke_reports_both_tasks(tmp_path):
     payload = json.loads(only(tmp_path, "quality-smoke-*.json").read_text())
     markdown = only(tmp_path, "quality-smoke-*.md").read_text()
     assert only(tmp_path, "quality-smoke-*.png").stat().st_size > 10_000
-    assert set(payload["tasks"]) == {"shift", "demo"}
+    assert set(payload["tasks"]) == {"shift", "arith"}
     for name, task in payload["tasks"].items():
         rows = task["methods"]
         assert task["errors"] == {}, name
         assert {r["kind"] for r in rows.values()} == {"inference", "lora", "full", "experts", "usaf"}
         full = next(r for r in rows.values() if r["kind"] == "full")
+        assert all(0 < r["after"]["new"] < 10 and 0 < r["after"]["old"] < 10 for r in rows.values())
         for key, row in rows.items():
-            for point in row["curve"]:
-                assert all(isinstance(point[k], float) and point[k] == point[k] for k in ("new", "old")), key
             assert row["label"] in markdown
             if row["kind"] == "inference":
                 assert row["trainable_params"] == 0 and row["after"] == row["before"]
                 continue
             assert row["trainable_params"] > 0 and row["step_ms"] > 0 and row["peak_mb"] > 0, key
             assert row["curve"][-1]["step"] == payload["steps"][name] and row["curve"][-1]["elapsed_s"] > 0
-            if row["kind"] == "usaf":  # a sparse share of the experts (+ routers), the base frozen
-                assert row["trainable_params"] < full["trainable_params"] / 4, key
-                assert row["total_params"] >= full["total_params"], key
-                assert isinstance(row["dominates_lora_mid"], bool)
-        if name == "shift":  # losses in nats per byte, a sane range
-            assert all(0 < r["after"]["new"] < 10 and 0 < r["after"]["old"] < 10 for r in rows.values())
-        else:
-            assert all(0 <= r["after"]["new"] <= 1 and 0 <= r["after"]["old"] <= 1 for r in rows.values())
-    assert "At equal wall-clock" in markdown and "At equal peak memory" in markdown
+        usaf = rows["usaf:usaf default"]
+        assert usaf["trainable_params"] < full["trainable_params"] / 4
+        assert usaf["before"] == rows["inference"]["before"]  # step 0: the base, judged alike
+        assert usaf["after"]["new"] < usaf["before"]["new"]  # the exported model learnt the new domain
+        for run in usaf["runs"]:
+            train, export = run["commands"]
+            assert train.startswith("python -m usaf train --model ") and f"train.seed={run['seed']}" in train
+            assert not any(k in train for k in ("optim.", "select.", "schedule.warmup")), (
+                train
+            )  # the defaults
+            assert export.startswith("python -m usaf export ") and export.endswith(
+                f"--merged {run['judged_from']}"
+            )
+            assert f"`{train}` then `{export}`" in markdown
+        against = usaf["against_frontiers"]
+        for kind in ("full", "lora"):
+            assert len(against[kind]["frontier"]) == 2 and len(against[kind]["per_seed"]) == 1
+            mean = against[kind]["mean"]
+            assert (mean is None) == (against[kind]["old_at_same_new"] is None)
+            if mean is not None:
+                assert mean == pytest.approx(usaf["after"]["old"] - against[kind]["old_at_same_new"])
+        assert against["spread"] == {"new": 0.0, "old": 0.0}  # one seed
+        assert set(against["verdict"]) == {"past_full", "lora_dominated", "spread_within_limit"}
+    assert markdown.count("### Against the frontiers") == 2 and "on/past full FT's frontier:" in markdown
+
+
+def test_quality_frontier_distance_interpolates_and_refuses_to_extrapolate():
+    points = [(1.0, 2.0), (2.0, 1.0)]  # (new, old), lower is better
+    assert quality.distance(points, 1.5, 1.4, higher_is_better=False) == pytest.approx(-0.1)  # past it
+    assert quality.distance(points, 1.5, 1.6, higher_is_better=False) == pytest.approx(0.1)  # behind it
+    assert quality.distance(points, 2.5, 0.0, higher_is_better=False) is None  # outside its range
+    assert quality.distance(points, 1.5, 1.6, higher_is_better=True) == pytest.approx(-0.1)  # accuracies
+
+
+def test_quality_records_never_split_a_character_and_fit_a_row():
+    text = "naïve café — ünïcødé " * 20
+    pieces = quality.utf8_records(text.encode(), 7)
+    assert all(0 < len(p.encode()) <= 7 for p in pieces) and "".join(pieces) == text
+    assert quality.utf8_records(b"abc" + b" " * 8, 4) == ["abc "]  # blank pieces are left out
+
+
+def test_arith_domain_is_seeded_true_arithmetic():
+    assert arith.text(0, 2000) == arith.text(0, 2000) != arith.text(1, 2000)
+    lines = arith.text(0, 20_000).decode().splitlines()
+    for line in lines:
+        left, right = line.split(" = ")
+        a, op, b = left.split(" ")
+        assert int(right) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op], line
+    assert {len(line.split(" ")[0]) for line in lines} == {1, 2, 3, 4}
+    assert {line.split(" ")[1] for line in lines} == {"+", "-", "*"}
 
 
 @pytest.mark.distributed
