@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import shlex
@@ -131,6 +132,19 @@ def train_usaf(task: dict, seed: int, steps: int, batch: int, out: Path) -> dict
     }
 
 
+def usaf_schedule(steps: int):
+    """usaf's default learning-rate factors (schedule.name=cosine): warm-up (step + 1) / (warmup + 1), then the
+    cosine of transformers' cosine_with_min_lr down to MIN_LR_RATIO of the peak."""
+
+    def factor(step: int) -> float:
+        if step < WARMUP_STEPS:
+            return (step + 1) / (WARMUP_STEPS + 1)
+        progress = min(1.0, (step - WARMUP_STEPS) / max(1, steps - WARMUP_STEPS))
+        return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
 def train_trl(method: dict, task: dict, seed: int, steps: int, batch: int, out: Path) -> dict:
     """TRL's DPOTrainer on the recipe's PEFT LoRA (the reference: the adapter switched off) or on every parameter
     (the reference: TRL's own copy of the base), at usaf's schedule and beta; merged and saved to a folder."""
@@ -145,14 +159,24 @@ def train_trl(method: dict, task: dict, seed: int, steps: int, batch: int, out: 
     model = stock_baseline(AutoModelForCausalLM.from_pretrained(DEMO_MODEL), method["kind"])
     config = DPOConfig(
         output_dir=str(out / "trainer"), max_steps=steps, per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1, learning_rate=method["lr"], lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": MIN_LR_RATIO}, warmup_steps=WARMUP_STEPS, beta=BETA, seed=seed,
-        data_seed=seed, save_strategy="no", report_to="none", logging_steps=max(1, steps // 4), use_cpu=True,
-        disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=False,
+        gradient_accumulation_steps=1, learning_rate=method["lr"], beta=BETA, seed=seed, data_seed=seed,
+        save_strategy="no", report_to="none", logging_steps=max(1, steps // 4), use_cpu=True, disable_tqdm=True,
+        dataloader_num_workers=0, gradient_checkpointing=False,
         router_aux_loss_coef=0.0,  # the DPO loss alone, as usaf's (TRL adds a MoE's load-balancing loss otherwise)
     )  # fmt: skip
+    # AdamW as Trainer builds it (no weight decay), on usaf's schedule: Trainer's warm-up starts at 0, usaf's not
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=method["lr"], weight_decay=0.0
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, usaf_schedule(steps))
     pairs = load_dataset("json", data_files=task["train"], split="train")
-    trainer = DPOTrainer(model=model, args=config, train_dataset=pairs, processing_class=tokenizer)
+    trainer = DPOTrainer(
+        model=model,
+        args=config,
+        train_dataset=pairs,
+        processing_class=tokenizer,
+        optimizers=(optimizer, scheduler),
+    )
     began = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - began
@@ -462,9 +486,11 @@ def markdown(payload: dict) -> str:
         "",
         *(f"- `{c}`" for c in payload["usaf_commands"]),
         "",
-        "PEFT LoRA and full DPO (python, in the benchmark's worker processes): `bench/preference.py:train_trl`, "
+        "PEFT LoRA and full DPO (python, in the benchmark's worker processes: `bench/preference.py:train_trl`): "
         f"`trl.DPOTrainer(model=recipe.stock_baseline(model, kind), args=DPOConfig({payload['trl_args']}), "
-        "train_dataset=the pairs, processing_class=the demo tokenizer)`, then `merge_and_unload()` (LoRA, "
+        "train_dataset=the pairs, processing_class=the demo tokenizer, optimizers=(torch.optim.AdamW(trainable, "
+        "lr=LR, weight_decay=0.0), LambdaLR(usaf_schedule(steps))))`: usaf's default schedule (warm-up "
+        f"{WARMUP_STEPS} steps, cosine to {MIN_LR_RATIO:g} of the peak); then `merge_and_unload()` (LoRA: "
         f"r={LORA_RANK}, alpha={LORA_ALPHA}, attention + fused experts) and `save_pretrained`.",
     ]
     if payload["errors"]:
@@ -494,6 +520,8 @@ def main(argv=None) -> int:
     stem = "preference-smoke" if args.smoke else "preference"
     out_dir = Path(args.out) if args.out else RESULTS
     context = mp.get_context("forkserver")
+    # every run's process forks from a server that imported these once (TRL alone takes seconds to import)
+    context.set_forkserver_preload(["torch", "transformers", "peft", "datasets", "trl"])
     methods = methods_for(args.smoke)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
@@ -547,9 +575,8 @@ def main(argv=None) -> int:
         "errors": errors,
         "usaf_commands": rows["usaf"]["runs"][0]["commands"] if "usaf" in rows else [],
         "trl_args": (
-            f"max_steps={args.steps}, per_device_train_batch_size={args.batch}, learning_rate=LR, "
-            f"lr_scheduler_type='cosine_with_min_lr', lr_scheduler_kwargs={{'min_lr_rate': {MIN_LR_RATIO}}}, "
-            f"warmup_steps={WARMUP_STEPS}, beta={BETA}, seed=S, data_seed=S, use_cpu=True"
+            f"max_steps={args.steps}, per_device_train_batch_size={args.batch}, learning_rate=LR, beta={BETA}, "
+            "seed=S, data_seed=S, router_aux_loss_coef=0.0, gradient_checkpointing=False, use_cpu=True"
         ),
         "chart": f"{stem}-{date}.png",
     }
