@@ -21,11 +21,13 @@ learning rates' means (accuracy and margin against KL).
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import json
 import math
 import multiprocessing as mp
 import os
+import random
 import shlex
 import string
 import subprocess
@@ -57,8 +59,6 @@ FULL_LRS = [1e-4, 3e-4, 1e-3]
 
 def near_miss_pairs(records: list[dict], letters: str, n: int, seed: int) -> list[dict]:
     """{prompt, chosen: the shifted word, rejected: it with one letter of `letters` left as in the prompt}."""
-    import random
-
     rng, pairs = random.Random(f"usaf-bench-preference/{seed}"), []
     for record in records:
         word = record["prompt"].split(": ", 1)[1].removesuffix(" -> ")
@@ -208,9 +208,12 @@ def run_method(
 def encode(tokenizer, prompt: str, answer: str) -> tuple[list[int], int]:
     """`<bos> prompt answer <eos>` and the index of the answer's first token."""
     head = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    return head + tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], len(
-        head
-    )
+    tail = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return head + tail, len(head)
+
+
+def read_records(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def answer_logprobs(model, tokenizer, items: list[tuple[str, str]]):
@@ -226,24 +229,27 @@ def answer_logprobs(model, tokenizer, items: list[tuple[str, str]]):
     return out
 
 
+def sequence_logps(model, tokenizer, pairs: list[dict], side: str):
+    """[pairs] log pi(answer | prompt) of each pair's `side` ("chosen" or "rejected"), summed over its tokens."""
+    import torch
+
+    scored = answer_logprobs(model, tokenizer, [(p["prompt"], p[side]) for p in pairs])
+    return torch.stack([lp.gather(1, t[:, None]).sum() for lp, t in scored])
+
+
 def judge(folder: str, task: dict) -> dict:
     """Reward accuracy and margin on the held-out pairs, KL to the base and SFT loss on the old skills."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from usaf.demo.task import read_jsonl
-
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
     tuned = AutoModelForCausalLM.from_pretrained(folder).eval()
     base = AutoModelForCausalLM.from_pretrained(DEMO_MODEL).eval()
-    pairs, old = read_jsonl(task["heldout"]), read_jsonl(task["old"])
-
-    def seq_logps(model, answers):
-        scored = answer_logprobs(model, tokenizer, [(p["prompt"], p[answers]) for p in pairs])
-        return torch.stack([lp.gather(1, t[:, None]).sum() for lp, t in scored])
-
+    pairs, old = read_records(task["heldout"]), read_records(task["old"])
     rewards = {
-        side: BETA * (seq_logps(tuned, side) - seq_logps(base, side)) for side in ("chosen", "rejected")
+        side: BETA
+        * (sequence_logps(tuned, tokenizer, pairs, side) - sequence_logps(base, tokenizer, pairs, side))
+        for side in ("chosen", "rejected")
     }
     margins = rewards["chosen"] - rewards["rejected"]
     items = [(r["prompt"], r["completion"]) for r in old]
@@ -261,27 +267,13 @@ def judge(folder: str, task: dict) -> dict:
 def base_facts(task: dict) -> dict:
     """The base judged as a method (zero reward, zero KL) and the share of held-out pairs whose chosen answer it
     already finds likelier: how far from favouring the preferred answer it starts."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from usaf.demo.task import read_jsonl
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
     base = AutoModelForCausalLM.from_pretrained(DEMO_MODEL).eval()
-    pairs = read_jsonl(task["heldout"])
-    logps = {
-        side: torch.stack(
-            [
-                lp.gather(1, t[:, None]).sum()
-                for lp, t in answer_logprobs(base, tokenizer, [(p["prompt"], p[side]) for p in pairs])
-            ]
-        )
-        for side in ("chosen", "rejected")
-    }
-    return {
-        **judge(str(DEMO_MODEL), task),
-        "prefers_chosen": float((logps["chosen"] > logps["rejected"]).float().mean()),
-    }
+    pairs = read_records(task["heldout"])
+    chosen, rejected = (sequence_logps(base, tokenizer, pairs, side) for side in ("chosen", "rejected"))
+    return {**judge(str(DEMO_MODEL), task), "prefers_chosen": float((chosen > rejected).float().mean())}
 
 
 # ---- aggregation and the frontiers ---------------------------------------------------------------------------
@@ -404,12 +396,12 @@ def verdict(value) -> str:
 
 
 def markdown(payload: dict) -> str:
-    rows, base = payload["methods"], payload["base"]
+    base = payload["base"]
     lines = [
         f"# Preference quality: usaf DPO vs PEFT LoRA DPO vs full DPO ({payload['date']})",
         "",
         f"Command: `{payload['command']}`; {payload['machine']['cpus']} CPUs, one torch thread a run, "
-        f"{payload['jobs']} runs at once. Every method: {payload['steps']} steps of {payload['batch']} pairs, "
+        f"{payload['jobs']} runs at once, {payload['wall_seconds']:.0f} s in all. Every method: {payload['steps']} steps of {payload['batch']} pairs, "
         f"beta {BETA}, the base the reference, seeds {payload['seeds']} (data order and initialisation; the same "
         f"pairs). Task: {payload['sizes']['train']} near-miss shift pairs contrasting letters a-m; judged on "
         f"{payload['sizes']['heldout']} held-out pairs (unseen words) contrasting letters n-z, and "
@@ -420,7 +412,32 @@ def markdown(payload: dict) -> str:
         "r = beta (log pi - log pi_base) over the answer tokens; KL(tuned || base) per token and the SFT loss "
         "(nats/token) along the copy/upper reference answers. Means over seeds; spread = max - min over seeds.",
         "",
+        *results_tables(payload),
+        "",
+        "## usaf against the frontiers",
+        "",
+        *frontier_table(payload),
+        "",
+        "Outside a frontier's range the verdict compares with its nearest end: past it when usaf forgets less and "
+        "scores at least as well, behind when it forgets more and scores no better.",
+        "",
+        f"![accuracy and margin against KL]({payload['chart']})",
+        "",
+        *commands_section(payload),
     ]
+    if payload["errors"]:
+        lines += [
+            "",
+            "## Errors",
+            "",
+            *(f"- {k}: {v.splitlines()[-1]}" for k, v in payload["errors"].items()),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def results_tables(payload: dict) -> list[str]:
+    """Means and spreads per method and rate, then every seed's numbers."""
+    rows = payload["methods"]
     header = [
         "method",
         "lr",
@@ -435,12 +452,12 @@ def markdown(payload: dict) -> str:
     body = []
     for r in rows.values():
         body.append([
-            r["label"], "default (1e-2)" if r["lr"] is None else f"{r['lr']:g}", f"{r['accuracy']:.1%}",
+            r["label"], "defaults" if r["lr"] is None else f"{r['lr']:g}", f"{r['accuracy']:.1%}",
             f"{r['margin']:.3f}", f"{r['kl']:.4f}", f"{r['sft_loss']:.4f}",
             f"{r['accuracy_spread']:.1%} / {r['margin_spread']:.3f} / {r['kl_spread']:.4f}",
             f"{r['train_seconds']:.1f}", f"{r['seconds']:.1f}",
         ])  # fmt: skip
-    lines += table(header, body, align="llrrrrlrr")
+    lines = table(header, body, align="llrrrrlrr")
     lines += ["", "Per seed (accuracy, margin, KL, SFT loss):", ""]
     per_seed = [
         [r["label"], fmt(r["lr"], "{:g}"), *(
@@ -448,8 +465,11 @@ def markdown(payload: dict) -> str:
         )]
         for r in rows.values()
     ]  # fmt: skip
-    lines += table(["method", "lr", *(f"seed {s}" for s in payload["seeds"])], per_seed)
-    lines += ["", "## usaf against the frontiers", ""]
+    return lines + table(["method", "lr", *(f"seed {s}" for s in payload["seeds"])], per_seed)
+
+
+def frontier_table(payload: dict) -> list[str]:
+    """usaf's point against each frontier, each quality and forgetting axis: the gap and the verdicts."""
     body = []
     for key, f in payload["frontiers"].items():
         kind, quality, forgetting = key.split(":")
@@ -460,26 +480,13 @@ def markdown(payload: dict) -> str:
             fmt(f["frontier"], "{:.4f}"), fmt(f["gap"], "{:+.4f}"), verdict(f["on_or_past"]),
             " ".join(verdict(v) for v in f["per_seed"]),
         ])  # fmt: skip
-    lines += table(
-        [
-            "frontier",
-            "quality",
-            "against",
-            "usaf",
-            "frontier at usaf's forgetting",
-            "gap",
-            "on or past",
-            "per seed",
-        ],
-        body,
-    )
-    lines += [
-        "",
-        "Outside a frontier's range the verdict compares with its nearest end: past it when usaf forgets less and "
-        "scores at least as well, behind when it forgets more and scores no better.",
-        "",
-        f"![accuracy and margin against KL]({payload['chart']})",
-        "",
+    header = ["frontier", "quality", "against", "usaf", "frontier at usaf's forgetting", "gap", "on or past"]
+    return table([*header, "per seed"], body)
+
+
+def commands_section(payload: dict) -> list[str]:
+    """usaf's exact command lines and the baselines' python calls."""
+    return [
         "## Commands",
         "",
         "usaf (per seed S; the paths are the run's scratch folder):",
@@ -493,14 +500,40 @@ def markdown(payload: dict) -> str:
         f"{WARMUP_STEPS} steps, cosine to {MIN_LR_RATIO:g} of the peak); then `merge_and_unload()` (LoRA: "
         f"r={LORA_RANK}, alpha={LORA_ALPHA}, attention + fused experts) and `save_pretrained`.",
     ]
-    if payload["errors"]:
-        lines += [
-            "",
-            "## Errors",
-            "",
-            *(f"- {k}: {v.splitlines()[-1]}" for k, v in payload["errors"].items()),
-        ]
-    return "\n".join(lines) + "\n"
+
+
+def run_all(methods: list[dict], args, sizes: dict) -> tuple[dict, dict, dict]:
+    """Every method at every seed, `args.jobs` processes at a time, and the base judged: (base, {method key:
+    [per-seed results]}, {run: traceback})."""
+    context = mp.get_context("forkserver")
+    # every run's process forks from a server that imported these once (TRL alone takes seconds to import)
+    context.set_forkserver_preload(["torch", "transformers", "peft", "datasets", "trl"])
+    runs, errors = {}, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        task = write_task(Path(scratch) / "task", sizes["train"], sizes["heldout"], sizes["old"] // 2)
+        base_call = {"method": {"key": "base", "kind": "base"}, "task": task}
+        calls = [
+            {"method": m, "task": task, "seed": s, "steps": args.steps, "batch": args.batch, "workdir": scratch}
+            for m in methods
+            for s in args.seeds
+        ]  # fmt: skip
+        for call, result, error, took in map_in_forks(
+            context, "preference", "run_method", [base_call, *calls], args.jobs
+        ):
+            if call is base_call:
+                if error:
+                    raise SystemExit(f"judging the base failed:\n{error}")
+                base = result
+                continue
+            key = f"{call['method']['key']}/seed {call['seed']}"
+            if error:
+                errors[key] = error
+                print(f"  {key}: FAILED\n{error}", flush=True)
+                continue
+            runs.setdefault(call["method"]["key"], []).append(result)
+            print(f"  {key}: acc {result['accuracy']:.0%} margin {result['margin']:.3f} KL {result['kl']:.4f} "
+                  f"({took:.0f} s)", flush=True)  # fmt: skip
+    return base, runs, errors
 
 
 def main(argv=None) -> int:
@@ -519,45 +552,11 @@ def main(argv=None) -> int:
         sizes = {"train": 16, "heldout": 8, "old": 8}
     stem = "preference-smoke" if args.smoke else "preference"
     out_dir = Path(args.out) if args.out else RESULTS
-    context = mp.get_context("forkserver")
-    # every run's process forks from a server that imported these once (TRL alone takes seconds to import)
-    context.set_forkserver_preload(["torch", "transformers", "peft", "datasets", "trl"])
     methods = methods_for(args.smoke)
     began = time.perf_counter()
-    with tempfile.TemporaryDirectory() as scratch:
-        task = write_task(Path(scratch) / "task", sizes["train"], sizes["heldout"], sizes["old"] // 2)
-        calls = [
-            {
-                "method": m,
-                "task": task,
-                "seed": s,
-                "steps": args.steps,
-                "batch": args.batch,
-                "workdir": scratch,
-            }
-            for m in methods
-            for s in args.seeds
-        ]
-        runs, errors = {}, {}
-        base_call = {"method": {"key": "base", "kind": "base"}, "task": task}
-        for call, result, error, took in map_in_forks(
-            context, "preference", "run_method", [base_call, *calls], args.jobs
-        ):
-            if call is base_call:
-                if error:
-                    raise SystemExit(f"judging the base failed:\n{error}")
-                base = result
-                continue
-            key = f"{call['method']['key']}/seed {call['seed']}"
-            if error:
-                errors[key] = error
-                print(f"  {key}: FAILED\n{error}", flush=True)
-                continue
-            runs.setdefault(call["method"]["key"], []).append(result)
-            print(f"  {key}: acc {result['accuracy']:.0%} margin {result['margin']:.3f} KL {result['kl']:.4f} "
-                  f"({took:.0f} s)", flush=True)  # fmt: skip
+    base, runs, errors = run_all(methods, args, sizes)
     rows = aggregate(methods, runs)
-    date = machine()["date"][:10]
+    date = datetime.date.today().isoformat()  # as write_results names the files
     payload = {
         "date": date,
         "machine": machine(),
