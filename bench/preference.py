@@ -14,7 +14,8 @@ forgetting: KL(tuned || base) per token along the reference answers of held-out 
 held-out SFT loss (nats/token) on those records. Frontiers: full DPO's and LoRA's, piecewise-linear through their
 learning rates' means (accuracy and margin against KL).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/preference.py            # make bench-preference; ~10 min on 2 cores
+    OMP_NUM_THREADS=1 .venv/bin/python bench/preference.py            # make bench-preference; ~4 min on 2 cores
+    OMP_NUM_THREADS=1 .venv/bin/python bench/preference.py --usaf-lrs 1e-3 3e-3   # usaf at other rates too
     OMP_NUM_THREADS=1 .venv/bin/python bench/preference.py --smoke --out /tmp/x   # seconds
 """
 
@@ -96,10 +97,15 @@ def write_task(folder: Path, train_pairs: int, heldout_pairs: int, old_records: 
 # ---- the methods: each trains, saves a merged Hugging Face folder, and is judged from it -------------------------
 
 
-def methods_for(smoke: bool) -> list[dict]:
+def methods_for(smoke: bool, usaf_lrs: list[float]) -> list[dict]:
+    """usaf at its defaults (and at `usaf_lrs`, its other settings the defaults), LoRA and full DPO at their rates."""
     lora, full = (LORA_LRS[1:2], FULL_LRS[1:]) if smoke else (LORA_LRS, FULL_LRS)
     return [
         {"key": "usaf", "kind": "usaf", "label": "usaf DPO (defaults)", "lr": None},
+        *(
+            {"key": f"usaf@{lr:g}", "kind": "usaf", "label": "usaf DPO (defaults, optim.lr)", "lr": lr}
+            for lr in usaf_lrs
+        ),
         *(
             {"key": f"lora@{lr:g}", "kind": "lora", "label": f"PEFT LoRA r={LORA_RANK} DPO", "lr": lr}
             for lr in lora
@@ -108,14 +114,15 @@ def methods_for(smoke: bool) -> list[dict]:
     ]
 
 
-def train_usaf(task: dict, seed: int, steps: int, batch: int, out: Path) -> dict:
-    """`usaf train` at its defaults (objective dpo, the run's seed, steps and pairs per step), then `usaf export`."""
+def train_usaf(task: dict, seed: int, steps: int, batch: int, out: Path, lr: float | None) -> dict:
+    """`usaf train` at its defaults (objective dpo, the run's seed, steps and pairs per step; optim.lr where `lr`
+    is given), then `usaf export`."""
     run, merged = out / "run", out / "merged"
     train = [
         sys.executable, "-m", "usaf", "train", f"--model={DEMO_MODEL}", f"--data={task['train']}", f"--out={run}",
         "--set=train.objective=dpo", f"--set=train.seed={seed}", f"--set=schedule.max_steps={steps}",
         f"--set=data.batch_size={batch}", f"--set=data.eval={task['eval']}", f"--set=checkpoint.every_steps={steps}",
-        "--set=log.progress=false", "--set=log.report_to=none",
+        "--set=log.progress=false", "--set=log.report_to=none", *([f"--set=optim.lr={lr:g}"] if lr else []),
     ]  # fmt: skip
     export = [sys.executable, "-m", "usaf", "export", str(run), f"--merged={merged}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
@@ -195,7 +202,7 @@ def run_method(
     out = Path(workdir) / f"{method['key']}-s{seed}"
     began = time.perf_counter()
     if method["kind"] == "usaf":
-        done = train_usaf(task, seed, steps, batch, out)
+        done = train_usaf(task, seed, steps, batch, out, method["lr"])
     else:
         done = train_trl(method, task, seed, steps, batch, out)
     done.setdefault("seconds", time.perf_counter() - began)
@@ -333,21 +340,26 @@ def versus_frontier(x: float, y: float, points: list[tuple[float, float]]) -> di
 
 
 def frontiers(rows: dict) -> dict:
-    """usaf against full DPO's and LoRA's frontiers, accuracy and margin against KL and against the SFT loss."""
-    usaf = rows.get("usaf")
+    """{usaf row: {"kind:quality:forgetting": its verdict}}: each usaf row against full DPO's and LoRA's frontiers,
+    accuracy and margin against KL and against the SFT loss, its mean and every seed."""
     out = {}
-    for kind in ("full", "lora"):
-        peers = sorted((r for r in rows.values() if r["kind"] == kind), key=lambda r: r["lr"])
-        for quality, forgetting in itertools.product(("accuracy", "margin"), ("kl", "sft_loss")):
-            points = [(r[forgetting], r[quality]) for r in peers]
-            entry = {"points": points, "lrs": [r["lr"] for r in peers]}
-            if usaf is not None:
-                entry["usaf"] = (usaf[forgetting], usaf[quality])
-                entry |= versus_frontier(usaf[forgetting], usaf[quality], points)
-                entry["per_seed"] = [
-                    versus_frontier(s[forgetting], s[quality], points)["on_or_past"] for s in usaf["runs"]
-                ]
-            out[f"{kind}:{quality}:{forgetting}"] = entry
+    for key, usaf in rows.items():
+        if usaf["kind"] != "usaf":
+            continue
+        out[key] = {}
+        for kind in ("full", "lora"):
+            peers = sorted((r for r in rows.values() if r["kind"] == kind), key=lambda r: r["lr"])
+            for quality, forgetting in itertools.product(("accuracy", "margin"), ("kl", "sft_loss")):
+                points = [(r[forgetting], r[quality]) for r in peers]
+                out[key][f"{kind}:{quality}:{forgetting}"] = {
+                    "points": points,
+                    "lrs": [r["lr"] for r in peers],
+                    "usaf": (usaf[forgetting], usaf[quality]),
+                    **versus_frontier(usaf[forgetting], usaf[quality], points),
+                    "per_seed": [
+                        versus_frontier(s[forgetting], s[quality], points)["on_or_past"] for s in usaf["runs"]
+                    ],
+                }
     return out
 
 
@@ -363,7 +375,7 @@ def chart(payload: dict, path: Path) -> None:
             mine = sorted((r for r in rows.values() if r["kind"] == kind), key=lambda r: r["kl"])
             if not mine:
                 continue
-            label = mine[0]["label"]
+            label = {"usaf": "usaf DPO", "lora": mine[0]["label"], "full": "full DPO"}[kind]
             ax.plot(
                 [r["kl"] for r in mine],
                 [r[quality] for r in mine],
@@ -469,19 +481,18 @@ def results_tables(payload: dict) -> list[str]:
 
 
 def frontier_table(payload: dict) -> list[str]:
-    """usaf's point against each frontier, each quality and forgetting axis: the gap and the verdicts."""
+    """Each usaf row's point against each frontier, each quality and forgetting axis: the gap and the verdicts."""
     body = []
-    for key, f in payload["frontiers"].items():
-        kind, quality, forgetting = key.split(":")
-        if "usaf" not in f:
-            continue
-        body.append([
-            {"full": "full DPO", "lora": "PEFT LoRA DPO"}[kind], quality, forgetting, fmt(f["usaf"][1], "{:.4f}"),
-            fmt(f["frontier"], "{:.4f}"), fmt(f["gap"], "{:+.4f}"), verdict(f["on_or_past"]),
-            " ".join(verdict(v) for v in f["per_seed"]),
-        ])  # fmt: skip
-    header = ["frontier", "quality", "against", "usaf", "frontier at usaf's forgetting", "gap", "on or past"]
-    return table([*header, "per seed"], body)
+    for usaf, verdicts in payload["frontiers"].items():
+        for key, f in verdicts.items():
+            kind, quality, forgetting = key.split(":")
+            body.append([
+                usaf, {"full": "full DPO", "lora": "PEFT LoRA DPO"}[kind], quality, forgetting,
+                fmt(f["usaf"][1], "{:.4f}"), fmt(f["frontier"], "{:.4f}"), fmt(f["gap"], "{:+.4f}"),
+                verdict(f["on_or_past"]), " ".join(verdict(v) for v in f["per_seed"]),
+            ])  # fmt: skip
+    header = ["usaf row", "frontier", "quality", "against", "usaf", "frontier at usaf's forgetting", "gap"]
+    return table([*header, "on or past", "per seed"], body)
 
 
 def commands_section(payload: dict) -> list[str]:
@@ -543,6 +554,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
     parser.add_argument("--out", default=None, help="folder for the result files (default bench/results)")
+    parser.add_argument(
+        "--usaf-lrs",
+        type=float,
+        nargs="*",
+        default=[],
+        help="usaf rows at these optim.lr besides its defaults",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny: 2 steps, one seed, fewer pairs and rates")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -552,7 +570,7 @@ def main(argv=None) -> int:
         sizes = {"train": 16, "heldout": 8, "old": 8}
     stem = "preference-smoke" if args.smoke else "preference"
     out_dir = Path(args.out) if args.out else RESULTS
-    methods = methods_for(args.smoke)
+    methods = methods_for(args.smoke, args.usaf_lrs)
     began = time.perf_counter()
     base, runs, errors = run_all(methods, args, sizes)
     rows = aggregate(methods, runs)

@@ -209,5 +209,5 @@ def test_preference_smoke_judges_every_method_from_its_saved_folder(tmp_path):
     assert usaf_export.startswith("python -m usaf export") and "--merged=" in usaf_export
     # the judge gives the base itself zero reward and zero KL
     assert payload["base"]["kl"] == 0 and payload["base"]["accuracy"] == 0
-    full_kl = payload["frontiers"]["full:accuracy:kl"]
+    full_kl = payload["frontiers"]["usaf"]["full:accuracy:kl"]
     assert len(full_kl["points"]) == 2 and "on_or_past" in full_kl and len(full_kl["per_seed"]) == 1
