@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.usaf-installed
 # A CPU build of PyTorch when none is installed; users bring their own CUDA/ROCm build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup test test-lowest demo bench bench-compare bench-quality bench-scale bench-launches lint clean
+.PHONY: setup test test-lowest demo bench bench-compare bench-quality bench-preference bench-scale bench-launches lint clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,10 @@ bench-compare: $(STAMP)
 
 bench-quality: $(STAMP)
 	$(BIN)/python bench/quality.py
+
+# usaf DPO at its defaults against PEFT LoRA and full DPO (TRL), three seeds (about 10 minutes on 2 cores)
+bench-preference: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python bench/preference.py
 
 # Qwen3-30B-A3B's layer shapes at 1 and 3 layers on the CPU, against the planner (under 10 minutes)
 bench-scale: $(STAMP)

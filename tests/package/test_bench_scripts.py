@@ -226,3 +226,32 @@ def test_launches_dry_run_counts_per_layer_and_times_the_baselines(tmp_path):
     assert [s.get("tokens_per_s", 0) > 0 for s in payload["speed"]] == [True] * 3, payload["speed"]
     assert "| target | value | verdict |" in only(tmp_path, "launches-*.md").read_text()
     assert len([p for p in tmp_path.iterdir() if p.is_file()]) <= 8
+
+
+@pytest.mark.slow
+def test_preference_smoke_judges_every_method_from_its_saved_folder(tmp_path):
+    """bench/preference.py --smoke: usaf DPO through `usaf train` + `usaf export`, PEFT LoRA and full DPO through
+    TRL, each judged from its folder; the frontier verdicts are computed."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "preference.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    payload = json.loads(only(tmp_path, "preference-smoke-*.json").read_text())
+    assert only(tmp_path, "preference-smoke-*.png").stat().st_size > 10_000
+    rows = payload["methods"]
+    assert payload["errors"] == {} and {r["kind"] for r in rows.values()} == {"usaf", "lora", "full"}
+    for key, row in rows.items():
+        for run in row["runs"]:
+            assert Path(run["folder"]).name == "merged" and run["steps"] == 2, key
+            assert 0 <= run["accuracy"] <= 1 and run["kl"] >= 0 and run["sft_loss"] > 0, key
+    usaf_train, usaf_export = payload["usaf_commands"]
+    assert usaf_train.startswith("python -m usaf train") and "train.objective=dpo" in usaf_train
+    assert usaf_export.startswith("python -m usaf export") and "--merged=" in usaf_export
+    # the judge gives the base itself zero reward and zero KL
+    assert payload["base"]["kl"] == 0 and payload["base"]["accuracy"] == 0
+    full_kl = payload["frontiers"]["usaf"]["full:accuracy:kl"]
+    assert len(full_kl["points"]) == 2 and "on_or_past" in full_kl and len(full_kl["per_seed"]) == 1
