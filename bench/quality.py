@@ -80,9 +80,11 @@ from harness import (  # noqa: E402
 )
 from recipe import LORA_ALPHA, LORA_ATTENTION, LORA_EXPERTS, LORA_RANK, lr_factor, stock_baseline  # noqa: E402
 
-from usaf.config import OptimSection  # noqa: E402
+from usaf.train.objectives import NEXT_TOKEN_LR  # noqa: E402
 
-DEFAULT_LR = OptimSection().lr  # optim.lr: the rate of a usaf row that does not set one
+DEFAULT_LR = (
+    NEXT_TOKEN_LR  # optim.lr=auto of next-token training: the rate of a usaf row that does not set one
+)
 
 # ============================================================================================================
 # usaf rows: EXTEND HERE (or pass --usaf-spec JSON on the command line, repeatable). "set" holds `usaf train

@@ -13,7 +13,7 @@ from usaf.train.objectives import NextToken
 class Anchored(NextToken):
     """Next-token loss with a reference forward a step (e.g. a KL anchor to the base), on single rows."""
 
-    name, pairs, reference_forward = "anchored", False, True
+    name, pairs, reference_forward, default_lr = "anchored", False, True, 1e-2
 
 
 @pytest.fixture

@@ -10,9 +10,11 @@ from helpers import FAST_RUN, losses, make_model_dir, plans_by_objective, run_ki
 from safetensors.torch import load_file
 
 from usaf.cli import main
+from usaf.config import RunConfig
 from usaf.data import Batches, load_dataset
 from usaf.data.pairs import PreferencePairs
 from usaf.engine.loss import IGNORE_INDEX
+from usaf.train.objectives import PREFERENCE_LR
 from usaf.train.tokenizer import char_tokenizer
 
 
@@ -127,6 +129,27 @@ def test_dpo_moves_the_margin_the_right_way(inputs, tmp_path, capsys):
     assert final["step"] == 12 and {k: final[f"eval/{k}"] for k in ("loss", "margin", "accuracy")} == {
         k: pytest.approx(summary[f"eval_{k}_after"]) for k in ("loss", "margin", "accuracy")
     }
+
+
+def test_dpo_at_the_default_rate_trains_at_the_preference_rate_and_records_it(inputs, tmp_path):
+    """optim.lr=auto (the default) is DPO's own rate, written as a number into config.yaml (a resume reads it); an
+    optim.lr given is taken as given."""
+    model, data = inputs
+    for name, given in (("auto", []), ("given", ["optim.lr=0.02"])):
+        sets = [f"--set={s}" for s in [*FAST_RUN, "train.objective=dpo", "schedule.max_steps=2", *given]]
+        assert main(["train", f"--model={model}", f"--data={data}", f"--out={tmp_path / name}", *sets]) == 0
+    assert RunConfig.load(str(tmp_path / "auto" / "config.yaml")).optim.lr == PREFERENCE_LR
+    assert RunConfig.load(str(tmp_path / "given" / "config.yaml")).optim.lr == 0.02
+    rates = {
+        name: [
+            json.loads(line).get("lr")
+            for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        ]
+        for name in ("auto", "given")
+    }
+    assert [r / 0.02 for r in rates["given"] if r] == pytest.approx(
+        [r / PREFERENCE_LR for r in rates["auto"] if r]
+    )
 
 
 @pytest.mark.slow

@@ -36,7 +36,7 @@ class GradNormLogger(Part):
 class SmoothedNextToken:
     """Next-token cross entropy with label smoothing, summed over the supervised tokens."""
 
-    name, pairs, reference_forward = "sft_smoothed", False, False
+    name, pairs, reference_forward, default_lr = "sft_smoothed", False, False, 1e-2
     smoothing = 0.1
 
     def __init__(self):

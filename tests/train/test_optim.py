@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from usaf.train.optim import COMPACT_DTYPE, CompactAdamW, round_stochastic
+from usaf.config import RunConfig
+from usaf.train.objectives import NEXT_TOKEN_LR, PREFERENCE_LR
+from usaf.train.optim import COMPACT_DTYPE, CompactAdamW, peak_lr, round_stochastic
 
 
 def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
@@ -241,3 +243,11 @@ def test_decay_to_base_on_a_quantized_base_pulls_toward_the_recorded_originals(t
     entries.set_selection(flat[:half], None, entries.values.detach()[:half])
     again = lookup(entries.values)
     assert again is not first and again.numel() == half
+
+
+def test_the_default_rate_is_the_objectives_own():
+    """optim.lr=auto: next-token objectives at 1e-2, DPO at its lower measured rate; a number given wins."""
+    assert RunConfig().optim.lr == "auto"
+    assert peak_lr(RunConfig()) == NEXT_TOKEN_LR == 1e-2
+    assert peak_lr(RunConfig().replace({"train.objective": "dpo"})) == PREFERENCE_LR < NEXT_TOKEN_LR
+    assert peak_lr(RunConfig().replace({"train.objective": "dpo", "optim.lr": 0.05})) == 0.05

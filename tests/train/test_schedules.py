@@ -11,11 +11,11 @@ from transformers import get_scheduler
 
 from usaf.cli import main
 from usaf.config import SCHEDULES, RunConfig
-from usaf.train.optim import build_scheduler, warmup_steps
+from usaf.train.optim import build_scheduler, peak_lr, warmup_steps
 
 
 def rates(config: RunConfig) -> list[float]:
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.optim.lr)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak_lr(config))
     scheduler = build_scheduler(optimizer, config)
     out = []
     for _ in range(config.schedule.max_steps):
@@ -31,7 +31,7 @@ def config_with(**schedule) -> RunConfig:
 
 def test_usafs_cosine_is_unchanged():
     config = config_with(max_steps=20, warmup_steps=4, min_lr_ratio=0.1)
-    lr = config.optim.lr
+    lr = peak_lr(config)
     want = [
         lr * (s + 1) / 5 if s < 4 else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 4) / 16)))
         for s in range(20)
@@ -41,28 +41,28 @@ def test_usafs_cosine_is_unchanged():
 
 def test_usafs_cosine_is_transformers_cosine_with_min_lr_after_its_warmup():
     config = config_with(max_steps=40, warmup_steps=6, min_lr_ratio=0.15)
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.optim.lr)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak_lr(config))
     reference = get_scheduler(
         "cosine_with_min_lr", optimizer, 6, 40, scheduler_specific_kwargs={"min_lr_rate": 0.15}
     )
-    want = [config.optim.lr * reference.lr_lambdas[0](s) for s in range(6, 40)]
+    want = [peak_lr(config) * reference.lr_lambdas[0](s) for s in range(6, 40)]
     assert rates(config)[6:] == want  # bit for bit
-    assert rates(config)[0] == config.optim.lr / 7  # usaf's warm-up: the first step trains
+    assert rates(config)[0] == peak_lr(config) / 7  # usaf's warm-up: the first step trains
 
 
 @pytest.mark.parametrize("name", [n for n in SCHEDULES if n != "cosine"])
 def test_transformers_schedules_are_get_scheduler(name):
     config = config_with(name=name, max_steps=30, warmup_steps=5, min_lr_ratio=0.2, decay_ratio=0.3)
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.optim.lr)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak_lr(config))
     extra = {
         "cosine_with_min_lr": {"min_lr_rate": 0.2},
         "warmup_stable_decay": {"num_decay_steps": 9, "min_lr_ratio": 0.2},
     }.get(name)
     reference = get_scheduler(name, optimizer, 5, 30, scheduler_specific_kwargs=extra)
-    want = [config.optim.lr * f(s) for s in range(30) for f in reference.lr_lambdas]
+    want = [peak_lr(config) * f(s) for s in range(30) for f in reference.lr_lambdas]
     got = rates(config)
     assert got == pytest.approx(want, rel=1e-12)
-    assert max(got) == pytest.approx(config.optim.lr)  # the peak is reached
+    assert max(got) == pytest.approx(peak_lr(config))  # the peak is reached
 
 
 def test_warmup_ratio_replaces_warmup_steps():
@@ -78,7 +78,7 @@ def test_a_warmup_longer_than_the_run_is_said(tmp_path, capsys):
     assert "note: the warm-up (5 steps) does not end before schedule.max_steps=3" in out
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     lrs = [r["lr"] for r in rows if "lr" in r]
-    assert lrs and max(lrs) < RunConfig().optim.lr  # never reached optim.lr, as said
+    assert lrs and max(lrs) < peak_lr(RunConfig())  # never reached optim.lr, as said
 
 
 def test_an_unknown_schedule_is_refused(capsys):

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 from usaf.config.cards import CARDS
 from usaf.config.options import (
+    AUTO,
     DEFAULT_LOGITS_CHUNK,
     GUARD_ACTIONS,
     RESIDENCIES,
     SCHEDULES,
     TOKENS_MOST,
+    Auto,
     option,
 )
 from usaf.config.section import Section
@@ -91,8 +93,11 @@ class OptimSection(Section):
     NAME = "optim"
 
     # lr > 0: a zero or negative rate would silently not train, or climb the loss
-    lr: float = option(
-        1e-2, "peak learning rate of trained values (sparse entries move far from few)", bounds="(0, inf)"
+    lr: float | Auto = option(
+        AUTO,
+        "peak learning rate of trained values (sparse entries move far from few), or auto: the objective's own "
+        "(1e-2; dpo 3e-3), written as a number into the run's config.yaml",
+        bounds="(0, inf)",
     )
     weight_decay: float = option(0.0, "AdamW decoupled weight decay (towards zero, applied to values)")
     decay_to_base: float = option(

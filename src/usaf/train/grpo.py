@@ -30,7 +30,10 @@ from usaf.engine.preference import token_logps
 from usaf.errors import ConfigError, UsafError
 from usaf.model.hf import max_positions
 from usaf.train.evaluate import supervised_units
-from usaf.train.objectives import OBJECTIVES  # after the built-in objectives: the choices list them first
+from usaf.train.objectives import (
+    NEXT_TOKEN_LR,
+    OBJECTIVES,
+)  # after the built-in objectives: the choices list them first
 from usaf.train.parts import LOOP_PARTS, Part
 from usaf.train.prompts import PromptRows
 
@@ -254,7 +257,7 @@ class GroupRelative:
     train.grpo_beta > 0, beta times the k3 estimate of the KL divergence from the base (the reference: the same
     model with its trained entries switched off, one more forward without gradients). Its extra: the `Scores`."""
 
-    name, pairs, reference_forward = "grpo", False, False
+    name, pairs, reference_forward, default_lr = "grpo", False, False, NEXT_TOKEN_LR
 
     def check(self, train) -> None:
         if not train.reward_functions:

@@ -48,6 +48,7 @@ from usaf.train.optim import (
     build_scheduler,
     clip_gradients,
     schedule_notes,
+    with_peak_lr,
 )
 from usaf.train.parts import LOOP_PARTS, Checkpoint, Log, StepDone, Stop, StopRun
 from usaf.train.recompute import choose_recompute
@@ -129,6 +130,7 @@ def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress |
     if not resume:  # auto becomes a number before config.yaml records it (a resume takes the recorded one)
         device = distributed.local_device(runtime.resolve_device(config.model.device))
         config, lines = resolve_auto(config, device, runtime.resolve_dtype(config.model.dtype, device))
+        config = with_peak_lr(config)
         auto_lines += lines
     config, changes = open_run_dir(config, run_dir, resume)
     if resume:

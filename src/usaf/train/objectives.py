@@ -3,7 +3,8 @@ registered in `OBJECTIVES` (the config offers its names), so the loop names none
 
 - `name`: the value of `train.objective`; `pairs`: whether it trains on preference pairs (a batch's chosen rows,
   then its rejected rows, in the same order); `reference_forward`: the forwards without gradients each step runs
-  besides its own, over as many rows (True: one; what `usaf plan` counts of its time).
+  besides its own, over as many rows (True: one; what `usaf plan` counts of its time); `default_lr`: optim.lr when
+  it is auto, the default (bench/quality.py and bench/preference.py measured them).
 - `check(train)`: refuses the `train` settings it cannot run with (a UsafError that says what to set).
 - `loss_sum(model, batch, train)`: a micro-batch's summed loss (a tensor the loop divides by the step's
   supervised units and backpropagates) and what the step's metrics need of it (None: nothing).
@@ -27,11 +28,17 @@ from usaf.errors import ConfigError
 from usaf.registry import OBJECTIVES
 from usaf.train.evaluate import supervised_units
 
+# optim.lr=auto of next-token training: issue 26's sweeps on two tasks (bench/results/quality-defaults-2026-12-05)
+NEXT_TOKEN_LR = 1e-2
+# of DPO: at 1e-2 a DPO run forgets more than full DPO's frontier allows, at this rate it lies past it
+# (bench/results/preference-*.md); TRL likewise defaults DPO to a far lower rate than SFT
+PREFERENCE_LR = 3e-3
+
 
 class NextToken:
     """sft: next-token cross entropy over the supervised tokens."""
 
-    name, pairs, reference_forward = "sft", False, False
+    name, pairs, reference_forward, default_lr = "sft", False, False, NEXT_TOKEN_LR
 
     def check(self, train) -> None:
         pass
@@ -58,7 +65,7 @@ class Preference:
     """dpo: DPO over preference pairs, the base itself the reference (`usaf.engine.preference`); its extra is each
     pair's reward margin."""
 
-    name, pairs, reference_forward = "dpo", True, True
+    name, pairs, reference_forward, default_lr = "dpo", True, True, PREFERENCE_LR
 
     def check(self, train) -> None:
         if train.prefix_cache != "off":
@@ -109,7 +116,7 @@ class OddsRatio:
     """orpo: ORPO over preference pairs (TRL's ORPOTrainer loss), no reference: the chosen rows' next-token loss
     less train.orpo_beta times the log-sigmoid of the answers' log odds ratio."""
 
-    name, pairs, reference_forward = "orpo", True, False
+    name, pairs, reference_forward, default_lr = "orpo", True, False, NEXT_TOKEN_LR
 
     def check(self, train) -> None:
         _no_prefix_cache(train, self.name)
@@ -142,11 +149,8 @@ class Unpaired:
     (`usaf.data.pairs.LabelledRows`: {prompt, completion, label} records, and preference pairs unpaired as TRL
     unpairs them); its units are rows."""
 
-    name, pairs, reference_forward = (
-        "kto",
-        False,
-        3,
-    )  # the reference on its rows, policy and reference on the KL rows
+    # the reference on its rows, policy and reference on the KL rows: 3; its rate not measured apart from SFT's
+    name, pairs, reference_forward, default_lr = "kto", False, 3, NEXT_TOKEN_LR
 
     def check(self, train) -> None:
         _no_prefix_cache(train, self.name)

@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from usaf import kernels
-from usaf.config import RunConfig
+from usaf.config import AUTO, RunConfig
 from usaf.engine import expert_parallel
 from usaf.engine.base_weights import starting_values
 from usaf.engine.costs import MOMENT_DTYPES, bucket_limit
@@ -31,6 +31,7 @@ from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
 from usaf.model.hf import transformers_scheduler
 from usaf.model.layout import find_moe_layers
+from usaf.train.objectives import OBJECTIVES
 
 COMPACT_DTYPE = MOMENT_DTYPES["bf16"]
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -250,10 +251,20 @@ class CompactAdamW(torch.optim.AdamW):
                             state[key] = state[key].to(COMPACT_DTYPE)
 
 
+def peak_lr(config: RunConfig) -> float:
+    """optim.lr as a number: auto is the objective's own rate (`Objective.default_lr`)."""
+    return OBJECTIVES[config.train.objective].default_lr if config.optim.lr is AUTO else config.optim.lr
+
+
+def with_peak_lr(config: RunConfig) -> RunConfig:
+    """`config` with optim.lr=auto resolved, before the run's config.yaml records it (a resume takes that)."""
+    return config.replace({"optim.lr": peak_lr(config)})
+
+
 def apply_resumed_schedule(optimizer, scheduler, config: RunConfig, saved: dict) -> None:
     """A resume with a new peak lr or length: the schedule's base rates take the new peak and the current rates
     follow the new curve at once (the checkpoint's param groups hold the old ones)."""
-    ratio = config.optim.lr / saved["optim"]["lr"]
+    ratio = peak_lr(config) / saved["optim"]["lr"]
     if ratio == 1 and config.schedule.max_steps == saved["schedule"]["max_steps"]:
         return  # unchanged: the restored rates stand, bit for bit
     scheduler.base_lrs = [base * ratio for base in scheduler.base_lrs]
@@ -330,7 +341,7 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
     groups = [
         {
             "params": values,
-            "lr": config.optim.lr,
+            "lr": peak_lr(config),
             "weight_decay": config.optim.weight_decay,
             "compact": compact,
             "decay_to_base": config.optim.decay_to_base,
@@ -339,7 +350,7 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
     router_list = [p for p in model.parameters() if p.requires_grad and id(p) in routers]
     if router_list:
         groups.append(
-            {"params": router_list, "lr": config.optim.lr * config.router.lr_multiplier, "weight_decay": 0.0}
+            {"params": router_list, "lr": peak_lr(config) * config.router.lr_multiplier, "weight_decay": 0.0}
         )
     kwargs = {"betas": (config.optim.beta1, config.optim.beta2), "eps": config.optim.eps}
     base_of = base_lookup(model) if config.optim.decay_to_base else None

@@ -83,9 +83,9 @@ def open_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[RunCon
         # that did not record them is compared with config.yaml as found
         recorded = checkpoint.read_state(latest).get(checkpoint.RUN_CONFIG_KEY)
         resolved = {  # what an auto resolved to when the run started
-            f"select.{key}": (recorded or found)["select"][key]
-            for key in ("density", "workspace_mb")
-            if getattr(config.select, key) is AUTO
+            f"{section}.{key}": (recorded or found)[section][key]
+            for section, key in (("select", "density"), ("select", "workspace_mb"), ("optim", "lr"))
+            if getattr(getattr(config, section), key) is AUTO
         }
         config = config.replace(resolved)
         return config, check_resumable(recorded or found, config, found, saved_config)
