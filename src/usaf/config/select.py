@@ -39,7 +39,8 @@ class UsafConfig(Section):
         (importance from calibration batches), or "auto": gradient when calibration batches are given (usaf train
         always gives them), else magnitude; seeded by `seed`; or a scorer registered from Python
         (`usaf.selection.scorers`), by name or as the object.
-    calibration_batches: batches of the task used by "routing", "gradient" (and selection="gradient").
+    calibration_batches: batches of the task used by "routing", "gradient" (and selection="gradient"), at least;
+        more until `calibration_tokens` supervised tokens are in (at most one pass over the data).
     oversample: candidate entries scored exactly per trained entry (gradient selection), >= 1.
     reselect_every: every K optimizer steps drop the entries that moved least and grow where the gradient is
         largest (0: never); `reselect_fraction` of the entries at first, decaying (cosine) to zero at
@@ -89,8 +90,17 @@ class UsafConfig(Section):
     )
     calibration_batches: int = option(
         8,
-        "batches of the training data used to calibrate the selection",
+        "batches of the training data used to calibrate the selection (at least; see calibration_tokens)",
         bounds="[1, inf)",
+        most=TOKENS_MOST,
+    )
+    # 8 batches of 8 x 128 tokens left the forgetting of a run 0.015 nats apart between calibration draws, 32 of
+    # them 0.004 (issue 39, bench/results/quality-seeds-*.md); 8 batches of 4 x 2048 already hold 65 k
+    calibration_tokens: int = option(
+        32768,
+        "calibrate on at least this many supervised tokens: more batches than calibration_batches where batches "
+        "are small, at most one pass over the data (0: calibration_batches alone)",
+        bounds="[0, inf)",
         most=TOKENS_MOST,
     )
     oversample: float = option(

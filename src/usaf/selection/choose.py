@@ -9,12 +9,13 @@ whole stack.
 from __future__ import annotations
 
 import dataclasses
-import itertools
+from collections.abc import Sized
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from usaf.engine.loss import IGNORE_INDEX
 from usaf.errors import ConfigError
 from usaf.model.layout import ExpertGeometry
 from usaf.registry import SCORERS, STRATEGIES
@@ -129,7 +130,7 @@ def choose(
                 f"strategy={config.strategy!r} / selection={config.selection!r} needs calibration data: pass "
                 "calibration_batches to prepare_model (usaf train does this from the training data)."
             )
-        context.batches = list(itertools.islice(iter(batches), config.calibration_batches))
+        context.batches = calibration_sample(batches, config)
         context.calibration = calibrate.calibrate(
             model, context.batches, len(context.batches), with_gradients=with_gradients
         )
@@ -150,6 +151,21 @@ def choose(
     if train_experts:
         chosen.update(_choose_biases(layers, stores, scorer, context))
     return chosen, context.calibration
+
+
+def calibration_sample(batches, config) -> list:
+    """The batches calibration runs: `calibration_batches` of them, and more until `calibration_tokens` supervised
+    tokens are in, never past one pass over the data (a sized batch source: its batches per epoch). Few tokens make
+    the choice hang on which batches were drawn, that is on the seed."""
+    sized = len(batches) if isinstance(batches, Sized) else None
+    taken, tokens = [], 0
+    for batch in batches:
+        taken.append(batch)
+        tokens += int((batch["labels"] != IGNORE_INDEX).sum())
+        enough = len(taken) >= config.calibration_batches and tokens >= config.calibration_tokens
+        if enough or len(taken) == sized:
+            break
+    return taken
 
 
 def _tensor_unit(key, layer, name, store, target="experts") -> TensorUnit:
