@@ -1,0 +1,177 @@
+"""Where the seed enters a usaf run, on the man-page shift of bench/quality.py: the same `usaf train` at its
+defaults with train.seed 0, 1, 2 (which moves the data order, the calibration draw, stochastic rounding), and with
+the data order held (train.seed=0) while only the calibration draw moves (select.strategy=file with the first
+selection each seed's run made). Each run is judged from its `usaf export --merged` folder in plain transformers
+(held-out new- and old-domain loss, nats/byte), and the runs' selections are compared: the share of one run's
+entries another run also trains, at the start and at the end (after reselection).
+
+    .venv/bin/python bench/seeds.py run NAME SEED [--set KEY=VALUE ...]   # one run, appended to OUT/results.jsonl
+    .venv/bin/python bench/seeds.py report [--out OUT]                     # bench/results/quality-seeds-<date>.md
+
+A run at the defaults takes 1-3 minutes on this project's 2-core CPU. The full attribution (results committed in
+bench/results/quality-seeds-2026-12-06.md) is nine `run`s of the defaults and of calibration_batches=32 at seeds
+0 1 2, and four runs of the held data order with another seed's selection file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent / "scripts"))
+import make_shift_model as shift  # noqa: E402
+
+OUT = Path("/tmp/usaf-seeds")
+STEPS, BATCH, SEQ = 150, 8, 128  # bench/quality.py's shift task in full mode
+
+
+def records(data: bytes, size: int = SEQ - 2) -> list[str]:
+    """Text records of at most `size` bytes (with <bos> and <eos>: SEQ tokens), cut between UTF-8 characters."""
+    out, start = [], 0
+    while start < len(data):
+        end = min(start + size, len(data))
+        while start < end < len(data) and (data[end] & 0xC0) == 0x80:
+            end -= 1
+        out.append(data[start:end].decode("utf-8"))
+        start = end
+    return [r for r in out if r.strip()]
+
+
+def prepared(out: Path) -> tuple[Path, dict]:
+    domains = shift.domains()
+    path = out / "train.jsonl"
+    if not path.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in records(domains["new"]["train"])))
+    evals = {
+        n: shift.held_out_batches(shift.encode(domains[n]["held_out"]), SEQ, 32, 16) for n in ("old", "new")
+    }
+    return path, evals
+
+
+def judge(folder: Path, evals: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return {
+            name: sum(float(model(input_ids=b, labels=b).loss) * b.shape[0] for b in batches)
+            / sum(b.shape[0] for b in batches)
+            for name, batches in evals.items()
+        }
+
+
+def run(name: str, seed: int, sets: list[str], out: Path) -> dict:
+    data, evals = prepared(out)
+    run_dir, merged = out / "runs" / f"{name}-s{seed}", out / "merged" / f"{name}-s{seed}"
+    train = [
+        sys.executable,
+        "-m",
+        "usaf",
+        "train",
+        f"--model={shift.build()}",
+        f"--data={data}",
+        f"--out={run_dir}",
+    ]
+    shape = [
+        f"train.seed={seed}",
+        f"schedule.max_steps={STEPS}",
+        f"data.batch_size={BATCH}",
+        f"data.max_seq_len={SEQ}",
+    ]
+    shape += [
+        "log.report_to=none",
+        "log.progress=false",
+        "data.eval_fraction=0",
+        f"checkpoint.every_steps={STEPS}",
+    ]
+    train += [f"--set={s}" for s in [*shape, *sets]]
+    export = [sys.executable, "-m", "usaf", "export", str(run_dir), f"--merged={merged}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(BENCH.parent / "src")}
+    for command in (train, export):
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if done.returncode:
+            raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    result = {"name": name, "seed": seed, "sets": sets, **judge(merged, evals), "run": str(run_dir)}
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(result) + "\n")
+    return result
+
+
+def selection(run_dir: str, final: bool) -> dict:
+    """{tensor key: set of flat indices}: the run's first selection, or the one its last checkpoint trains."""
+    from safetensors.torch import load_file
+
+    if not final:
+        return {k: set(v.tolist()) for k, v in load_file(f"{run_dir}/selection.safetensors").items()}
+    last = sorted(Path(run_dir, "checkpoints").iterdir())[-1] / "trainable.safetensors"
+    tensors = load_file(str(last))
+    suffix = ".flat_indices"
+    return {
+        k.replace(".usaf.", ".")[: -len(suffix)]: set(v.tolist())
+        for k, v in tensors.items()
+        if k.endswith(suffix)
+    }
+
+
+def agreement(a: dict, b: dict) -> float:
+    return sum(len(a[k] & b.get(k, set())) for k in a) / max(1, sum(len(v) for v in a.values()))
+
+
+def report(out: Path) -> str:
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["name"], []).append(r)
+    lines = [
+        f"# Where the seed enters (bench/seeds.py, {datetime.date.today()})",
+        "",
+        "| runs | settings | seeds | new [per run] | old [per run] | spread new / old | entries shared, first / last |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in groups.items():
+        new, old = [r["new"] for r in runs], [r["old"] for r in runs]
+        pairs = list(itertools.combinations(runs, 2))
+        first = [agreement(selection(a["run"], False), selection(b["run"], False)) for a, b in pairs]
+        last = [agreement(selection(a["run"], True), selection(b["run"], True)) for a, b in pairs]
+        shared = f"{sum(first) / len(first):.2f} / {sum(last) / len(last):.2f}" if pairs else "–"
+        lines.append(
+            f"| {name} | {' '.join(runs[0]['sets']) or 'defaults'} | {' '.join(str(r['seed']) for r in runs)} | "
+            f"{sum(new) / len(new):.3f} [{' / '.join(f'{v:.3f}' for v in new)}] | "
+            f"{sum(old) / len(old):.3f} [{' / '.join(f'{v:.3f}' for v in old)}] | "
+            f"{max(new) - min(new):.3f} / {max(old) - min(old):.3f} | {shared} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    one = sub.add_parser("run", help="one usaf train run, judged, appended to OUT/results.jsonl")
+    one.add_argument("name")
+    one.add_argument("seed", type=int)
+    one.add_argument("--set", nargs="*", default=[], dest="sets", help="usaf train --set overrides")
+    one.add_argument("--out", type=Path, default=OUT)
+    rep = sub.add_parser("report", help="the table of OUT/results.jsonl")
+    rep.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        print(json.dumps(run(args.name, args.seed, args.sets, args.out)))
+    else:
+        print(report(args.out), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
