@@ -26,22 +26,12 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent / "scripts"))
+sys.path.insert(0, str(BENCH))
 import make_shift_model as shift  # noqa: E402
+from quality import utf8_records  # noqa: E402
 
 OUT = Path("/tmp/usaf-seeds")
 STEPS, BATCH, SEQ = 150, 8, 128  # bench/quality.py's shift task in full mode
-
-
-def records(data: bytes, size: int = SEQ - 2) -> list[str]:
-    """Text records of at most `size` bytes (with <bos> and <eos>: SEQ tokens), cut between UTF-8 characters."""
-    out, start = [], 0
-    while start < len(data):
-        end = min(start + size, len(data))
-        while start < end < len(data) and (data[end] & 0xC0) == 0x80:
-            end -= 1
-        out.append(data[start:end].decode("utf-8"))
-        start = end
-    return [r for r in out if r.strip()]
 
 
 def prepared(out: Path) -> tuple[Path, dict]:
@@ -49,7 +39,9 @@ def prepared(out: Path) -> tuple[Path, dict]:
     path = out / "train.jsonl"
     if not path.exists():
         out.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in records(domains["new"]["train"])))
+        path.write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in utf8_records(domains["new"]["train"], SEQ - 2))
+        )
     evals = {
         n: shift.held_out_batches(shift.encode(domains[n]["held_out"]), SEQ, 32, 16) for n in ("old", "new")
     }
