@@ -185,7 +185,8 @@ import usaf.data.sources as sources
 marker = Path(os.environ["SECOND_STARTED"])
 def until_second_is_at_the_cache():
     print("building", file=sys.stderr, flush=True)
-    while not marker.exists():
+    waited = time.monotonic() + 120  # never for ever, should the second never start
+    while not marker.exists() and time.monotonic() < waited:
         time.sleep(0.1)
     time.sleep(5)  # the second process reads its config and tokenizer, then meets this entry
 if sys.argv.pop(1) == "first":
