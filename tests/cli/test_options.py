@@ -124,7 +124,7 @@ def test_a_config_changed_in_python_is_checked(workspace):
         config.optim.lr = -1.0
     with pytest.raises(ConfigError, match=r"optim\.lr must be > 0, got -1\.0"):
         config.replace({"optim.lr": -1.0})
-    assert config.optim.lr == 1e-2
+    assert config.optim.lr == "auto"  # unchanged: the objective's own rate
 
 
 def test_every_numeric_run_option_has_a_range_shown_by_list_options(capsys):

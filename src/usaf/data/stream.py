@@ -165,11 +165,14 @@ class StreamBatches:
             next(self)
 
 
-def batches_for(dataset, batch_size: int, seed: int = 0) -> Batches | StreamBatches:
-    """The training batches of a data set: seeded and shuffled (Batches) or, for a stream, in its order."""
+def batches_for(
+    dataset, batch_size: int, seed: int = 0, epochs: int | None = None
+) -> Batches | StreamBatches:
+    """The training batches of a data set: seeded and shuffled (Batches, `epochs` passes or for ever) or, for a
+    stream, in its order."""
     if isinstance(dataset, StreamedRows):
         return StreamBatches(dataset, batch_size)
-    return Batches(dataset, batch_size, seed=seed)
+    return Batches(dataset, batch_size, seed=seed, epochs=epochs)
 
 
 def first_rows(dataset, count: int) -> list[dict[str, torch.Tensor]]:

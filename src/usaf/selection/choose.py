@@ -9,7 +9,6 @@ whole stack.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sized
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -155,15 +154,13 @@ def choose(
 
 def calibration_sample(batches, config) -> list:
     """The batches calibration runs: `calibration_batches` of them, and more until `calibration_tokens` supervised
-    tokens are in, never past one pass over the data (a sized batch source: its batches per epoch). Few tokens make
-    the choice hang on which batches were drawn, that is on the seed."""
-    sized = len(batches) if isinstance(batches, Sized) else None
+    tokens are in, or until `batches` ends (usaf train gives one pass over the data). Few tokens make the choice
+    hang on which batches were drawn, that is on the seed."""
     taken, tokens = [], 0
     for batch in batches:
         taken.append(batch)
         tokens += int((batch["labels"] != IGNORE_INDEX).sum())
-        enough = len(taken) >= config.calibration_batches and tokens >= config.calibration_tokens
-        if enough or len(taken) == sized:
+        if len(taken) >= config.calibration_batches and tokens >= config.calibration_tokens:
             break
     return taken
 

@@ -339,7 +339,8 @@ def open_session(
         check_positions(load_config(folder), config, train_data, eval_data)
     calibration = None
     if calibrate and train_data is not None:
-        calibration = batches_for(train_data, config.data.batch_size, seed=config.train.seed + 1)
+        # one pass at most: calibration never sees a batch twice (select.calibration_tokens may ask for more)
+        calibration = batches_for(train_data, config.data.batch_size, seed=config.train.seed + 1, epochs=1)
     model = load_model(
         config,
         device,
