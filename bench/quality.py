@@ -699,11 +699,12 @@ def markdown(payload: dict) -> str:
         "values in brackets; train s: training seconds of the whole run (evaluation excluded).",
         "",
     ]
-    if payload.get("reused_baselines"):
-        reused = payload["reused_baselines"]
+    if payload.get("reused"):
+        reused = payload["reused"]
         lines += [
-            f"Baseline runs reused from `{reused['file']}` (same mode, seeds, steps and batches; they do not run "
-            f"usaf's code): {', '.join(reused['methods'])}. Their step times and peaks were measured in that run.",
+            f"Runs reused from {', '.join(f'`{f}`' for f in reused['files'])} (earlier invocations of this benchmark "
+            f"with the same mode, seeds, steps and batches): {', '.join(reused['methods'])}. Their step times and "
+            "peaks were measured in those runs.",
             "",
         ]
     for task, data in payload["tasks"].items():
@@ -987,20 +988,28 @@ def chart(payload: dict, path: Path) -> None:
 # ---- main ------------------------------------------------------------------------------------------------------
 
 
-def _reusable_baselines(path: Path, payload: dict) -> dict:
-    """{(task, method key): per-seed runs} of the baseline methods in an earlier results file with the same mode,
-    seeds, steps and sizes (refused otherwise: a different setting would compare unequal runs)."""
-    old = json.loads(Path(path).read_text())
-    for field in ("mode", "seeds"):
-        if old.get(field) != payload[field]:
-            raise SystemExit(f"{path}: {field} {old.get(field)!r} differs from this run's {payload[field]!r}")
+def _reusable_runs(paths: list[Path], payload: dict, methods: list[dict], baselines_only: bool) -> dict:
+    """{(task, method key): (per-seed runs, file)} of this invocation's methods found in earlier results files of
+    the same mode, seeds and sizes (refused otherwise: a different setting would compare unequal runs); a usaf row
+    only where its --set overrides are the same; the first file that has a method gives it."""
+    wanted = {m["key"]: m for m in methods if not (baselines_only and m["kind"] == "usaf")}
     found = {}
-    for task, sizes in payload["sizes"].items():
-        if old.get("sizes", {}).get(task) != sizes:
-            raise SystemExit(f"{path}: the {task} task's sizes differ from this run's")
-        for key, method in old["tasks"][task]["methods"].items():
-            if method["kind"] != "usaf" and len(method.get("runs", [])) == len(payload["seeds"]):
-                found[(task, key)] = method["runs"]
+    for path in paths:
+        old = json.loads(Path(path).read_text())
+        for field in ("mode", "seeds"):
+            if old.get(field) != payload[field]:
+                raise SystemExit(
+                    f"{path}: {field} {old.get(field)!r} differs from this run's {payload[field]!r}"
+                )
+        for task, sizes in payload["sizes"].items():
+            if task not in old.get("tasks", {}):
+                continue
+            if old.get("sizes", {}).get(task) != sizes:
+                raise SystemExit(f"{path}: the {task} task's sizes differ from this run's")
+            for key, method in old["tasks"][task]["methods"].items():
+                same = key in wanted and method.get("set") == wanted[key].get("set")
+                if same and len(method.get("runs", [])) == len(payload["seeds"]):
+                    found.setdefault((task, key), (method["runs"], str(path)))
     return found
 
 
@@ -1036,9 +1045,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reuse-baselines",
         type=Path,
-        default=None,
+        action="append",
+        default=[],
         help="a results JSON of the same mode, seeds and steps: take its LoRA, full fine-tuning, dense experts "
-        "and inference runs instead of running them again (they do not depend on usaf's code)",
+        "and inference runs instead of running them again (they do not depend on usaf's code); repeatable",
+    )
+    parser.add_argument(
+        "--reuse-runs",
+        type=Path,
+        action="append",
+        default=[],
+        help="as --reuse-baselines, usaf rows too (the same label and --set overrides): one report of runs made "
+        "by several invocations, e.g. baselines and usaf rows run side by side; repeatable",
     )
     args = parser.parse_args(argv)
     sizes = copy.deepcopy(MODES[args.mode])
@@ -1077,10 +1095,13 @@ def main(argv: list[str] | None = None) -> int:
         "lora": {"r": LORA_RANK, "alpha": LORA_ALPHA, "modules": LORA_ATTENTION, "parameters": LORA_EXPERTS},
         "tasks": {},
     }
-    reused = _reusable_baselines(args.reuse_baselines, payload) if args.reuse_baselines else {}
+    reused = {
+        **_reusable_runs(args.reuse_runs, payload, methods, baselines_only=False),
+        **_reusable_runs(args.reuse_baselines, payload, methods, baselines_only=True),
+    }
     if reused:
-        payload["reused_baselines"] = {
-            "file": str(args.reuse_baselines),
+        payload["reused"] = {
+            "files": sorted({file for _, file in reused.values()}),
             "methods": sorted(f"{task}:{key}" for task, key in reused),
         }
     with contextlib.ExitStack() as stack:
@@ -1114,7 +1135,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seq": sizes[task]["seq"],
                 "eval_every": sizes[task]["eval_every"],
             }
-            runs: dict[str, list] = {k: v for (t, k), v in reused.items() if t == task}
+            runs: dict[str, list] = {k: v for (t, k), (v, _) in reused.items() if t == task}
             errors: dict[str, str] = {}
 
             todo = [
