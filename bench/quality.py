@@ -361,7 +361,7 @@ def _safetensors(model_dir: Path) -> dict:
 # ---- one run, in its own process -------------------------------------------------------------------------------
 
 
-def _load(model_dir):
+def load_plain(model_dir):
     """A checkpoint folder as plain transformers loads it (float32), its weights in process memory."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -371,7 +371,7 @@ def _load(model_dir):
     return model
 
 
-class _Evaluator:
+class Evaluator:
     """The held-out numbers of a model, the same function for every method and the exported usaf checkpoints:
     transformers' own loss (text tasks) or the demo task's exact-match accuracy."""
 
@@ -411,7 +411,7 @@ def run_method(task: str, method: dict, seed: int, job: dict) -> dict:
     torch.set_num_threads(job["threads"])
     torch.manual_seed(seed)
     data = torch.load(job["data"][seed], weights_only=True)  # the bench's own tensors, lists and strings
-    evaluate = _Evaluator(task, data["eval"], job["model_dir"])
+    evaluate = Evaluator(task, data["eval"], job["model_dir"])
     if method["kind"] == "usaf":
         return _run_usaf_cli(task, method, seed, job, evaluate)
     return _run_baseline(task, method, seed, job, data["train"], evaluate)
@@ -459,7 +459,7 @@ def _run_usaf_cli(task: str, method: dict, seed: int, job: dict, evaluate) -> di
             raise RuntimeError(f"{shlex.join(command)} failed:\n{done.stderr[-3000:]}")
     summary = json.loads((run_dir / "run" / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
-    base, tuned = _load(job["model_dir"]), _load(run_dir / "merged")
+    base, tuned = load_plain(job["model_dir"]), load_plain(run_dir / "merged")
     train_s = summary["train_seconds"]
     trained = summary["trained_expert_entries"] + summary["trained_router_weights"]
     trained += sum(summary["trained_entries_beyond_experts"].values())
@@ -489,7 +489,7 @@ def _run_baseline(task: str, method: dict, seed: int, job: dict, train: list, ev
 
     memory = PeakMemory(torch.device("cpu"))
     started = time.perf_counter()
-    model = stock_baseline(_load(job["model_dir"]), method["kind"])
+    model = stock_baseline(load_plain(job["model_dir"]), method["kind"])
     trainable = [p for p in model.parameters() if p.requires_grad]
     setup_s = time.perf_counter() - started
     curve = [{"step": 0, "elapsed_s": 0.0, **evaluate(model)}]

@@ -28,7 +28,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent / "scripts"))
 sys.path.insert(0, str(BENCH))
 import make_shift_model as shift  # noqa: E402
-from quality import utf8_records  # noqa: E402
+from quality import Evaluator, load_plain, utf8_records  # noqa: E402
 
 OUT = Path("/tmp/usaf-seeds")
 STEPS, BATCH, SEQ = 150, 8, 128  # bench/quality.py's shift task in full mode
@@ -49,17 +49,11 @@ def prepared(out: Path) -> tuple[Path, dict]:
 
 
 def judge(folder: Path, evals: dict) -> dict:
+    """bench/quality.py's judge of the shift task, on the exported folder loaded by plain transformers."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return {
-            name: sum(float(model(input_ids=b, labels=b).loss) * b.shape[0] for b in batches)
-            / sum(b.shape[0] for b in batches)
-            for name, batches in evals.items()
-        }
+    return Evaluator("shift", evals, str(folder))(load_plain(folder))
 
 
 def run(name: str, seed: int, sets: list[str], out: Path) -> dict:
@@ -100,18 +94,24 @@ def run(name: str, seed: int, sets: list[str], out: Path) -> dict:
 
 
 def selection(run_dir: str, final: bool) -> dict:
-    """{tensor key: set of flat indices}: the run's first selection, or the one its last checkpoint trains."""
+    """{tensor key: set of ids (flat indices, or line ids)}: the run's first selection (its selection.safetensors),
+    or the one its last checkpoint trains (the checkpoint's own record of where each tensor's ids are)."""
     from safetensors.torch import load_file
 
+    from usaf.selection.saved import load_selection
+    from usaf.train import checkpoint
+
     if not final:
-        return {k: set(v.tolist()) for k, v in load_file(f"{run_dir}/selection.safetensors").items()}
-    last = sorted(Path(run_dir, "checkpoints").iterdir())[-1] / "trainable.safetensors"
-    tensors = load_file(str(last))
-    suffix = ".flat_indices"
-    return {
-        k.replace(".usaf.", ".")[: -len(suffix)]: set(v.tolist())
-        for k, v in tensors.items()
-        if k.endswith(suffix)
+        return {
+            k: set(c.indices.tolist()) for k, c in load_selection(f"{run_dir}/selection.safetensors").items()
+        }
+    last = checkpoint.latest(Path(run_dir))
+    tensors = load_file(str(last / "trainable.safetensors"))
+    return {  # as usaf.train.checkpoint reads them back
+        name: set(
+            tensors[kept["prefix"] + ("line_ids" if kept["kind"] == "lines" else "flat_indices")].tolist()
+        )
+        for name, kept in checkpoint.read_state(last)["selection"].items()
     }
 
 

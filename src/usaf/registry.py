@@ -231,9 +231,8 @@ class Objective(Protocol):
     # the forwards without gradients each step runs besides its own, over as many rows (DPO's reference: True, 1;
     # KTO's reference and KL rows: 3); what `usaf plan` counts of a step's time
     reference_forward: bool | int
-    default_lr: (
-        float  # optim.lr when it is auto (the default): the peak rate this objective was measured best at
-    )
+    # optim.lr when it is auto (the default): the peak rate this objective was measured best at
+    default_lr: float
 
     def check(self, train) -> None: ...
 

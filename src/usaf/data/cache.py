@@ -98,23 +98,25 @@ def cache_writes():
 
 
 @contextlib.contextmanager
-def one_builder(entry: str):
-    """Held while this process checks and builds the cache entry named `entry` (its fingerprint). Two runs started
-    at once on the same data (a sweep of seeds, two terminals) would otherwise each find the other's half-written
-    entry, take it for a torn one and remove it under its writer, or read it before it is complete; the second
-    waits here instead, then reads the finished entry. filelock: the lock datasets and huggingface_hub use."""
+def one_builder(entry: str, files: Iterable[Path]):
+    """Held while this process checks and builds the cache entry named `entry` (its fingerprint), whose `files`
+    (a lazy glob: listed under the lock) are dropped first if one is torn (`_drop_torn`). Two runs started at once
+    on the same data (a sweep of seeds, two terminals) would otherwise each find the other's half-written entry,
+    take it for a torn one and remove it under its writer, or read it before it is complete; the second waits here
+    instead, then reads the finished entry. filelock: the lock datasets and huggingface_hub use."""
     import filelock
 
     folder = cache_root() / "usaf_locks"
     folder.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(str(folder / f"{entry}.lock")):
+        _drop_torn(files)
         yield
 
 
-def drop_torn(entries: Iterable[Path]) -> None:
+def _drop_torn(entries: Iterable[Path]) -> None:
     """Remove the cache entries (Arrow files, or folders of them) if a file among them is cut short (no
     end-of-stream marker, as a full disk, a crash or a copy leaves it), with one line: the next read rebuilds them
-    instead of failing on them, now and on every later run. Only under `one_builder` of their entry."""
+    instead of failing on them, now and on every later run."""
     entries = list(entries)
     files = [f for entry in entries for f in ([entry] if entry.is_file() else sorted(entry.rglob("*.arrow")))]
     torn = next((path for path in files if not _complete(path)), None)

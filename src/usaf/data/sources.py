@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from usaf.data.cache import cache_root, drop_torn, full_cache, one_builder
+from usaf.data.cache import cache_root, full_cache, one_builder
 from usaf.errors import DataError, UsafError, first_line
 from usaf.io.source import cached_snapshot
 from usaf.io.text import ENCODING, decode
@@ -197,8 +197,8 @@ def _own_file(path: Path, kind: str, compression: str | None, show_progress: boo
     strings = {column: datasets.Value("string") for column in ("where", "json", "bad")}
     fingerprint = f"usaf-{__version__}-raw-{kind}-{digest}"
     try:
-        with one_builder(fingerprint), progress_bars(show_progress):
-            drop_torn(cache_root().glob(f"generator/*={fingerprint}"))  # the builder's folder of this content
+        entry = cache_root().glob(f"generator/*={fingerprint}")  # the builder's folder of this content
+        with one_builder(fingerprint, entry), progress_bars(show_progress):
             rows = datasets.Dataset.from_generator(
                 _raw_rows,
                 features=datasets.Features(strings),

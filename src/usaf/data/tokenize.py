@@ -16,7 +16,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 
-from usaf.data.cache import cache_root, cache_writes, drop_torn, one_builder
+from usaf.data.cache import cache_root, cache_writes, one_builder
 from usaf.data.records import (
     BadRecord,
     TextLimit,
@@ -418,8 +418,8 @@ def tokenize_source(
             "desirable": datasets.Value("bool"),
         }
     )
-    with one_builder(fingerprint), progress_bars(sys.stderr.isatty()), cache_writes():
-        drop_torn(folder.glob(f"{fingerprint}*.arrow"))  # its shards too, under num_proc
+    entry = folder.glob(f"{fingerprint}*.arrow")  # its shards too, under num_proc
+    with one_builder(fingerprint, entry), progress_bars(sys.stderr.isatty()), cache_writes():
         return rows.map(
             Encoder(source, tokenizer, settings, skip_bad_records, unused),
             batched=True,
