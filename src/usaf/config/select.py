@@ -95,9 +95,11 @@ class UsafConfig(Section):
         most=TOKENS_MOST,
     )
     # 8 batches of 8 x 128 tokens left the forgetting of a run 0.015 nats apart between calibration draws, 32 of
-    # them 0.004 (issue 39, bench/results/quality-seeds-*.md); 8 batches of 4 x 2048 already hold 65 k
+    # them 0.004 (issue 39, bench/results/quality-seeds-*.md); on the arithmetic shift 32 k tokens still forgot
+    # 0.057 nats apart across seeds, 64 k 0.020, 128 k 0.015 (quality-calibration-*.md): 64 k, half 128 k's cost.
+    # 8 batches of 4 x 2048 already hold 64 k
     calibration_tokens: int = option(
-        32768,
+        65536,
         "calibrate on at least this many supervised tokens: more batches than calibration_batches where batches "
         "are small, at most one pass over the data (0: calibration_batches alone)",
         bounds="[0, inf)",
