@@ -573,6 +573,15 @@ def distance(
     return at - old if higher_is_better else old - at
 
 
+def better_than_every_point(
+    points: list[tuple[float, float]], new: float, old: float, higher_is_better: bool
+) -> bool:
+    """At least as good as each of the frontier's points on both axes: past it where it has no distance to give
+    (a new value beyond the frontier's better end)."""
+    at_least = (lambda a, b: a >= b) if higher_is_better else (lambda a, b: a <= b)
+    return bool(points) and all(at_least(new, n) and at_least(old, o) for n, o in points)
+
+
 def against_frontiers(row: dict, rows: dict, higher_is_better: bool) -> dict:
     """A usaf row against LoRA's and full fine-tuning's frontiers: distances of the mean and of each seed, the
     seed spread on both axes, and the verdict."""
@@ -586,16 +595,25 @@ def against_frontiers(row: dict, rows: dict, higher_is_better: bool) -> dict:
             "per_seed": [
                 distance(points, s["new"], s["old"], higher_is_better) for s in row["per_seed_after"]
             ],
+            "better_than_every_point": better_than_every_point(
+                points, row["after"]["new"], row["after"]["old"], higher_is_better
+            ),
         }
     spread = {
         k: max(s[k] for s in row["per_seed_after"]) - min(s[k] for s in row["per_seed_after"])
         for k in ("new", "old")
     }
-    full, lora = out["full"]["mean"], out["lora"]["mean"]
+
+    def past(kind: str, strictly: bool) -> bool | None:
+        if out[kind]["better_than_every_point"]:
+            return True
+        d = out[kind]["mean"]
+        return None if d is None else (d < 0 if strictly else d <= 0)
+
     out["spread"] = spread
     out["verdict"] = {
-        "past_full": None if full is None else full <= 0,
-        "lora_dominated": None if lora is None else lora < 0,
+        "past_full": past("full", strictly=False),
+        "lora_dominated": past("lora", strictly=True),
         "spread_within_limit": max(spread.values()) <= SPREAD_LIMIT,
     }
     return out
@@ -862,6 +880,17 @@ def _distance(task: str, value) -> str:
     )
 
 
+_SAID = {True: "yes", False: "no", None: "outside"}
+
+
+def _verdict(against: dict, kind: str, key: str) -> str:
+    """A verdict in words; past a frontier where no distance could be given says why."""
+    beyond = against[kind]["mean"] is None and against[kind].get("better_than_every_point")
+    return _SAID[against["verdict"][key]] + (
+        " (better than each of its points on both axes)" if beyond else ""
+    )
+
+
 def frontier_lines(task: str, rows: dict) -> list[str]:
     """The "Against the frontiers" table, a verdict a usaf row, and the usaf runs' command lines."""
     usaf_rows = [r for r in rows.values() if r["kind"] == "usaf"]
@@ -878,7 +907,8 @@ def frontier_lines(task: str, rows: dict) -> list[str]:
         "",
         "A frontier: the family's per-learning-rate means (new, old), piecewise linear, sorted by new. Distance: the "
         "usaf row's old minus the frontier's old at the row's new value, for the mean and [each seed]; negative = "
-        f"past the frontier{flip}; outside = the new value lies beyond the frontier's range (no extrapolation). "
+        f"past the frontier{flip}; outside = the new value lies beyond the frontier's range (no extrapolation); a "
+        "row at least as good as each of a frontier's points on both axes is past that frontier all the same. "
         "Spread: max − min over seeds.",
         "",
     ]
@@ -906,11 +936,10 @@ def frontier_lines(task: str, rows: dict) -> list[str]:
         spread, verdict = against["spread"], against["verdict"]
         cells.append(f"{_metric(task, spread['new'])} / {_metric(task, spread['old'])}")
         body.append(cells)
-        past = {True: "yes", False: "no", None: "outside"}
         verdicts.append(
-            f"- {r['label']}: on/past full FT's frontier: {past[verdict['past_full']]}; LoRA dominated: "
-            f"{past[verdict['lora_dominated']]}; spread new {_metric(task, spread['new'])} / old "
-            f"{_metric(task, spread['old'])} (≤ {SPREAD_LIMIT}: {past[verdict['spread_within_limit']]})"
+            f"- {r['label']}: on/past full FT's frontier: {_verdict(against, 'full', 'past_full')}; LoRA "
+            f"dominated: {_verdict(against, 'lora', 'lora_dominated')}; spread new {_metric(task, spread['new'])} / old "
+            f"{_metric(task, spread['old'])} (≤ {SPREAD_LIMIT}: {_SAID[verdict['spread_within_limit']]})"
         )
     lines += [
         *table(header, body, align="lrllrlrlr"),

@@ -173,6 +173,35 @@ def test_quality_frontier_distance_interpolates_and_refuses_to_extrapolate():
     assert quality.distance(points, 1.5, 1.6, higher_is_better=True) == pytest.approx(-0.1)  # accuracies
 
 
+def test_quality_a_row_beyond_a_frontiers_better_end_is_past_it_only_when_better_on_both_axes():
+    """The arithmetic shift's case: usaf adapts more than every LoRA rate, so LoRA's frontier gives no distance;
+    it dominates LoRA where it also forgets less than each LoRA point, and not otherwise."""
+    lora = {
+        f"lora@{lr}": {"kind": "lora", "after": {"new": n, "old": o}}
+        for lr, n, o in ((1, 1.74, 2.3), (2, 1.68, 6.3))
+    }
+    full = {
+        f"full@{lr}": {"kind": "full", "after": {"new": n, "old": o}}
+        for lr, n, o in ((1, 1.79, 1.65), (2, 1.59, 3.9))
+    }
+
+    def row(new, old):
+        return {"after": {"new": new, "old": old}, "per_seed_after": [{"new": new, "old": old}]}
+
+    ahead = quality.against_frontiers(row(1.64, 1.85), {**lora, **full}, higher_is_better=False)
+    assert ahead["lora"]["mean"] is None and ahead["verdict"]["lora_dominated"] is True
+    assert ahead["full"]["mean"] < 0 and ahead["verdict"]["past_full"] is True
+    assert "yes (better than each of its points on both axes)" in quality._verdict(
+        ahead, "lora", "lora_dominated"
+    )
+    forgets_more = quality.against_frontiers(row(1.64, 2.5), {**lora, **full}, higher_is_better=False)
+    assert forgets_more["lora"]["mean"] is None and forgets_more["verdict"]["lora_dominated"] is None
+    assert quality._verdict(forgets_more, "lora", "lora_dominated") == "outside"
+    accuracies = {"lora@1": {"kind": "lora", "after": {"new": 0.9, "old": 0.5}}}
+    better = quality.against_frontiers(row(0.95, 0.6), {**accuracies, **full}, higher_is_better=True)
+    assert better["verdict"]["lora_dominated"] is True
+
+
 def test_quality_records_never_split_a_character_and_fit_a_row():
     text = "naïve café — ünïcødé " * 20
     pieces = quality.utf8_records(text.encode(), 7)

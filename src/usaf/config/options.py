@@ -31,7 +31,8 @@ TARGETS = TARGET_KINDS.choices("experts", "routers")
 # chosen on bench/quality.py (README, "Fine-tunes against LoRA"): routers add forgetting, not adaptation
 DEFAULT_TARGETS = ("experts", "attention", "embeddings", "lm_head")
 RATIO_TARGETS = TARGET_KINDS.choices("experts")  # routers train whole: no density to weigh
-# The defaults (select.density=auto, reselection every 10 steps, optim.lr 1e-2, optim.decay_to_base 8) are the best
+# The defaults (select.density=auto, reselection every 10 steps, optim.lr 1e-2, optim.decay_to_base 8, 64 k
+# calibration tokens: README, "The defaults on both shifts") are the best
 # practical point of bench/quality.py (README, "Fine-tunes against LoRA"): at 2 % they lie ahead of full
 # fine-tuning's frontier on the shift task; at 16 bytes an entry 1 % fits Qwen3-30B-A3B on a 12 GB card
 # (`usaf plan --model qwen3-30b-a3b --vram 12GB --ram 32GB`), 2 % does not: auto takes what the card fits.

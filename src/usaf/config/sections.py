@@ -101,8 +101,9 @@ class OptimSection(Section):
     )
     weight_decay: float = option(0.0, "AdamW decoupled weight decay (towards zero, applied to values)")
     # 8, not 4 (issue 26's choice): on the arithmetic shift 4 forgot 0.181 nats apart across seeds and one seed lay
-    # behind full fine-tuning's frontier; 8 forgets far less there (0.057 apart, every seed past) and lies further
-    # past the frontier on the man pages, adapting less at the same rate (bench/results/quality-2026-12-06*)
+    # behind full fine-tuning's frontier; 8 forgets far less there (0.057 apart, every seed past; 0.020 with 64 k
+    # calibration tokens) and lies further past the frontier on the man pages, adapting less at the same rate
+    # (bench/results/quality-cal32k-2026-12-06*, quality-decay4-*)
     decay_to_base: float = option(
         8.0,
         "decoupled decay of each trained value toward its base value, value -= lr x this x (value - base): "
