@@ -197,9 +197,12 @@ def test_quality_a_row_beyond_a_frontiers_better_end_is_past_it_only_when_better
     forgets_more = quality.against_frontiers(row(1.64, 2.5), {**lora, **full}, higher_is_better=False)
     assert forgets_more["lora"]["mean"] is None and forgets_more["verdict"]["lora_dominated"] is None
     assert quality._verdict(forgets_more, "lora", "lora_dominated") == "outside"
-    accuracies = {"lora@1": {"kind": "lora", "after": {"new": 0.9, "old": 0.5}}}
-    better = quality.against_frontiers(row(0.95, 0.6), {**accuracies, **full}, higher_is_better=True)
-    assert better["verdict"]["lora_dominated"] is True
+    accuracies = {  # higher is better: beyond the better end is a higher new accuracy
+        "lora@1": {"kind": "lora", "after": {"new": 0.9, "old": 0.5}},
+        "full@1": {"kind": "full", "after": {"new": 0.97, "old": 0.4}},
+    }
+    better = quality.against_frontiers(row(0.95, 0.6), accuracies, higher_is_better=True)
+    assert better["verdict"]["lora_dominated"] is True and better["verdict"]["past_full"] is None
 
 
 def test_quality_records_never_split_a_character_and_fit_a_row():
