@@ -1,6 +1,7 @@
 """Choosing what to train: strategies honour the budget, routing skips cold experts, calibration accumulates."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -179,3 +180,58 @@ def test_a_file_selection_after_a_calibrated_one_reports_no_calibration(tmp_path
     )
     run = dataclasses.replace(run, select=model_state(from_file).config)
     assert selection_summary(from_file, run)["calibration"] is None
+
+
+def test_calibration_takes_its_batches_then_more_until_its_tokens_are_in():
+    """select.calibration_batches at least, more until select.calibration_tokens supervised tokens are in, never past
+    the batches given (usaf train gives one pass over the data); labels of -100 are not supervised."""
+    from usaf.selection.choose import calibration_sample
+
+    data = batches(10)  # 2 rows x 12 tokens, all supervised: 24 a batch
+    half = [dict(b, labels=torch.where(torch.arange(12) < 6, -100, b["labels"])) for b in data]  # 12 a batch
+
+    def taken(given, **select):
+        return len(calibration_sample(iter(given), usaf.UsafConfig(**select)))
+
+    assert taken(data, calibration_batches=3, calibration_tokens=0) == 3
+    assert taken(data, calibration_batches=3, calibration_tokens=24 * 5) == 5
+    assert taken(half, calibration_batches=3, calibration_tokens=24 * 5) == 10  # half as many tokens a batch
+    assert taken(data, calibration_batches=3, calibration_tokens=10**6) == 10  # the data ends first
+    assert taken(data, calibration_batches=4, calibration_tokens=24) == 4
+
+
+@pytest.mark.slow
+def test_the_run_says_what_calibration_took_and_a_resume_says_nothing(tmp_path, capsys):
+    """The first lines name the calibration's batches, supervised tokens and time (a cost paid before the first
+    step); data shorter than select.calibration_tokens is said to be used whole; a resume does not calibrate."""
+    import re
+
+    from helpers import FAST_RUN, make_model_dir, write_copy_task
+
+    from usaf.cli import main
+
+    model, data = make_model_dir(tmp_path / "m"), write_copy_task(tmp_path / "d.jsonl", 40)
+    sets = [
+        f"--set={s}" for s in [*FAST_RUN, "schedule.max_steps=2", "data.pack=false", "data.eval_fraction=0"]
+    ]
+    run = tmp_path / "run"
+    assert main(["train", f"--model={model}", f"--data={data}", f"--out={run}", *sets]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("calibration:")]
+    found = re.fullmatch(
+        r"calibration: (\d+) batches, ([\d,]+) supervised tokens in [\d.]+ s: the whole training data, short of "
+        r"select.calibration_tokens=65536",
+        said[0] if len(said) == 1 else "",
+    )
+    assert found, said
+    assert int(found.group(1)) == 10  # 40 records, a record a row, 4 rows a batch: one pass
+    assert json.loads((run / "selection.json").read_text())["summary"]["calibration"]["batches"] == 10
+    few = [*sets, "--set=select.calibration_tokens=1", "--set=select.calibration_batches=3"]
+    assert main(["train", f"--model={model}", f"--data={data}", f"--out={tmp_path / 'few'}", *few]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("calibration:")]
+    assert (
+        len(said) == 1
+        and said[0].startswith("calibration: 3 batches, ")
+        and "calibration_tokens=1:" in said[0]
+    )
+    assert main(["train", f"--resume={run}", "--set=schedule.max_steps=3"]) == 0
+    assert "calibration:" not in capsys.readouterr().out

@@ -34,6 +34,9 @@ class Calibration:
     # "<module path>.weight" of another targeted weight -> [rows]: SparseWeight.row_score over the batches
     row_score: dict[str, torch.Tensor] = field(default_factory=dict)
     batches: int = 0
+    # what the calibration cost, for the run's first lines (`usaf.train.session.calibration_line`)
+    supervised_tokens: int = 0
+    seconds: float = 0.0
 
     def share(self, path: str) -> torch.Tensor:
         """Share of the layer's routed slots that went to each expert."""

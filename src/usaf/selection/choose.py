@@ -9,6 +9,7 @@ whole stack.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -129,10 +130,13 @@ def choose(
                 f"strategy={config.strategy!r} / selection={config.selection!r} needs calibration data: pass "
                 "calibration_batches to prepare_model (usaf train does this from the training data)."
             )
+        started = time.perf_counter()
         context.batches = calibration_sample(batches, config)
         context.calibration = calibrate.calibrate(
             model, context.batches, len(context.batches), with_gradients=with_gradients
         )
+        context.calibration.supervised_tokens = sum(map(supervised_tokens, context.batches))
+        context.calibration.seconds = time.perf_counter() - started
 
     if config.granularity == "neuron":
         # whole neurons in the experts; the other weights train elements at the same density (or their share of
@@ -159,10 +163,14 @@ def calibration_sample(batches, config) -> list:
     taken, tokens = [], 0
     for batch in batches:
         taken.append(batch)
-        tokens += int((batch["labels"] != IGNORE_INDEX).sum())
+        tokens += supervised_tokens(batch)
         if len(taken) >= config.calibration_batches and tokens >= config.calibration_tokens:
             break
     return taken
+
+
+def supervised_tokens(batch) -> int:
+    return int((batch["labels"] != IGNORE_INDEX).sum())
 
 
 def _tensor_unit(key, layer, name, store, target="experts") -> TensorUnit:

@@ -67,6 +67,7 @@ from usaf.train.run_dir import (
 )
 from usaf.train.session import (
     absolute_paths,
+    calibration_line,
     check_finite_base,
     check_trainable_entries,
     open_session,
@@ -308,6 +309,8 @@ class TrainingRun:
         print(effective_settings(self.config, self.device, self.dtype, self.recompute.recompute), flush=True)
         if self.shard_dense.line is not None:  # under torchrun
             print(self.shard_dense.line, flush=True)
+        if (line := calibration_line(self.model, self.config.select)) is not None:
+            print(line, flush=True)
         for note in self.notes:
             print(f"note: {note}", flush=True)
 

@@ -271,6 +271,29 @@ def selection_summary(model, config: RunConfig, chosen: dict | None = None) -> d
     }
 
 
+def calibration_line(model, select) -> str | None:
+    """What choosing the entries cost, for the run's first lines: calibration runs batches as steps do before the
+    first step, and how many is the user's trade (select.calibration_*); None where nothing was calibrated (a
+    resumed run, a selection from a file, a choice without data)."""
+    prepared = model_state(model)
+    calibration = prepared.calibration if prepared is not None else None
+    if calibration is None or not calibration.batches:
+        return None
+    said = (
+        f"calibration: {calibration.batches} batches, {calibration.supervised_tokens:,} supervised tokens in "
+    )
+    if calibration.supervised_tokens < select.calibration_tokens:  # usaf train calibrates on one pass at most
+        return (
+            f"{said}{calibration.seconds:.1f} s: the whole training data, short of "
+            f"select.calibration_tokens={select.calibration_tokens}"
+        )
+    return (
+        f"{said}{calibration.seconds:.1f} s (select.calibration_batches={select.calibration_batches}, "
+        f"select.calibration_tokens={select.calibration_tokens}: more settle the choice of entries, fewer start "
+        "sooner)"
+    )
+
+
 def check_positions(model_config, config: RunConfig, *datasets) -> None:
     """The data's rows within the model's max_position_embeddings, as loaded: what `usaf.data.load.fit_context`
     made sure of from config.json before tokenizing, checked again on the loaded model's config (a source whose
