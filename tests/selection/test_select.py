@@ -235,3 +235,6 @@ def test_the_run_says_what_calibration_took_and_a_resume_says_nothing(tmp_path, 
     )
     assert main(["train", f"--resume={run}", "--set=schedule.max_steps=3"]) == 0
     assert "calibration:" not in capsys.readouterr().out
+    out = tmp_path / "sel.safetensors"  # usaf select calibrates as usaf train does, and says so on stderr
+    assert main(["select", f"--model={model}", f"--data={data}", f"--out={out}", *few]) == 0
+    assert "calibration: 3 batches, " in capsys.readouterr().err

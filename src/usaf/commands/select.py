@@ -32,6 +32,7 @@ def run(args) -> int:
     from usaf.train import runtime
     from usaf.train.memory_plan import resolve_auto
     from usaf.train.session import (
+        calibration_line,
         check_something_to_train,
         open_session,
         run_data,
@@ -76,6 +77,8 @@ def run(args) -> int:
     summary = selection_summary(model, config, chosen)
     save_selection(out, chosen, summary)
     for line in auto_lines:  # said once it is done: a failing command says one line, its error
+        print(line, file=sys.stderr)
+    if (line := calibration_line(model, config.select)) is not None:
         print(line, file=sys.stderr)
     counts = summary["entries"]
     print(
