@@ -260,8 +260,7 @@ def selection_summary(model, config: RunConfig, chosen: dict | None = None) -> d
     """What the selection file records beside the selection: how it was made and its entries per tensor.
     `chosen`: the model's `current_selection`, when the caller has it (under expert parallelism a gather)."""
     chosen = current_selection(model) if chosen is None else chosen
-    prepared = model_state(model)
-    calibration = prepared.calibration if prepared is not None else None
+    calibration = calibration_of(model)
     return {
         "strategy": config.select.strategy,
         "selection": resolved_selection(config.select, has_data=True),
@@ -271,26 +270,30 @@ def selection_summary(model, config: RunConfig, chosen: dict | None = None) -> d
     }
 
 
+def calibration_of(model):
+    """The statistics the model's entries were chosen by (`usaf.selection.calibrate.Calibration`), or None."""
+    prepared = model_state(model)
+    return prepared.calibration if prepared is not None else None
+
+
 def calibration_line(model, select) -> str | None:
     """What choosing the entries cost, for the run's first lines: calibration runs batches as steps do before the
     first step, and how many is the user's trade (select.calibration_*); None where nothing was calibrated (a
     resumed run, a selection from a file, a choice without data)."""
-    prepared = model_state(model)
-    calibration = prepared.calibration if prepared is not None else None
+    calibration = calibration_of(model)
     if calibration is None or not calibration.batches:
         return None
-    said = (
+    took = (
         f"calibration: {calibration.batches} batches, {calibration.supervised_tokens:,} supervised tokens in "
+        f"{calibration.seconds:.1f} s"
     )
     if calibration.supervised_tokens < select.calibration_tokens:  # usaf train calibrates on one pass at most
         return (
-            f"{said}{calibration.seconds:.1f} s: the whole training data, short of "
-            f"select.calibration_tokens={select.calibration_tokens}"
+            f"{took}: the whole training data, short of select.calibration_tokens={select.calibration_tokens}"
         )
     return (
-        f"{said}{calibration.seconds:.1f} s (select.calibration_batches={select.calibration_batches}, "
-        f"select.calibration_tokens={select.calibration_tokens}: more settle the choice of entries, fewer start "
-        "sooner)"
+        f"{took} (select.calibration_batches={select.calibration_batches}, select.calibration_tokens="
+        f"{select.calibration_tokens}: more settle the choice of entries, fewer start sooner)"
     )
 
 
