@@ -14,7 +14,9 @@ import importlib
 import json
 import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -242,6 +244,15 @@ def interleaved_medians(fns: dict, repeats: int, warmup: int = 1) -> dict:
 
 
 # ---- markdown tables, charts and result files ------------------------------------------------------------------
+
+
+def run_commands(commands: list[list[str]], env: dict) -> None:
+    """A bench's command lines in turn (`usaf train`, then `usaf export` of its run); the first that fails raises
+    with its command line and the tail of its stderr."""
+    for command in commands:
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if done.returncode:
+            raise RuntimeError(f"{shlex.join(command)} failed:\n{done.stderr[-3000:]}")
 
 
 def fmt(value, pattern: str = "{:.2f}") -> str:

@@ -31,7 +31,6 @@ import os
 import random
 import shlex
 import string
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,17 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "src"))
 
-from harness import RESULTS, fmt, machine, map_in_forks, save_figure, subplots, table, write_results  # noqa: E402
+from harness import (  # noqa: E402
+    RESULTS,
+    fmt,
+    machine,
+    map_in_forks,
+    run_commands,
+    save_figure,
+    subplots,
+    table,
+    write_results,
+)
 from recipe import LORA_ALPHA, LORA_RANK, stock_baseline  # noqa: E402
 
 DEMO_MODEL = ROOT / "src" / "usaf" / "demo_assets" / "model"
@@ -127,10 +136,7 @@ def train_usaf(task: dict, seed: int, steps: int, batch: int, out: Path, lr: flo
     export = [sys.executable, "-m", "usaf", "export", str(run), f"--merged={merged}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     began = time.perf_counter()
-    for command in (train, export):
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-        if done.returncode:
-            raise RuntimeError(f"{shlex.join(command)} failed:\n{done.stderr[-3000:]}")
+    run_commands([train, export], env)
     return {
         "folder": str(merged),
         "seconds": time.perf_counter() - began,
@@ -342,18 +348,21 @@ def versus_frontier(x: float, y: float, points: list[tuple[float, float]]) -> di
 def frontiers(rows: dict) -> dict:
     """{usaf row: {"kind:quality:forgetting": its verdict}}: each usaf row against full DPO's and LoRA's frontiers,
     accuracy and margin against KL and against the SFT loss, its mean and every seed."""
+    peers = {
+        kind: sorted((r for r in rows.values() if r["kind"] == kind), key=lambda r: r["lr"])
+        for kind in ("full", "lora")
+    }
     out = {}
     for key, usaf in rows.items():
         if usaf["kind"] != "usaf":
             continue
         out[key] = {}
-        for kind in ("full", "lora"):
-            peers = sorted((r for r in rows.values() if r["kind"] == kind), key=lambda r: r["lr"])
+        for kind, family in peers.items():
             for quality, forgetting in itertools.product(("accuracy", "margin"), ("kl", "sft_loss")):
-                points = [(r[forgetting], r[quality]) for r in peers]
+                points = [(r[forgetting], r[quality]) for r in family]
                 out[key][f"{kind}:{quality}:{forgetting}"] = {
                     "points": points,
-                    "lrs": [r["lr"] for r in peers],
+                    "lrs": [r["lr"] for r in family],
                     "usaf": (usaf[forgetting], usaf[quality]),
                     **versus_frontier(usaf[forgetting], usaf[quality], points),
                     "per_seed": [

@@ -53,7 +53,6 @@ import os
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,6 +72,7 @@ from harness import (  # noqa: E402
     map_in_forks,
     own_mapped_weights,
     params_label,
+    run_commands,
     save_figure,
     subplots,
     table,
@@ -82,9 +82,8 @@ from recipe import LORA_ALPHA, LORA_ATTENTION, LORA_EXPERTS, LORA_RANK, lr_facto
 
 from usaf.train.objectives import NEXT_TOKEN_LR  # noqa: E402
 
-DEFAULT_LR = (
-    NEXT_TOKEN_LR  # optim.lr=auto of next-token training: the rate of a usaf row that does not set one
-)
+# optim.lr=auto of next-token training: the rate of a usaf row that does not set one
+DEFAULT_LR = NEXT_TOKEN_LR
 
 # ============================================================================================================
 # usaf rows: EXTEND HERE (or pass --usaf-spec JSON on the command line, repeatable). "set" holds `usaf train
@@ -453,10 +452,7 @@ def _run_usaf_cli(task: str, method: dict, seed: int, job: dict, evaluate) -> di
     env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"])}
     # the same usaf the bench imported (a worktree's src/, or the installed one)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(usaf.__file__).parents[1]), env.get("PYTHONPATH", "")])
-    for command in (train, export):
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-        if done.returncode:
-            raise RuntimeError(f"{shlex.join(command)} failed:\n{done.stderr[-3000:]}")
+    run_commands([train, export], env)
     summary = json.loads((run_dir / "run" / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
     base, tuned = load_plain(job["model_dir"]), load_plain(run_dir / "merged")

@@ -20,7 +20,6 @@ import datetime
 import itertools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +27,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent / "scripts"))
 sys.path.insert(0, str(BENCH))
 import make_shift_model as shift  # noqa: E402
-from quality import Evaluator, load_plain, utf8_records  # noqa: E402
+from harness import run_commands  # noqa: E402
+from quality import Evaluator, load_plain, usaf_commands, utf8_records  # noqa: E402
 
 OUT = Path("/tmp/usaf-seeds")
 STEPS, BATCH, SEQ = 150, 8, 128  # bench/quality.py's shift task in full mode
@@ -58,36 +58,25 @@ def judge(folder: Path, evals: dict) -> dict:
 
 def run(name: str, seed: int, sets: list[str], out: Path) -> dict:
     data, evals = prepared(out)
-    run_dir, merged = out / "runs" / f"{name}-s{seed}", out / "merged" / f"{name}-s{seed}"
-    train = [
-        sys.executable,
-        "-m",
-        "usaf",
-        "train",
-        f"--model={shift.build()}",
-        f"--data={data}",
-        f"--out={run_dir}",
-    ]
-    shape = [
-        f"train.seed={seed}",
-        f"schedule.max_steps={STEPS}",
-        f"data.batch_size={BATCH}",
-        f"data.max_seq_len={SEQ}",
-    ]
-    shape += [
-        "log.report_to=none",
-        "log.progress=false",
-        "data.eval_fraction=0",
-        f"checkpoint.every_steps={STEPS}",
-    ]
-    train += [f"--set={s}" for s in [*shape, *sets]]
-    export = [sys.executable, "-m", "usaf", "export", str(run_dir), f"--merged={merged}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(BENCH.parent / "src")}
-    for command in (train, export):
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-        if done.returncode:
-            raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-    result = {"name": name, "seed": seed, "sets": sets, **judge(merged, evals), "run": str(run_dir)}
+    run_dir = out / "runs" / f"{name}-s{seed}"  # its run/ and merged/
+    job = {"model_dir": str(shift.build()), "records": str(data), "steps": STEPS, "batch": BATCH, "seq": SEQ}
+    # bench/quality.py's command lines, but packed (usaf's default, what these runs measured) and a checkpoint at
+    # the end (`selection` reads it)
+    overrides = {"data.pack": "true", "checkpoint.every_steps": STEPS, **dict(s.split("=", 1) for s in sets)}
+    train, export = usaf_commands({"set": overrides}, seed, job, run_dir)
+    try:
+        run_commands(
+            [train, export], {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(BENCH.parent / "src")}
+        )
+    except RuntimeError as failed:
+        raise SystemExit(str(failed)) from None
+    result = {
+        "name": name,
+        "seed": seed,
+        "sets": sets,
+        **judge(run_dir / "merged", evals),
+        "run": str(run_dir / "run"),
+    }
     with open(out / "results.jsonl", "a") as f:
         f.write(json.dumps(result) + "\n")
     return result

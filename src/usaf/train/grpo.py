@@ -30,10 +30,10 @@ from usaf.engine.preference import token_logps
 from usaf.errors import ConfigError, UsafError
 from usaf.model.hf import max_positions
 from usaf.train.evaluate import supervised_units
-from usaf.train.objectives import (
+from usaf.train.objectives import (  # after the built-ins: the choices list them first
     NEXT_TOKEN_LR,
     OBJECTIVES,
-)  # after the built-in objectives: the choices list them first
+)
 from usaf.train.parts import LOOP_PARTS, Part
 from usaf.train.prompts import PromptRows
 

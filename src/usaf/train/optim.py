@@ -337,11 +337,11 @@ def base_lookup(model: torch.nn.Module):
 def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Optimizer:
     routers = {id(p) for p in router_params(model)}
     values = [p for p in model.parameters() if p.requires_grad and id(p) not in routers]
-    compact = config.optim.moments == "bf16"
+    compact, lr = config.optim.moments == "bf16", peak_lr(config)
     groups = [
         {
             "params": values,
-            "lr": peak_lr(config),
+            "lr": lr,
             "weight_decay": config.optim.weight_decay,
             "compact": compact,
             "decay_to_base": config.optim.decay_to_base,
@@ -349,9 +349,7 @@ def build_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.Op
     ]
     router_list = [p for p in model.parameters() if p.requires_grad and id(p) in routers]
     if router_list:
-        groups.append(
-            {"params": router_list, "lr": peak_lr(config) * config.router.lr_multiplier, "weight_decay": 0.0}
-        )
+        groups.append({"params": router_list, "lr": lr * config.router.lr_multiplier, "weight_decay": 0.0})
     kwargs = {"betas": (config.optim.beta1, config.optim.beta2), "eps": config.optim.eps}
     base_of = base_lookup(model) if config.optim.decay_to_base else None
     if config.optim.eight_bit:
