@@ -132,12 +132,13 @@ def users_folder(tmp_path: Path) -> Path:
 
 
 def as_the_journey_runs(argv: list[str]) -> list[str]:
-    """A README command as run here: the bundled model for the user's (train's --config names a 30B model),
-    few steps."""
+    """A README command as run here: the bundled model for the user's (train's hub id or --config names a 30B
+    model), few steps."""
     if argv[0] == "train":
-        if "--model" not in argv:
-            argv = [*argv, f"--model={BUNDLED / 'model'}"]
-        argv = [*argv, "--set", *FAST]
+        if "--model" in argv:  # the hub's Qwen3-30B-A3B: nothing is downloaded here
+            at = argv.index("--model")
+            argv = [*argv[:at], *argv[at + 2 :]]
+        argv = [*argv, f"--model={BUNDLED / 'model'}", "--set", *FAST]
     return argv
 
 

@@ -224,7 +224,7 @@ def test_cli_config_validation_and_print_config(workspace, capsys):
     assert main(["train", "--model", "m", "--data", "d", "--set", "optim.lrr=1", "--out", "x"]) == 2
     assert "unknown key(s) ['lrr']" in capsys.readouterr().err
     assert main(["train", "--model", "m", "--data", "d", "--set", "model.quant=nf5", "--out", "x"]) == 2
-    assert "allowed values: ['none', 'nf4', 'int8', 'int4']" in capsys.readouterr().err
+    assert "allowed values: ['auto', 'none', 'nf4', 'int8', 'int4']" in capsys.readouterr().err
     assert main(["train", "--model", "m", "--data", "d", "--set", "model.cache_mb=-1", "--out", "x"]) == 2
     assert "model.cache_mb must be >= 0" in capsys.readouterr().err
     # several overrides after one --set, and --set repeated, alike

@@ -48,6 +48,16 @@ DEFAULT_LOGITS_CHUNK = 512
 # temporaries, 16 B a value, while many parameters share a fixed number of ops (usaf.train.optim, the planner)
 OPTIMIZER_BUCKET_ENTRIES = 1 << 24
 DEFAULT_WORKSPACE_MB = 256  # select.workspace_mb: one projection's dequantized routed-expert workspace
+# the options whose auto a new run resolves before its config.yaml records it (the memory plan's, the objective's
+# rate): a resume takes what they resolved to, never resolves them again
+RESOLVED_AT_START = (
+    "model.quant",
+    "model.residency",
+    "model.cache_mb",
+    "select.density",
+    "select.workspace_mb",
+    "optim.lr",
+)
 
 
 # the largest integer any option takes (torch, numpy and the files' int64 fields hold no more); options whose size

@@ -44,7 +44,14 @@ def decide(
     if fitting:
         chosen = fitting[0]
         on_device = chosen.settings.residency == "device"
-        verdict = Verdict(plans[0], chosen, "fits on device" if on_device else "needs host offload")
+        # what the experts on the device would need, for the verdict to say (a residency given, or chosen by
+        # model.residency=auto, is planned alone)
+        requested = (
+            plans[0]
+            if on_device or order[0] == "device"
+            else machine.plan(settings.replace(residency="device"))
+        )
+        verdict = Verdict(requested, chosen, "fits on device" if on_device else "needs host offload")
         if not on_device:
             verdict.on_device = search(machine, settings, residencies=("device",))
         return verdict

@@ -97,7 +97,7 @@ def auto_storage(
     if pair is not None:
         at = f"{lowest.density:.2%}"
         return _with(settings, *pair), [
-            f"{keys}=auto: {'/'.join(pair)}, {why}; this storage fits at density {at}"
+            f"{keys}=auto: {chosen_text(pair)}, {why}; this storage fits at density {at}"
         ]
     smallest = smallest_machine(shape, lowest, device, quant, residency)
     pair = candidates[-1]  # the most compact: what the run will try

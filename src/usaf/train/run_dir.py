@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from usaf.base.record import base_difference, base_record, read_run_base_record
-from usaf.config import AUTO, RunConfig
+from usaf.config import AUTO, RESOLVED_AT_START, RunConfig
 from usaf.data.sources import is_missing
 from usaf.errors import ConfigError, RunStateError, UsafError, first_line
 from usaf.files import (
@@ -84,8 +84,8 @@ def open_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> tuple[RunCon
         recorded = checkpoint.read_state(latest).get(checkpoint.RUN_CONFIG_KEY)
         resolved = {  # what an auto resolved to when the run started
             f"{section}.{key}": (recorded or found)[section][key]
-            for section, key in (("select", "density"), ("select", "workspace_mb"), ("optim", "lr"))
-            if getattr(getattr(config, section), key) is AUTO
+            for section, key in (name.split(".") for name in RESOLVED_AT_START)
+            if getattr(getattr(config, section), key) == AUTO  # a number option's AUTO, or a choice's "auto"
         }
         config = config.replace(resolved)
         return config, check_resumable(recorded or found, config, found, saved_config)
