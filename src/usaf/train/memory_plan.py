@@ -211,8 +211,9 @@ def resolve_storage(config: RunConfig, device: torch.device, dtype: torch.dtype)
     resolved, lines = resolve_auto(config, device, dtype)
     model = resolved.model
     keep = {"select.density": config.select.density, "select.workspace_mb": config.select.workspace_mb}
-    if (model.quant, model.residency) != ("none", "device"):
-        print("\n".join(line for line in lines if line.startswith("model.")), file=sys.stderr)
+    storage = [line for line in lines if line.startswith("model.")]
+    if storage and (model.quant, model.residency) != ("none", "device"):
+        print("\n".join(storage), file=sys.stderr)
     return resolved.replace(keep)
 
 
