@@ -16,7 +16,6 @@ import contextlib
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -142,10 +141,6 @@ def resolved_run(config: RunConfig, resume: bool = False) -> tuple[RunConfig, li
 
 def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress | None = None) -> dict:
     config, auto_lines = resolved_run(config, resume)
-    storage = [line for line in auto_lines if line.startswith("model.")]
-    if storage and (config.model.quant, config.model.residency) != ("none", "device"):
-        # said before loading too: quantizing a base into its store can take minutes, and this is why it runs
-        print("\n".join(storage), file=sys.stderr, flush=True)
     config, changes = open_run_dir(config, run_dir, resume)
     if resume:
         if (finished := finished_run(run_dir, config)) is not None:
