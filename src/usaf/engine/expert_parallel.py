@@ -32,6 +32,8 @@ from usaf.engine.installed import sparse_experts
 from usaf.engine.sparse import line_flat_indices
 from usaf.engine.state import owned_state
 from usaf.errors import ConfigError, ModelError
+from usaf.kernels import offsets_of
+from usaf.kernels.host import balanced, read_ints
 from usaf.model.hf import register_experts_implementation, use_experts_implementation
 from usaf.model.layout import find_moe_layers
 
@@ -148,10 +150,12 @@ def close_step() -> None:
     traffic["steps"] += 1
 
 
-def _exchange_counts(send: torch.Tensor, group) -> list[int]:
+def _exchange_counts(send: torch.Tensor, group, pairs: int) -> list[int]:
+    """The pairs each rank of the group sends this one (`pairs`: this rank's own, which balanced routing spreads
+    evenly: each rank then receives as many)."""
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    return recv.tolist()
+    return read_ints(recv, lambda: balanced(pairs, send.numel()))
 
 
 def expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -163,9 +167,9 @@ def expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     owner = torch.div(experts, per_rank, rounding_mode="floor")
     order = torch.argsort(owner, stable=True)  # pairs grouped by the rank that owns their expert
     token = torch.div(order, top_k, rounding_mode="floor")
-    send_counts = torch.bincount(owner, minlength=ep.ep)
-    recv = _exchange_counts(send_counts.to(_comm_device(group, experts)), group)
-    send = send_counts.tolist()
+    send_counts, _ = offsets_of(owner, ep.ep)  # not bincount: its size would be read back to the host
+    recv = _exchange_counts(send_counts.to(_comm_device(group, experts)), group, experts.numel())
+    send = read_ints(send_counts, lambda: balanced(experts.numel(), ep.ep))
     # out: each pair's token state, its expert and its router weight; in: the pairs this rank's experts serve
     rows = AllToAll.apply(hidden_states.index_select(0, token), send, recv, group, True)
     served = AllToAll.apply(experts[order], send, recv, group, False)

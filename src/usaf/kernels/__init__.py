@@ -21,6 +21,7 @@ import torch
 
 from usaf.errors import ConfigError
 from usaf.kernels import torch_path, triton_path  # triton_path imports without Triton (then unavailable)
+from usaf.kernels.host import balanced, pinned, read_ints
 
 CHOICES = ("auto", "triton", "torch")
 
@@ -44,12 +45,14 @@ class Segments:
     def of(cls, ids: torch.Tensor, num_segments: int) -> Segments:
         """The segments `ids` (each item's segment, ascending) group items into; reads the counts to the host."""
         counts, offsets = torch_path.offsets_of(ids, num_segments)
-        return cls(offsets, counts.tolist())
+        return cls(offsets, read_ints(counts, lambda: balanced(ids.numel(), num_segments)))
 
     @classmethod
-    def from_offsets(cls, offsets: torch.Tensor) -> Segments:
-        """Segments from device offsets; reads the counts to the host."""
-        return cls(offsets, (offsets[1:] - offsets[:-1]).tolist())
+    def from_offsets(cls, offsets: torch.Tensor, total: int | None = None) -> Segments:
+        """Segments from device offsets; reads the counts to the host. `total`: the items they group, where the
+        caller knows it (a simulation spreads them evenly)."""
+        parts = offsets.numel() - 1
+        return cls(offsets, read_ints(offsets[1:] - offsets[:-1], lambda: balanced(total or 0, parts)))
 
     @classmethod
     def single(cls, count: int, device) -> Segments:
@@ -100,7 +103,7 @@ def host_ints_to_device(values: list[int], device) -> torch.Tensor:
     device = torch.device(device)
     if device.type == "cpu":
         return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return pinned(tensor).to(device, non_blocking=True)
 
 
 _choice = "auto"

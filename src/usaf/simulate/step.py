@@ -1,0 +1,382 @@
+"""The real training step of a plan, run on fake tensors: what the card would hold and how often the host waits.
+
+`simulate(config, plan)` builds the model at its full shape on fake tensors (`usaf.simulate.fake_model`), stored
+as the plan chose (quant, residency, density, workspace, recomputation), prepares it with usaf's own
+`prepare_model` (its calibration batch runs forward and backward through the engine with the gradient probes),
+then runs usaf train's step (`usaf.train.loop.TrainingRun`'s: the objective's loss, backward, clipping, the
+optimizer step) twice: the first warms up (optimizer moments, cached groupings), the second is measured.
+
+The card is simulated on fake tensors of the `meta` device under `FakeTensorMode`, not fake `cuda` ones: a
+CPU-only torch aborts the process in autograd on fake CUDA tensors (its device guard is not set). A tensor left
+on the CPU still meets the card's tensors and raises `FakeTensorDeviceMismatchError`; a raw read of tensor data
+(`.item()`, `.tolist()`) raises `DataDependentOutputException`. usaf's intended host reads go through
+`usaf.kernels.host`, which the simulation answers with balanced values (every expert routed tokens x top-k / E
+rows) and counts: a read of a card tensor is a host sync, and `.cpu()` copies are counted by
+`usaf.testing.launches`' sync mode. The selection's choice itself (top-k over calibration scores, on the host) is
+data-dependent: the simulation's strategy takes the plan's count of entries of every tensor, spread evenly over
+its experts.
+
+Under expert parallelism one rank is simulated on torch.distributed's `fake` process group (rank r of N):
+the all-to-alls move nothing, and every rank is taken to send and receive the same rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from usaf import kernels
+from usaf.config import RunConfig
+from usaf.engine import expert_parallel
+from usaf.engine.installed import sparse_experts
+from usaf.kernels import host
+from usaf.model.layout import find_moe_layers
+from usaf.prepare import enable_recomputation, prepare_model
+from usaf.registry import STRATEGIES
+from usaf.selection import calibrate
+from usaf.selection.saved import Chosen
+from usaf.selection.strategies import BaseStrategy, Needs
+from usaf.simulate import fake_model
+from usaf.simulate.memory import ACTIVATIONS, DEVICE, HOST, MemoryTracker
+from usaf.store.offload import LayerStreamer
+from usaf.store.quantized import QuantizedStore
+from usaf.testing.launches import Counts, _SyncMode
+from usaf.train import runtime
+from usaf.train.objectives import OBJECTIVES
+from usaf.train.optim import build_optimizer, clip_gradients, router_params
+
+CARD = torch.device("meta")  # the simulated card (see the module's docstring: why not fake cuda)
+STRATEGY = "simulated"
+
+# the simulation's lines, each the ledger lines it stands for (usaf.planner.ledger's names)
+FROZEN, CONSTANTS, DENSE = "frozen experts", "quantization constants", "dense weights"
+SPARSE, ROUTERS, WORKSPACE = "sparse state + optimizer", "routers (trainable)", "dequant workspace"
+OFFLOAD, LOGITS, STEP, EXCHANGE = (
+    "offload buffers",
+    "logits chunk",
+    "optimizer step temporaries",
+    "all-to-all",
+)
+LEDGER_LINES = {
+    FROZEN: ("frozen experts",),
+    CONSTANTS: ("quantization constants",),
+    DENSE: ("dense weights", "dense weights (FSDP2)"),
+    SPARSE: ("sparse state + optimizer", "sparse state beyond the experts", "reselection probes"),
+    ROUTERS: ("routers (trainable)",),
+    ACTIVATIONS: ("activations: layer inputs", "activations: one layer", "activations: all layers"),
+    LOGITS: ("logits chunk",),
+    WORKSPACE: ("dequant workspace",),
+    OFFLOAD: ("offload buffers", "expert cache"),
+    STEP: ("optimizer step temporaries",),
+    EXCHANGE: ("all-to-all buffers", "all-reduce buckets"),
+}
+
+
+class SimulatedSelection(BaseStrategy):
+    """The simulation's selection: the count of entries the density gives each tensor, spread evenly over its
+    experts (the real choice reads calibration scores on the host, which fake tensors do not have)."""
+
+    name, needs = STRATEGY, Needs()
+    chosen: dict = {}  # set by `simulate` before it prepares the model
+    batches: list = []
+
+    def domains(self, units, budgets, context):
+        raise NotImplementedError("the simulated selection loads its choice")
+
+    def load(self, context):
+        # the calibration pass runs as usaf train's does: forward and backward with the probes, nothing trained yet
+        calibrate.calibrate(context.model, self.batches, len(self.batches), with_gradients=True)
+        return self.chosen
+
+
+@dataclasses.dataclass
+class Simulation:
+    """What the simulated step measured (bytes on the card and in host memory are live tensor bytes)."""
+
+    device_peak: float  # live tensor bytes at the measured step's peak on the card
+    device_lines: dict  # the simulation's lines at that peak
+    host_peak: float
+    host_lines: dict
+    calibration_peak: float  # the card's peak while preparing (the calibration batch)
+    step_syncs: int
+    layer_steps: int  # MoE layers run in the step (forward; a layer's backward is the same layer-step)
+    sync_sites: Counter
+    mismatches: list  # findings that stopped the step: a CPU tensor on the card, a raw read
+    kernels: str  # which kernels ran, and why
+    seconds: float
+    rank: str
+    reselection: str
+
+    @property
+    def syncs_per_layer_step(self) -> float:
+        return self.step_syncs / max(1, self.layer_steps)
+
+
+class _Reads:
+    """The simulation's answer to usaf's intended host reads (`usaf.kernels.host`): the balanced value, counted."""
+
+    def __init__(self, counts: Counts):
+        self.counts = counts
+
+    def __call__(self, tensor, kind, plausible):
+        if tensor.device.type != "cpu":  # a read of the card's data: the host waits for the device
+            self.counts.syncs += 1
+            self.counts.sync_sites[f"{_site()} (usaf.kernels.host {kind})"] += 1
+        return plausible()
+
+
+def _site() -> str:
+    import inspect
+    import os
+
+    frame = inspect.currentframe().f_back.f_back
+    here = os.path.dirname(os.path.abspath(host.__file__))
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if "usaf" in path and not path.startswith(here) and "simulate" not in path:
+            return f"{path.rsplit('/src/', 1)[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+def _even_selection(model, select, density: float) -> dict:
+    """{expert tensor key: Chosen} at `density`, evenly spread (flat indices, or lines for neurons)."""
+    chosen = {}
+    for layer in find_moe_layers(model):
+        if select.layers is not None and layer.index not in select.layers:
+            continue
+        for t in layer.tensors:
+            if t.is_bias:
+                continue
+            shape = tuple(getattr(layer.experts, t.name).shape)
+            key = f"{layer.experts_name}.{t.name}"
+            numel = math.prod(shape)
+            count = max(1, round(density * numel))
+            chosen[key] = Chosen(None, torch.linspace(0, numel - 1, count).long())
+    return chosen
+
+
+class _OutputsOnly:
+    """The gradient kernels as the simulation runs them: Triton's cannot run on fake tensors, nor can the torch
+    path's sparse CSR products on the meta device, so their outputs stand in, at their shapes: what the Triton
+    path holds on a GPU (no padded rows, no sparsity pattern)."""
+
+    @staticmethod
+    def sampled_dots(U, V, rows, local, entries, width):
+        return torch.zeros(local.numel(), dtype=torch.float32, device=U.device)
+
+    @staticmethod
+    def line_dots(fixed, spanning, rows, lines, entries):
+        return torch.zeros(lines.numel(), spanning.shape[1], dtype=torch.float32, device=fixed.device)
+
+
+KERNELS = (
+    "gradient kernels (sampled_dots, line_dots): Triton's cannot run on fake tensors, nor can the torch path's "
+    "sparse CSR products on the meta device: their outputs stand in at their shapes (the Triton path's memory); "
+    "grouped products and everything else run usaf's torch code"
+)
+
+
+def _batch(vocab: int, batch: int, seq: int) -> dict:
+    """A batch of synthetic token ids on the host, every position supervised (as a loader gives it)."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, max(4, vocab), (batch, seq), generator=generator)
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(seq).repeat(batch, 1)}
+
+
+def run_config(plan) -> RunConfig:
+    """The run the plan planned: its sections, the autos resolved as the plan resolved them."""
+    s = plan.settings
+    run = RunConfig(**{f.name: getattr(s.run, f.name) for f in dataclasses.fields(s.run)})
+    return run.replace(
+        {
+            "select.density": s.density if s.num_entries is None else run.select.density,
+            "select.workspace_mb": s.workspace_mb,
+            "train.recompute": bool(s.recompute),
+            "model.quant": s.quant,
+            "model.residency": s.residency,
+        }
+    )
+
+
+@contextlib.contextmanager
+def _rank(gpus: int, ep: int, rank: int):
+    """Rank `rank` of a `gpus`-process job on the fake process group, expert parallel over `ep` (none: 1 GPU)."""
+    if gpus <= 1:
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=gpus, store=FakeStore())
+    try:
+        expert_parallel.join(ep)
+        yield
+    finally:
+        expert_parallel.set_layout(None)
+        dist.destroy_process_group()
+
+
+def _patched(tracker: MemoryTracker):
+    """Tags for what the engine makes inside its own functions: each wrapped for the simulation only."""
+    from usaf.engine import loss
+
+    stack = contextlib.ExitStack()
+
+    def wrap(owner, name, tag):
+        original = getattr(owner, name)
+
+        def tagged(*args, **kwargs):
+            with tracker.tagged(tag):
+                return original(*args, **kwargs)
+
+        setattr(owner, name, tagged)
+        stack.callback(setattr, owner, name, original)
+
+    swap = torch.utils.swap_tensors
+
+    def same_or_swap(t1, t2):
+        # `Module.to` swaps each parameter with a new one even when nothing moves, and a fake tensor cannot be
+        # swapped (the fake mode holds a weakref to it): where nothing changes there is nothing to swap
+        unchanged = (t1.device, t1.dtype, t1.shape) == (t2.device, t2.dtype, t2.shape)
+        if unchanged and t1.untyped_storage() is t2.untyped_storage():
+            return None
+        return swap(t1, t2)
+
+    torch.utils.swap_tensors = same_or_swap
+    stack.callback(setattr, torch.utils, "swap_tensors", swap)
+    original = kernels._implementation
+    kernels._implementation = lambda tensor: _OutputsOnly
+    stack.callback(setattr, kernels, "_implementation", original)
+    wrap(QuantizedStore, "materialize", WORKSPACE)
+    wrap(LayerStreamer, "_copy", OFFLOAD)
+    wrap(LayerStreamer, "fetch", OFFLOAD)
+    wrap(loss, "_chunk_loss_with_grads", LOGITS)
+    wrap(expert_parallel.AllToAll, "forward", EXCHANGE)
+    return stack
+
+
+def _persistent(tracker: MemoryTracker, model, optimizer=None) -> None:
+    """The model's own tensors under their lines: stores' parts, dense weights, trained values and their state."""
+    routers = {id(p) for p in router_params(model)}
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    for _, state in sparse_experts(model):
+        for store in state.stores.values():
+            holder = store.parts if isinstance(store, QuantizedStore) else None
+            parts = getattr(holder, "parts", None) or getattr(holder, "host", None) or {}
+            for part, t in parts.items():
+                tracker.retag(t, FROZEN if part in ("data", "blocks") else CONSTANTS)
+    for name, p in model.named_parameters():
+        if id(p) in routers:
+            tracker.retag(p, ROUTERS)
+        elif id(p) in trained:
+            tracker.retag(p, SPARSE)
+        elif "experts" in name and p.dim() == 3:
+            tracker.retag(p, FROZEN)
+        else:
+            tracker.retag(p, DENSE)
+        if p.grad is not None:
+            tracker.retag(p.grad, ROUTERS if id(p) in routers else SPARSE)
+    for name, b in model.named_buffers():
+        tracker.retag(b, SPARSE if ".usaf." in name or "usaf" in name.split(".")[-1] else DENSE)
+    if optimizer is not None:
+        for p, state in optimizer.state.items():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    tracker.retag(value, ROUTERS if id(p) in routers else SPARSE)
+
+
+def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
+    """Run the plan's training step on fake tensors (see the module's docstring)."""
+    s = plan.settings
+    config = run_config(plan)
+    if config.select.granularity != "element":
+        from usaf.errors import ConfigError
+
+        raise ConfigError("--simulate covers select.granularity=element only (neurons are chosen by score).")
+    started = time.perf_counter()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[s.dtype]
+    counts = Counts(method="simulated")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tracker = MemoryTracker(CARD.type)
+    objective = OBJECTIVES[config.train.objective]
+    kernels.use("torch")  # Triton's kernels do not run on fake tensors (see `kernels`)
+    if STRATEGY not in STRATEGIES:
+        STRATEGIES.register(SimulatedSelection())
+    mismatches: list[str] = []
+    notes: list[str] = []
+    with (
+        _rank(s.gpus, s.expert_parallel, rank),
+        mode,
+        tracker,
+        host.reading_with(_Reads(counts)),
+        _patched(tracker),
+    ):
+        model = fake_model.skeleton(config_json, dtype)
+        fake_model.fake_weights(model, CARD)
+        stores = fake_model.install_stores(model, s.quant, s.residency, CARD, s.cache_mb or 0)
+        if config.train.recompute:
+            enable_recomputation(model)
+        vocab = model.get_input_embeddings().weight.shape[0]
+        batch = _batch(vocab, config.data.batch_size, config.data.max_seq_len)
+        select = dataclasses.replace(config.select, strategy=STRATEGY, density=float(config.select.density))
+        SimulatedSelection.chosen = _even_selection(model, select, select.density)
+        SimulatedSelection.batches = [batch]
+        _persistent(tracker, model)
+        # the trained values start from the source checkpoint's weights, read from disk to the card
+        prepare_model(
+            model,
+            select,
+            stores=stores,
+            calibration_batches=[batch],
+            original_values=lambda key, flat: torch.empty(flat.shape, dtype=dtype, device=flat.device),
+        )
+        calibration_peak = tracker.peak[DEVICE]
+        optimizer = build_optimizer(model, config)
+        _persistent(tracker, model, optimizer)
+        layers = len(find_moe_layers(model))
+        # the meta device has no autocast: the forward computes in the model's dtype (the routers' fp32 masters
+        # then compute in fp32, where autocast would cast them down)
+        autocast = contextlib.nullcontext()
+        if runtime.autocast_dtype(config.train.precision, dtype) is not None:
+            notes.append(
+                "autocast is not simulated (the meta device has none): the forward runs in the model dtype"
+            )
+        for index in range(2):  # a warm-up step, then the measured one
+            if index:
+                _persistent(tracker, model, optimizer)
+                tracker.reset_peak()
+                before = dataclasses.replace(counts, sync_sites=Counter(counts.sync_sites))
+            with _SyncMode(counts, profiled=False, device=CARD):
+                device_batch = {k: v.to(CARD) for k, v in batch.items()}
+                with autocast:
+                    loss_sum, _ = objective.loss_sum(model, device_batch, config.train)
+                (loss_sum / device_batch["input_ids"].numel()).backward()
+                _persistent(tracker, model)
+                clip_gradients(model, config.optim.clip_grad_norm)
+                with tracker.tagged(STEP):
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        step = counts - before
+    device_lines = dict(tracker.at_peak[DEVICE])
+    return Simulation(
+        device_peak=tracker.peak[DEVICE],
+        device_lines=device_lines,
+        host_peak=tracker.peak[HOST],
+        host_lines=dict(tracker.at_peak[HOST]),
+        calibration_peak=calibration_peak,
+        step_syncs=step.syncs,
+        layer_steps=layers,
+        sync_sites=step.sync_sites,
+        mismatches=mismatches,
+        kernels=KERNELS,
+        seconds=time.perf_counter() - started,
+        rank=f"rank {rank} of {s.gpus}" if s.gpus > 1 else "one GPU",
+        reselection="not simulated",
+    )
