@@ -27,10 +27,16 @@ import dataclasses
 import math
 import time
 from collections import Counter
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorDeviceMismatchError,
+    FakeTensorMode,
+)
 
 from usaf import kernels
 from usaf.config import RunConfig
@@ -84,8 +90,8 @@ class SimulatedSelection(BaseStrategy):
     experts (the real choice reads calibration scores on the host, which fake tensors do not have)."""
 
     name, needs = STRATEGY, Needs()
-    chosen: dict = {}  # set by `simulate` before it prepares the model
-    batches: list = []
+    chosen: ClassVar[dict] = {}  # set by `simulate` before it prepares the model
+    batches: ClassVar[list] = []
 
     def domains(self, units, budgets, context):
         raise NotImplementedError("the simulated selection loads its choice")
@@ -113,6 +119,7 @@ class Simulation:
     seconds: float
     rank: str
     reselection: str
+    notes: list = dataclasses.field(default_factory=list)
 
     @property
     def syncs_per_layer_step(self) -> float:
@@ -182,6 +189,28 @@ KERNELS = (
     "sparse CSR products on the meta device: their outputs stand in at their shapes (the Triton path's memory); "
     "grouped products and everything else run usaf's torch code"
 )
+
+
+FINDINGS = (FakeTensorDeviceMismatchError, DataDependentOutputException, DynamicOutputShapeException)
+
+
+def _finding(err: Exception) -> str:
+    """What stopped the step, where in usaf: a tensor on the wrong device, a raw read of tensor data, an output
+    whose size depends on the data (each a host sync, or a failure, on a GPU)."""
+    import traceback
+
+    frames = [
+        f
+        for f in traceback.extract_tb(err.__traceback__)
+        if "/usaf/" in f.filename and "/simulate/" not in f.filename and "/testing/" not in f.filename
+    ]
+    where = f"{frames[-1].filename.rsplit('/src/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
+    kind = {
+        FakeTensorDeviceMismatchError: "a tensor on another device than the card's",
+        DataDependentOutputException: "a read of tensor data outside usaf.kernels.host (a hidden host sync)",
+        DynamicOutputShapeException: "an output whose size depends on the data (a hidden host sync)",
+    }[type(err)]
+    return f"{where}: {kind} ({str(err).splitlines()[0][:160]})"
 
 
 def _batch(vocab: int, batch: int, seq: int) -> dict:
@@ -311,59 +340,68 @@ def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
         STRATEGIES.register(SimulatedSelection())
     mismatches: list[str] = []
     notes: list[str] = []
-    with (
-        _rank(s.gpus, s.expert_parallel, rank),
-        mode,
-        tracker,
-        host.reading_with(_Reads(counts)),
-        _patched(tracker),
-    ):
-        model = fake_model.skeleton(config_json, dtype)
-        fake_model.fake_weights(model, CARD)
-        stores = fake_model.install_stores(model, s.quant, s.residency, CARD, s.cache_mb or 0)
-        if config.train.recompute:
-            enable_recomputation(model)
-        vocab = model.get_input_embeddings().weight.shape[0]
-        batch = _batch(vocab, config.data.batch_size, config.data.max_seq_len)
-        select = dataclasses.replace(config.select, strategy=STRATEGY, density=float(config.select.density))
-        SimulatedSelection.chosen = _even_selection(model, select, select.density)
-        SimulatedSelection.batches = [batch]
-        _persistent(tracker, model)
-        # the trained values start from the source checkpoint's weights, read from disk to the card
-        prepare_model(
-            model,
-            select,
-            stores=stores,
-            calibration_batches=[batch],
-            original_values=lambda key, flat: torch.empty(flat.shape, dtype=dtype, device=flat.device),
-        )
-        calibration_peak = tracker.peak[DEVICE]
-        optimizer = build_optimizer(model, config)
-        _persistent(tracker, model, optimizer)
-        layers = len(find_moe_layers(model))
-        # the meta device has no autocast: the forward computes in the model's dtype (the routers' fp32 masters
-        # then compute in fp32, where autocast would cast them down)
-        autocast = contextlib.nullcontext()
-        if runtime.autocast_dtype(config.train.precision, dtype) is not None:
-            notes.append(
-                "autocast is not simulated (the meta device has none): the forward runs in the model dtype"
+    step = Counts()
+    calibration_peak = 0
+    layers = 0
+    try:
+        with (
+            _rank(s.gpus, s.expert_parallel, rank),
+            mode,
+            tracker,
+            host.reading_with(_Reads(counts)),
+            _patched(tracker),
+        ):
+            model = fake_model.skeleton(config_json, dtype)
+            fake_model.fake_weights(model, CARD)
+            stores = fake_model.install_stores(model, s.quant, s.residency, CARD, s.cache_mb or 0)
+            if config.train.recompute:
+                enable_recomputation(model)
+            vocab = model.get_input_embeddings().weight.shape[0]
+            batch = _batch(vocab, config.data.batch_size, config.data.max_seq_len)
+            select = dataclasses.replace(
+                config.select, strategy=STRATEGY, density=float(config.select.density)
             )
-        for index in range(2):  # a warm-up step, then the measured one
-            if index:
-                _persistent(tracker, model, optimizer)
-                tracker.reset_peak()
-                before = dataclasses.replace(counts, sync_sites=Counter(counts.sync_sites))
-            with _SyncMode(counts, profiled=False, device=CARD):
-                device_batch = {k: v.to(CARD) for k, v in batch.items()}
-                with autocast:
-                    loss_sum, _ = objective.loss_sum(model, device_batch, config.train)
-                (loss_sum / device_batch["input_ids"].numel()).backward()
-                _persistent(tracker, model)
-                clip_gradients(model, config.optim.clip_grad_norm)
-                with tracker.tagged(STEP):
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        step = counts - before
+            SimulatedSelection.chosen = _even_selection(model, select, select.density)
+            SimulatedSelection.batches = [batch]
+            _persistent(tracker, model)
+            # the trained values start from the source checkpoint's weights, read from disk to the card
+            prepare_model(
+                model,
+                select,
+                stores=stores,
+                calibration_batches=[batch],
+                original_values=lambda key, flat: torch.empty(flat.shape, dtype=dtype, device=flat.device),
+            )
+            calibration_peak = tracker.peak[DEVICE]
+            optimizer = build_optimizer(model, config)
+            _persistent(tracker, model, optimizer)
+            layers = len(find_moe_layers(model))
+            model.train()  # as the loop does before its steps: recomputation acts in training mode only
+            # the meta device has no autocast: the forward computes in the model's dtype (the routers' fp32 masters
+            # then compute in fp32, where autocast would cast them down)
+            autocast = contextlib.nullcontext()
+            if runtime.autocast_dtype(config.train.precision, dtype) is not None:
+                notes.append(
+                    "autocast is not simulated (the meta device has none): the forward runs in the model dtype"
+                )
+            for index in range(2):  # a warm-up step, then the measured one
+                if index:
+                    _persistent(tracker, model, optimizer)
+                    tracker.reset_peak()
+                    before = dataclasses.replace(counts, sync_sites=Counter(counts.sync_sites))
+                with _SyncMode(counts, profiled=False, device=CARD):
+                    device_batch = {k: v.to(CARD) for k, v in batch.items()}
+                    with autocast:
+                        loss_sum, _ = objective.loss_sum(model, device_batch, config.train)
+                    (loss_sum / device_batch["input_ids"].numel()).backward()
+                    _persistent(tracker, model)
+                    clip_gradients(model, config.optim.clip_grad_norm)
+                    with tracker.tagged(STEP):
+                        optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            step = counts - before
+    except FINDINGS as err:
+        mismatches.append(_finding(err))
     device_lines = dict(tracker.at_peak[DEVICE])
     return Simulation(
         device_peak=tracker.peak[DEVICE],
@@ -379,4 +417,5 @@ def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
         seconds=time.perf_counter() - started,
         rank=f"rank {rank} of {s.gpus}" if s.gpus > 1 else "one GPU",
         reselection="not simulated",
+        notes=notes,
     )
