@@ -40,8 +40,9 @@ from torch._subclasses.fake_tensor import (
 
 from usaf import kernels
 from usaf.config import RunConfig
-from usaf.engine import expert_parallel
+from usaf.engine import expert_parallel, loss
 from usaf.engine.installed import sparse_experts
+from usaf.errors import ConfigError
 from usaf.kernels import host
 from usaf.model.layout import find_moe_layers
 from usaf.prepare import enable_recomputation, prepare_model
@@ -254,8 +255,6 @@ def _rank(gpus: int, ep: int, rank: int):
 
 def _patched(tracker: MemoryTracker):
     """Tags for what the engine makes inside its own functions: each wrapped for the simulation only."""
-    from usaf.engine import loss
-
     stack = contextlib.ExitStack()
 
     def wrap(owner, name, tag):
@@ -326,8 +325,6 @@ def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
     s = plan.settings
     config = run_config(plan)
     if config.select.granularity != "element":
-        from usaf.errors import ConfigError
-
         raise ConfigError("--simulate covers select.granularity=element only (neurons are chosen by score).")
     started = time.perf_counter()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[s.dtype]

@@ -1,0 +1,50 @@
+"""usaf plan --simulate on a tiny model: the step runs on fake tensors with no mismatch and only the intended
+host reads, its peak is set beside the plan, and a planted CPU tensor or raw read is caught."""
+
+import torch
+
+from usaf import planner
+from usaf.simulate import simulate, summary
+from usaf.testing.tiny import tiny_config
+
+
+def _plan():
+    config = tiny_config("qwen3_moe").to_dict()
+    shape = planner.model_shape(config, "tiny")
+    device = next(d for d in planner.DEVICES.values() if d.is_gpu)
+    settings = planner.PlanSettings(seq=32, batch=2, density=0.05, quant="nf4", residency="device")
+    return planner.plan(shape, settings, device), config
+
+
+def test_tiny_step_simulates_with_only_intended_reads():
+    plan, config = _plan()
+    sim = simulate(plan, config)
+    assert sim.mismatches == []
+    # every sync is one of usaf.kernels.host's intended reads: routing counts per MoE layer, the loss, the norm
+    assert all("usaf.kernels.host" in site for site in sim.sync_sites)
+    assert sim.step_syncs == sum(sim.sync_sites.values()) > 0
+    report = summary(plan, sim)
+    assert report["simulated_peak"] > report["live_bytes_at_peak"] > 0
+    assert {row["line"] for row in report["lines"]} >= {"dense weights", "frozen experts", "activations"}
+
+
+def test_planted_cpu_tensor_and_raw_read_are_caught(monkeypatch):
+    from usaf.engine import loss
+
+    plan, config = _plan()
+    original = loss.chunked_causal_lm_loss
+
+    def cpu_tensor(hidden, *args, **kwargs):
+        return original(hidden + torch.zeros(hidden.shape[-1], dtype=hidden.dtype), *args, **kwargs)
+
+    monkeypatch.setattr(loss, "chunked_causal_lm_loss", cpu_tensor)
+    found = simulate(plan, config).mismatches
+    assert len(found) == 1 and "another device" in found[0]
+
+    def raw_read(hidden, *args, **kwargs):
+        out = original(hidden, *args, **kwargs)
+        return out * float(hidden.sum().item())
+
+    monkeypatch.setattr(loss, "chunked_causal_lm_loss", raw_read)
+    found = simulate(plan, config).mismatches
+    assert len(found) == 1 and "read of tensor data" in found[0]
