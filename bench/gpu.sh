@@ -2,8 +2,10 @@
 # The GPU benchmarks (CUDA or ROCm) in one call of under 10 minutes, results under OUT_DIR:
 #   1. bench/compare.py on the device: usaf vs PEFT LoRA, full fine-tuning, inference (demo model + random
 #      Qwen3-MoE-shaped model), compare-<date>.{md,json,png};
-#   2. bench/gpu_offload.py: a Qwen3-30B-A3B-shaped model, random weights made on the device, trained with its
-#      experts in pinned host memory under an emulated 12 GB device, offload-<date>.{md,json};
+#   2. bench/gpu_offload.py --plan: a Qwen3-30B-A3B-shaped model, random weights made on the device, trained at
+#      seq 2048 with the storage, cache and density usaf's autos choose for an emulated 12 GB device (the
+#      configuration `usaf plan --simulate` rehearses; its experts in pinned host memory), the measured device peak
+#      against the planned one, offload-<date>.{md,json};
 #   3. bench/scale.py: the scale configuration (Qwen3-30B-A3B's layer shapes at a few layer counts, seq 512, experts
 #      in host memory, default density) under the same emulated 12 GB budget, host peak against the planner, and a
 #      bf16 correctness check against transformers on the device (logits, value gradients),
@@ -134,14 +136,14 @@ elif [[ $MULTI_GPU -eq 1 ]]; then
 elif [[ $DRY_RUN -eq 1 ]]; then
     timeout "${COMPARE_TIMEOUT:-300}" "$PY" bench/compare.py --smoke --device cpu --out "$OUT" \
         2>&1 | tee -a "$LOG" || status=1
-    timeout "${OFFLOAD_TIMEOUT:-180}" "$PY" bench/gpu_offload.py --dry-run --out "$OUT" \
+    timeout "${OFFLOAD_TIMEOUT:-180}" "$PY" bench/gpu_offload.py --dry-run --plan --out "$OUT" \
         2>&1 | tee -a "$LOG" || status=1
     timeout "${SCALE_TIMEOUT:-180}" "$PY" bench/scale.py --dry-run --correctness --out "$OUT" \
         2>&1 | tee -a "$LOG" || status=1
 else
     timeout "${COMPARE_TIMEOUT:-270}" "$PY" bench/compare.py --device cuda --parallel-start 4 --out "$OUT" \
         2>&1 | tee -a "$LOG" || status=1
-    timeout "${OFFLOAD_TIMEOUT:-150}" "$PY" bench/gpu_offload.py --out "$OUT" \
+    timeout "${OFFLOAD_TIMEOUT:-150}" "$PY" bench/gpu_offload.py --plan --seq 2048 --batch 1 --out "$OUT" \
         2>&1 | tee -a "$LOG" || status=1
     # shellcheck disable=SC2086  # SCALE_LAYERS is a list of counts
     timeout "${SCALE_TIMEOUT:-150}" "$PY" bench/scale.py --device cuda --budget-gb 12 --layers ${SCALE_LAYERS:-2 8} \

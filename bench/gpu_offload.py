@@ -212,11 +212,54 @@ def train(model, streamer, device, batch: int, seq: int, steps: int, warmup: int
     }
 
 
+def planned(args) -> dict:
+    """--plan: what usaf's autos choose for Qwen3-30B-A3B on a card of --budget-gb (this host's RAM), by the
+    functions `usaf train` and `usaf plan` call (`memory_plan.auto_settings`), for what this script trains (experts
+    and routers, no reselection): the experts' storage, residency and cache, the density, and the planned device
+    peak the run is measured against. The script streams from host memory whatever residency the plan takes."""
+    from usaf import planner
+    from usaf.config import RunConfig
+    from usaf.train import memory_plan
+
+    run_config = RunConfig.load(
+        None,
+        [
+            f"data.max_seq_len={args.seq}",
+            f"data.batch_size={args.batch}",
+            "select.targets=[experts,routers]",
+            "select.reselect_every=0",
+        ],
+    )
+    shape = planner.model_shape(load_model_config("qwen3-30b-a3b")[1], "qwen3-30b-a3b")
+    budget = int(args.budget_gb * GB)
+    gpu = memory_plan.unnamed_gpu(f"a {args.budget_gb:g} GB GPU", budget)
+    card = memory_plan.Card(gpu, budget, f"{args.budget_gb:g} GB (--budget-gb)")
+    run_plan = memory_plan.RunPlan(shape, planner.PlanSettings(run_config, dtype="bf16"), card)
+    chosen, lines = memory_plan.auto_settings(run_plan)
+    s = chosen.settings.replace(recompute=True)
+    p = planner.plan(shape, s, gpu, budget)
+    return {
+        "quant": s.quant,
+        "residency": s.residency,
+        "cache_mb": s.cache_mb,
+        "density": s.density,
+        "planned_device_peak": p.device_peak,
+        "planned_host_peak": p.host_peak,
+        "lines": lines,
+    }
+
+
 def run(args) -> dict:
     device = torch.device("cpu" if args.dry_run else "cuda")
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     shape = TINY if args.dry_run else QWEN3_30B_A3B
+    plan = planned(args) if args.plan else None
+    if plan is not None:
+        print("\n".join(plan["lines"]), flush=True)
+        if not args.dry_run:  # tiny shapes keep the given settings: the plan is Qwen3-30B-A3B's
+            args.quant, args.cache_mb, args.density = plan["quant"], plan["cache_mb"], plan["density"]
     result = {
+        "plan": plan,
         "machine": harness.machine(),
         "device": str(device),
         "dry_run": args.dry_run,
@@ -305,6 +348,15 @@ def markdown(r: dict) -> str:
         return "\n".join(lines)
     peak = r["peak_device_bytes"]
     peak_text = format_size(peak) if peak is not None else "n/a (CPU)"
+    if r.get("plan"):
+        planned_peak = r["plan"]["planned_device_peak"]
+        against = f", measured {peak / planned_peak - 1:+.1%} against it" if peak is not None else ""
+        lines += [
+            "The storage, cache and density are usaf's autos for this budget (`--plan`, the functions usaf train "
+            f"calls): {r['plan']['quant']} experts, residency {r['plan']['residency']}, cache {r['plan']['cache_mb']} "
+            f"MB, density {r['plan']['density']:.2%}; planned device peak {format_size(planned_peak)}{against}.",
+            "",
+        ]
     rate = f"{r['transfer_gb_per_s']:.1f} GB/s" if r["transfer_gb_per_s"] else "–"
     lines += [
         *harness.table(
@@ -356,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="take the storage, cache and density from usaf's autos for this budget (as usaf train resolves them) "
+        "and report the planned device peak beside the measured one",
+    )
     args = parser.parse_args(argv)
     args.batch = args.batch or (2 if args.dry_run else 4)
     args.seq = args.seq or (32 if args.dry_run else 1024)

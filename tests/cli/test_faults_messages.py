@@ -133,7 +133,7 @@ ROWS = [
         [f"data.max_seq_len must be at most {TOKENS_MOST}, got 100000000000"], absent=["{tmp}/run"]),
     Row("train-columns-not-a-mapping", [*T(*NEW), "--set=data.columns=5"], 2,
         ["data.columns must be a mapping"], absent=["{tmp}/run"]),
-    Row("train-host-residency-unquantized", [*T(*NEW), "--set=model.residency=host"], 2,
+    Row("train-host-residency-unquantized", [*T(*NEW), "--set=model.residency=host", "--set=model.quant=none"], 2,
         ["model.residency=host keeps a quantized base's experts in host memory", "set model.quant=nf4"]),
     # ---- ~ and $VAR in paths: expanded as a shell would, in arguments and in path options alike
     Row("train-home-in-out-and-model", T("--model=~/base", "--data=$HOME/train.jsonl", "--out=$USAF_TEST_TMP/run"),

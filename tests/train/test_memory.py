@@ -180,21 +180,26 @@ def test_auto_density_takes_the_largest_density_the_plan_fits(workspace):
     """select.density=auto (the default) resolves against the same budget as recompute: the most auto takes
     (AUTO_DENSITIES[0]) where it fits, the least with a warning where nothing does; a number is kept as given."""
     from usaf.config import AUTO_DENSITIES
-    from usaf.train.memory_plan import choose_density
+    from usaf.train.memory_plan import resolve_auto
 
     cpu, fp32 = torch.device("cpu"), torch.float32
     assert RunConfig().select.density == "auto"
-    roomy, line = choose_density(_config(workspace, "select.density=auto"), cpu, fp32)
+
+    def density_line(lines):
+        return next((line for line in lines if line.startswith("select.density=")), None)
+
+    roomy, lines = resolve_auto(_config(workspace, "select.density=auto"), cpu, fp32)
+    line = density_line(lines)
     assert roomy.select.density == AUTO_DENSITIES[0] and "the most auto takes" in line
     assert line.startswith("select.density=auto: 2.00%") and "the machine's RAM" in line
-    tight, line = choose_density(
+    tight, lines = resolve_auto(
         _config(workspace, "select.density=auto", "train.memory_limit=1MB"), cpu, fp32
     )
-    assert tight.select.density == AUTO_DENSITIES[-1] and "even 0.10% does not fit" in line
-    given, line = choose_density(
+    assert tight.select.density == AUTO_DENSITIES[-1] and "even 0.10% does not fit" in density_line(lines)
+    given, lines = resolve_auto(
         _config(workspace, "select.density=0.05", "train.memory_limit=1MB"), cpu, fp32
     )
-    assert given.select.density == 0.05 and line is None
+    assert given.select.density == 0.05 and density_line(lines) is None
 
 
 def test_auto_density_steps_down_to_what_a_small_card_fits():
@@ -265,7 +270,7 @@ def test_a_default_run_says_its_choice_and_trains_as_the_explicit_setting(worksp
     from usaf.train.loop import train
 
     train(_config(workspace, "schedule.max_steps=4", "select.density=auto"), tmp_path / "auto")
-    first_lines = capsys.readouterr().out.splitlines()[:3]
+    first_lines = capsys.readouterr().out.splitlines()[:6]  # the autos' lines (storage, density, recompute)
     chosen = [line for line in first_lines if line.startswith("recompute:")]
     assert len(chosen) == 1 and chosen[0].startswith(
         "recompute: off (train.recompute=auto: the planned peak"
@@ -277,11 +282,15 @@ def test_a_default_run_says_its_choice_and_trains_as_the_explicit_setting(worksp
         _config(workspace, "schedule.max_steps=4", "select.density=0.02", "train.recompute=false"),
         tmp_path / "off",
     )
-    assert "recompute: off (train.recompute=false)" in capsys.readouterr().out.splitlines()[:3]
+    assert "recompute: off (train.recompute=false)" in capsys.readouterr().out.splitlines()[:6]
     assert _losses(tmp_path / "auto") == _losses(tmp_path / "off")
-    train(_config(workspace, "schedule.max_steps=4", "train.memory_limit=1MB"), tmp_path / "tight")
+    # the storage as the roomy runs had it (with nothing fitting 1 MB, its auto would take the most compact)
+    unquantized = ("model.quant=none", "model.residency=device")
+    train(
+        _config(workspace, "schedule.max_steps=4", "train.memory_limit=1MB", *unquantized), tmp_path / "tight"
+    )
     assert any(
-        line.startswith("recompute: on, every layer") for line in capsys.readouterr().out.splitlines()[:3]
+        line.startswith("recompute: on, every layer") for line in capsys.readouterr().out.splitlines()[:6]
     )
     train(_config(workspace, "schedule.max_steps=4", "train.recompute=true"), tmp_path / "on")
     assert _losses(tmp_path / "tight") == _losses(tmp_path / "on")

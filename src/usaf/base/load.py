@@ -67,7 +67,9 @@ def load_for_training(
                 stacklevel=2,
             )
     elif path.is_dir():
-        quant = published.quant_for(path, model.quant)
+        quant = published.quant_for(
+            path, model.fixed_quant
+        )  # an auto no plan resolved: as transformers loads
         store, source = _prepared_once(path, quant), path
     else:
         raise ModelError(
@@ -80,8 +82,8 @@ def load_for_training(
         select,
         device=device,
         dtype=dtype,
-        residency=model.residency,
-        cache_mb=model.cache_mb,
+        residency=model.fixed_residency,
+        cache_mb=model.fixed_cache_mb,
         calibration_batches=calibration_batches,
         recompute=recompute,
     )

@@ -125,8 +125,8 @@ def _storage_options(p, planner) -> None:
     p.add_argument(
         "--quant",
         default=None,
-        choices=list(planner.quant_formats()),
-        help="frozen experts' format (model.quant)",
+        choices=["auto", *planner.quant_formats()],
+        help="frozen experts' format (model.quant; auto: the least lossy that fits)",
     )
     p.add_argument(
         "--quant-dense",
@@ -305,13 +305,12 @@ def run(args: argparse.Namespace) -> int:
     if method is not None:  # its experts are planned as published, as usaf train keeps them
         settings = settings.replace(quant=method)
     shape = planner.model_shape(config, name)
-    residency = args.residency or run_config.model.residency
-    settings, block = _resolved(shape, settings, card, residency)
+    settings, block = _resolved(shape, settings, card)
     print("\n".join([*lines, *block, ""]))
-    verdict = planner.decide(shape, settings, card.device, *card.memory, residency=residency)
+    verdict = planner.decide(shape, settings, card.device, *card.memory, residency=settings.residency)
     print(planner.format_verdict(model, verdict))
     if method is not None:
-        print(planner.published_line(shape, settings, card.device, card.ram, residency))
+        print(planner.published_line(shape, settings, card.device, card.ram, "auto"))
     if args.simulate:
         return _simulate(args, verdict, config)
     return 0 if verdict.status != "does not fit" else 1
@@ -343,14 +342,14 @@ def _fitted(run_config: RunConfig, model: str) -> tuple[RunConfig, list[str]]:
     return run_config.replace({"data.max_seq_len": data.max_seq_len}), [line] if line else []
 
 
-def _resolved(shape, settings, card, residency: str) -> tuple:
-    """The settings with their autos resolved as usaf train resolves them, by the same functions (density and
-    workspace, then recomputation, then the forward's precision), and the lines train prints for them: what each
-    auto chose, and the effective settings block."""
+def _resolved(shape, settings, card) -> tuple:
+    """The settings with their autos resolved as usaf train resolves them, by the same functions (the experts'
+    storage and residency, density, workspace and cache, then recomputation, then the forward's precision), and the
+    lines train prints for them: what each auto chose, and the effective settings block."""
     from usaf import planner
     from usaf.train import memory_plan, recompute
 
-    planned, lines = memory_plan.auto_settings(memory_plan.RunPlan(shape, settings, card), residency)
+    planned, lines = memory_plan.auto_settings(memory_plan.RunPlan(shape, settings, card))
     setting = planned.settings.run.train.recompute
     chosen = recompute.planned_recompute(planned) if setting == "auto" else recompute.given_recompute(setting)
     settings = planned.settings.replace(recompute=chosen.recompute)
@@ -389,7 +388,7 @@ def _given_flags_over(from_run, args):
     }
     if isinstance(given.get("targets"), str):
         given["targets"] = tuple(t.strip() for t in given["targets"].split(",") if t.strip())
-    if args.residency not in (None, "auto"):  # auto is the search's: the verdict tries each residency
+    if args.residency is not None:  # auto: the plan's choice, as usaf train's (usaf.planner.storage)
         given["residency"] = args.residency
     if args.no_recompute:
         given["recompute"] = False

@@ -24,6 +24,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-data", help="held-out files, comma separated (data.eval)")
     parser.add_argument("--out", help="run directory (checkpoints, metrics, summary)")
     parser.add_argument(
+        "--card",
+        help="plan the run for this card (train.card, e.g. rtx-3060-12gb): its memory is the budget every auto "
+        "fits, as `usaf plan --device` plans it",
+    )
+    parser.add_argument(
         "--force", action="store_true", help="start the run in an existing folder that is not a usaf run"
     )
     add_set_option(parser)
@@ -58,6 +63,8 @@ def effective_config(args) -> RunConfig:
         overrides.append(("data.train", args.data))
     if getattr(args, "eval_data", None):
         overrides.append(("data.eval", args.eval_data))
+    if getattr(args, "card", None):
+        overrides.append(("train.card", args.card))
     if getattr(args, "skip_bad_records", False):
         overrides.append("data.skip_bad_records=true")
     return load(config_path, overrides)

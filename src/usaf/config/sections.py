@@ -50,15 +50,47 @@ class ModelSection(Section):
         "", "model directory, prepared store, or hub id (the hub needs the network)", path=True
     )
     dtype: str = option("auto", "weights and compute dtype", ("auto", "float32", "bfloat16", "float16"))
-    # a live view of the registry: a format registered later (usaf.quant.register_format) is a choice too
-    quant: str = option("none", "frozen expert storage", FORMATS.choices())
-    residency: str = option("device", "where frozen experts live", RESIDENCIES)
-    cache_mb: int = option(
-        0,
-        "with residency host/mmap: device memory (MB) keeping the most-routed experts resident",
+    # a live view of the registry: a format registered later (usaf.quant.register_format) is a choice too. The
+    # three autos are resolved by the memory plan against the card, in this order (usaf.planner.storage): the least
+    # lossy storage that fits, then where it lives, then (after the density) the expert cache
+    quant: str = option(
+        "auto",
+        "frozen expert storage; auto: the least lossy that fits the card (none, int8, nf4, ...; a published "
+        "MXFP4/FP8 checkpoint keeps its own)",
+        FORMATS.choices("auto"),
+    )
+    residency: str = option(
+        "auto",
+        "where frozen experts live; auto: the device if they fit, else pinned host memory, else memory-mapped",
+        ("auto", *RESIDENCIES),
+    )
+    cache_mb: int | Auto = option(
+        AUTO,
+        "with residency host/mmap: device memory (MB) keeping the most-routed experts resident; auto: what the "
+        "plan leaves free on the card",
+        bounds="[0, inf)",
         most=1 << 30,
     )
     device: str = option("auto", "compute device: auto, cpu, cuda, cuda:1, mps, xpu ...")
+
+    @property
+    def storage_is_auto(self) -> bool:
+        """Whether a memory plan still has to choose the experts' storage, residency or cache."""
+        return "auto" in (self.quant, self.residency) or self.cache_mb is AUTO
+
+    # what the autos read as where no memory plan resolved them (a library caller's section): the model as
+    # transformers loads it, on the device
+    @property
+    def fixed_quant(self) -> str:
+        return "none" if self.quant == "auto" else self.quant
+
+    @property
+    def fixed_residency(self) -> str:
+        return "device" if self.residency == "auto" else self.residency
+
+    @property
+    def fixed_cache_mb(self) -> int:
+        return 0 if self.cache_mb is AUTO else self.cache_mb
 
 
 @dataclass(frozen=True)
@@ -337,7 +369,8 @@ class TrainSection(Section):
     )
     card: str = option(
         "",
-        "the card the run is planned for (recompute, density and workspace auto; usaf plan reads it too): its memory "
+        "the card the run is planned for (the autos: storage, residency, cache, density, workspace, recompute; usaf "
+        "plan reads it too): its memory "
         "(train.memory_limit overrides it) and its speed figures; empty: the device the run computes on",
         ("", *CARDS),
     )

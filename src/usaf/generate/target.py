@@ -26,6 +26,7 @@ from usaf.io.source import check_model_files
 from usaf.model.hf import load_causal_lm
 from usaf.train import checkpoint, runtime
 from usaf.train.checkpoint import restore_trainable
+from usaf.train.memory_plan import resolve_storage
 from usaf.train.session import config_for_model, config_of_run, load_model, load_tokenizer, with_model_source
 
 
@@ -117,6 +118,7 @@ def open_target(
                 f"--delta {delta}: {target} is a store whose source checkpoint ({checked}) is gone, so the delta's "
                 "base cannot be checked; restore that folder, or pass --unchecked-base to use the delta unchecked."
             )
+    config = resolve_storage(config, device, dtype)  # model.quant=auto: what the card fits
     quant = config.model.quant if source.quant == "none" else source.quant
     if quant != "none":
         # a quantized base (a store, a published checkpoint, model.quant) trains, and so generates, through usaf's

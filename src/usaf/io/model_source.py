@@ -45,9 +45,9 @@ class ModelSource:
         """The quant format a load uses when `model.quant=requested`: a store's own (the option need not repeat
         it), a published checkpoint's method (usaf train says so), else `requested` (a folder is prepared at it).
         A store given with another format is refused: a demanding user who names nf4 and points at an int8 store
-        wants to be told, not to train on a format they did not ask for (the default "none" asks for nothing)."""
+        wants to be told, not to train on a format they did not ask for ("none" and the default "auto" ask for nothing)."""
         if self.kind == STORE:
-            if self.quant in METHODS or requested in ("none", self.quant, self.requested_quant):
+            if self.quant in METHODS or requested in ("none", "auto", self.quant, self.requested_quant):
                 return self.quant
             raise ConfigError(
                 f"{self.given} is a store prepared as {self.quant} (its {STORE_FILE}), but model.quant={requested}: drop "

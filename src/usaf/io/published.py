@@ -81,7 +81,7 @@ def quant_for(path: str | Path, requested: str) -> str:
     method = checkpoint_method(path)
     if method is None:
         return requested
-    asked = f"model.quant={requested}: " if requested not in ("none", method) else ""
+    asked = f"model.quant={requested}: " if requested not in ("none", "auto", method) else ""
     print(
         f"{asked}{path} is a published {method.upper()} checkpoint: its experts stay {method} as published "
         "(dequantized per forward, never re-quantized).",

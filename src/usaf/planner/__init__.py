@@ -1,7 +1,8 @@
 """The memory planner: a run's ledger, verdict and step-time estimate from a model's config alone.
 
 sizes -> settings (devices, formats, PlanSettings) -> shape (a model's parameters by role) -> ledger (`plan`: where
-every byte goes, in which phase) -> search (the verdict, and settings that fit) -> format (the text)."""
+every byte goes, in which phase) -> storage (the experts' format and residency autos) -> search (the verdict, and
+settings that fit) -> format (the text)."""
 
 from usaf.config import RESIDENCIES
 from usaf.planner.format import command_line, effective_settings, format_plan, format_verdict
@@ -29,6 +30,7 @@ from usaf.planner.settings import (
 )
 from usaf.planner.shape import ModelShape, list_presets, load_model_config, model_shape
 from usaf.planner.sizes import GiB, MiB, format_count, format_size, parse_size
+from usaf.planner.storage import auto_cache, auto_storage, smallest_machine
 
 __all__ = [
     "DEVICES",
@@ -45,7 +47,9 @@ __all__ = [
     "PlannedRun",
     "StepTime",
     "Verdict",
+    "auto_cache",
     "auto_density",
+    "auto_storage",
     "auto_workspace",
     "command_line",
     "decide",
@@ -65,6 +69,7 @@ __all__ = [
     "quant_formats",
     "run_optimizer",
     "settings_for_run",
+    "smallest_machine",
     "trained_entries",
     "trained_router_params",
 ]

@@ -13,6 +13,7 @@ from usaf.planner.ledger import Plan, plan, stored_bytes
 from usaf.planner.settings import DEVICES, DTYPE_BYTES, Device, PlanSettings, default_dtype
 from usaf.planner.shape import ModelShape
 from usaf.planner.sizes import MiB, format_size
+from usaf.planner.storage import residencies as storable
 from usaf.quant import by_precision
 
 
@@ -149,6 +150,8 @@ def search(machine: _Machine, settings: PlanSettings, residencies=RESIDENCIES) -
     best, best_key = None, None
     for r_cost, residency in enumerate(residencies):
         for q_cost, quant in enumerate(quants):
+            if residency not in storable(quant, machine.device):  # what usaf train would refuse
+                continue
             for b_cost, batch in enumerate(_halvings(settings.batch, 1)):
                 for s_cost, seq in enumerate(_halvings(settings.seq, 128)):
                     for d_cost, budget in enumerate(_budgets(settings)):

@@ -152,8 +152,10 @@ class PlanSettings:
             options["expert_parallel"] = gpus if options["expert_parallel"] else 1
         if "quant" in options:
             quant = options.pop("quant")
-            if quant not in quant_formats():
-                raise ConfigError(f"--quant must be one of {', '.join(quant_formats())}, got {quant!r}.")
+            if quant not in (*quant_formats(), "auto"):
+                raise ConfigError(
+                    f"--quant must be one of {', '.join(quant_formats())} or auto, got {quant!r}."
+                )
             published = quant if quant in PUBLISHED else None
             options["model_quant"] = run.model.quant if published else quant
         own = {"dtype": dtype, "published": published, "quant_dense": quant_dense, "gpus": gpus}
@@ -203,8 +205,18 @@ class PlanSettings:
         it is not, reads as what prepare_model takes (UsafConfig.fixed_workspace_mb)."""
         return self.run.select.fixed_workspace_mb
 
-    residency = _run_option("residency")
-    cache_mb = _run_option("cache_mb")
+    @property
+    def residency(self) -> str:
+        """The run's model.residency; auto is resolved before planning (`planner.auto_storage`), and where it is
+        not, reads as the device (ModelSection.fixed_residency)."""
+        return self.run.model.fixed_residency
+
+    @property
+    def cache_mb(self) -> int:
+        """The run's model.cache_mb; auto is resolved after the density (`planner.auto_cache`), and reads as 0
+        before."""
+        return self.run.model.fixed_cache_mb
+
     logits_chunk = _run_option("logits_chunk")
     expert_parallel = _run_option("expert_parallel")
     shard_dense = _run_option(
@@ -249,7 +261,9 @@ class PlanSettings:
 
     @property
     def quant(self) -> str:
-        return self.published or self.run.model.quant
+        """A published checkpoint's format, else the run's model.quant (auto, before `planner.auto_storage`
+        resolves it, reads as unquantized: ModelSection.fixed_quant)."""
+        return self.published or self.run.model.fixed_quant
 
     @property
     def optimizer(self) -> str:

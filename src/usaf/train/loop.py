@@ -16,6 +16,7 @@ import contextlib
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -123,16 +124,29 @@ class _Progress:
     stepped = False
 
 
-def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress | None = None) -> dict:
+def resolved_run(config: RunConfig, resume: bool = False) -> tuple[RunConfig, list[str]]:
+    """The run's settings as its config.yaml records them, and the lines saying what its autos chose: the data's
+    windows fit to the model's context, then (a new run; a resume takes the recorded ones) the memory plan's autos
+    on this rank's device (`resolve_auto`: what `usaf plan` prints for the same run) and the objective's rate."""
     # the data's windows fit the model's context before the memory plan sizes them and config.yaml records them
     data, context_line = fit_context(config.data, config.model.path)
     config = config.replace({"data.max_seq_len": data.max_seq_len})
-    auto_lines = [context_line] if context_line else []
-    if not resume:  # auto becomes a number before config.yaml records it (a resume takes the recorded one)
+    lines = [context_line] if context_line else []
+    if not resume:  # auto becomes a number before config.yaml records it
         device = distributed.local_device(runtime.resolve_device(config.model.device))
-        config, lines = resolve_auto(config, device, runtime.resolve_dtype(config.model.dtype, device))
+        config, chosen = resolve_auto(config, device, runtime.resolve_dtype(config.model.dtype, device))
         config = with_peak_lr(config)
-        auto_lines += lines
+        lines += chosen
+    return config, lines
+
+
+def _train(config: RunConfig, run_dir: Path, resume: bool, progress: _Progress | None = None) -> dict:
+    config, auto_lines = resolved_run(config, resume)
+    if (config.model.quant, config.model.residency) != ("none", "device"):
+        # said before loading too: quantizing a base into its store can take minutes, and this is why it runs
+        print(
+            "\n".join(line for line in auto_lines if line.startswith("model.")), file=sys.stderr, flush=True
+        )
     config, changes = open_run_dir(config, run_dir, resume)
     if resume:
         if (finished := finished_run(run_dir, config)) is not None:

@@ -1,4 +1,5 @@
-"""The run's memory plan, which `train.recompute=auto`, `select.density=auto` and `select.workspace_mb=auto` read.
+"""The run's memory plan, which the autos read: `train.recompute`, `model.quant`, `model.residency`, `model.cache_mb`,
+`select.density` and `select.workspace_mb`.
 
 The budget is `train.memory_limit` when given, else the GPU's memory, or on the CPU the machine's RAM. The run is
 what `usaf plan --config` plans: the same model shape, settings and ledger (`usaf.planner`).
@@ -7,6 +8,7 @@ what `usaf plan --config` plans: the same model shape, settings and ledger (`usa
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from pathlib import Path
 
@@ -116,79 +118,102 @@ def planner_dtype(dtype: torch.dtype) -> str:
     return _DTYPES.get(dtype, "fp32")
 
 
-def choose_density(
-    config: RunConfig, device: torch.device, dtype: torch.dtype
-) -> tuple[RunConfig, str | None]:
-    """`config` with select.density=auto resolved (the largest of AUTO_DENSITIES the plan fits, recomputing
-    where train.recompute allows it), and the line that says what was chosen and why; as given otherwise."""
-    if config.select.num_entries is not None:  # a number of entries: no density
-        return config, None
-    return _resolved(config, device, dtype, "density", planner.auto_density, DEFAULT_DENSITY, SHOW_DENSITY)
+# each auto the plan resolves: (section.key, how its value reads, what it reads as where no plan resolves it)
+AUTOS = (
+    ("model.quant", str, "none"),
+    ("model.residency", str, "device"),
+    ("select.density", SHOW_DENSITY, DEFAULT_DENSITY),
+    ("select.workspace_mb", SHOW_WORKSPACE, DEFAULT_WORKSPACE_MB),
+    ("model.cache_mb", SHOW_WORKSPACE, 0),
+)
 
 
-def choose_workspace(
-    config: RunConfig, device: torch.device, dtype: torch.dtype
-) -> tuple[RunConfig, str | None]:
-    """`config` with select.workspace_mb=auto resolved (`planner.auto_workspace`, at the run's density: resolve
-    that first), and the line that says what was chosen and why; as given otherwise."""
-    return _resolved(
-        config,
-        device,
-        dtype,
-        "workspace_mb",
-        planner.auto_workspace,
-        DEFAULT_WORKSPACE_MB,
-        SHOW_WORKSPACE,
-    )
+def _value(config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
 
 
-def _resolved(
-    config: RunConfig, device, dtype, key: str, choose, fallback, shown
-) -> tuple[RunConfig, str | None]:
-    """`config` with select.<key>=auto resolved by the planner's `choose` (else `fallback`, with the reason the
-    plan failed), and the line that says so; as given where it is not auto."""
-    if getattr(config.select, key) is not AUTO:
-        return config, None
-    try:
-        run = run_plan(config, device, dtype)
-        chosen, line = auto_choice(run, key, choose, shown, config.model.residency)
-        value = getattr(chosen, key)
-    except UsafError as err:
-        value, line = fallback, f"select.{key}=auto: {shown(fallback)}, {err}"
-    return config.replace({f"select.{key}": value}), line
+def _is_auto(config, key: str) -> bool:
+    if key == "select.density" and config.select.num_entries is not None:  # a number of entries: no density
+        return False
+    return _value(config, key) == "auto"
 
 
 def auto_choice(
     run: RunPlan, key: str, choose, shown, residency: str
 ) -> tuple[planner.PlanSettings, str | None]:
     """The run's settings with select.<key>=auto chosen by the planner's `choose` against the run's card, and the
-    line that says what and why (None: nothing worth a line); `usaf plan` resolves its autos by this too."""
+    line that says what and why (None: nothing worth a line)."""
     chosen, why = choose(run.shape, run.settings, run.device, *run.memory, residency=residency)
     line = why and f"select.{key}=auto: {shown(getattr(chosen, key))}, {why}; budget: {run.where}"
     return chosen, line
 
 
-def auto_settings(run: RunPlan, residency: str) -> tuple[RunPlan, list[str]]:
-    """`run` with its settings' autos resolved as `resolve_auto` resolves a run's (the density unless a number of
-    entries is given, then the workspace at it), and their lines: what `usaf plan` plans."""
-    lines = []
-    select = run.settings.run.select
+def auto_settings(run: RunPlan) -> tuple[RunPlan, list[str]]:
+    """`run` with its settings' autos resolved in their order, and their lines: the experts' storage and
+    residency (`planner.auto_storage`), the density unless a number of entries is given, the workspace at it, then
+    the expert cache (`planner.auto_cache`). What `usaf plan` plans and `resolve_auto` gives `usaf train`."""
+    model, select = run.settings.run.model, run.settings.run.select
+    settings, lines = planner.auto_storage(
+        run.shape,
+        run.settings,
+        run.device,
+        *run.memory,
+        quant=model.quant == "auto",
+        residency=model.residency == "auto",
+    )
+    lines = [f"{line}; budget: {run.where}" for line in lines]
+    run = dataclasses.replace(run, settings=settings)
     for key, choose, shown, wanted in (
         ("density", planner.auto_density, SHOW_DENSITY, select.num_entries is None),
         ("workspace_mb", planner.auto_workspace, SHOW_WORKSPACE, True),
     ):
-        if wanted and getattr(run.settings.run.select, key) is AUTO:
-            settings, line = auto_choice(run, key, choose, shown, residency)
+        if wanted and getattr(select, key) is AUTO:
+            settings, line = auto_choice(run, key, choose, shown, run.settings.residency)
             run = dataclasses.replace(run, settings=settings)
             lines += [line] if line else []
+    if model.cache_mb is AUTO:
+        settings, line = planner.auto_cache(run.shape, run.settings, run.device, *run.memory)
+        run = dataclasses.replace(run, settings=settings)
+        lines += [f"{line}; budget: {run.where}"] if line else []
     return run, lines
 
 
 def resolve_auto(config: RunConfig, device: torch.device, dtype: torch.dtype) -> tuple[RunConfig, list[str]]:
-    """`config` with the memory plan's autos resolved (the density, then the workspace at it), and their lines."""
-    config, density = choose_density(config, device, dtype)
-    config, workspace = choose_workspace(config, device, dtype)
-    return config, [line for line in (density, workspace) if line]
+    """`config` with the memory plan's autos resolved (`auto_settings`: the storage and residency, the density,
+    the workspace at it, the expert cache) and their lines; where the planner cannot read the model, each auto
+    takes what it reads as unplanned, and its line says why."""
+    autos = [(key, shown, fallback) for key, shown, fallback in AUTOS if _is_auto(config, key)]
+    if not autos:
+        return config, []
+    try:
+        run, lines = auto_settings(run_plan(config, device, dtype))
+    except UsafError as err:
+        changes = {key: fallback for key, _, fallback in autos}
+        return config.replace(changes), [f"{key}=auto: {shown(value)}, {err}" for key, shown, value in autos]
+    s = run.settings
+    chosen = {
+        "model.quant": "none" if s.published else s.quant,  # "none": a published format asks for nothing
+        "model.residency": s.residency,
+        "select.density": s.density,
+        "select.workspace_mb": s.workspace_mb,
+        "model.cache_mb": s.cache_mb,
+    }
+    return config.replace({key: chosen[key] for key, _, _ in autos}), lines
+
+
+def resolve_storage(config: RunConfig, device: torch.device, dtype: torch.dtype) -> RunConfig:
+    """`config` with the experts' storage autos resolved for a command that runs the model outside a run (eval,
+    generate, chat), by the training plan (which needs more than inference: what it fits, inference fits); a
+    choice other than the model as transformers loads it is said on stderr."""
+    if not config.model.storage_is_auto:
+        return config
+    resolved, lines = resolve_auto(config, device, dtype)
+    model = resolved.model
+    keep = {"select.density": config.select.density, "select.workspace_mb": config.select.workspace_mb}
+    if (model.quant, model.residency) != ("none", "device"):
+        print("\n".join(line for line in lines if line.startswith("model.")), file=sys.stderr)
+    return resolved.replace(keep)
 
 
 def run_card(config: RunConfig, device: torch.device) -> Card:

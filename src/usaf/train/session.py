@@ -35,6 +35,7 @@ from usaf.prepare import current_selection, enable_recomputation, prepare_model
 from usaf.selection.across_ranks import main_first
 from usaf.selection.choose import resolved_selection
 from usaf.train import distributed, runtime
+from usaf.train.memory_plan import resolve_storage
 from usaf.train.prompts import load_prompts
 from usaf.train.recompute import choose_recompute
 from usaf.train.tokenizer import has_tokenizer_files, model_vocabulary
@@ -147,6 +148,7 @@ def load_model(
     `selection_file` instead of choosing one, when given). `recompute`: per-layer recomputation, switched on
     before calibration so that calibration recomputes as training does (None: `train.recompute`, auto resolved by
     the planner)."""
+    config = resolve_storage(config, device, dtype)  # model.quant/residency/cache_mb=auto (no-op in a run)
     path = config.model.path
     if recompute is None:
         recompute = choose_recompute(config, device, dtype).recompute
@@ -356,6 +358,7 @@ def open_session(
         runtime.resolve_device(config.model.device)
     )  # cuda:LOCAL_RANK under torchrun
     dtype = runtime.resolve_dtype(config.model.dtype, device)
+    config = resolve_storage(config, device, dtype)  # eval's autos (a run's were resolved when it started)
     tokenizer = load_tokenizer(config.model.path)
     # rank 0 tokenizes first under torchrun: ranks building one datasets cache entry at once collide
     train_data, eval_data, stats = main_first(lambda: load_data(config, tokenizer, config.data.pack))
