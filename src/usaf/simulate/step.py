@@ -185,10 +185,34 @@ class _OutputsOnly:
         return torch.zeros(lines.numel(), spanning.shape[1], dtype=torch.float32, device=fixed.device)
 
 
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """`scaled_dot_product_attention` as a GPU runs it: one fused kernel (flash; memory-efficient with a mask or
+    unequal head sizes) that keeps only its output and log-sum-exp, where the meta device, having no fused kernel,
+    would take the math path and materialise the [batch, heads, seq, seq] scores and their softmax."""
+    aten = torch.ops.aten
+    if attn_mask is None and query.shape[-1] == key.shape[-1] == value.shape[-1]:
+        # flash attends grouped key/value heads as they are (enable_gqa)
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+    if enable_gqa and key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attn_mask, float("-inf")
+            )
+        attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    return aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+    )[0]
+
+
 KERNELS = (
     "gradient kernels (sampled_dots, line_dots): Triton's cannot run on fake tensors, nor can the torch path's "
     "sparse CSR products on the meta device: their outputs stand in at their shapes (the Triton path's memory); "
-    "grouped products and everything else run usaf's torch code"
+    "attention through scaled_dot_product_attention runs the GPU's fused op (flash, or memory-efficient with a "
+    "mask), not the math path the meta device would take; grouped products and everything else run usaf's torch "
+    "code"
 )
 
 
@@ -253,9 +277,28 @@ def _rank(gpus: int, ep: int, rank: int):
         dist.destroy_process_group()
 
 
-def _patched(tracker: MemoryTracker):
-    """Tags for what the engine makes inside its own functions: each wrapped for the simulation only."""
+PACKED_CHECK = "transformers masking_utils.find_packed_sequence_indices (is the batch packed? .all())"
+
+
+def _patched(tracker: MemoryTracker, counts: Counts):
+    """Tags for what the engine makes inside its own functions: each wrapped for the simulation only; attention as
+    the GPU's fused kernel runs it (`_fused_attention`); transformers' packed-sequence check answered."""
     stack = contextlib.ExitStack()
+    from transformers import masking_utils
+
+    packed_check = masking_utils.find_packed_sequence_indices
+
+    def unpacked(position_ids):
+        # on a GPU transformers reads whether the position ids restart (a host sync, once a forward) and, when
+        # they do not, attends with no mask (is_causal: the flash kernel); on fake tensors it cannot read them
+        # and would build a [batch, 1, seq, seq] mask instead. The simulated batch is not packed: the answer is None
+        if position_ids.device.type != "cpu":
+            counts.syncs += 1
+            counts.sync_sites[PACKED_CHECK] += 1
+        return None
+
+    masking_utils.find_packed_sequence_indices = unpacked
+    stack.callback(setattr, masking_utils, "find_packed_sequence_indices", packed_check)
 
     def wrap(owner, name, tag):
         original = getattr(owner, name)
@@ -282,6 +325,9 @@ def _patched(tracker: MemoryTracker):
     original = kernels._implementation
     kernels._implementation = lambda tensor: _OutputsOnly
     stack.callback(setattr, kernels, "_implementation", original)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _fused_attention
+    stack.callback(setattr, torch.nn.functional, "scaled_dot_product_attention", sdpa)
     wrap(QuantizedStore, "materialize", WORKSPACE)
     wrap(LayerStreamer, "_copy", OFFLOAD)
     wrap(LayerStreamer, "fetch", OFFLOAD)
@@ -346,7 +392,7 @@ def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
             mode,
             tracker,
             host.reading_with(_Reads(counts)),
-            _patched(tracker),
+            _patched(tracker, counts),
         ):
             model = fake_model.skeleton(config_json, dtype)
             fake_model.fake_weights(model, CARD)
