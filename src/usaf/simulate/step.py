@@ -27,7 +27,7 @@ import dataclasses
 import math
 import time
 from collections import Counter
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,9 +45,11 @@ from usaf.engine.installed import sparse_experts
 from usaf.errors import ConfigError
 from usaf.kernels import host
 from usaf.model.layout import find_moe_layers
+from usaf.model.targets import find_target_weights
 from usaf.prepare import enable_recomputation, prepare_model
 from usaf.registry import STRATEGIES
 from usaf.selection import calibrate
+from usaf.selection.budget import weight_budgets
 from usaf.selection.saved import Chosen
 from usaf.selection.strategies import BaseStrategy, Needs
 from usaf.simulate import fake_model
@@ -154,21 +156,35 @@ def _site() -> str:
     return "?"
 
 
-def _even_selection(model, select, density: float) -> dict:
-    """{expert tensor key: Chosen} at `density`, evenly spread (flat indices, or lines for neurons)."""
-    chosen = {}
-    for layer in find_moe_layers(model):
-        if select.layers is not None and layer.index not in select.layers:
-            continue
-        for t in layer.tensors:
-            if t.is_bias:
+def _even_selection(model, select) -> dict:
+    """{tensor key: Chosen}: every targeted tensor's count of entries (the experts' tensors and the other targeted
+    weights: attention, embeddings, lm_head..., budgeted as `usaf.selection.budget.weight_budgets` budgets them),
+    as flat indices evenly spread."""
+    layers = find_moe_layers(model)
+    units = []
+    if "experts" in select.targets:
+        for layer in layers:
+            if select.layers is not None and layer.index not in select.layers:
                 continue
-            shape = tuple(getattr(layer.experts, t.name).shape)
-            key = f"{layer.experts_name}.{t.name}"
-            numel = math.prod(shape)
-            count = max(1, round(density * numel))
-            chosen[key] = Chosen(None, torch.linspace(0, numel - 1, count).long())
-    return chosen
+            for t in layer.tensors:
+                if not t.is_bias:
+                    shape = getattr(layer.experts, t.name).shape
+                    units.append(_Unit(f"{layer.experts_name}.{t.name}", math.prod(shape), "experts"))
+    for w in find_target_weights(model, layers, select.targets):
+        if select.layers is None or w.layer_index in select.layers:
+            units.append(_Unit(w.key, w.module.weight.numel(), w.target))
+    budgets = weight_budgets(units, select)
+    return {
+        u.key: Chosen(None, torch.linspace(0, u.numel - 1, max(1, budgets[u.key])).long())
+        for u in units
+        if budgets[u.key]
+    }
+
+
+class _Unit(NamedTuple):
+    key: str
+    numel: int
+    target: str
 
 
 class _OutputsOnly:
@@ -404,7 +420,7 @@ def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
             select = dataclasses.replace(
                 config.select, strategy=STRATEGY, density=float(config.select.density)
             )
-            SimulatedSelection.chosen = _even_selection(model, select, select.density)
+            SimulatedSelection.chosen = _even_selection(model, select)
             SimulatedSelection.batches = [batch]
             _persistent(tracker, model)
             # the trained values start from the source checkpoint's weights, read from disk to the card
