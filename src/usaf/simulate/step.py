@@ -423,6 +423,9 @@ def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
             SimulatedSelection.chosen = _even_selection(model, select)
             SimulatedSelection.batches = [batch]
             _persistent(tracker, model)
+            # the skeleton's experts were made on the card at the model's dtype before the stores replaced them
+            # (58 GB at Qwen3-30B): the simulation's scaffolding, not what loading does, so the peak starts here
+            tracker.reset_peak()
             # the trained values start from the source checkpoint's weights, read from disk to the card
             prepare_model(
                 model,
