@@ -5,6 +5,7 @@ import torch
 
 from usaf import planner
 from usaf.simulate import simulate, summary
+from usaf.simulate.step import PACKED_CHECK
 from usaf.testing.tiny import tiny_config
 
 
@@ -20,9 +21,18 @@ def test_tiny_step_simulates_with_only_intended_reads():
     plan, config = _plan()
     sim = simulate(plan, config)
     assert sim.mismatches == []
-    # every sync is one of usaf.kernels.host's intended reads: routing counts per MoE layer, the loss, the norm
-    assert all("usaf.kernels.host" in site for site in sim.sync_sites)
+    # every sync is one of usaf.kernels.host's intended reads (routing counts per MoE layer, the loss, the norm)
+    # or transformers' check whether the batch is packed, once a forward
+    assert all("usaf.kernels.host" in site or site == PACKED_CHECK for site in sim.sync_sites)
     assert sim.step_syncs == sum(sim.sync_sites.values()) > 0
+    # the layers' reads apart from the step's: one routing read a layer a forward; the loss's count, the gradient
+    # norm and the packed check once a step
+    assert (
+        sim.layer_syncs
+        == sim.step_syncs - sim.per_step_syncs
+        == sim.layer_steps * (1 + plan.settings.recompute)
+    )
+    assert sim.per_step_syncs == 3 and sim.sync_sites[PACKED_CHECK] == 1
     report = summary(plan, sim)
     assert report["simulated_peak"] > report["live_bytes_at_peak"] > 0
     assert {row["line"] for row in report["lines"]} >= {"dense weights", "frozen experts", "activations"}

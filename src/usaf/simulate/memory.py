@@ -40,6 +40,8 @@ class MemoryTracker(TorchDispatchMode):
         self.live = Counter()  # (where, tag) -> bytes
         self.total = Counter()  # where -> bytes
         self.peak = Counter()
+        # (where, tag) -> the line's own largest live bytes since the last reset_peak
+        self.line_max = Counter()
         self.at_peak: dict[str, Counter] = {DEVICE: Counter(), HOST: Counter()}
         self.tags = [ACTIVATIONS]
 
@@ -75,6 +77,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def _add(self, entry: _Storage, nbytes: int) -> None:
         self.live[(entry.where, entry.tag)] += nbytes
+        if nbytes > 0 and self.live[(entry.where, entry.tag)] > self.line_max[(entry.where, entry.tag)]:
+            self.line_max[(entry.where, entry.tag)] = self.live[(entry.where, entry.tag)]
         self.total[entry.where] += nbytes
         if nbytes > 0 and self.total[entry.where] > self.peak[entry.where]:
             self.peak[entry.where] = self.total[entry.where]
@@ -93,9 +97,12 @@ class MemoryTracker(TorchDispatchMode):
         self.live[(entry.where, entry.tag)] -= entry.nbytes
         entry.tag = tag
         self.live[(entry.where, tag)] += entry.nbytes
+        key = (entry.where, tag)
+        self.line_max[key] = max(self.line_max[key], self.live[key])
 
     def reset_peak(self) -> None:
         """A new peak from here (the warm-up step's is not the steady step's)."""
+        self.line_max = Counter(self.live)
         for where in (DEVICE, HOST):
             self.peak[where] = self.total[where]
             self.at_peak[where] = Counter({tag: n for (w, tag), n in self.live.items() if w == where and n})

@@ -60,12 +60,21 @@ def summary(plan, sim) -> dict:
         "host_live_peak": sim.host_peak,
         "syncs_per_step": sim.step_syncs,
         "moe_layers": sim.layer_steps,
+        "layer_syncs": sim.layer_syncs,
         "syncs_per_layer_step": sim.syncs_per_layer_step,
+        "per_step_syncs": sim.per_step_syncs,
         "sync_sites": dict(sim.sync_sites),
         "mismatches": len(sim.mismatches),
         "findings": list(sim.mismatches),
         "lines": [
-            {"line": n, "planned": p, "simulated": s, "differs": differs(p, s)} for n, p, s in rows(plan, sim)
+            {
+                "line": n,
+                "planned": p,
+                "simulated": s,
+                "largest": sim.device_line_max.get(n, 0),
+                "differs": differs(p, s),
+            }
+            for n, p, s in rows(plan, sim)
         ],
         "seconds": sim.seconds,
         "rank": sim.rank,
@@ -85,10 +94,14 @@ def format_report(plan, sim) -> list[str]:
     ]
     for name, planned, simulated in rows(plan, sim):
         if differs(planned, simulated):
-            out.append(f"    {name}: {format_size(simulated)} simulated vs {format_size(planned)} planned")
+            largest = sim.device_line_max.get(name, 0)
+            own = f" (its own largest {format_size(largest)})" if differs(largest, simulated) else ""
+            out.append(
+                f"    {name}: {format_size(simulated)} simulated at the peak{own} vs {format_size(planned)} planned"
+            )
     out += [
-        f"  host syncs: {sim.step_syncs} a step, {sim.syncs_per_layer_step:.2f} a layer-step over "
-        f"{sim.layer_steps} MoE layers"
+        f"  host syncs: {sim.step_syncs} a step: {sim.syncs_per_layer_step:.2f} a layer-step ({sim.layer_syncs} "
+        f"in the layers over {sim.layer_steps} MoE layers) + {sim.per_step_syncs} once a step"
         + (
             ": " + ", ".join(f"{site} x{n}" for site, n in sorted(sim.sync_sites.items()))
             if sim.sync_sites

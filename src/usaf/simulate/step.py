@@ -111,6 +111,7 @@ class Simulation:
 
     device_peak: float  # live tensor bytes at the measured step's peak on the card
     device_lines: dict  # the simulation's lines at that peak
+    device_line_max: dict  # each line's own largest live bytes in the measured step (not all at one moment)
     host_peak: float
     host_lines: dict
     calibration_peak: float  # the card's peak while preparing (the calibration batch)
@@ -125,8 +126,23 @@ class Simulation:
     notes: list = dataclasses.field(default_factory=list)
 
     @property
+    def layer_syncs(self) -> int:
+        """The step's reads made inside an MoE layer (routing counts, expert parallelism's exchange counts)."""
+        return sum(n for site, n in self.sync_sites.items() if site.startswith(LAYER_SITES))
+
+    @property
     def syncs_per_layer_step(self) -> float:
-        return self.step_syncs / max(1, self.layer_steps)
+        """Layer reads / MoE layers: a layer's forward, its recomputation and its backward are one layer-step."""
+        return self.layer_syncs / max(1, self.layer_steps)
+
+    @property
+    def per_step_syncs(self) -> int:
+        """Reads made once a step, outside the layers (the loss's count, the gradient norm, the packed check)."""
+        return self.step_syncs - self.layer_syncs
+
+
+# where the reads made inside an MoE layer are made
+LAYER_SITES = ("usaf/engine/experts.py", "usaf/engine/expert_parallel.py")
 
 
 class _Reads:
@@ -201,14 +217,17 @@ class _OutputsOnly:
         return torch.zeros(lines.numel(), spanning.shape[1], dtype=torch.float32, device=fixed.device)
 
 
-def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def _fused_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     """`scaled_dot_product_attention` as a GPU runs it: one fused kernel (flash; memory-efficient with a mask or
     unequal head sizes) that keeps only its output and log-sum-exp, where the meta device, having no fused kernel,
     would take the math path and materialise the [batch, heads, seq, seq] scores and their softmax."""
     aten = torch.ops.aten
     if attn_mask is None and query.shape[-1] == key.shape[-1] == value.shape[-1]:
         # flash attends grouped key/value heads as they are (enable_gqa)
-        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+        flash = aten._scaled_dot_product_flash_attention
+        return flash(query, key, value, dropout_p, is_causal, scale=scale)[0]
     if enable_gqa and key.shape[1] != query.shape[1]:
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
@@ -468,6 +487,7 @@ def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
     return Simulation(
         device_peak=tracker.peak[DEVICE],
         device_lines=device_lines,
+        device_line_max={tag: n for (where, tag), n in tracker.line_max.items() if where == DEVICE and n},
         host_peak=tracker.peak[HOST],
         host_lines=dict(tracker.at_peak[HOST]),
         calibration_peak=calibration_peak,
