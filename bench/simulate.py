@@ -13,12 +13,12 @@ from pathlib import Path
 RUNS = [
     (
         "Qwen3-30B-A3B, 12 GB, seq 2048",
-        "--model qwen3-30b-a3b --vram 12GB --ram 32GB --seq 2048 --quant nf4 --residency host",
+        "--model qwen3-30b-a3b --vram 12GB --ram 32GB --seq 2048",
     ),
     ("gpt-oss-20b, 16 GB", "--model gpt-oss-20b --vram 16GB --ram 32GB"),
     (
         "Qwen3-235B-A22B, EP 8, 24 GB cards",
-        "--model qwen3-235b-a22b --gpus 8 --expert-parallel 8 --vram 24GB --ram 256GB",
+        "--model qwen3-235b-a22b --gpus 8 --expert-parallel 8 --vram 24GB --ram 1TB",
     ),
     ("DeepSeek-V3, EP 8, 80 GB", "--model deepseek-v3 --gpus 8 --expert-parallel 8 --vram 80GB --ram 1TB"),
 ]
@@ -49,8 +49,8 @@ def main() -> None:
             r"device peak: ([\d.]+ \w+) simulated .* vs ([\d.]+ \w+) planned \(([+-][\d.]+%)", out
         ):
             row.update(simulated=m[1], planned=m[2], difference=m[3])
-        if m := re.search(r"host syncs: (\d+) a step, ([\d.]+) a layer-step", out):
-            row.update(syncs_per_step=int(m[1]), syncs_per_layer_step=float(m[2]))
+        if m := re.search(r"host syncs: (\d+) a step: ([\d.]+) a layer-step .* \+ (\d+) once a step", out):
+            row.update(syncs_per_step=int(m[1]), syncs_per_layer_step=float(m[2]), per_step_syncs=int(m[3]))
         if m := re.search(r"device mismatches: (\d+)", out):
             row["mismatches"] = int(m[1])
         row["output"] = [
@@ -65,13 +65,15 @@ def main() -> None:
         "",
         f"Made by `PYTHONPATH=src python bench/simulate.py --date {args.date}`.",
         "",
-        "| configuration | planned peak | simulated peak | difference | syncs/step | syncs/layer-step | mismatches | s | command |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| configuration | planned peak | simulated peak | difference | syncs/step | syncs/layer-step | once a step "
+        "| mismatches | s | command |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['name']} | {r.get('planned', '-')} | {r.get('simulated', '-')} | {r.get('difference', '-')} | "
-            f"{r.get('syncs_per_step', '-')} | {r.get('syncs_per_layer_step', '-')} | {r.get('mismatches', '-')} | "
+            f"{r.get('syncs_per_step', '-')} | {r.get('syncs_per_layer_step', '-')} | {r.get('per_step_syncs', '-')} | "
+            f"{r.get('mismatches', '-')} | "
             f"{r['seconds']} | `{r['command']}` |"
         )
     for r in rows:
