@@ -33,6 +33,9 @@ def test_tiny_step_simulates_with_only_intended_reads():
         == sim.layer_steps * (1 + plan.settings.recompute)
     )
     assert sim.per_step_syncs == 3 and sim.sync_sites[PACKED_CHECK] == 1
+    # the measured step is the last of the first reselection's probe window: its probes live through it
+    assert sim.device_line_max.get("reselection probes", 0) > 0
+    assert "probe window simulated" in sim.reselection
     report = summary(plan, sim)
     assert report["simulated_peak"] > report["live_bytes_at_peak"] > 0
     assert {row["line"] for row in report["lines"]} >= {"dense weights", "frozen experts", "activations"}

@@ -41,15 +41,17 @@ from torch._subclasses.fake_tensor import (
 from usaf import kernels
 from usaf.config import RunConfig
 from usaf.engine import expert_parallel, loss
-from usaf.engine.installed import sparse_experts
+from usaf.engine.installed import row_observers, sparse_experts
 from usaf.errors import ConfigError
 from usaf.kernels import host
 from usaf.model.layout import find_moe_layers
 from usaf.model.targets import find_target_weights
+from usaf.planner.sizes import format_size
 from usaf.prepare import enable_recomputation, prepare_model
 from usaf.registry import STRATEGIES
 from usaf.selection import calibrate
 from usaf.selection.budget import weight_budgets
+from usaf.selection.reselect import Reselector
 from usaf.selection.saved import Chosen
 from usaf.selection.strategies import BaseStrategy, Needs
 from usaf.simulate import fake_model
@@ -67,6 +69,7 @@ STRATEGY = "simulated"
 # the simulation's lines, each the ledger lines it stands for (usaf.planner.ledger's names)
 FROZEN, CONSTANTS, DENSE = "frozen experts", "quantization constants", "dense weights"
 SPARSE, ROUTERS, WORKSPACE = "sparse state + optimizer", "routers (trainable)", "dequant workspace"
+PROBES, RESELECTION = "reselection probes", "reselection temporaries"
 OFFLOAD, LOGITS, STEP, EXCHANGE = (
     "offload buffers",
     "logits chunk",
@@ -77,7 +80,8 @@ LEDGER_LINES = {
     FROZEN: ("frozen experts",),
     CONSTANTS: ("quantization constants",),
     DENSE: ("dense weights", "dense weights (FSDP2)"),
-    SPARSE: ("sparse state + optimizer", "sparse state beyond the experts", "reselection probes"),
+    SPARSE: ("sparse state + optimizer", "sparse state beyond the experts"),
+    PROBES: ("reselection probes",),
     ROUTERS: ("routers (trainable)",),
     ACTIVATIONS: ("activations: layer inputs", "activations: one layer", "activations: all layers"),
     LOGITS: ("logits chunk",),
@@ -289,7 +293,8 @@ def run_config(plan) -> RunConfig:
             "select.density": s.density if s.num_entries is None else run.select.density,
             "select.workspace_mb": s.workspace_mb,
             "train.recompute": bool(s.recompute),
-            "model.quant": s.quant,
+            # a published checkpoint's format (mxfp4, fp8) is the checkpoint's, not a model.quant choice
+            "model.quant": run.model.quant if s.published else s.quant,
             "model.residency": s.residency,
         }
     )
@@ -335,6 +340,30 @@ def _patched(tracker: MemoryTracker, counts: Counts):
     masking_utils.find_packed_sequence_indices = unpacked
     stack.callback(setattr, masking_utils, "find_packed_sequence_indices", packed_check)
 
+    from usaf.selection import reselect
+
+    def read(kind):
+        counts.syncs += 1
+        counts.sync_sites[
+            f"usaf/selection/candidates.py {kind} (a score read on the host, once a probe window)"
+        ] += 1
+
+    def best_neurons(score, wanted):
+        # the real one drops candidates scored -inf (a boolean index, its size the data's): balanced data scores
+        # every neuron, so the `wanted` best stand
+        read("best_neurons")
+        return torch.topk(score.reshape(-1).cpu(), min(wanted, score.numel()), sorted=False).indices
+
+    def best_rows(row_score, rows, wanted):
+        if row_score is not None and wanted < rows:
+            read("best_rows")
+        return original_rows(row_score, rows, wanted)
+
+    original_neurons, original_rows = reselect.best_neurons, reselect.best_rows
+    reselect.best_neurons, reselect.best_rows = best_neurons, best_rows
+    stack.callback(setattr, reselect, "best_neurons", original_neurons)
+    stack.callback(setattr, reselect, "best_rows", original_rows)
+
     def wrap(owner, name, tag):
         original = getattr(owner, name)
 
@@ -371,6 +400,36 @@ def _patched(tracker: MemoryTracker, counts: Counts):
     return stack
 
 
+def _reselector(model, config, notes: list) -> tuple:
+    """usaf train's Reselector (`usaf.train.parts.Reselection`'s), observing from the warm-up step on, or None
+    with why not."""
+    select = config.select
+    if not select.reselect_every:
+        return None, "off (select.reselect_every=0)"
+    if config.optim.eight_bit:
+        return None, "not simulated (8-bit optimizer state: usaf train refuses reselection with it)"
+    return Reselector(model, select, config.schedule.max_steps, config.optim.eight_bit), "not reached"
+
+
+def _reselect(reselector, step: int, optimizer, tracker: MemoryTracker, counts: Counts) -> str:
+    """The reselection after the measured step (`Reselector.after_step`, usaf train's), its own peak on the card
+    and host reads; where a data-dependent op stops it, what it reached and where it stopped."""
+    tracker.reset_peak()
+    before = counts.syncs
+    try:
+        with tracker.tagged(RESELECTION):
+            done = reselector.after_step(step, optimizer)
+    except FINDINGS as err:
+        return (
+            f"the probe window simulated (its probes live through the measured step); the reselection after it "
+            f"stopped at {_finding(err)}"
+        )
+    return (
+        f"simulated after the measured step ({done}): its peak {format_size(tracker.peak[DEVICE])} live on the "
+        f"card, {counts.syncs - before} host reads"
+    )
+
+
 def _persistent(tracker: MemoryTracker, model, optimizer=None) -> None:
     """The model's own tensors under their lines: stores' parts, dense weights, trained values and their state."""
     routers = {id(p) for p in router_params(model)}
@@ -392,6 +451,9 @@ def _persistent(tracker: MemoryTracker, model, optimizer=None) -> None:
             tracker.retag(p, DENSE)
         if p.grad is not None:
             tracker.retag(p.grad, ROUTERS if id(p) in routers else SPARSE)
+    for _, state in [*sparse_experts(model), *row_observers(model).items()]:
+        for probe in state.probes.values():
+            tracker.retag(probe.score, PROBES)
     for name, b in model.named_buffers():
         tracker.retag(b, SPARSE if ".usaf." in name or "usaf" in name.split(".")[-1] else DENSE)
     if optimizer is not None:
@@ -420,6 +482,7 @@ def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
     notes: list[str] = []
     step = Counts()
     calibration_peak = 0
+    device_peak, device_lines, line_max, reselection = 0, {}, {}, "not simulated"
     layers = 0
     try:
         with (
@@ -465,29 +528,49 @@ def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
                 notes.append(
                     "autocast is not simulated (the meta device has none): the forward runs in the model dtype"
                 )
+            reselector, reselection = _reselector(model, config, notes)
+            # the measured step is the last of the first reselection's probe window (select.reselect_probe_steps
+            # before it): the probes live through it, as the plan counts them
+            step_number = config.select.reselect_every
             for index in range(2):  # a warm-up step, then the measured one
                 if index:
+                    if reselector is not None:
+                        reselector.before_step(
+                            step_number
+                        )  # the probe window opens: probes on candidate lines
                     _persistent(tracker, model, optimizer)
                     tracker.reset_peak()
                     before = dataclasses.replace(counts, sync_sites=Counter(counts.sync_sites))
                 with _SyncMode(counts, profiled=False, device=CARD):
                     device_batch = {k: v.to(CARD) for k, v in batch.items()}
+                    if reselector is not None:
+                        reselector.set_observing(True)
                     with autocast:
                         loss_sum, _ = objective.loss_sum(model, device_batch, config.train)
+                    if reselector is not None:
+                        reselector.set_observing(False)  # recomputation re-runs forwards: counted once
                     (loss_sum / device_batch["input_ids"].numel()).backward()
+                    if reselector is not None:
+                        reselector.after_backward()
                     _persistent(tracker, model)
                     clip_gradients(model, config.optim.clip_grad_norm)
                     with tracker.tagged(STEP):
                         optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
             step = counts - before
+            device_peak, device_lines = tracker.peak[DEVICE], dict(tracker.at_peak[DEVICE])
+            line_max = {tag: n for (where, tag), n in tracker.line_max.items() if where == DEVICE and n}
+            if reselector is not None:
+                reselection = _reselect(reselector, step_number, optimizer, tracker, counts)
     except FINDINGS as err:
         mismatches.append(_finding(err))
-    device_lines = dict(tracker.at_peak[DEVICE])
+    if not step.syncs and mismatches:  # stopped before the measured step's end: what was reached
+        device_peak, device_lines = tracker.peak[DEVICE], dict(tracker.at_peak[DEVICE])
+        line_max = {tag: n for (where, tag), n in tracker.line_max.items() if where == DEVICE and n}
     return Simulation(
-        device_peak=tracker.peak[DEVICE],
+        device_peak=device_peak,
         device_lines=device_lines,
-        device_line_max={tag: n for (where, tag), n in tracker.line_max.items() if where == DEVICE and n},
+        device_line_max=line_max,
         host_peak=tracker.peak[HOST],
         host_lines=dict(tracker.at_peak[HOST]),
         calibration_peak=calibration_peak,
@@ -498,6 +581,6 @@ def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
         kernels=KERNELS,
         seconds=time.perf_counter() - started,
         rank=f"rank {rank} of {s.gpus}" if s.gpus > 1 else "one GPU",
-        reselection="not simulated",
+        reselection=reselection,
         notes=notes,
     )
