@@ -51,7 +51,8 @@ class RoutingPlan:
             device = self.order.device
             ranks = torch.arange(len(self.sources), device=device)
             counts = torch.tensor(self.sources, device=device)
-            source_of_row = torch.repeat_interleave(ranks, counts)[self.order]
+            # output_size: its size is known (every row came from one source), or torch reads it back to the host
+            source_of_row = torch.repeat_interleave(ranks, counts, output_size=self.order.numel())[self.order]
             self._source_masks = [(source_of_row == s).unsqueeze(-1) for s in range(len(self.sources))]
         return self._source_masks
 
