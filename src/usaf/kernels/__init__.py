@@ -26,6 +26,14 @@ from usaf.kernels.host import balanced, pinned, read_ints
 CHOICES = ("auto", "triton", "torch")
 
 
+def _balanced_among(total: int, parts: int, among: range | None) -> list[int]:
+    """`balanced(total, parts)`, or, with `among`, `total` spread over those parts alone (zero elsewhere)."""
+    if among is None:
+        return balanced(total, parts)
+    spread = iter(balanced(total, len(among)))
+    return [next(spread) if i in among else 0 for i in range(parts)]
+
+
 @dataclass
 class Segments:
     """E groups of consecutive rows: `offsets` [E + 1] int64 on the device, `counts` the same on the host (read
@@ -42,10 +50,12 @@ class Segments:
         return cls(host_ints_to_device([0, *itertools.accumulate(counts)], device), list(counts))
 
     @classmethod
-    def of(cls, ids: torch.Tensor, num_segments: int) -> Segments:
-        """The segments `ids` (each item's segment, ascending) group items into; reads the counts to the host."""
+    def of(cls, ids: torch.Tensor, num_segments: int, among: range | None = None) -> Segments:
+        """The segments `ids` (each item's segment, ascending) group items into; reads the counts to the host.
+        `among`: the only segments the ids can name (an expert-parallel rank's own experts), where balanced data
+        spreads them (a simulation's plausible counts)."""
         counts, offsets = torch_path.offsets_of(ids, num_segments)
-        return cls(offsets, read_ints(counts, lambda: balanced(ids.numel(), num_segments)))
+        return cls(offsets, read_ints(counts, lambda: _balanced_among(ids.numel(), num_segments, among)))
 
     @classmethod
     def from_offsets(cls, offsets: torch.Tensor, total: int | None = None) -> Segments:
