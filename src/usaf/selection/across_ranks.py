@@ -17,6 +17,7 @@ import torch.distributed as dist
 from usaf.engine import expert_parallel
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
+from usaf.kernels.host import read_int, read_ints
 
 
 def active() -> bool:
@@ -136,7 +137,7 @@ def broadcast_trainable(model: torch.nn.Module) -> None:
             selection = getattr(entries, entries.selection_name)
             sizes = torch.tensor(list(selection.shape) + [0] * (3 - selection.dim()), device=comm)
             dist.broadcast(sizes, 0)
-            shape = [s for s in sizes.tolist() if s]
+            shape = [s for s in read_ints(sizes, list(selection.shape)) if s]
             if is_main():
                 chosen = selection.to(comm)
             else:
@@ -146,7 +147,7 @@ def broadcast_trainable(model: torch.nn.Module) -> None:
                 [int(not is_main() and not torch.equal(chosen.cpu(), selection.cpu()))], device=comm
             )
             dist.all_reduce(differs, op=dist.ReduceOp.MAX)
-            if not differs.item():
+            if not read_int(differs, 0):  # (the ranks calibrated alike)
                 continue
             # some rank calibrated to another selection (a nondeterministic kernel): rank 0's is taken, with its
             # base and trained values
