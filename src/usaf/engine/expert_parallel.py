@@ -298,7 +298,9 @@ def entry_offsets(params: list[torch.Tensor]) -> dict[int, int]:
     found = [torch.empty_like(sizes) for _ in range(ep.ep)]
     dist.all_gather(found, sizes, group=ep.ep_group)
     before = torch.stack(found[: ep.ep_rank]).sum(0) if ep.ep_rank else torch.zeros_like(sizes)
-    return {id(p): int(n) for p, n in zip(params, before.tolist(), strict=True)}
+    # read once; where the ranks hold alike (balanced), the lower ranks' entries are this rank's count each
+    plausible = [ep.ep_rank * p.numel() for p in params]
+    return {id(p): int(n) for p, n in zip(params, read_ints(before, plausible), strict=True)}
 
 
 def expert_parameters(model: nn.Module) -> set[int]:
