@@ -189,22 +189,30 @@ def _even_selection(model, select) -> dict:
             for t in layer.tensors:
                 if not t.is_bias:
                     shape = getattr(layer.experts, t.name).shape
-                    units.append(_Unit(f"{layer.experts_name}.{t.name}", math.prod(shape), "experts"))
+                    units.append(
+                        _Unit(f"{layer.experts_name}.{t.name}", math.prod(shape), "experts", shape[0])
+                    )
     for w in find_target_weights(model, layers, select.targets):
         if select.layers is None or w.layer_index in select.layers:
             units.append(_Unit(w.key, w.module.weight.numel(), w.target))
     budgets = weight_budgets(units, select)
-    return {
-        u.key: Chosen(None, torch.linspace(0, u.numel - 1, max(1, budgets[u.key])).long())
-        for u in units
-        if budgets[u.key]
-    }
+    ep, chosen = expert_parallel.layout(), {}
+    for u in units:
+        start, stop, count = 0, u.numel, budgets[u.key]
+        if ep is not None and u.experts:  # this rank's share: the entries of its own experts
+            owned, per_expert = ep.owned(u.experts), u.numel // u.experts
+            start, stop = owned.start * per_expert, owned.stop * per_expert
+            count = round(count * len(owned) / u.experts)
+        if count:
+            chosen[u.key] = Chosen(None, torch.linspace(start, stop - 1, count).long())
+    return chosen
 
 
 class _Unit(NamedTuple):
     key: str
     numel: int
     target: str
+    experts: int = 0  # an expert stack's experts (0: another weight)
 
 
 class _OutputsOnly:
@@ -339,6 +347,12 @@ def _patched(tracker: MemoryTracker, counts: Counts):
 
     masking_utils.find_packed_sequence_indices = unpacked
     stack.callback(setattr, masking_utils, "find_packed_sequence_indices", packed_check)
+
+    # expert parallelism: the stand-in selection is already this rank's share (`_even_selection`); the real
+    # restriction is host work on the host's indices, which the fake ones cannot index by a mask
+    keep_owned = expert_parallel.keep_owned
+    expert_parallel.keep_owned = lambda chosen, stores: chosen
+    stack.callback(setattr, expert_parallel, "keep_owned", keep_owned)
 
     from usaf.selection import reselect
 
