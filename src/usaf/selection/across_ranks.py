@@ -42,7 +42,9 @@ def job_expert_count(local: int) -> int:
     if expert_parallel.layout() is None:
         return local
     summed = torch.tensor([float(local)], dtype=torch.float64)
-    return int(expert_parallel.expert_sum(summed, from_every_rank=False)[0])
+    summed = expert_parallel.expert_sum(summed, from_every_rank=False)
+    # balanced: every rank of the group trains as many
+    return read_int(summed.sum(), local * expert_parallel.layout().ep)
 
 
 def main_first(make):

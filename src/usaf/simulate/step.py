@@ -49,7 +49,7 @@ from usaf.model.targets import find_target_weights
 from usaf.planner.sizes import format_size
 from usaf.prepare import enable_recomputation, prepare_model
 from usaf.registry import STRATEGIES
-from usaf.selection import calibrate
+from usaf.selection import across_ranks, calibrate
 from usaf.selection.budget import weight_budgets
 from usaf.selection.reselect import Reselector
 from usaf.selection.saved import Chosen
@@ -220,13 +220,17 @@ class _OutputsOnly:
     path's sparse CSR products on the meta device, so their outputs stand in, at their shapes: what the Triton
     path holds on a GPU (no padded rows, no sparsity pattern)."""
 
-    @staticmethod
-    def sampled_dots(U, V, rows, local, entries, width):
-        return torch.zeros(local.numel(), dtype=torch.float32, device=U.device)
+    tracker: ClassVar[MemoryTracker | None] = None  # their outputs are the trained entries' gradients
 
-    @staticmethod
-    def line_dots(fixed, spanning, rows, lines, entries):
-        return torch.zeros(lines.numel(), spanning.shape[1], dtype=torch.float32, device=fixed.device)
+    @classmethod
+    def sampled_dots(cls, U, V, rows, local, entries, width):
+        with cls.tracker.tagged(SPARSE):
+            return torch.zeros(local.numel(), dtype=torch.float32, device=U.device)
+
+    @classmethod
+    def line_dots(cls, fixed, spanning, rows, lines, entries):
+        with cls.tracker.tagged(SPARSE):
+            return torch.zeros(lines.numel(), spanning.shape[1], dtype=torch.float32, device=fixed.device)
 
 
 def _fused_attention(
@@ -348,6 +352,14 @@ def _patched(tracker: MemoryTracker, counts: Counts):
     masking_utils.find_packed_sequence_indices = unpacked
     stack.callback(setattr, masking_utils, "find_packed_sequence_indices", packed_check)
 
+    # the fake process group stands for NCCL: collectives run on the card (under gloo they would run on the host,
+    # and the copies there would be syncs a GPU job does not make, where its reads of the exchanged counts are)
+    comm, ranks_comm = expert_parallel._comm_device, across_ranks.comm_device
+    expert_parallel._comm_device = lambda group, like: CARD
+    across_ranks.comm_device = lambda: CARD
+    stack.callback(setattr, expert_parallel, "_comm_device", comm)
+    stack.callback(setattr, across_ranks, "comm_device", ranks_comm)
+
     # expert parallelism: the stand-in selection is already this rank's share (`_even_selection`); the real
     # restriction is host work on the host's indices, which the fake ones cannot index by a mask
     keep_owned = expert_parallel.keep_owned
@@ -401,6 +413,7 @@ def _patched(tracker: MemoryTracker, counts: Counts):
     torch.utils.swap_tensors = same_or_swap
     stack.callback(setattr, torch.utils, "swap_tensors", swap)
     original = kernels._implementation
+    _OutputsOnly.tracker = tracker
     kernels._implementation = lambda tensor: _OutputsOnly
     stack.callback(setattr, kernels, "_implementation", original)
     sdpa = torch.nn.functional.scaled_dot_product_attention
