@@ -50,11 +50,15 @@ class Segments:
         return cls(host_ints_to_device([0, *itertools.accumulate(counts)], device), list(counts))
 
     @classmethod
-    def of(cls, ids: torch.Tensor, num_segments: int, among: range | None = None) -> Segments:
-        """The segments `ids` (each item's segment, ascending) group items into; reads the counts to the host.
-        `among`: the only segments the ids can name (an expert-parallel rank's own experts), where balanced data
-        spreads them (a simulation's plausible counts)."""
+    def of(
+        cls, ids: torch.Tensor, num_segments: int, among: range | None = None, known: list[int] | None = None
+    ) -> Segments:
+        """The segments `ids` (each item's segment, ascending) group items into; reads the counts to the host,
+        unless they are `known` (read by the caller already). `among`: the only segments the ids can name (an
+        expert-parallel rank's own experts), where balanced data spreads them (a simulation's plausible counts)."""
         counts, offsets = torch_path.offsets_of(ids, num_segments)
+        if known is not None:
+            return cls(offsets, list(known))
         return cls(offsets, read_ints(counts, lambda: _balanced_among(ids.numel(), num_segments, among)))
 
     @classmethod
