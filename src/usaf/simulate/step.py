@@ -132,7 +132,7 @@ class Simulation:
     @property
     def layer_syncs(self) -> int:
         """The step's reads made inside an MoE layer (routing counts, expert parallelism's exchange counts)."""
-        return sum(n for site, n in self.sync_sites.items() if site.startswith(LAYER_SITES))
+        return sum(n for site, n in self.sync_sites.items() if site.endswith(", in a layer)"))
 
     @property
     def syncs_per_layer_step(self) -> float:
@@ -145,10 +145,6 @@ class Simulation:
         return self.step_syncs - self.layer_syncs
 
 
-# where the reads made inside an MoE layer are made
-LAYER_SITES = ("usaf/engine/experts.py", "usaf/engine/expert_parallel.py")
-
-
 class _Reads:
     """The simulation's answer to usaf's intended host reads (`usaf.kernels.host`): the balanced value, counted."""
 
@@ -158,8 +154,24 @@ class _Reads:
     def __call__(self, tensor, kind, plausible):
         if tensor.device.type != "cpu":  # a read of the card's data: the host waits for the device
             self.counts.syncs += 1
-            self.counts.sync_sites[f"{_site()} (usaf.kernels.host {kind})"] += 1
+            where = ", in a layer" if _in_layer() else ""
+            self.counts.sync_sites[f"{_site()} (usaf.kernels.host {kind}{where})"] += 1
         return plausible()
+
+
+# an MoE layer's forward (usaf's experts, expert parallelism's dispatch): the reads made within are a layer's
+LAYER_FUNCTIONS = frozenset({"usaf_experts_forward", "expert_parallel_forward"})
+
+
+def _in_layer() -> bool:
+    import inspect
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name in LAYER_FUNCTIONS:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _site() -> str:
