@@ -115,6 +115,14 @@ def check_joined() -> None:
         )
 
 
+def _same(chosen: torch.Tensor, selection: torch.Tensor) -> bool:
+    """Whether rank 0's selection is this rank's (on the host: the comparison's one read goes through
+    usaf.kernels.host, where a simulation answers that the ranks calibrated alike)."""
+    if chosen.shape != selection.shape:
+        return False
+    return not read_int((chosen.cpu() != selection.cpu()).any(), 0)
+
+
 def selection_buffers(model: torch.nn.Module) -> list[str]:
     """Names of the buffers that hold the selection (indices, base values): identical on every rank once
     `broadcast_trainable` ran, so torch's DDP must not broadcast them again before every forward."""
@@ -145,9 +153,7 @@ def broadcast_trainable(model: torch.nn.Module) -> None:
             else:
                 chosen = torch.empty(shape, dtype=selection.dtype, device=comm)
             dist.broadcast(chosen, 0)
-            differs = torch.tensor(
-                [int(not is_main() and not torch.equal(chosen.cpu(), selection.cpu()))], device=comm
-            )
+            differs = torch.tensor([int(not is_main() and not _same(chosen, selection))], device=comm)
             dist.all_reduce(differs, op=dist.ReduceOp.MAX)
             if not read_int(differs, 0):  # (the ranks calibrated alike)
                 continue
