@@ -9,11 +9,13 @@ from usaf.simulate.step import PACKED_CHECK
 from usaf.testing.tiny import tiny_config
 
 
-def _plan():
+def _plan(**parallel):
     config = tiny_config("qwen3_moe").to_dict()
     shape = planner.model_shape(config, "tiny")
     device = next(d for d in planner.DEVICES.values() if d.is_gpu)
-    settings = planner.PlanSettings(seq=32, batch=2, density=0.05, quant="nf4", residency="device")
+    settings = planner.PlanSettings(
+        seq=32, batch=2, density=0.05, quant="nf4", residency="device", **parallel
+    )
     return planner.plan(shape, settings, device), config
 
 
@@ -39,6 +41,16 @@ def test_tiny_step_simulates_with_only_intended_reads():
     report = summary(plan, sim)
     assert report["simulated_peak"] > report["live_bytes_at_peak"] > 0
     assert {row["line"] for row in report["lines"]} >= {"dense weights", "frozen experts", "activations"}
+
+
+def test_an_expert_parallel_rank_reads_once_a_layer_forward():
+    """Rank 1 of 2 on the fake process group (standing for NCCL): the exchange's counts and the served rows per
+    expert come in one read a layer's forward, and nothing else reads in the layers."""
+    plan, config = _plan(gpus=2, expert_parallel=2)
+    sim = simulate(plan, config, rank=1)
+    assert sim.mismatches == [] and sim.rank == "rank 1 of 2"
+    assert sim.layer_syncs == sim.layer_steps * (1 + plan.settings.recompute)
+    assert all("expert_parallel.py" in site for site in sim.sync_sites if site.endswith(", in a layer)"))
 
 
 def test_planted_cpu_tensor_and_raw_read_are_caught(monkeypatch):
