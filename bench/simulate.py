@@ -21,6 +21,12 @@ RUNS = [
         "--model qwen3-235b-a22b --gpus 8 --expert-parallel 8 --vram 24GB --ram 1TB",
     ),
     ("DeepSeek-V3, EP 8, 80 GB", "--model deepseek-v3 --gpus 8 --expert-parallel 8 --vram 80GB --ram 1TB"),
+    # the same without reselection: every EP rank holds the probes of the job's candidate lines, where the plan
+    # counts its own experts' share (usaf.selection.reselect; see docs/simulate.md); the rest of the step alone
+    (
+        "DeepSeek-V3, EP 8, 80 GB, --no-reselect",
+        "--model deepseek-v3 --gpus 8 --expert-parallel 8 --vram 80GB --ram 1TB --no-reselect",
+    ),
 ]
 
 
