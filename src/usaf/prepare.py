@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from usaf.engine.sparse import ElementEntries, LineEntries, line_flat_indices
 from usaf.engine.sparse_weights import install, tie
 from usaf.engine.state import ModelState, SparseState, model_state, set_model_state
 from usaf.errors import ConfigError, ModelError
+from usaf.kernels.host import read_int
 from usaf.model.hf import apply_renamings, checkpoint_renamings, use_experts_implementation
 from usaf.model.layout import MoELayer, find_moe_layers
 from usaf.model.targets import find_target_weights, tied_output_layer
@@ -189,15 +191,18 @@ def install_selection(model: nn.Module, chosen: dict, original_values=None) -> N
         path, name = key.rsplit(".", 1)
         store = states[path].stores[name]
         device = store.device
+        # checked where the selection was made (the host, for usaf's own), before it travels: two reads
+        bound = math.prod(store.shape) if axis is None else store.shape[0] * store.shape[axis]
+        if indices.numel() and (
+            read_int(indices.min(), 0) < 0 or read_int(indices.max(), bound - 1) >= bound
+        ):
+            raise ModelError(
+                f"The selection for '{key}' points outside the tensor (shape {list(store.shape)})."
+            )
         indices = indices.to(device=device, dtype=torch.int64)
         if not states[path].is_expert_stack and axis is not None:  # native weights train elements
             axis, indices = None, line_flat_indices(store.shape, axis, indices).sort().values
         flat = indices if axis is None else line_flat_indices(store.shape, axis, indices)
-        numel = store.shape[0] * store.shape[1] * store.shape[2]
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= numel):
-            raise ModelError(
-                f"The selection for '{key}' points outside the tensor (shape {list(store.shape)})."
-            )
         base = original_values(key, flat) if original_values is not None else store.read(flat)
         base = base.to(store.dtype)
         if axis is None:  # a resident store is written into: only there must the base be kept to revert to

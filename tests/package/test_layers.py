@@ -34,6 +34,7 @@ STAGES = [
     ["usaf.export"],
     ["usaf.generate"],
     ["usaf.testing"],
+    ["usaf.simulate"],  # the simulated step: the train loop's pieces and the planner, on fake tensors
     ["usaf.demo"],
     ["usaf", "usaf.api", "usaf.startup", "usaf.cli", "usaf.commands", "usaf.__main__"],
 ]

@@ -28,6 +28,16 @@ def add_arguments(parser) -> None:
     _run_options(parser.add_argument_group("the run"), planner)
     _storage_options(parser.add_argument_group("the frozen base"), planner)
     _parallel_options(parser.add_argument_group("several GPUs"))
+    simulation = parser.add_argument_group("the simulated step")
+    simulation.add_argument(
+        "--simulate",
+        action="store_true",
+        help="run the plan's training step on fake tensors at the model's full shape (no weight read) and set its "
+        "device peak, host syncs and device mismatches beside the plan (docs/simulate.md)",
+    )
+    simulation.add_argument(
+        "--simulate-rank", type=int, default=0, help="with --gpus: the rank simulated (default 0)"
+    )
 
 
 def _machine_options(p, planner) -> None:
@@ -301,7 +311,27 @@ def run(args: argparse.Namespace) -> int:
     print(planner.format_verdict(model, verdict))
     if method is not None:
         print(planner.published_line(shape, settings, card.device, card.ram, "auto"))
+    if args.simulate:
+        return _simulate(args, verdict, config)
     return 0 if verdict.status != "does not fit" else 1
+
+
+def _simulate(args, verdict, config: dict) -> int:
+    """--simulate: the chosen plan's step on fake tensors, beside the plan; exit 1 on a finding."""
+    from usaf import simulate
+
+    if verdict.status == "does not fit":
+        raise ConfigError(
+            "--simulate simulates a plan that fits; give settings that fit (the suggestion above)."
+        )
+    gpus = verdict.chosen.settings.gpus
+    if not 0 <= args.simulate_rank < gpus:
+        raise ConfigError(
+            f"--simulate-rank must be in 0..{gpus - 1} (--gpus {gpus}), got {args.simulate_rank}."
+        )
+    result = simulate.simulate(verdict.chosen, config, args.simulate_rank)
+    print("\n".join(simulate.format_report(verdict.chosen, result)))
+    return 1 if result.mismatches else 0
 
 
 def _fitted(run_config: RunConfig, model: str) -> tuple[RunConfig, list[str]]:

@@ -32,6 +32,8 @@ from usaf.engine.installed import sparse_experts
 from usaf.engine.sparse import line_flat_indices
 from usaf.engine.state import owned_state
 from usaf.errors import ConfigError, ModelError
+from usaf.kernels import offsets_of
+from usaf.kernels.host import balanced, read_ints
 from usaf.model.hf import register_experts_implementation, use_experts_implementation
 from usaf.model.layout import find_moe_layers
 
@@ -148,10 +150,30 @@ def close_step() -> None:
     traffic["steps"] += 1
 
 
-def _exchange_counts(send: torch.Tensor, group) -> list[int]:
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.tolist()
+def _exchange_counts(experts: torch.Tensor, num_experts: int, ep: ExpertLayout, group) -> tuple:
+    """(send, recv, served): the pairs this rank sends each rank of the group, the pairs each rank sends it, and
+    how many of the pairs it serves each of its own experts gets, from one host read: the pairs per expert are
+    exchanged (each rank receives the counts of its own experts from every rank), then this rank's counts and the
+    received ones are read at once (balanced routing: every rank routes alike)."""
+    per_rank = num_experts // ep.ep
+    counts, _ = offsets_of(experts, num_experts)  # this rank's pairs per (global) expert
+    counts = counts.to(_comm_device(group, experts))
+    received = torch.empty_like(counts)  # [source rank, own expert]
+    dist.all_to_all_single(received, counts, group=group)
+    owned = ep.owned(num_experts)
+
+    def plausible():
+        mine = balanced(experts.numel(), num_experts)
+        return mine + [mine[e] for _ in range(ep.ep) for e in owned]
+
+    both = read_ints(torch.cat([counts, received]), plausible)
+    mine, got = both[:num_experts], both[num_experts:]
+    send = [sum(mine[r * per_rank : (r + 1) * per_rank]) for r in range(ep.ep)]
+    recv = [sum(got[s * per_rank : (s + 1) * per_rank]) for s in range(ep.ep)]
+    served = [0] * num_experts
+    for j, e in enumerate(owned):
+        served[e] = sum(got[s * per_rank + j] for s in range(ep.ep))
+    return send, recv, served
 
 
 def expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -163,14 +185,13 @@ def expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     owner = torch.div(experts, per_rank, rounding_mode="floor")
     order = torch.argsort(owner, stable=True)  # pairs grouped by the rank that owns their expert
     token = torch.div(order, top_k, rounding_mode="floor")
-    send_counts = torch.bincount(owner, minlength=ep.ep)
-    recv = _exchange_counts(send_counts.to(_comm_device(group, experts)), group)
-    send = send_counts.tolist()
+    # one host read a layer's forward: what goes where, and the rows each of this rank's experts will serve
+    send, recv, served = _exchange_counts(experts, self.usaf.num_experts, ep, group)
     # out: each pair's token state, its expert and its router weight; in: the pairs this rank's experts serve
     rows = AllToAll.apply(hidden_states.index_select(0, token), send, recv, group, True)
-    served = AllToAll.apply(experts[order], send, recv, group, False)
+    experts_in = AllToAll.apply(experts[order], send, recv, group, False)
     weights = AllToAll.apply(top_k_weights.reshape(-1)[order], send, recv, group, False)
-    outputs = usaf_experts_forward(self, rows, served.unsqueeze(-1), weights.unsqueeze(-1), recv)
+    outputs = usaf_experts_forward(self, rows, experts_in.unsqueeze(-1), weights.unsqueeze(-1), recv, served)
     home = AllToAll.apply(outputs, recv, send, group, True)
     combined = hidden_states.new_zeros(hidden_states.shape[0], home.shape[-1], dtype=home.dtype)
     return combined.index_add(0, token, home).to(hidden_states.dtype)
@@ -294,7 +315,9 @@ def entry_offsets(params: list[torch.Tensor]) -> dict[int, int]:
     found = [torch.empty_like(sizes) for _ in range(ep.ep)]
     dist.all_gather(found, sizes, group=ep.ep_group)
     before = torch.stack(found[: ep.ep_rank]).sum(0) if ep.ep_rank else torch.zeros_like(sizes)
-    return {id(p): int(n) for p, n in zip(params, before.tolist(), strict=True)}
+    # read once; where the ranks hold alike (balanced), the lower ranks' entries are this rank's count each
+    plausible = [ep.ep_rank * p.numel() for p in params]
+    return {id(p): int(n) for p, n in zip(params, read_ints(before, plausible), strict=True)}
 
 
 def expert_parameters(model: nn.Module) -> set[int]:

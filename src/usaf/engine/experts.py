@@ -28,14 +28,23 @@ IMPLEMENTATION_NAME = "usaf"
 class RoutingPlan:
     """Token-expert pairs sorted by expert: which token each row is, and how many rows each expert has."""
 
-    def __init__(self, top_k_index: torch.Tensor, num_experts: int, sources: list[int] | None = None):
+    def __init__(
+        self,
+        top_k_index: torch.Tensor,
+        num_experts: int,
+        sources: list[int] | None = None,
+        owned: range | None = None,
+        counts: list[int] | None = None,
+    ):
         flat = top_k_index.reshape(-1)
         self.num_tokens, self.num_top_k = flat.numel() // top_k_index.shape[-1], top_k_index.shape[-1]
         self.expert_of_row, self.order = torch.sort(flat, stable=True)
         self.token_of_row = torch.div(self.order, self.num_top_k, rounding_mode="floor")
         self._inverse: torch.Tensor | None = None
         # the one host sync of a layer: padding, chunking and the portable grouped product need the counts
-        self.rows = Segments.of(self.expert_of_row, num_experts)
+        # (`owned`: the only experts the ids can name, an expert-parallel rank's: where balanced data puts rows)
+        # (`counts`: the rows per expert where the caller already read them: expert parallelism's exchange)
+        self.rows = Segments.of(self.expert_of_row, num_experts, owned, counts)
         self._chunkings: dict[int | None, Chunking] = {}
         # expert parallelism: the pairs came from several ranks, `sources[s]` consecutive ones from rank s
         self.sources = sources
@@ -51,7 +60,8 @@ class RoutingPlan:
             device = self.order.device
             ranks = torch.arange(len(self.sources), device=device)
             counts = torch.tensor(self.sources, device=device)
-            source_of_row = torch.repeat_interleave(ranks, counts)[self.order]
+            # output_size: its size is known (every row came from one source), or torch reads it back to the host
+            source_of_row = torch.repeat_interleave(ranks, counts, output_size=self.order.numel())[self.order]
             self._source_masks = [(source_of_row == s).unsqueeze(-1) for s in range(len(self.sources))]
         return self._source_masks
 
@@ -333,11 +343,15 @@ class SparseExperts(SparseState):
         return SparseGroupedLinear.apply(x, values, bias_values, proj, plan)
 
 
-def usaf_experts_forward(self, hidden_states, top_k_index, top_k_weights, sources: list[int] | None = None):
+def usaf_experts_forward(
+    self, hidden_states, top_k_index, top_k_weights, sources: list[int] | None = None, counts=None
+):
     """Drop-in for transformers' experts forward (same signature and result as `grouped_mm`). `sources`: under
-    expert parallelism, how many consecutive pairs came from each rank."""
+    expert parallelism, how many consecutive pairs came from each rank; `counts`: the rows per expert, already
+    read there."""
     state: SparseExperts = self.usaf
-    plan = RoutingPlan(top_k_index, state.num_experts, sources)
+    owned = state.placement.owned(state.num_experts) if state.placement is not None else None
+    plan = RoutingPlan(top_k_index, state.num_experts, sources, owned, counts)
     x = TokensToRows.apply(hidden_states, plan)
     h = state.project(input_projection(self), x, plan)
     h = gated_activation(self, h) if self.has_gate else self.act_fn(h)

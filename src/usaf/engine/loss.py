@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from usaf.kernels.host import read_int
 from usaf.model.hf import decoder_body
 
 IGNORE_INDEX = -100
@@ -89,7 +90,12 @@ def chunked_causal_lm_loss(
     hidden = hidden_states[:, :-1, :].reshape(-1, hidden_states.shape[-1])
     targets = labels[:, 1:].reshape(-1)
     keep = targets != IGNORE_INDEX
-    hidden, targets = hidden[keep], targets[keep]
+    # the one host read of the loss (a boolean index would make it too, hidden in nonzero): how many positions
+    # are supervised, then their rows gathered at a size known on the host
+    supervised = read_int(keep.sum(), keep.numel())
+    if supervised < keep.numel():
+        index = torch.nonzero_static(keep, size=supervised).squeeze(1)
+        hidden, targets = hidden.index_select(0, index), targets.index_select(0, index)
     total = hidden_states.new_zeros((), dtype=torch.promote_types(hidden_states.dtype, torch.float32))
     for start in range(0, targets.numel(), chunk_tokens):
         piece = slice(start, start + chunk_tokens)

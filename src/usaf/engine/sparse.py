@@ -20,6 +20,7 @@ from torch import nn
 from usaf import kernels
 from usaf.engine.costs import VALUE_DTYPE, index_dtype
 from usaf.kernels import Segments
+from usaf.kernels.host import read_int
 
 # torch's sampled dense-dense product needs a CSR pattern; building one warns on every call.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
@@ -112,7 +113,7 @@ class ElementEntries(_Entries):
 
     def _set_indices(self, flat: torch.Tensor) -> None:
         flat = flat.to(device=self.values.device, dtype=torch.int64)
-        if flat.numel() > 1 and not bool((flat[1:] > flat[:-1]).all()):
+        if flat.numel() > 1 and not read_int((flat[1:] > flat[:-1]).all(), 1):  # once per selection
             raise ValueError("ElementEntries needs sorted, unique flat indices.")
         expert = torch.div(flat, self.per_expert, rounding_mode="floor")
         _, offsets = kernels.offsets_of(expert, self.num_experts)
@@ -145,7 +146,7 @@ class ElementEntries(_Entries):
         cached until it changes)."""
         key = (self.expert_offsets.data_ptr(), self.local_indices.numel())
         if self._grouping is None or self._grouping[0] != key:
-            self._grouping = (key, Segments.from_offsets(self.expert_offsets))
+            self._grouping = (key, Segments.from_offsets(self.expert_offsets, key[1]))
         return self._grouping[1]
 
     def expanded_flat_indices(self) -> torch.Tensor:

@@ -21,8 +21,17 @@ import torch
 
 from usaf.errors import ConfigError
 from usaf.kernels import torch_path, triton_path  # triton_path imports without Triton (then unavailable)
+from usaf.kernels.host import balanced, pinned, read_ints
 
 CHOICES = ("auto", "triton", "torch")
+
+
+def _balanced_among(total: int, parts: int, among: range | None) -> list[int]:
+    """`balanced(total, parts)`, or, with `among`, `total` spread over those parts alone (zero elsewhere)."""
+    if among is None:
+        return balanced(total, parts)
+    spread = iter(balanced(total, len(among)))
+    return [next(spread) if i in among else 0 for i in range(parts)]
 
 
 @dataclass
@@ -41,15 +50,23 @@ class Segments:
         return cls(host_ints_to_device([0, *itertools.accumulate(counts)], device), list(counts))
 
     @classmethod
-    def of(cls, ids: torch.Tensor, num_segments: int) -> Segments:
-        """The segments `ids` (each item's segment, ascending) group items into; reads the counts to the host."""
+    def of(
+        cls, ids: torch.Tensor, num_segments: int, among: range | None = None, known: list[int] | None = None
+    ) -> Segments:
+        """The segments `ids` (each item's segment, ascending) group items into; reads the counts to the host,
+        unless they are `known` (read by the caller already). `among`: the only segments the ids can name (an
+        expert-parallel rank's own experts), where balanced data spreads them (a simulation's plausible counts)."""
         counts, offsets = torch_path.offsets_of(ids, num_segments)
-        return cls(offsets, counts.tolist())
+        if known is not None:
+            return cls(offsets, list(known))
+        return cls(offsets, read_ints(counts, lambda: _balanced_among(ids.numel(), num_segments, among)))
 
     @classmethod
-    def from_offsets(cls, offsets: torch.Tensor) -> Segments:
-        """Segments from device offsets; reads the counts to the host."""
-        return cls(offsets, (offsets[1:] - offsets[:-1]).tolist())
+    def from_offsets(cls, offsets: torch.Tensor, total: int | None = None) -> Segments:
+        """Segments from device offsets; reads the counts to the host. `total`: the items they group, where the
+        caller knows it (a simulation spreads them evenly)."""
+        parts = offsets.numel() - 1
+        return cls(offsets, read_ints(offsets[1:] - offsets[:-1], lambda: balanced(total or 0, parts)))
 
     @classmethod
     def single(cls, count: int, device) -> Segments:
@@ -100,7 +117,7 @@ def host_ints_to_device(values: list[int], device) -> torch.Tensor:
     device = torch.device(device)
     if device.type == "cpu":
         return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return pinned(tensor).to(device, non_blocking=True)
 
 
 _choice = "auto"

@@ -27,7 +27,9 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def offsets_of(ids: torch.Tensor, num_segments: int, dtype=torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
     """(counts [n], offsets [n + 1]) of the segments that `ids` (each item's segment, ascending) group items into."""
-    counts = torch.bincount(ids, minlength=num_segments)
+    # not bincount: its output size depends on the largest id, which a GPU reads back to the host (a sync)
+    counts = torch.zeros(num_segments, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, ids.long(), torch.ones_like(ids, dtype=torch.int64))
     return counts, F.pad(torch.cumsum(counts, 0, dtype=dtype), (1, 0))
 
 

@@ -541,9 +541,11 @@ def _workspace(ledger: _Ledger, shape: ModelShape, s: PlanSettings, residency: s
         )
         ledger.add(
             "dequant workspace",
-            elements * (2 * d + descriptor(s.quant).temporaries),
+            # the last chunk (d) and the one being built: its dequantization's peak, its output included (the
+            # output alone for a kernel that writes it directly)
+            elements * (d + max(d, descriptor(s.quant).temporaries)),
             f"routed experts of one projection in chunks of <= {s.workspace_mb} MB (one expert at least, and a "
-            "scratch expert): the chunk being built with its temporaries while the last is alive",
+            "scratch expert): the chunk being built at its dequantization's peak while the last is alive",
             phases=frozenset({LAYER}),
         )
     if residency in ("host", "mmap"):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from usaf.engine import expert_parallel
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
+from usaf.kernels.host import read_int, read_ints
 
 
 def active() -> bool:
@@ -41,7 +42,9 @@ def job_expert_count(local: int) -> int:
     if expert_parallel.layout() is None:
         return local
     summed = torch.tensor([float(local)], dtype=torch.float64)
-    return int(expert_parallel.expert_sum(summed, from_every_rank=False)[0])
+    summed = expert_parallel.expert_sum(summed, from_every_rank=False)
+    # balanced: every rank of the group trains as many
+    return read_int(summed.sum(), local * expert_parallel.layout().ep)
 
 
 def main_first(make):
@@ -112,6 +115,14 @@ def check_joined() -> None:
         )
 
 
+def _same(chosen: torch.Tensor, selection: torch.Tensor) -> bool:
+    """Whether rank 0's selection is this rank's (on the host: the comparison's one read goes through
+    usaf.kernels.host, where a simulation answers that the ranks calibrated alike)."""
+    if chosen.shape != selection.shape:
+        return False
+    return not read_int((chosen.cpu() != selection.cpu()).any(), 0)
+
+
 def selection_buffers(model: torch.nn.Module) -> list[str]:
     """Names of the buffers that hold the selection (indices, base values): identical on every rank once
     `broadcast_trainable` ran, so torch's DDP must not broadcast them again before every forward."""
@@ -136,17 +147,15 @@ def broadcast_trainable(model: torch.nn.Module) -> None:
             selection = getattr(entries, entries.selection_name)
             sizes = torch.tensor(list(selection.shape) + [0] * (3 - selection.dim()), device=comm)
             dist.broadcast(sizes, 0)
-            shape = [s for s in sizes.tolist() if s]
+            shape = [s for s in read_ints(sizes, list(selection.shape)) if s]
             if is_main():
                 chosen = selection.to(comm)
             else:
                 chosen = torch.empty(shape, dtype=selection.dtype, device=comm)
             dist.broadcast(chosen, 0)
-            differs = torch.tensor(
-                [int(not is_main() and not torch.equal(chosen.cpu(), selection.cpu()))], device=comm
-            )
+            differs = torch.tensor([int(not is_main() and not _same(chosen, selection))], device=comm)
             dist.all_reduce(differs, op=dist.ReduceOp.MAX)
-            if not differs.item():
+            if not read_int(differs, 0):  # (the ranks calibrated alike)
                 continue
             # some rank calibrated to another selection (a nondeterministic kernel): rank 0's is taken, with its
             # base and trained values

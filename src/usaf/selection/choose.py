@@ -17,6 +17,7 @@ import torch
 
 from usaf.engine.loss import IGNORE_INDEX
 from usaf.errors import ConfigError
+from usaf.kernels.host import read_int
 from usaf.model.layout import ExpertGeometry
 from usaf.registry import SCORERS, STRATEGIES
 from usaf.selection import calibrate
@@ -170,7 +171,8 @@ def calibration_sample(batches, config) -> list:
 
 
 def supervised_tokens(batch) -> int:
-    return int((batch["labels"] != IGNORE_INDEX).sum())
+    labels = batch["labels"]
+    return read_int((labels != IGNORE_INDEX).sum(), labels.numel())
 
 
 def _tensor_unit(key, layer, name, store, target="experts") -> TensorUnit:

@@ -28,6 +28,7 @@ from usaf.engine.installed import row_observers, sparse_experts
 from usaf.engine.sparse import LineProbe, line_flat_indices
 from usaf.engine.state import model_state
 from usaf.errors import ConfigError
+from usaf.kernels.host import read_ints
 from usaf.model.layout import ExpertGeometry, find_moe_layers
 from usaf.selection import across_ranks
 from usaf.selection.candidates import NeuronImportance, best_neurons, best_rows, lines_wanted
@@ -306,8 +307,11 @@ class Reselector:
                 shapes[i, 0] = value.dim() + 1
                 shapes[i, 1 : 1 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
         dist.all_reduce(shapes, op=dist.ReduceOp.MAX)
+        # one read a step (a host sync under NCCL); where every rank holds every statistic, its own shapes
+        flat = read_ints(shapes.reshape(-1), lambda: _shape_rows(slots))
+        rows = [flat[i : i + 5] for i in range(0, len(flat), 5)]
         tensors = []
-        for (holder, attr, _), row in zip(slots, shapes.tolist(), strict=True):
+        for (holder, attr, _), row in zip(slots, rows, strict=True):
             if row[0] == 0:
                 continue
             if getattr(holder, attr) is None:
@@ -350,6 +354,17 @@ class Reselector:
                 probe = LineProbe(store.shape, axis, value.to(store.device))
                 probe.score.copy_(tensors[f"probe/{path}/{name}/score"])
                 self._all()[path].probes[name] = probe
+
+
+def _shape_rows(slots) -> list[int]:
+    """`after_backward`'s shape table of this rank's statistics, flat: per slot its dimensions + 1, then its sizes
+    (zeros for one this rank lacks)."""
+    flat = []
+    for holder, attr, _ in slots:
+        value = getattr(holder, attr)
+        row = [0] * 5 if value is None else [value.dim() + 1, *value.shape, *[0] * (4 - value.dim())]
+        flat += row
+    return flat
 
 
 def _remap_optimizer_state(optimizer, param: torch.nn.Parameter, old_position: torch.Tensor) -> None:

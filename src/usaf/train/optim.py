@@ -29,6 +29,7 @@ from usaf.engine.base_weights import starting_values
 from usaf.engine.costs import MOMENT_DTYPES, bucket_limit
 from usaf.engine.installed import sparse_modules
 from usaf.errors import UsafError
+from usaf.kernels.host import read_float
 from usaf.model.hf import transformers_scheduler
 from usaf.model.layout import find_moe_layers
 from usaf.train.objectives import OBJECTIVES
@@ -72,7 +73,15 @@ def position_noise(keys: list[int], firsts: list[int], sizes: list[int], device)
     )
     at = torch.arange(sum(sizes), device=device, dtype=torch.int64)
     at += torch.repeat_interleave(offsets.to(device), counts, output_size=sum(sizes))
-    z = at * 0x2545F4914F6CDD1D + torch.repeat_interleave(torch.tensor(keys, device=device), counts) + _MIX[0]
+    z = (
+        at * 0x2545F4914F6CDD1D
+        + torch.repeat_interleave(
+            torch.tensor(keys, device=device),
+            counts,
+            output_size=sum(sizes),  # known: no read of its size
+        )
+        + _MIX[0]
+    )
     z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX[1]
     z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX[2]
     z = z ^ ((z >> 31) & ((1 << 33) - 1))
@@ -446,9 +455,12 @@ def clip_gradients(model, max_norm: float) -> float:
         return _clip_expert_parallel(model, params, max_norm)
     if not params:
         return 0.0
+    # the step's one read of its gradients (the skip policy needs the norm on the host)
     if max_norm and max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False))
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+        return read_float(torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False), 1.0)
+    return read_float(
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])), 1.0
+    )
 
 
 def _clip_expert_parallel(model, params: list, max_norm: float) -> float:
@@ -462,7 +474,7 @@ def _clip_expert_parallel(model, params: list, max_norm: float) -> float:
         for p, norm in zip(params, norms, strict=True):
             squares[0 if id(p) in experts else 1] += norm.pow(2)
     squares[0] = expert_parallel.expert_sum(squares[:1], from_every_rank=False)[0]
-    norm = float(squares.sum().sqrt())
+    norm = read_float(squares.sum().sqrt(), 1.0)  # on the host: the norms came in one read
     if max_norm and max_norm > 0 and norm > max_norm and math.isfinite(norm):
         for p in params:
             p.grad.mul_(max_norm / (norm + 1e-6))
