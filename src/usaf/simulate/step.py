@@ -49,7 +49,7 @@ from usaf.model.targets import find_target_weights
 from usaf.planner.sizes import format_size
 from usaf.prepare import enable_recomputation, prepare_model
 from usaf.registry import STRATEGIES
-from usaf.selection import across_ranks, calibrate
+from usaf.selection import across_ranks, calibrate, reselect
 from usaf.selection.budget import weight_budgets
 from usaf.selection.reselect import Reselector
 from usaf.selection.saved import Chosen
@@ -378,8 +378,6 @@ def _patched(tracker: MemoryTracker, counts: Counts):
     expert_parallel.keep_owned = lambda chosen, stores: chosen
     stack.callback(setattr, expert_parallel, "keep_owned", keep_owned)
 
-    from usaf.selection import reselect
-
     def read(kind):
         counts.syncs += 1
         counts.sync_sites[
@@ -515,7 +513,9 @@ def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
     tracker = MemoryTracker(CARD.type)
     objective = OBJECTIVES[config.train.objective]
     kernels.use("torch")  # Triton's kernels do not run on fake tensors (see `kernels`)
-    if STRATEGY not in STRATEGIES:
+    # the stand-in selection, registered while the simulation runs (never a choice a run's config sees)
+    registered = STRATEGY not in STRATEGIES
+    if registered:
         STRATEGIES.register(SimulatedSelection())
     mismatches: list[str] = []
     notes: list[str] = []
@@ -603,6 +603,9 @@ def simulate(plan, config_json: dict, rank: int = 0) -> Simulation:
                 reselection = _reselect(reselector, step_number, optimizer, tracker, counts)
     except FINDINGS as err:
         mismatches.append(_finding(err))
+    finally:
+        if registered:
+            STRATEGIES.unregister(STRATEGY)
     if not step.syncs and mismatches:  # stopped before the measured step's end: what was reached
         device_peak, device_lines = tracker.peak[DEVICE], dict(tracker.at_peak[DEVICE])
         line_max = {tag: n for (where, tag), n in tracker.line_max.items() if where == DEVICE and n}
