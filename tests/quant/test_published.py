@@ -280,3 +280,18 @@ def test_an_unquantized_expert_tensor_in_a_published_checkpoint_is_one_line(tmp_
     err = capsys.readouterr().err
     assert "gate_up_proj' in" in err and "is not quantized although the checkpoint declares mxfp4" in err
     assert "Traceback" not in err and not (tmp_path / "store").exists()
+
+
+def test_train_takes_a_store_prepared_from_a_published_checkpoint(checkpoints, tmp_path, monkeypatch, capsys):
+    """A store of published MXFP4 experts is a model of `usaf train` (its format is the store's, which no
+    model.quant names: it was refused as `model.quant = 'mxfp4' is not allowed`)."""
+    monkeypatch.setenv("USAF_CACHE", str(tmp_path / "cache"))
+    store = prepare_store(checkpoints["mxfp4"], tmp_path / "store", device="cpu")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"copy {w} ->", "completion": f" {w}"}) + "\n" for w in "abc"))
+    sets = ["schedule.max_steps=1", "data.max_seq_len=32", "data.batch_size=2", "select.density=0.05"]
+    sets += ["log.progress=false", "log.tensorboard=false", "data.eval_fraction=0", "model.residency=host"]
+    run = tmp_path / "run"
+    argv = ["train", f"--model={store}", f"--data={data}", f"--out={run}", *[f"--set={s}" for s in sets]]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert (run / "metrics.jsonl").exists()
