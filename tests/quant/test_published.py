@@ -282,6 +282,28 @@ def test_an_unquantized_expert_tensor_in_a_published_checkpoint_is_one_line(tmp_
     assert "Traceback" not in err and not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
+def test_prepare_with_quant_given_stores_published_experts_at_that_format(checkpoints, kind, tmp_path):
+    """`usaf prepare --quant int8` on a published checkpoint: its experts dequantized one at a time and stored as
+    int8 (a 31 GB FP8 Qwen3-30B-A3B becomes a 16 GB NF4 store); without --quant the published bytes are kept."""
+    folder = checkpoints[kind]
+    store = tmp_path / "store"
+    assert main(["prepare", str(folder), "--quant", "int8", "--out", str(store), "--device", "cpu"]) == 0
+    metadata = read_store_metadata(store)
+    assert metadata["quant"] == "int8" and metadata["requested_quant"] == "int8"
+    experts = [t for t in metadata["tensors"].values() if t["kind"] == "experts"]
+    assert experts and all(t["format"] == "int8" and "constants" not in t for t in experts)
+    model = load_prepared(store, folder, usaf.UsafConfig(**CONFIG), device="cpu", dtype=torch.float32)
+    plain = reference(folder, kind).float()
+    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # int8 of the dequantized published weights: the published model within int8's error
+        got, want = model(input_ids=ids).logits, plain(input_ids=ids).logits
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    kept = tmp_path / "kept"
+    assert main(["prepare", str(folder), "--out", str(kept), "--device", "cpu"]) == 0
+    assert read_store_metadata(kept)["quant"] == kind
+
+
 def test_train_takes_a_store_prepared_from_a_published_checkpoint(checkpoints, tmp_path, monkeypatch, capsys):
     """A store of published MXFP4 experts is a model of `usaf train` (its format is the store's, which no
     model.quant names: it was refused as `model.quant = 'mxfp4' is not allowed`)."""
