@@ -317,3 +317,27 @@ def test_train_takes_a_store_prepared_from_a_published_checkpoint(checkpoints, t
     argv = ["train", f"--model={store}", f"--data={data}", f"--out={run}", *[f"--set={s}" for s in sets]]
     assert main(argv) == 0, capsys.readouterr().err
     assert (run / "metrics.jsonl").exists()
+
+
+def test_full_size_writer_has_the_tiny_builders_layout_sharded_with_an_index(checkpoints, tmp_path):
+    """write_full_published (scripts/make_published_checkpoints.py --full) streams a preset's shapes into the
+    published layout: at the tiny builders' config, the same names, shapes and dtypes, split into shards that
+    model.safetensors.index.json maps, every value finite, the same bytes from the same seed."""
+    from usaf.testing.published import write_full_published
+
+    for kind, zero_based in (("mxfp4", True), ("fp8", False)):
+        config = json.loads((checkpoints[kind] / "config.json").read_text())
+        want = {k: (tuple(v.shape), v.dtype) for k, v in tensors_of(checkpoints[kind]).items()}
+        folder = write_full_published(tmp_path / kind, config, block=BLOCK, shard_bytes=20_000)
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        assert len(files) > 2 and files[0].startswith("model-00000-" if zero_based else "model-00001-")
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        assert sorted(set(index["weight_map"].values())) == files
+        got = tensors_of(folder)
+        assert {k: (tuple(v.shape), v.dtype) for k, v in got.items()} == want
+        assert index["weight_map"].keys() == got.keys()
+        assert json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"] == kind
+        again = tensors_of(write_full_published(tmp_path / f"{kind}-again", config, block=BLOCK))
+        assert all(torch.equal(got[k].view(torch.uint8), again[k].view(torch.uint8)) for k in got)
+        model = reference(folder, kind)  # transformers dequantizes it
+        assert all(torch.isfinite(p).all() for p in model.parameters())
