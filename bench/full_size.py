@@ -235,9 +235,20 @@ def load_state(work: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"models": {}, "removed": []}
 
 
-def save_state(work: Path, state: dict) -> None:
-    tmp = work / "state.json.tmp"
-    tmp.write_text(json.dumps(state, indent=2, default=str))
+def save_state(work: Path, state: dict, models: list[str]) -> None:
+    """Written merged into what is on disk: another model's phases may be running in another process."""
+    merged = load_state(work)
+    for key, value in state.items():
+        if key == "models":
+            merged["models"].update({m: value[m] for m in models if m in value})
+        elif key == "removed":
+            seen = {json.dumps(r, sort_keys=True) for r in merged["removed"]}
+            merged["removed"] += [r for r in value if json.dumps(r, sort_keys=True) not in seen]
+        else:
+            merged.setdefault(key, value)
+    state.update(merged)
+    tmp = work / f"state.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(merged, indent=2, default=str))
     os.replace(tmp, work / "state.json")
 
 
@@ -258,7 +269,7 @@ def markdown(state: dict, command: str) -> str:
     out = ["# Full size on this machine: gpt-oss-20b (MXFP4) and Qwen3-30B-A3B (FP8 -> NF4)", "",
            f"Made by `{command}` (phases run one at a time, in the background, into WORK/state.json).", ""]
     m = state.get("machine", {})
-    out += [f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {fmt_gb(m.get('ram_bytes'))} RAM; disk read "
+    out += [f"Machine: {m.get('processor', '?')}, {m.get('cpus', '?')} cores, {fmt_gb(m.get('ram_bytes'))} RAM; disk read "
             f"rate {state.get('disk', {}).get('mb_per_s', '?')} MB/s (dd iflag=direct of a fresh file).", ""]
     for model, phases in state["models"].items():
         out += [f"## {model}", ""]
@@ -343,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         for phase in phases if not args.write or args.dry_run else []:
             record = run_phase(model, phase, args.work, state, args)
             done[phase] = record
-            save_state(args.work, state)
+            save_state(args.work, state, models)
             print(f"{model} {phase}: {'ok' if record['returncode'] == 0 else 'FAILED'} {record['wall_s']:.0f} s, "
                   f"peak {fmt_gb(record['peak_host_bytes'])}", flush=True)
             if record["returncode"] != 0:
@@ -352,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
         for what in [w for w in args.rm.split(",") if w]:
             remove(args.work, model, what, state)
-            save_state(args.work, state)
+            save_state(args.work, state, models)
     command = "python bench/full_size.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     text = markdown(state, command)
     if args.write or args.dry_run:
