@@ -34,7 +34,9 @@ FULL = ("gpt-oss-20b", "qwen3-30b-a3b")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder to write the checkpoints into (must not exist yet)")
-    parser.add_argument("--full", choices=FULL, help="write this preset at full size instead of the tiny ones")
+    parser.add_argument(
+        "--full", choices=FULL, help="write this preset at full size instead of the tiny ones"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (--full)")
     args = parser.parse_args()
     if args.out.exists() and not args.full:

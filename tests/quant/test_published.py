@@ -296,7 +296,8 @@ def test_prepare_with_quant_given_stores_published_experts_at_that_format(checkp
     model = load_prepared(store, folder, usaf.UsafConfig(**CONFIG), device="cpu", dtype=torch.float32)
     plain = reference(folder, kind).float()
     ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # int8 of the dequantized published weights: the published model within int8's error
+    # int8 of the dequantized published weights: the published model within int8's error
+    with torch.no_grad():
         got, want = model(input_ids=ids).logits, plain(input_ids=ids).logits
     assert (got - want).abs().max() < 0.05 * want.abs().max()
     kept = tmp_path / "kept"
@@ -310,7 +311,9 @@ def test_train_takes_a_store_prepared_from_a_published_checkpoint(checkpoints, t
     monkeypatch.setenv("USAF_CACHE", str(tmp_path / "cache"))
     store = prepare_store(checkpoints["mxfp4"], tmp_path / "store", device="cpu")
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"copy {w} ->", "completion": f" {w}"}) + "\n" for w in "abc"))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"copy {w} ->", "completion": f" {w}"}) + "\n" for w in "abc")
+    )
     sets = ["schedule.max_steps=1", "data.max_seq_len=32", "data.batch_size=2", "select.density=0.05"]
     sets += ["log.progress=false", "log.tensorboard=false", "data.eval_fraction=0", "model.residency=host"]
     run = tmp_path / "run"

@@ -149,7 +149,8 @@ def _random_rows(kind: str, shape: tuple[int, ...], gen: torch.Generator, dtype:
         return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
     if kind == "exponents":  # MXFP4 scales 2**(s - 127), s in 119..121
         return torch.randint(119, 122, shape, generator=gen, dtype=torch.uint8)
-    if kind == "fp8":  # random e4m3 bytes with the exponent's top bit cleared: |v| <= 1.875, never NaN, RMS 0.6
+    # FP8: random e4m3 bytes with the exponent's top bit cleared: |v| <= 1.875, never NaN, RMS 0.6
+    if kind == "fp8":
         count = math.prod(shape)
         words = torch.empty(-(-count // 8), dtype=torch.int64).random_(generator=gen)
         return words.view(torch.uint8)[:count].bitwise_and_(0xBF).view(torch.float8_e4m3fn).reshape(shape)
@@ -181,7 +182,12 @@ def _gpt_oss_specs(config: dict) -> list[list[_Spec]]:
             _Spec(p + "post_attention_layernorm.weight", (h,), bf16, "ones"),
             _Spec(p + "self_attn.sinks", (heads,), bf16, "zeros"),
         ]
-        for proj, out, inp in (("q", heads * hd, h), ("k", kv * hd, h), ("v", kv * hd, h), ("o", h, heads * hd)):
+        for proj, out, inp in (
+            ("q", heads * hd, h),
+            ("k", kv * hd, h),
+            ("v", kv * hd, h),
+            ("o", h, heads * hd),
+        ):
             layer += [
                 _Spec(p + f"self_attn.{proj}_proj.weight", (out, inp), bf16, "normal"),
                 _Spec(p + f"self_attn.{proj}_proj.bias", (out,), bf16, "zeros"),
@@ -228,12 +234,19 @@ def _qwen3_moe_fp8_specs(config: dict, block: int) -> list[list[_Spec]]:
             _Spec(p + "self_attn.q_norm.weight", (hd,), bf16, "ones"),
             _Spec(p + "self_attn.k_norm.weight", (hd,), bf16, "ones"),
         ]
-        for proj, out, inp in (("q", heads * hd, h), ("k", kv * hd, h), ("v", kv * hd, h), ("o", h, heads * hd)):
+        for proj, out, inp in (
+            ("q", heads * hd, h),
+            ("k", kv * hd, h),
+            ("v", kv * hd, h),
+            ("o", h, heads * hd),
+        ):
             layer += fp8(p + f"self_attn.{proj}_proj", out, inp)
         layer.append(_Spec(p + "mlp.gate.weight", (e, h), bf16, "normal"))
         for x in range(e):
             q = p + f"mlp.experts.{x}."
-            layer += fp8(q + "gate_proj", inter, h) + fp8(q + "up_proj", inter, h) + fp8(q + "down_proj", h, inter)
+            layer += (
+                fp8(q + "gate_proj", inter, h) + fp8(q + "up_proj", inter, h) + fp8(q + "down_proj", h, inter)
+            )
         groups.append(layer)
     groups.append(
         [_Spec("model.norm.weight", (h,), bf16, "ones"), _Spec("lm_head.weight", (vocab, h), bf16, "normal")]
@@ -305,7 +318,7 @@ def write_full_published(
     folder.mkdir(parents=True, exist_ok=True)
     total = sum(_spec_bytes(s) for shard in shards_of for s in shard)
     done, weight_map = 0, {}
-    for file, specs in zip(names, shards_of):
+    for file, specs in zip(names, shards_of, strict=True):
         planned = [shards.PlannedTensor(s.name, s.dtype, s.shape) for s in specs]
         writer = shards.StreamingWriter(folder / file, planned, metadata={"format": "pt"})
         for spec in specs:
