@@ -316,7 +316,8 @@ def save_state(work: Path, state: dict, models: list[str]) -> None:
     merged = load_state(work)
     for key, value in state.items():
         if key == "models":
-            merged["models"].update({m: value[m] for m in models if m in value})
+            for m in models:  # phase by phase: two processes may run phases of one model
+                merged["models"].setdefault(m, {}).update(value.get(m, {}))
         elif key == "removed":
             seen = {json.dumps(r, sort_keys=True) for r in merged["removed"]}
             merged["removed"] += [r for r in value if json.dumps(r, sort_keys=True) not in seen]
