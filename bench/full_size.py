@@ -380,14 +380,21 @@ def markdown(state: dict, command: str) -> str:
                 err = f"{r['peak_host_bytes'] / planned - 1:+.1%}"
             extra = ""
             if phase == "prepare":
+                disk = state.get("disk", {}).get("mb_per_s")
                 extra = (
-                    f"{r['source_mb_per_s']} MB/s of source ({fmt_gb(r['source_bytes'])} -> store "
-                    f"{fmt_gb(r['store_bytes'])})"
+                    f"{r['source_mb_per_s']} MB/s of source against the disk's {disk} MB/s "
+                    f"({fmt_gb(r['source_bytes'])} -> store {fmt_gb(r['store_bytes'])})"
                 )
+                if r.get("interrupted"):
+                    extra = f"stopped: {r['interrupted']}"
             if phase == "make":
                 extra = f"{fmt_gb(r.get('bytes_written'))}, {len(r.get('shards', []))} shards"
             if phase == "merged":
                 extra = fmt_gb(r.get("merged_bytes"))
+            if phase == "generate" and r.get("rows"):
+                extra = "; ".join(
+                    json.dumps(row.get("completion", row.get("output", row)))[:80] for row in r["rows"]
+                )
             if phase == "train" and r.get("metrics"):
                 losses = [x.get("loss") for x in r["metrics"] if "loss" in x]
                 extra = "loss " + ", ".join(f"{x:.3f}" for x in losses if x is not None)
@@ -465,10 +472,10 @@ def main(argv: list[str] | None = None) -> int:
         state["disk"] = disk_read_rate(args.work, 64 if args.dry_run else 2048)
     failed = False
     for model in models:
-        done = state["models"].setdefault(model, {})
+        state["models"].setdefault(model, {})
         for phase in phases if not args.write or args.dry_run else []:
             record = run_phase(model, phase, args.work, state, args)
-            done[phase] = record
+            state["models"][model][phase] = record  # not a dict kept across phases: save_state replaces it
             save_state(args.work, state, models)
             print(
                 f"{model} {phase}: {'ok' if record['returncode'] == 0 else 'FAILED'} {record['wall_s']:.0f} s, "
