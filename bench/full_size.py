@@ -399,11 +399,16 @@ def markdown(state: dict, command: str) -> str:
                 losses = [x.get("loss") for x in r["metrics"] if "loss" in x]
                 extra = "loss " + ", ".join(f"{x:.3f}" for x in losses if x is not None)
             status = "ok" if r["returncode"] == 0 else f"FAILED ({r['returncode']})"
+            if phase == "plan" and r["returncode"] == 1:
+                status = "verdict: does not fit"
             planned_cell = plan_cell + (f" ({err})" if err else "")
             rows.append(
                 [phase, status, f"{r['wall_s']:.0f} s", fmt_gb(r["peak_host_bytes"]), planned_cell, extra]
             )
-        out += harness.table(["phase", "status", "wall", "host peak (child)", "planned host", "notes"], rows)
+        out += harness.table(
+            ["phase", "status", "wall", "host peak (child)", "planned host (measured against it)", "notes"],
+            rows,
+        )
         out.append("")
     if state.get("removed"):
         out += ["Deleted along the way (peak disk):", ""]
