@@ -280,3 +280,67 @@ def test_an_unquantized_expert_tensor_in_a_published_checkpoint_is_one_line(tmp_
     err = capsys.readouterr().err
     assert "gate_up_proj' in" in err and "is not quantized although the checkpoint declares mxfp4" in err
     assert "Traceback" not in err and not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
+def test_prepare_with_quant_given_stores_published_experts_at_that_format(checkpoints, kind, tmp_path):
+    """`usaf prepare --quant int8` on a published checkpoint: its experts dequantized one at a time and stored as
+    int8 (a 31 GB FP8 Qwen3-30B-A3B becomes a 16 GB NF4 store); without --quant the published bytes are kept."""
+    folder = checkpoints[kind]
+    store = tmp_path / "store"
+    assert main(["prepare", str(folder), "--quant", "int8", "--out", str(store), "--device", "cpu"]) == 0
+    metadata = read_store_metadata(store)
+    assert metadata["quant"] == "int8" and metadata["requested_quant"] == "int8"
+    experts = [t for t in metadata["tensors"].values() if t["kind"] == "experts"]
+    assert experts and all(t["format"] == "int8" and "constants" not in t for t in experts)
+    model = load_prepared(store, folder, usaf.UsafConfig(**CONFIG), device="cpu", dtype=torch.float32)
+    plain = reference(folder, kind).float()
+    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+    # int8 of the dequantized published weights: the published model within int8's error
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits, plain(input_ids=ids).logits
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    kept = tmp_path / "kept"
+    assert main(["prepare", str(folder), "--out", str(kept), "--device", "cpu"]) == 0
+    assert read_store_metadata(kept)["quant"] == kind
+
+
+def test_train_takes_a_store_prepared_from_a_published_checkpoint(checkpoints, tmp_path, monkeypatch, capsys):
+    """A store of published MXFP4 experts is a model of `usaf train` (its format is the store's, which no
+    model.quant names: it was refused as `model.quant = 'mxfp4' is not allowed`)."""
+    monkeypatch.setenv("USAF_CACHE", str(tmp_path / "cache"))
+    store = prepare_store(checkpoints["mxfp4"], tmp_path / "store", device="cpu")
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"copy {w} ->", "completion": f" {w}"}) + "\n" for w in "abc")
+    )
+    sets = ["schedule.max_steps=1", "data.max_seq_len=32", "data.batch_size=2", "select.density=0.05"]
+    sets += ["log.progress=false", "log.tensorboard=false", "data.eval_fraction=0", "model.residency=host"]
+    run = tmp_path / "run"
+    argv = ["train", f"--model={store}", f"--data={data}", f"--out={run}", *[f"--set={s}" for s in sets]]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert (run / "metrics.jsonl").exists()
+
+
+def test_full_size_writer_has_the_tiny_builders_layout_sharded_with_an_index(checkpoints, tmp_path):
+    """write_full_published (scripts/make_published_checkpoints.py --full) streams a preset's shapes into the
+    published layout: at the tiny builders' config, the same names, shapes and dtypes, split into shards that
+    model.safetensors.index.json maps, every value finite, the same bytes from the same seed."""
+    from usaf.testing.published import write_full_published
+
+    for kind, zero_based in (("mxfp4", True), ("fp8", False)):
+        config = json.loads((checkpoints[kind] / "config.json").read_text())
+        want = {k: (tuple(v.shape), v.dtype) for k, v in tensors_of(checkpoints[kind]).items()}
+        folder = write_full_published(tmp_path / kind, config, block=BLOCK, shard_bytes=20_000)
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        assert len(files) > 2 and files[0].startswith("model-00000-" if zero_based else "model-00001-")
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        assert sorted(set(index["weight_map"].values())) == files
+        got = tensors_of(folder)
+        assert {k: (tuple(v.shape), v.dtype) for k, v in got.items()} == want
+        assert index["weight_map"].keys() == got.keys()
+        assert json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"] == kind
+        again = tensors_of(write_full_published(tmp_path / f"{kind}-again", config, block=BLOCK))
+        assert all(torch.equal(got[k].view(torch.uint8), again[k].view(torch.uint8)) for k in got)
+        model = reference(folder, kind)  # transformers dequantizes it
+        assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -68,12 +68,15 @@ def prepare_store(
     device: torch.device | str | None = None,
     max_file_bytes: int = DEFAULT_FILE_BYTES,
     progress: bool = False,
+    requantize_published: bool = False,
 ) -> Path:
     """Stream the safetensors checkpoint in `model_dir` into a prepared store at `out_dir`; returns `out_dir`.
 
     quant: expert format, "nf4" | "int8" | "int4" | "none" ("nf4" becomes "int4" where bitsandbytes has no
         kernels for `device`). A published MXFP4/FP8 checkpoint (`usaf.io.published`) keeps its own format
-        whatever `quant` says: its experts' bytes are copied as published, its other quantized weights dequantized.
+        whatever `quant` says: its experts' bytes are copied as published, its other quantized weights dequantized;
+        with `requantize_published` (`usaf prepare --quant` given), its experts are dequantized one at a time and
+        stored at `quant` instead (Qwen3-30B-A3B-FP8's 31 GB as a 16 GB NF4 store).
     quant_dense: also store the dense linear weights (attention, shared experts) as int8.
     device: where quantization runs (default: the accelerator torch sees, else the CPU).
     Peak memory is a small multiple of the largest single checkpoint tensor (one expert for stacked experts).
@@ -85,13 +88,14 @@ def prepare_store(
         raise ModelError(f"{model_dir} has no config.json; pass a Hugging Face model directory.")
     config = load_config(model_dir)
     method = published.checkpoint_method(model_dir)
-    fmt_name = _store_format(model_dir, method, quant, device)
+    convert = method is not None and requantize_published and quant not in published.METHODS
+    fmt_name = resolve_format(quant, device) if convert else _store_format(model_dir, method, quant, device)
     skeleton = build_skeleton(config)
     experts = expert_weight_names(find_moe_layers(skeleton))
     source = SourceCheckpoint(model_dir, skeleton, set(experts))
     dense_linear = _dense_linear_weights(skeleton) if quant_dense else set()
-    tensors = _plan_tensors(source, experts, fmt_name, dense_linear)
-    if method is not None:
+    tensors = _plan_tensors(source, experts, fmt_name, dense_linear, convert)
+    if method is not None and not convert:
         constants = published.format_constants(published.read_config(model_dir))
         for info in tensors.values():
             if info["kind"] == "experts":
@@ -102,7 +106,7 @@ def prepare_store(
         writers: dict[str, shards.StreamingWriter] = {}
         try:
             _open_writers(tmp, files, tensors, writers)
-            _write_tensors(source, tensors, writers, device, progress)
+            _write_tensors(source, tensors, writers, device, progress, convert)
         except BaseException:  # the files closed before their folder is removed
             for writer in writers.values():
                 with contextlib.suppress(Exception):
@@ -163,7 +167,7 @@ def _check_output(model_dir: Path, out_dir: Path, force: bool) -> None:
 
 
 def _plan_tensors(
-    source: SourceCheckpoint, experts: dict[str, int], fmt: str, dense_linear: set[str]
+    source: SourceCheckpoint, experts: dict[str, int], fmt: str, dense_linear: set[str], convert: bool = False
 ) -> dict:
     """Per model tensor: its format, shape, dtype, and the stored parts ({stored key: (dtype, shape)})."""
     tensors = {}
@@ -174,7 +178,7 @@ def _plan_tensors(
             if source.published:  # the checkpoint's own parts, as its conversion fuses them
                 layout = source.expert_part_shapes(name)
                 _check_published_layout(source, name, layout)
-            else:
+            if convert or not source.published:
                 layout = get_format(fmt).layout(shape[1], shape[2], target.dtype)
             stored = {f"{name}:{part}": (dtype, (shape[0], *s)) for part, (dtype, s) in layout.items()}
         elif name in dense_linear and len(shape) == 2:
@@ -231,17 +235,19 @@ def _assign_files(tensors: dict, max_file_bytes: int) -> dict[str, list[str]]:
     return {f"usaf-{i + 1:05d}-of-{count:05d}.safetensors": names for i, names in enumerate(groups)}
 
 
-def _write_tensors(source: SourceCheckpoint, tensors: dict, writers: dict, device, progress: bool) -> None:
+def _write_tensors(
+    source: SourceCheckpoint, tensors: dict, writers: dict, device, progress: bool, convert: bool = False
+) -> None:
     names = list(tensors)
     if not progress:
-        _write_each(source, tensors, writers, device, names)
+        _write_each(source, tensors, writers, device, names, convert)
         return
     from tqdm import tqdm
 
     # on a terminal only (disable=None): a log file or pipe gets no bar to break into the lines that follow
     bar = tqdm(names, desc="usaf prepare", unit="tensor", file=sys.stderr, disable=None)
     try:
-        _write_each(source, tensors, writers, device, bar)
+        _write_each(source, tensors, writers, device, bar, convert)
     except BaseException:
         bar.leave = False  # cleared: the error line that follows starts on a line of its own
         bar.close()
@@ -249,8 +255,9 @@ def _write_tensors(source: SourceCheckpoint, tensors: dict, writers: dict, devic
     bar.close()
 
 
-def _write_each(source: SourceCheckpoint, tensors: dict, writers: dict, device, names) -> None:
+def _write_each(source: SourceCheckpoint, tensors: dict, writers: dict, device, names, convert=False) -> None:
     done: set[str] = set()
+    constants = published.format_constants(published.read_config(source.dir)) if convert else {}
     for name in names:
         if name in done:
             continue
@@ -262,12 +269,18 @@ def _write_each(source: SourceCheckpoint, tensors: dict, writers: dict, device, 
             num_experts = info["shape"][0]
             expert_bytes = {key: _nbytes(dtype, shape[1:]) for key, (dtype, shape) in info["stored"].items()}
             for e in range(num_experts):
-                if source.published:  # copied as published: no re-quantization
+                if source.published and not convert:  # copied as published: no re-quantization
                     for part, value in source.expert_parts(name, e).items():
                         key = f"{name}:{part}"
                         writer.write(key, value, e * expert_bytes[key])
                     continue
-                weight = source.build_expert(name, e)
+                if convert:  # one published expert dequantized, then stored at the asked format
+                    parts = {p: v.unsqueeze(0) for p, v in source.expert_parts(name, e).items()}
+                    rows, cols = info["shape"][1], info["shape"][2]
+                    published_fmt = get_format(source.published)
+                    weight = published_fmt.dequantize(parts, rows, cols, torch.bfloat16, **constants)[0]
+                else:
+                    weight = source.build_expert(name, e)
                 _check_finite(weight, source, name, source.expert_source_keys(name, e), f"expert {e} of ")
                 offsets = {key: e * size for key, size in expert_bytes.items()}
                 for piece in fmt.pieces(weight, _PIECE_ELEMENTS):

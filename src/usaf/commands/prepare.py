@@ -19,10 +19,11 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--quant",
-        default="nf4",
+        default=None,
         choices=list(FORMATS),
         help="experts' format (default nf4; becomes int4 where bitsandbytes has no kernels for the device; a "
-        "published MXFP4/FP8 checkpoint keeps its own experts' bytes)",
+        "published MXFP4/FP8 checkpoint keeps its own experts' bytes unless --quant is given: then its experts "
+        "are dequantized one at a time and stored at --quant)",
     )
     parser.add_argument("--quant-dense", action="store_true", help="store dense linear layers as int8 too")
     parser.add_argument(
@@ -50,11 +51,12 @@ def run(args) -> int:
     out = prepare_store(
         args.model_dir,
         args.out,
-        args.quant,
+        args.quant or "nf4",
         args.quant_dense,
         force=args.force,
         device=_device(args.device),
         progress=True,
+        requantize_published=args.quant is not None,
     )
     metadata = read_store_metadata(out)
     stored = sum(info["size"] for info in metadata["files"].values())
@@ -63,7 +65,8 @@ def run(args) -> int:
     if metadata["quant"] in PUBLISHED:
         note = " (published: the checkpoint's own bytes, not re-quantized)"
     else:
-        note = "" if metadata["quant"] == args.quant else f" (bitsandbytes has no {args.quant} kernels here)"
+        asked = args.quant or "nf4"
+        note = "" if metadata["quant"] == asked else f" (bitsandbytes has no {asked} kernels here)"
     print(
         f"prepared {out}: {experts} expert tensors as {metadata['quant']}{note}, "
         f"{format_size(stored)} from {format_size(source)} in {time.time() - start:.0f} s"

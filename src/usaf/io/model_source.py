@@ -47,7 +47,9 @@ class ModelSource:
         A store given with another format is refused: a demanding user who names nf4 and points at an int8 store
         wants to be told, not to train on a format they did not ask for ("none" and the default "auto" ask for nothing)."""
         if self.kind == STORE:
-            if self.quant in METHODS or requested in ("none", "auto", self.quant, self.requested_quant):
+            if self.quant in METHODS:  # a published format, kept: no model.quant names it (the store says it)
+                return "none" if requested == "auto" else requested
+            if requested in ("none", "auto", self.quant, self.requested_quant):
                 return self.quant
             raise ConfigError(
                 f"{self.given} is a store prepared as {self.quant} (its {STORE_FILE}), but model.quant={requested}: drop "

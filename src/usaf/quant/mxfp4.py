@@ -38,20 +38,31 @@ def quantize(weight: torch.Tensor):
 
 
 @functools.cache
-def _lookup_table(device: torch.device) -> torch.Tensor:
-    """FP4 code -> value, once per device: a forward dequantizes per layer and chunk, each a host-to-device copy."""
-    return torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+def _byte_tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """byte -> its low and its high nibble's FP4 value, once per device and dtype (a forward dequantizes per
+    layer and chunk)."""
+    codes = torch.arange(256)
+    values = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    return values[codes & 0x0F].to(device, dtype), values[codes >> 4].to(device, dtype)
 
 
 def dequantize(parts: dict[str, torch.Tensor], rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """parts of k matrices ({"blocks": [k, cols, rows/32, 16], "scales": [k, cols, rows/32]}) -> [k, rows, cols]."""
+    """parts of k matrices ({"blocks": [k, cols, rows/32, 16], "scales": [k, cols, rows/32]}) -> [k, rows, cols].
+
+    The published bytes are output-major, the result input-major: the bytes are transposed (one byte a pair of
+    values) before two table lookups write the even and odd rows, so no value-sized transpose is copied (5x faster
+    on a CPU than looking up each nibble and transposing the values). FP4 values times a power of two are exact in
+    bf16 and fp32, which therefore compute in place; other dtypes go through fp32, as transformers' ldexp does."""
     groups = rows // BLOCK_SIZE
-    blocks = parts["blocks"].reshape(-1, cols, groups, BLOCK_SIZE // 2)
-    scales = parts["scales"].reshape(-1, cols, groups)
-    lut = _lookup_table(blocks.device)
-    values = torch.empty(*blocks.shape[:-1], BLOCK_SIZE, dtype=torch.float32, device=blocks.device)
-    values[..., 0::2] = lut[(blocks & 0x0F).int()]
-    values[..., 1::2] = lut[(blocks >> 4).int()]
-    # a power of two: exact in fp32, as transformers' ldexp is in the load dtype
-    values.mul_(torch.exp2(scales.float() - 127.0).unsqueeze(-1))
-    return values.reshape(-1, cols, rows).transpose(1, 2).to(dtype).contiguous()
+    blocks = parts["blocks"]
+    k = blocks.numel() // (cols * rows // 2)
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    low, high = _byte_tables(blocks.device, work)
+    pairs = blocks.reshape(k, cols, rows // 2).transpose(1, 2).contiguous().reshape(-1).int()
+    out = torch.empty(k, rows // 2, 2, cols, dtype=work, device=blocks.device)
+    out[:, :, 0] = low.index_select(0, pairs).view(k, rows // 2, cols)
+    out[:, :, 1] = high.index_select(0, pairs).view(k, rows // 2, cols)
+    del pairs
+    scales = parts["scales"].reshape(k, cols, groups).transpose(1, 2)
+    out.view(k, groups, BLOCK_SIZE, cols).mul_(torch.exp2(scales.float() - 127.0).to(work).unsqueeze(2))
+    return out.view(k, rows, cols).to(dtype)
