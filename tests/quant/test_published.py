@@ -322,6 +322,30 @@ def test_train_takes_a_store_prepared_from_a_published_checkpoint(checkpoints, t
     assert (run / "metrics.jsonl").exists()
 
 
+def test_a_published_checkpoint_keeps_its_format_unless_told_otherwise(
+    checkpoints, tmp_path, monkeypatch, capsys
+):
+    """model.quant=auto (the default) keeps a published MXFP4 checkpoint's experts as published, in the plan and in
+    the run; model.quant=int8 is never overridden: the plan plans int8 and the run trains on an int8 store."""
+    folder = checkpoints["mxfp4"]
+    assert main(["plan", "--model", str(folder)]) in (0, 1)
+    assert "  base:      experts mxfp4" in capsys.readouterr().out
+    assert main(["plan", "--model", str(folder), "--quant", "int8"]) in (0, 1)
+    assert "  base:      experts int8" in capsys.readouterr().out
+    monkeypatch.setenv("USAF_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": f"copy {w} {w}"}) + "\n" for w in "abc"))
+    sets = ["schedule.max_steps=1", "data.max_seq_len=32", "select.density=0.05", "log.progress=false"]
+    sets += ["log.tensorboard=false", "data.eval_fraction=0", "model.quant=int8"]
+    run = tmp_path / "run"
+    argv = ["train", f"--model={folder}", f"--data={data}", f"--out={run}", *[f"--set={s}" for s in sets]]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "stored as int8" in err and "  base:      experts int8" in out
+    stores = list((tmp_path / "cache" / "prepared").glob("*/usaf_store.json"))
+    assert len(stores) == 1 and read_store_metadata(stores[0].parent)["quant"] == "int8"
+
+
 def test_full_size_writer_has_the_tiny_builders_layout_sharded_with_an_index(checkpoints, tmp_path):
     """write_full_published (scripts/make_published_checkpoints.py --full) streams a preset's shapes into the
     published layout: at the tiny builders' config, the same names, shapes and dtypes, split into shards that

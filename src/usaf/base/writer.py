@@ -418,6 +418,8 @@ def ensure_prepared(
     )
     if (out_dir / STORE_FILE).exists():
         return out_dir
+    # a published checkpoint asked for at one of usaf's formats is converted; at its own, kept (`prepare_store`)
+    kwargs.setdefault("requantize_published", True)
     return prepare_store(model_dir, out_dir, quant, quant_dense, force=out_dir.exists(), **kwargs)
 
 

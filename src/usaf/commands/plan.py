@@ -281,7 +281,7 @@ def _dtype(args, run_config: RunConfig, device) -> str:
 def run(args: argparse.Namespace) -> int:
     from usaf import planner
     from usaf.io.model_source import STORE, model_source
-    from usaf.io.published import published_method
+    from usaf.io.published import keeps_published, published_method
 
     _check_numbers(args)
     named = model_source(args.model) if args.model else None  # read once: the run's or the model's
@@ -302,6 +302,10 @@ def run(args: argparse.Namespace) -> int:
         settings = settings.replace(quant=source.quant_for(args.quant or "none"))
     name, config = planner.load_model_config(model)
     method = published_method(config, model)  # any other quantization: refused as usaf train refuses it
+    if method is not None and not keeps_published(args.quant or run_config.model.quant):
+        method = (
+            None  # told otherwise: its experts are planned at the format asked for, as usaf train stores them
+        )
     if method is not None:  # its experts are planned as published, as usaf train keeps them
         settings = settings.replace(quant=method)
     shape = planner.model_shape(config, name)

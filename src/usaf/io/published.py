@@ -75,15 +75,29 @@ def checkpoint_method(path: str | Path) -> str | None:
     return published_method(config, path) if config is not None else None
 
 
+def keeps_published(requested: str) -> bool:
+    """Whether a run asking for model.quant=`requested` keeps a published checkpoint's experts as published: unless
+    told otherwise (a format of usaf's own named)."""
+    return requested in ("none", "auto") or requested in METHODS
+
+
 def quant_for(path: str | Path, requested: str) -> str:
-    """The frozen experts' format of a run on the checkpoint at `path`: a published checkpoint's own format,
-    said in one line (naming `requested` when another one was asked for), else `requested`."""
+    """The frozen experts' format of a run on the checkpoint at `path`: a published checkpoint's own format, unless
+    `requested` names one of usaf's (then its experts are dequantized and stored at it, one expert at a time), said
+    in one line; else `requested`."""
     method = checkpoint_method(path)
     if method is None:
         return requested
-    asked = f"model.quant={requested}: " if requested not in ("none", "auto", method) else ""
+    if not keeps_published(requested):
+        print(
+            f"model.quant={requested}: {path} is a published {method.upper()} checkpoint: its experts are "
+            f"dequantized one at a time and stored as {requested} (the trained values start from the published "
+            "ones).",
+            file=sys.stderr,
+        )
+        return requested
     print(
-        f"{asked}{path} is a published {method.upper()} checkpoint: its experts stay {method} as published "
+        f"{path} is a published {method.upper()} checkpoint: its experts stay {method} as published "
         "(dequantized per forward, never re-quantized).",
         file=sys.stderr,
     )

@@ -19,7 +19,7 @@ from usaf.config import (
 from usaf.config.cards import CARDS, Device
 from usaf.config.sections import DistributedSection
 from usaf.errors import ConfigError
-from usaf.io.published import checkpoint_method
+from usaf.io.published import checkpoint_method, keeps_published
 from usaf.planner.sizes import GiB, MiB
 from usaf.quant import PUBLISHED, by_precision
 from usaf.registry import OBJECTIVES
@@ -316,10 +316,9 @@ def default_dtype(device: Device) -> str:
 def settings_for_run(run: PlannedRun, dtype: str) -> PlanSettings:
     """The plan of a run's sections (`usaf plan --config run.yaml`, and `train.recompute=auto`): the same
     sequence, batch, selection, storage, chunking and optimizer state the run will have; a published checkpoint's
-    experts keep their own format. On the smallest job the run can be: distributed.expert_parallel GPUs."""
-    return PlanSettings(
-        run, dtype=dtype, published=checkpoint_method(run.model.path), gpus=run.distributed.expert_parallel
-    )
+    experts keep their own format unless model.quant names another. On the smallest job the run can be: distributed.expert_parallel GPUs."""
+    published = checkpoint_method(run.model.path) if keeps_published(run.model.quant) else None
+    return PlanSettings(run, dtype=dtype, published=published, gpus=run.distributed.expert_parallel)
 
 
 def run_optimizer(optim: OptimSection) -> str:
