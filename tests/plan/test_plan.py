@@ -179,8 +179,17 @@ def test_published_mxfp4_and_fp8_presets_are_planned_as_published_and_against_a_
     assert mxfp4["frozen experts"].device == weights / 2 + shape.expert_biases * 2
     assert mxfp4["quantization constants"].device == weights / 32
     code, out, _ = run_cli(
-        capsys, "--model", "gpt-oss-20b", "--vram", "16GB", "--ram", "64GB", *LONG_NF4_FLAGS
-    )
+        capsys,
+        "--model",
+        "gpt-oss-20b",
+        "--vram",
+        "16GB",
+        "--ram",
+        "64GB",
+        *LONG_NF4_FLAGS,
+        "--quant",
+        "auto",
+    )  # auto: the published format (--quant nf4 would convert it, as usaf prepare --quant does)
     assert "experts mxfp4" in out and "--quant mxfp4" in out and "--quant nf4" not in out
     line = out.strip().splitlines()[-1]
     assert re.fullmatch(

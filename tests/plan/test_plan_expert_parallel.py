@@ -100,9 +100,17 @@ PAPER_PLANS = [
         "qwen3-235b-a22b --gpus 8 --expert-parallel --device rtx-4090 --ram 256GB --density 0.005",
         "host offload",
     ),
-    ("gpt-oss-120b --gpus 2 --expert-parallel --device rtx-6000-ada --ram 128GB", "fits on device"),
-    ("gpt-oss-120b --gpus 4 --expert-parallel --device rtx-4090 --ram 128GB", "host offload"),
-    ("deepseek-v3 --gpus 8 --expert-parallel --device h100 --ram 1TB", "host offload"),
+    # on the device at 46.98 of 48 GB: less room than the plan's error, so residency=auto takes host memory
+    (
+        "gpt-oss-120b --gpus 2 --expert-parallel --device rtx-6000-ada --ram 128GB --quant auto",
+        "host offload",
+    ),
+    (
+        "gpt-oss-120b --gpus 2 --expert-parallel --device rtx-6000-ada --ram 128GB --quant auto --residency device",
+        "fits on device",
+    ),
+    ("gpt-oss-120b --gpus 4 --expert-parallel --device rtx-4090 --ram 128GB --quant auto", "host offload"),
+    ("deepseek-v3 --gpus 8 --expert-parallel --device h100 --ram 1TB --quant auto", "host offload"),
 ]
 
 

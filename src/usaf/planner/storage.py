@@ -1,7 +1,8 @@
 """model.quant=auto, model.residency=auto and model.cache_mb=auto: how and where the frozen experts are stored, chosen
 against the card as select.density=auto is, in one order (`usaf plan` and `usaf train` both call these):
 
-1. the least lossy storage whose plan fits somewhere in memory: unquantized, then int8, nf4, ... (a published
+1. the least lossy storage whose plan fits somewhere in memory, with room for the plan's error (STORAGE_HEADROOM;
+   the first that fits at all where none leaves room): unquantized, then int8, nf4, ... (a published
    MXFP4/FP8 checkpoint keeps its own format; a store, the format it was prepared in);
 2. for it, the residency: the device, else pinned host memory (a GPU's host); only where no storage fits in memory
    at all, the experts memory-mapped from disk (their bytes read again every step: the slowest way to fit);
@@ -23,8 +24,13 @@ from usaf.quant import by_precision
 IN_MEMORY = ("device", "host")
 # the host RAM sizes a "smallest machine" line names (a workstation's steps)
 RAM_STEPS = tuple(n * GiB for n in (16, 32, 64, 128, 256, 512, 1024, 2048))
-# what the expert cache leaves free on the card: room for the plan's error (bench/plan_accuracy.py) beyond its slack
+# what the expert cache leaves free on the card: room for the plan's error (bench/plan_accuracy.py,
+# bench/results/simulate-*: -10 % to +4 % at full size) beyond its slack
 CACHE_HEADROOM = 0.10
+# a storage whose plan at the least density fills the card to within this share is passed over for the next where
+# one leaves room (the plan's error, as above): gpt-oss-20b's experts on a 16 GB card peak at 15.95 GB planned and
+# 16.10 GB simulated at 0.10 %; in pinned host memory 2 % fits
+STORAGE_HEADROOM = 0.10
 
 
 def residencies(quant: str, device: Device) -> tuple[str, ...]:
@@ -61,15 +67,15 @@ def _with(settings: PlanSettings, quant: str, residency: str) -> PlanSettings:
 
 
 def _first_fitting(shape, settings: PlanSettings, device: Device, vram, ram, candidates: list):
-    """The first of `candidates` whose plan of `settings` fits, its plan, and the plans tried before it (None for
-    the first two where none fits)."""
-    tried: list[Plan] = []
-    for q, r in candidates:
-        p = plan(shape, _with(settings, q, r), device, vram, ram)
-        if p.fits:
-            return (q, r), p, tried
-        tried.append(p)
-    return None, None, tried
+    """The first of `candidates` whose plan of `settings` fits with STORAGE_HEADROOM of the device budget to spare
+    (else the first that fits at all), its plan, and the plans tried before it (None for the first two where none
+    fits)."""
+    plans = [plan(shape, _with(settings, q, r), device, vram, ram) for q, r in candidates]
+    for roomy in (True, False):
+        for i, p in enumerate(plans):
+            if p.fits and (not roomy or p.device_peak <= p.device_budget * (1 - STORAGE_HEADROOM)):
+                return candidates[i], p, plans[:i]
+    return None, None, plans
 
 
 def auto_storage(
@@ -116,15 +122,21 @@ def _lines(chosen: Plan, tried: list[Plan], quant: bool, residency: bool) -> lis
             why = "the least lossy storage" + (" that fits" if lossier else "")
             if lossier:
                 best = lossier[0]
-                why += f": {_storage(best)} would peak at {_peaks(best)}"
+                why += f": {_storage(best)} would peak at {_peaks(best)}{_no_room(best)}"
             lines.append(f"model.quant=auto: {s.quant}, {why}")
     if residency:
         here = f"peak {_peaks(chosen)}"
         before = [p for p in tried if p.settings.quant == s.quant]
         if before:
             here += f"; {_where(before[-1].settings.residency)} they would peak at {_peaks(before[-1])}"
+            here += _no_room(before[-1])
         lines.append(f"model.residency=auto: {s.residency}, {_where(s.residency)}: {here}")
     return lines
+
+
+def _no_room(p: Plan) -> str:
+    """Why a plan that fits was passed over: it leaves the card less than STORAGE_HEADROOM for the plan's error."""
+    return f" (less than {STORAGE_HEADROOM:.0%} of the card to spare for the plan's error)" if p.fits else ""
 
 
 def _storage(p: Plan) -> str:
