@@ -231,8 +231,11 @@ def test_other_quantizations_and_damaged_layouts_are_refused_in_one_line(checkpo
     ):
         BaseCheckpoint(damaged)
 
-    assert published.quant_for(checkpoints["mxfp4"], "nf4") == "mxfp4"
+    # told otherwise (one of usaf's formats named), the published experts are stored at it; auto keeps them
+    assert published.quant_for(checkpoints["mxfp4"], "nf4") == "nf4"
     assert "model.quant=nf4: " in capsys.readouterr().err
+    assert published.quant_for(checkpoints["mxfp4"], "auto") == "mxfp4"
+    assert "its experts stay mxfp4 as published" in capsys.readouterr().err
     assert published.quant_for(tmp_path, "nf4") == "nf4"  # not a published checkpoint
 
 
