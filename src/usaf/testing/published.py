@@ -167,12 +167,20 @@ class _Spec:
     kind: str
 
 
+def _attention_projections(config: dict) -> tuple[tuple[str, int, int], ...]:
+    """(name, out features, in features) of a decoder layer's q, k, v and o projections."""
+    h, heads, kv, hd = (
+        config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    )
+    return (("q", heads * hd, h), ("k", kv * hd, h), ("v", kv * hd, h), ("o", h, heads * hd))
+
+
 def _gpt_oss_specs(config: dict) -> list[list[_Spec]]:
     """Tensors of openai/gpt-oss-* in their published names, layouts and dtypes, grouped: the embedding, each
     layer, the final norm and head."""
     bf16, u8 = torch.bfloat16, torch.uint8
     h, inter, e = config["hidden_size"], config["intermediate_size"], config["num_local_experts"]
-    heads, kv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    heads = config["num_attention_heads"]
     vocab = config["vocab_size"]
     groups = [[_Spec("model.embed_tokens.weight", (vocab, h), bf16, "normal")]]
     for i in range(config["num_hidden_layers"]):
@@ -182,12 +190,7 @@ def _gpt_oss_specs(config: dict) -> list[list[_Spec]]:
             _Spec(p + "post_attention_layernorm.weight", (h,), bf16, "ones"),
             _Spec(p + "self_attn.sinks", (heads,), bf16, "zeros"),
         ]
-        for proj, out, inp in (
-            ("q", heads * hd, h),
-            ("k", kv * hd, h),
-            ("v", kv * hd, h),
-            ("o", h, heads * hd),
-        ):
+        for proj, out, inp in _attention_projections(config):
             layer += [
                 _Spec(p + f"self_attn.{proj}_proj.weight", (out, inp), bf16, "normal"),
                 _Spec(p + f"self_attn.{proj}_proj.bias", (out,), bf16, "zeros"),
@@ -215,7 +218,7 @@ def _qwen3_moe_fp8_specs(config: dict, block: int) -> list[list[_Spec]]:
     bf16 = torch.bfloat16
     h, inter = config["hidden_size"], config["moe_intermediate_size"]
     e = config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]
-    heads, kv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    hd = config["head_dim"]
     vocab = config["vocab_size"]
 
     def fp8(name: str, out: int, inp: int) -> list[_Spec]:
@@ -234,12 +237,7 @@ def _qwen3_moe_fp8_specs(config: dict, block: int) -> list[list[_Spec]]:
             _Spec(p + "self_attn.q_norm.weight", (hd,), bf16, "ones"),
             _Spec(p + "self_attn.k_norm.weight", (hd,), bf16, "ones"),
         ]
-        for proj, out, inp in (
-            ("q", heads * hd, h),
-            ("k", kv * hd, h),
-            ("v", kv * hd, h),
-            ("o", h, heads * hd),
-        ):
+        for proj, out, inp in _attention_projections(config):
             layer += fp8(p + f"self_attn.{proj}_proj", out, inp)
         layer.append(_Spec(p + "mlp.gate.weight", (e, h), bf16, "normal"))
         for x in range(e):
