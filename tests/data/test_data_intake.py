@@ -4,6 +4,7 @@ weights across sources, alpaca records through the chat template."""
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from collections import Counter
 
@@ -20,7 +21,7 @@ from huggingface_hub.utils._http import default_client_factory  # to put back th
 from usaf.cli import main
 from usaf.config import RunConfig
 from usaf.data import load_dataset
-from usaf.data.stream import StreamBatches, StreamedRows
+from usaf.data.stream import StreamBatches, StreamedRows, batches_for
 from usaf.data.tokenize import Encoder
 from usaf.errors import UsafError
 from usaf.train.tokenizer import char_tokenizer
@@ -335,6 +336,18 @@ def test_a_stream_is_read_only_as_far_as_batches_are_taken(tok, tmp_path, monkey
     assert torch.equal(next(again)["input_ids"], next(batches)["input_ids"])  # resumes at the same batch
     with pytest.raises(UsafError, match=r"data\.streaming: the number of rows is not known in advance"):
         len(batches)
+
+
+def test_calibration_reads_a_stream_once_not_round_and_round(tok, tmp_path):
+    # a run calibrates on one pass at most (select.calibration_tokens may ask for more than a small stream holds)
+    small = write_jsonl(tmp_path / "small.jsonl", [{"text": f"record {i}"} for i in range(10)])
+    train, _, _ = load_dataset([small], tok, 64, eval_fraction=0, streaming=True)
+    once = itertools.islice(
+        batches_for(train, 4, epochs=1), 10
+    )  # bounded: a stream that goes round fails here
+    assert [len(b["input_ids"]) for b in once] == [4, 4, 2]
+    forever = batches_for(train, 4)
+    assert [len(next(forever)["input_ids"]) for _ in range(4)] == [4, 4, 2, 4]  # training goes round
 
 
 def test_weights_mix_a_stream_too(tok, tmp_path):

@@ -113,12 +113,13 @@ class StreamedRows:
 
 class StreamBatches:
     """Batches of a stream, in its order, as `Batches` gives them (iterate for collated batches;
-    state_dict / load_state_dict resume at the same batch). A stream that ends starts again (the next epoch)."""
+    state_dict / load_state_dict resume at the same batch). A stream that ends starts again (the next epoch), for
+    ever or until `epochs` passes are read."""
 
-    def __init__(self, rows: StreamedRows, batch_size: int):
+    def __init__(self, rows: StreamedRows, batch_size: int, epochs: int | None = None):
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}.")
-        self.rows, self.batch_size = rows, batch_size
+        self.rows, self.batch_size, self.epochs = rows, batch_size, epochs
         self.epoch, self.position = 0, 0  # batches already taken from this epoch
         self.last_indices: list[int] = []
         self._iterator: Iterator | None = None
@@ -139,6 +140,8 @@ class StreamBatches:
             if self.position == 0:
                 raise DataError(f"the data set is empty: no usable records in {', '.join(self.rows.names)}.")
             self.epoch, self.position, self._iterator = self.epoch + 1, 0, None
+            if self.epochs is not None and self.epoch >= self.epochs:
+                raise StopIteration
         start = self.position * self.batch_size
         self.last_indices = list(range(start, start + len(taken)))
         self.position += 1
@@ -171,7 +174,7 @@ def batches_for(
     """The training batches of a data set: seeded and shuffled (Batches, `epochs` passes or for ever) or, for a
     stream, in its order."""
     if isinstance(dataset, StreamedRows):
-        return StreamBatches(dataset, batch_size)
+        return StreamBatches(dataset, batch_size, epochs=epochs)
     return Batches(dataset, batch_size, seed=seed, epochs=epochs)
 
 
