@@ -1,5 +1,7 @@
 """Frozen storage formats, the quantized store, and the offload machinery (streaming, prefetch, expert cache)."""
 
+import random
+
 import pytest
 import torch
 
@@ -166,6 +168,21 @@ def test_cached_experts_are_not_streamed_again():
         results[cache_bytes] = (streamer.bytes_streamed, outputs, streamer.cache.hits)
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[budget][1], strict=True))
     assert results[budget][0] < results[0][0] and results[budget][2] > 0
+
+
+def test_experts_asked_for_from_the_copy_the_cache_and_host_memory_at_once_come_in_the_order_asked():
+    """A backward asks for experts its forward did not route (not in the layer's copy): some cached, some
+    fetched from host memory, mixed with copied ones, in any order."""
+    rnd = random.Random(0)
+    streamer, stores = streamed(num_layers=3, cache_bytes=4 * 8 * 65, experts=8)  # room for 4 int8 experts
+    resident, _ = quantized_store("int8", 8)
+    fetched_before = 0
+    for _ in range(4):
+        for layer in [0, 1, 2, 2, 1, 0]:
+            asked = rnd.sample(range(8), rnd.randint(1, 8))
+            assert torch.equal(stores[layer].materialize(asked), resident.materialize(asked)), (layer, asked)
+        fetched_before, grew = streamer.bytes_streamed, streamer.bytes_streamed > fetched_before
+    assert streamer.cache.hits > 0 and grew
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

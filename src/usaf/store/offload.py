@@ -179,17 +179,28 @@ class LayerStreamer:
                 }
             index = host_ints_to_device(at, self.device)
             return {name: t.index_select(0, index) for name, t in tensors.items()}
+        # some asked for are not in the layer's copy: gathered from the copy, the cache and (evicted since the
+        # copy) host memory with one indexed copy a source, not one per expert (a launch each on a device)
+        copied, cached, fetched = [], [], []
+        for i, e in enumerate(expert_ids):
+            if e in rows:
+                copied.append((i, rows[e]))
+            elif (entry := self.cache.get(parts, e)) is not None:
+                cached.append((i, entry))
+            else:
+                fetched.append((i, e))
         out = {}
         for name, host in parts.host.items():
             dest = torch.empty((len(expert_ids), *host.shape[1:]), dtype=host.dtype, device=self.device)
-            for i, e in enumerate(expert_ids):
-                if e in rows:
-                    dest[i] = copy.tensors[parts][name][rows[e]]
-                elif (cached := self.cache.get(parts, e)) is not None:
-                    dest[i] = cached[name][0]
-                else:  # cached when the layer was copied, evicted since: fetch it now
-                    dest[i].copy_(host[e])
-                    self.bytes_streamed += host[e].numel() * host.element_size()
+            if copied:
+                at, source = (host_ints_to_device(list(c), self.device) for c in zip(*copied))
+                dest.index_copy_(0, at, copy.tensors[parts][name].index_select(0, source))
+            if cached:
+                at = host_ints_to_device([i for i, _ in cached], self.device)
+                dest.index_copy_(0, at, torch.cat([entry[name] for _, entry in cached]))
+            for i, e in fetched:
+                dest[i].copy_(host[e])
+                self.bytes_streamed += host[e].numel() * host.element_size()
             out[name] = dest
         return out
 
