@@ -127,8 +127,7 @@ def _main(argv: list[str] | None) -> int:
             prog = f"usaf {args.command}" if getattr(args, "command", None) else "usaf"
             raise UsageError(f"{prog}: unrecognized arguments: {' '.join(extra)}; see `{prog} --help`.")
     except UsageError as err:
-        print(f"usaf: error: {err}", file=sys.stderr)
-        return 2
+        return _last_word(err)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
@@ -142,14 +141,23 @@ def _main(argv: list[str] | None) -> int:
         with _progress_lines(_writes_files(args)):
             return int(args.func(args) or 0)
     except UsafError as err:
-        print(f"usaf: error: {err}", file=sys.stderr)
-        return 2
+        return _last_word(err)
     except Exception as raised:  # OSError, or safetensors' SafetensorError
         err = output_error(raised)
         if err is None:
             raise
-        print(f"usaf: error: {err}", file=sys.stderr)
-        return 2
+        return _last_word(err)
+
+
+# set once the command has said its one-line error and is returning: a signal then (torchrun's SIGTERM to the other
+# ranks of a job whose rank failed) adds no second line
+_SAID = threading.Event()
+
+
+def _last_word(err) -> int:
+    _SAID.set()
+    print(f"usaf: error: {err}", file=sys.stderr)
+    return 2
 
 
 @contextlib.contextmanager
@@ -170,8 +178,11 @@ def _interruptible():
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if _SAID.is_set():
+            return  # the command has ended with its line and is returning its status
         raise Terminated()
 
+    _SAID.clear()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, terminate)

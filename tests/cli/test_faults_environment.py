@@ -323,3 +323,24 @@ def test_a_run_with_standard_output_closed_trains_to_its_checkpoints(ws, tmp_pat
                           preexec_fn=lambda: os.close(1))  # fmt: skip
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert (run / "checkpoints" / "step-00000002").is_dir() and (run / "summary.json").is_file()
+
+
+def test_a_signal_after_the_error_line_adds_no_second_line(monkeypatch, capsys):
+    """torchrun stops a failed job's other ranks with SIGTERM, which may come while a rank says its own error: the
+    rank ends with that one line and its status."""
+    import usaf.commands.data as data_command
+    from usaf.errors import DataError
+
+    class Said(DataError):
+        def __str__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while the error is said
+            return "the data is gone"
+
+    def fails(args):
+        raise Said()
+
+    monkeypatch.setattr(data_command, "run", fails)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["data", "--model", "m", "--data", "d.jsonl"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["usaf: error: the data is gone"]
+    assert signal.getsignal(signal.SIGTERM) == before  # put back: a later signal is not ignored
