@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import io
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from usaf import startup
 from usaf.commands import Command, command_name, command_texts
-from usaf.errors import ConfigError, UsafError
+from usaf.errors import ConfigError, UsafError, unknown_names
 from usaf.io.atomic import Terminated, check_destination, output_error
 from usaf.registry import Registry
 from usaf.version import __version__
@@ -113,6 +114,23 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + signum
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str | None, extra: list[str]) -> str:
+    """argparse's `unrecognized arguments`, with the option a typo most likely meant (Python 3.11's argparse
+    suggests none)."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    known = sub.choices[command] if sub is not None and command in sub.choices else parser
+    options = [o for action in known._actions for o in action.option_strings if o.startswith("--")]
+    typos = [word.split("=", 1)[0] for word in extra if word.startswith("--")]
+    said = f"unrecognized arguments: {' '.join(extra)}"
+    # matched without their dashes, which every option shares (`--bogus` is nothing like `--gpus`)
+    names = {o[2:]: o for o in options}
+    close = [names[m] for t in typos for m in difflib.get_close_matches(t[2:], names, n=1, cutoff=0.7)]
+    if typos and len(close) == len(typos):
+        said += " (did you mean " + ", ".join(close) + "?)"
+    prog = f"usaf {command}" if command else "usaf"
+    return f"{said}; see `{prog} --help`."
+
+
 def _chosen_command(argv: list[str]) -> str | None:
     """The command a command line names: its first word that is not an option (`usaf` itself takes no values)."""
     return next((arg for arg in argv if not arg.startswith("-")), None)
@@ -122,10 +140,12 @@ def _main(argv: list[str] | None) -> int:
     argv = _join_values(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(commands=[name] if (name := _chosen_command(argv)) else [])
     try:
+        if name is not None and name not in COMMANDS:  # argparse lists the commands; the one meant is wanted
+            raise UsageError(f"usaf: {unknown_names('command', [name], COMMANDS)} See `usaf --help`.")
         args, extra = parser.parse_known_args(argv)
         if extra:  # argparse names the top-level program; the options belong to the command's
             prog = f"usaf {args.command}" if getattr(args, "command", None) else "usaf"
-            raise UsageError(f"{prog}: unrecognized arguments: {' '.join(extra)}; see `{prog} --help`.")
+            raise UsageError(f"{prog}: {_unrecognized(parser, getattr(args, 'command', None), extra)}")
     except UsageError as err:
         return _last_word(err)
     if not getattr(args, "func", None):

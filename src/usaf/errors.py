@@ -37,3 +37,16 @@ def first_line(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
     line = lines[0] if lines else type(err).__name__
     return line if len(line) <= QUOTE_LIMIT else line[: QUOTE_LIMIT - 3] + "..."
+
+
+def unknown_names(what: str, unknown: list, known) -> str:
+    """A sentence: `unknown key 'densty'; did you mean 'density'?`, the fix a typo most likely wants; the whole
+    list of `known` names only where no name is close (a list of 21 keys hides the one meant)."""
+    import difflib
+
+    known = sorted(known, key=str)
+    close = [difflib.get_close_matches(str(u), [str(k) for k in known], n=1, cutoff=0.6) for u in unknown]
+    said = f"unknown {what} {unknown[0]!r}" if len(unknown) == 1 else f"unknown {what}s {unknown}"
+    if all(close):
+        return said + "; did you mean " + ", ".join(repr(m[0]) for m in close) + "?"
+    return f"{said}; allowed {what}s: {known}."

@@ -222,7 +222,7 @@ def test_cli_config_validation_and_print_config(workspace, capsys):
     printed = capsys.readouterr().out
     assert "lr: 0.0003" in printed and "d.jsonl" in printed
     assert main(["train", "--model", "m", "--data", "d", "--set", "optim.lrr=1", "--out", "x"]) == 2
-    assert "unknown key(s) ['lrr']" in capsys.readouterr().err
+    assert "unknown key 'lrr'; did you mean 'lr'?" in capsys.readouterr().err
     assert main(["train", "--model", "m", "--data", "d", "--set", "model.quant=nf5", "--out", "x"]) == 2
     assert "allowed values: ['auto', 'none', 'nf4', 'int8', 'int4']" in capsys.readouterr().err
     assert main(["train", "--model", "m", "--data", "d", "--set", "model.cache_mb=-1", "--out", "x"]) == 2

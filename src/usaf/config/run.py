@@ -11,7 +11,7 @@ from usaf.config.options import plain
 from usaf.config.overrides import apply_override
 from usaf.config.select import UsafConfig
 from usaf.config.yaml import read_yaml
-from usaf.errors import ConfigError
+from usaf.errors import ConfigError, unknown_names
 
 SECTIONS = {
     "model": sections.ModelSection,
@@ -60,9 +60,7 @@ class RunConfig:
             raise ConfigError(f"{source}: the top level must be a mapping of sections {sorted(SECTIONS)}.")
         unknown = sorted(set(data) - set(SECTIONS), key=str)  # YAML keys need not be strings
         if unknown:
-            raise ConfigError(
-                f"{source}: unknown section(s) {unknown}; allowed sections: {sorted(SECTIONS)}."
-            )
+            raise ConfigError(f"{source}: {unknown_names('section', unknown, SECTIONS)}")
         built = {}
         for name, section_cls in SECTIONS.items():
             values = data.get(name)

@@ -7,7 +7,7 @@ from dataclasses import fields
 from typing import ClassVar
 
 from usaf.config.values import check_option
-from usaf.errors import ConfigError
+from usaf.errors import ConfigError, unknown_names
 
 
 class Section:
@@ -40,7 +40,7 @@ class Section:
         known = {f.name for f in fields(self)}
         unknown = sorted(set(values) - known, key=str)
         if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys: {sorted(known)}.")
+            raise ConfigError(f"{where}: {unknown_names('key', unknown, known)}")
         changed = copy.copy(self)
         for name, value in values.items():
             object.__setattr__(changed, name, value)

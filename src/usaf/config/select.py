@@ -21,7 +21,7 @@ from usaf.config.options import (
     plain,
 )
 from usaf.config.section import Section
-from usaf.errors import ConfigError
+from usaf.errors import ConfigError, unknown_names
 
 
 @dataclass(frozen=True)
@@ -182,5 +182,5 @@ class UsafConfig(Section):
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"Unknown UsafConfig keys {unknown}; allowed keys: {sorted(known)}.")
+            raise ConfigError(f"UsafConfig: {unknown_names('key', unknown, known)}")
         return cls(**data)

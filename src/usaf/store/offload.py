@@ -193,7 +193,7 @@ class LayerStreamer:
         for name, host in parts.host.items():
             dest = torch.empty((len(expert_ids), *host.shape[1:]), dtype=host.dtype, device=self.device)
             if copied:
-                at, source = (host_ints_to_device(list(c), self.device) for c in zip(*copied))
+                at, source = (host_ints_to_device(list(c), self.device) for c in zip(*copied, strict=True))
                 dest.index_copy_(0, at, copy.tensors[parts][name].index_select(0, source))
             if cached:
                 at = host_ints_to_device([i for i, _ in cached], self.device)
