@@ -489,3 +489,15 @@ def test_the_first_lines_of_a_run_come_whole_before_its_progress(ws, tmp_path):
     assert "supervised tokens" in first  # the whole line, up to its end
     assert "\r" not in proc.stdout and "train:" not in proc.stdout  # no bar in a file
     assert [line for line in proc.stdout.splitlines() if line.startswith("step 1/2: loss ")]  # a line a step
+
+
+def test_train_without_a_model_says_so_and_never_takes_the_current_folder(tmp_path, monkeypatch, capsys):
+    # `usaf train --data x --out runs/a` in the data's folder: the folder is not the model (Path("") is ".")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.jsonl").write_text('{"text": "abc"}\n')
+    assert main(["train", "--data", "x.jsonl", "--out", "runs/a"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "usaf: error: no model: give --model DIR (or model.path in the config file).\n"
+    )
+    assert not (tmp_path / "runs").exists()

@@ -76,7 +76,7 @@ def model_source(given: str) -> ModelSource:
     returned as it is (kind "folder" or "hub"): the loader names what is missing, as it always has."""
     given = str(given)
     folder = Path(given).expanduser()
-    if not folder.is_dir():
+    if not given or not folder.is_dir():  # none given is not the current folder (Path("") is ".")
         if given and not is_local_path(given):
             snapshot = local_model_path(given)
             kind, quant = _classify(Path(snapshot)) if snapshot != given else (HUB, "none")
