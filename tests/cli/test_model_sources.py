@@ -183,7 +183,7 @@ def test_same_weights_give_the_same_answers(src, tmp_path, monkeypatch, capsys):
 
 
 def test_prepare_train_generate_needs_no_repeated_option(src, tmp_path, monkeypatch, capsys):
-    """The README's path: a store prepared once, trained on and generated from, `model.quant` never repeated."""
+    """docs/memory.md's path: a store prepared once, trained on and generated from, `model.quant` never repeated."""
     monkeypatch.setenv("USAF_CACHE", str(tmp_path / "cache"))
     store, run, out = tmp_path / "store", tmp_path / "run", tmp_path / "o.jsonl"
     assert main(["prepare", src["folder"], "--quant", "nf4", "--out", str(store)]) == 0

@@ -1,6 +1,6 @@
 """transformers.Trainer under Accelerate, 2 processes (DDP on gloo), against one process (issue 13 item 4).
 
-`examples/hf_trainer.py` runs as the README says: once in one process (per-device batch 4, gradient
+`examples/hf_trainer.py` runs as docs/python.md says: once in one process (per-device batch 4, gradient
 accumulation 2) and once under `accelerate launch --multi_gpu --num_processes 2` on CPU (per-device batch 4,
 accumulation 1). The two train the same thing, because:
 - data: Accelerate shards one seeded order of batches (SeedableRandomSampler, seeded by

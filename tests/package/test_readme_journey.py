@@ -1,11 +1,13 @@
-"""Issue 35: a user's first hour, as the README tells it, run on every change.
+"""Issue 35: a user's first hour, as the README and the docs tell it, run on every change (issue 48: the docs too).
 
-Every command line in the README's code blocks is either run here, in the order the README gives, in a scratch
-folder that holds what the README presumes the user has (`my.jsonl`, `prompts.jsonl`, `examples/`), with the
-bundled model standing in for the user's; or it belongs to another tool and is named in `OTHER_TOOLS` with where it
-is checked. A command the README gains that this test does not know fails it. Every Python snippet runs as it is
-written, with the bundled model for its placeholder path, so a snippet with an undefined name fails too. A command
-shown with its output (`$ usaf plan ...`) must print the lines shown."""
+Every command line in the code blocks of README.md, of every `docs/*.md` and of bench/README.md (`DOCS`, in that
+order: the README's walk-through makes the run later pages use) is either run here, in the order the pages give,
+in one scratch folder that holds what the pages presume the user has (`my.jsonl`, `prompts.jsonl`, `examples/`),
+with the bundled model standing in for the user's; or it belongs to another tool and is named in `OTHER_TOOLS` with
+where it is checked. A command a page gains that this test does not know fails it, and so does a page of docs/ that
+`DOCS` does not list. Every Python snippet runs as it is written, with the bundled model for its placeholder path,
+so a snippet with an undefined name fails too. A command shown with its output (`$ usaf plan ...`) must print the
+lines shown. The command table's rows (docs/cli.md) run too, each form of each row."""
 
 from __future__ import annotations
 
@@ -25,16 +27,26 @@ from usaf.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+# every page whose code blocks the walk runs, in the walk's order (docs/ whole: test_docs_lists_every_page)
+DOCS = [
+    README,
+    *(ROOT / "docs" / f"{name}.md" for name in (
+        "cli", "python", "memory", "simulate", "distributed", "how-it-works", "families", "guarantees",
+        "development", "README",
+    )),
+    ROOT / "bench" / "README.md",
+]  # fmt: skip
 BUNDLED = ROOT / "src" / "usaf" / "demo_assets"
 MODEL_PLACEHOLDER = "path/to/moe-model"  # the README's snippets' stand-in for the user's model
 FAST = ["schedule.max_steps=2", "schedule.grad_accum=1", "schedule.warmup_steps=0", "log.progress=false"]
-OTHER_TOOLS = {  # first word of a README command that is not usaf's -> where that path is checked
+OTHER_TOOLS = {  # first word of a documented command that is not usaf's -> where that path is checked
     "make": "the Makefile's own targets: `make test` is CI; `make demo` runs `usaf demo` (test_make_demo_runs)",
     "vllm": "serving a merged export: the export tests check the layout transformers and vLLM load",
     "llama-server": "serving a GGUF: llama.cpp's own tool, on the GGUF the walk-through writes",
     "accelerate": "tests/distributed/test_trainer_ddp.py runs examples/hf_trainer.py under accelerate launch",
     "ACCELERATE_USE_CPU=1": "tests/distributed/test_trainer_ddp.py (gloo on CPUs)",
-    "torchrun": "tests/distributed/test_trainer_ddp.py, test_data_parallel.py and test_expert_parallel_train.py run it",
+    "torchrun": "tests/distributed/test_trainer_ddp.py, test_data_parallel.py, test_expert_parallel_train.py and "
+    "test_rank_faults.py run it (docs/distributed.md's multi-node lines: torchrun's own rendezvous, no host here)",
 }
 
 
@@ -64,33 +76,62 @@ def strip_comment(line: str) -> str:
     return re.split(r"\s+#\s", line, maxsplit=1)[0].strip()
 
 
-def readme_commands() -> list[tuple[str, list[str]]]:
-    """Each command of the README's non-Python code blocks, with the output lines shown after it (`$ cmd`)."""
+def page(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def joined(lines: list[str]) -> list[str]:
+    """A block's lines with shell continuations (a line ending in a backslash) joined to the next."""
+    out: list[str] = []
+    for line in lines:
+        if out and out[-1].endswith("\\"):
+            out[-1] = out[-1][:-1].rstrip() + " " + line.strip()
+        else:
+            out.append(line)
+    return out
+
+
+def page_commands(path: Path) -> list[tuple[str, list[str]]]:
+    """Each command of one page's non-Python code blocks, with the output lines shown after it (`$ cmd`)."""
     commands: list[tuple[str, list[str]]] = []
-    for lang, lines in code_blocks(README.read_text()):
+    for lang, lines in code_blocks(path.read_text()):
         if lang not in ("", "indented", "bash", "sh", "shell", "console"):  # python, yaml, text: not commands
             continue
+        lines = joined(lines)
         if any(x.startswith("$ ") for x in lines):  # a transcript: commands and what they print
+            block: list[tuple[str, list[str]]] = []
             for x in lines:
                 if x.startswith("$ "):
-                    commands.append((strip_comment(x[2:]), []))
-                elif commands and x.strip() != "...":
-                    commands[-1][1].append(x)
+                    block.append((strip_comment(x[2:]), []))
+                elif block and x.strip() not in ("", "..."):
+                    block[-1][1].append(x)
+            commands += block
             continue
         commands += [(strip_comment(x), []) for x in lines if strip_comment(x)]
     return commands
 
 
-def python_snippets() -> list[str]:
-    return ["\n".join(lines) for lang, lines in code_blocks(README.read_text()) if lang == "python"]
+def readme_commands() -> list[tuple[str, str, list[str]]]:
+    """(page, command, lines shown) of every page of `DOCS`, in the walk's order."""
+    return [(page(path), *c) for path in DOCS for c in page_commands(path)]
+
+
+def python_snippets() -> list[tuple[str, str]]:
+    """(page, code) of every Python block of `DOCS`."""
+    return [
+        (page(path), "\n".join(lines))
+        for path in DOCS
+        for lang, lines in code_blocks(path.read_text())
+        if lang == "python"
+    ]
 
 
 def table_commands() -> list[str]:
-    """Every command of the README's command table, its forms expanded: a span that starts with `--` continues
-    the command before it, optional `[...]` parts are given (except `[--set ...]`), and each alternative `A|B`
-    is a command of its own."""
+    """Every command of the command table (docs/cli.md; any page of `DOCS` may hold rows), its forms expanded: a
+    span that starts with `--` continues the command before it, optional `[...]` parts are given (except
+    `[--set ...]`), and each alternative `A|B` is a command of its own."""
     commands = []
-    for line in README.read_text().splitlines():
+    for line in (x for path in DOCS for x in path.read_text().splitlines()):
         if not line.startswith("| `usaf "):
             continue
         head = None
@@ -106,19 +147,35 @@ def table_commands() -> list[str]:
     return commands
 
 
+def test_docs_lists_every_page():
+    """A page added to docs/ is walked: `DOCS` names every one, each once, the README first."""
+    assert DOCS[0] == README and len(set(DOCS)) == len(DOCS) and all(p.is_file() for p in DOCS)
+    assert set((ROOT / "docs").glob("*.md")) <= set(DOCS)
+
+
 def test_readme_has_the_journey_this_test_walks():
-    """The parsing above finds the walk-through (a README that lost it would pass the journey vacuously)."""
-    words = [shlex.split(c)[:2] for c, _ in readme_commands()]
-    assert ["usaf", "train"] in words and ["usaf", "generate"] in words and ["usaf", "export"] in words
-    assert ["make", "demo"] in words and ["make", "test"] in words and len(python_snippets()) >= 2
+    """The parsing above finds the walk-through and the docs' commands (pages that lost them would pass the
+    journey vacuously)."""
+    commands = readme_commands()
+    readme = [shlex.split(c)[:2] for p, c, _ in commands if p == "README.md"]
+    # the newcomer's two commands, first, and no other make target
+    assert readme[:2] == [w for w in readme if w[0] == "make"] == [["make", "demo"], ["make", "test"]], readme
+    assert ["usaf", "train"] in readme and ["usaf", "generate"] in readme and ["usaf", "export"] in readme
+    in_docs = [(p, shlex.split(c)[:2], shown) for p, c, shown in commands if p.startswith("docs/")]
+    assert {"docs/memory.md", "docs/distributed.md", "docs/python.md"} <= {p for p, _, _ in in_docs}
+    transcripts = [p for p, w, shown in in_docs if w == ["usaf", "plan"] and shown]
+    assert transcripts.count("docs/memory.md") >= 1 and transcripts.count("docs/distributed.md") >= 6
+    snippets = [p for p, _ in python_snippets()]
+    assert "README.md" in snippets and "docs/python.md" in snippets
     table = [shlex.split(c)[1] for c in table_commands()]
     assert {"train", "eval", "data", "select", "plan", "prepare", "export", "apply", "report"} <= set(table)
-    unknown = {w[0] for w in words if w[0] != "usaf" and w[0] not in OTHER_TOOLS}
-    assert not unknown, f"README commands this test does not know how to check: {unknown}"
+    unknown = {(p, shlex.split(c)[0]) for p, c, _ in commands}
+    unknown = {(p, w) for p, w in unknown if w != "usaf" and w not in OTHER_TOOLS}
+    assert not unknown, f"documented commands this test does not know how to check: {unknown}"
 
 
 def users_folder(tmp_path: Path) -> Path:
-    """What the README presumes: the user's data, prompts, and the repository's example configs."""
+    """What the pages presume: the user's data, prompts, and the repository's example configs."""
     home = tmp_path / "user"
     home.mkdir()
     train = (BUNDLED / "data" / "train.jsonl").read_text().splitlines()
@@ -132,7 +189,7 @@ def users_folder(tmp_path: Path) -> Path:
 
 
 def as_the_journey_runs(argv: list[str]) -> list[str]:
-    """A README command as run here: the bundled model for the user's (train's hub id or --config names a 30B
+    """A documented command as run here: the bundled model for the user's (train's hub id or --config names a 30B
     model), few steps."""
     if argv[0] == "train":
         if "--model" in argv:  # the hub's Qwen3-30B-A3B: nothing is downloaded here
@@ -147,8 +204,8 @@ def test_the_readme_walk_through_runs_on_the_bundled_model(tmp_path, monkeypatch
     home = users_folder(tmp_path)
     monkeypatch.chdir(home)
     monkeypatch.setenv("LLAMA_CPP", str(fake_llama_cpp(tmp_path / "llama.cpp")))
-    walked = []
-    for command, shown in readme_commands():
+    walked, expected = [], [(p, shlex.split(c)[1]) for p, c, _ in readme_commands() if c.startswith("usaf ")]
+    for path, command, shown in readme_commands():
         argv = shlex.split(command)
         if argv[0] != "usaf":
             continue
@@ -156,13 +213,15 @@ def test_the_readme_walk_through_runs_on_the_bundled_model(tmp_path, monkeypatch
             monkeypatch.setattr(sys, "stdin", io.StringIO("shift: abc -> \n/reset\nhi\n/exit\n"))
         code = main(as_the_journey_runs(argv[1:]))
         out, err = capsys.readouterr()
-        assert code == 0, f"README command `{command}` exited {code}: {err.strip()[-500:]}"
+        assert code == 0, f"{path}: command `{command}` exited {code}: {err.strip()[-500:]}"
         assert "Traceback" not in out + err
         printed = {" ".join(x.split()) for x in out.splitlines()}
         missing = [x for x in shown if " ".join(x.split()) not in printed]
-        assert not missing, f"`{command}` no longer prints what the README shows: {missing}"
-        walked.append(argv[1])
-    assert {"plan", "train", "generate", "chat", "export"} <= set(walked)
+        assert not missing, f"{path}: `{command}` no longer prints what the page shows: {missing}"
+        walked.append((path, argv[1]))
+    assert walked == expected  # every usaf command of every page, none skipped
+    assert {"plan", "train", "generate", "chat", "export"} <= {w for p, w in walked if p == "README.md"}
+    assert {p for p, _ in walked} >= {"docs/memory.md", "docs/distributed.md"}
     # what the walk-through promises it left behind
     run = home / "runs" / "a"
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
@@ -176,9 +235,11 @@ def test_the_readme_walk_through_runs_on_the_bundled_model(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(python_snippets())))
+@pytest.mark.parametrize(
+    "index", range(len(python_snippets())), ids=[f"{p}-{i}" for i, (p, _) in enumerate(python_snippets())]
+)
 def test_each_readme_python_snippet_runs_as_written(index, tmp_path):
-    code = python_snippets()[index].replace(MODEL_PLACEHOLDER, str(BUNDLED / "model"))
+    code = python_snippets()[index][1].replace(MODEL_PLACEHOLDER, str(BUNDLED / "model"))
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
@@ -219,7 +280,7 @@ def table_values(home: Path):
 
 @pytest.mark.slow
 def test_every_command_of_the_readme_table_runs(tmp_path, monkeypatch, capsys):
-    """The command table's forms, in its order, on the bundled model (inputs first made by the commands above
+    """The command table's forms (docs/cli.md), in its order, on the bundled model (inputs first made by the commands above
     them: the run by `usaf train`, the delta by `usaf export --delta`)."""
     home = users_folder(tmp_path)
     monkeypatch.chdir(home)
@@ -236,6 +297,6 @@ def test_every_command_of_the_readme_table_runs(tmp_path, monkeypatch, capsys):
             argv += ["--out=demo", "--set=schedule.max_steps=3"]
         code = main(argv)
         out, err = capsys.readouterr()
-        assert code == 0, f"README command `{command}` (run as {argv}) exited {code}: {err.strip()[-500:]}"
+        assert code == 0, f"table command `{command}` (run as {argv}) exited {code}: {err.strip()[-500:]}"
         assert "Traceback" not in out + err
     assert (home / "delta.safetensors").is_file() and (home / "runs" / "t" / "summary.json").is_file()

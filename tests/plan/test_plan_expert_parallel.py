@@ -1,5 +1,5 @@
 """The planner for an expert-parallel job (issue 37): world = EP x DP ranks, one rank's ledger, the bytes it
-exchanges per step, the paper plans of the README, and the sizes it refuses."""
+exchanges per step, the paper plans of docs/distributed.md, and the sizes it refuses."""
 
 import re
 
@@ -90,7 +90,7 @@ def run_plan(capsys, args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-# the README's paper plans (docs/distributed.md): each with the verdict it must keep
+# the paper plans of docs/distributed.md ("The paper plans"): each with the verdict it must keep
 PAPER_PLANS = [
     (
         "qwen3-235b-a22b --gpus 4 --expert-parallel --device rtx-4090 --ram 256GB --density 0.0025",
