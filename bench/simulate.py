@@ -21,8 +21,8 @@ RUNS = [
         "--model qwen3-235b-a22b --gpus 8 --expert-parallel 8 --vram 24GB --ram 1TB",
     ),
     ("DeepSeek-V3, EP 8, 80 GB", "--model deepseek-v3 --gpus 8 --expert-parallel 8 --vram 80GB --ram 1TB"),
-    # the same without reselection: every EP rank holds the probes of the job's candidate lines, where the plan
-    # counts its own experts' share (usaf.selection.reselect; see docs/simulate.md); the rest of the step alone
+    # the same without reselection: the step without the probe window (each EP rank probes its own experts'
+    # candidate lines, usaf.selection.reselect; before 2026-12-08 every rank probed the job's: docs/simulate.md)
     (
         "DeepSeek-V3, EP 8, 80 GB, --no-reselect",
         "--model deepseek-v3 --gpus 8 --expert-parallel 8 --vram 80GB --ram 1TB --no-reselect",

@@ -15,9 +15,11 @@ TRAINABLE_FILE = "trainable.safetensors"  # a checkpoint's trained values and se
 OPTIMIZER_FILE = "optimizer.safetensors"  # a checkpoint's optimizer state
 RNG_FILE = "rng.safetensors"  # a checkpoint's random number generators' states
 # an expert-parallel checkpoint's shard of EP rank `rank` of `size`: its experts' trained entries, their optimizer
-# state (the rest, replicated on every rank, stays in TRAINABLE_FILE and OPTIMIZER_FILE)
+# state, its components' own tensors (the reselector's probes of its experts; the rest, replicated on every rank,
+# stays in TRAINABLE_FILE, OPTIMIZER_FILE and EXTRA_FILE). Checkpoints of usaf before the last had no EXTRA_SHARD_FILE
 TRAINABLE_SHARD_FILE = "trainable-ep{rank}-of-{size}.safetensors"
 OPTIMIZER_SHARD_FILE = "optimizer-ep{rank}-of-{size}.safetensors"
+EXTRA_SHARD_FILE = "extra-ep{rank}-of-{size}.safetensors"
 EXTRA_FILE = "extra.safetensors"  # a checkpoint's components' tensors (the reselector's statistics, ...)
 RUN_MARKER = ".usaf-run"  # written first by every new run: the folder (and its config.yaml) is usaf's
 LOCK_FILE = ".usaf-lock"  # held by the one process writing a run

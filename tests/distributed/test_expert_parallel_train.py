@@ -2,7 +2,7 @@
 
 A tiny Qwen3-MoE-shaped model with 16 experts (NF4 store) and a published MXFP4 gpt-oss with 8 experts. EP = 2 with
 accumulation 2, EP = 4 and EP 2 x DP 2 with accumulation 1 each train what one process with accumulation 4 trains:
-the same selection (and reselection) bit for bit, per-step losses and exported deltas within float reassociation
+the same selection (and reselection, from probes each rank holds for its own experts) bit for bit, per-step losses and exported deltas within float reassociation
 (the expert outputs are summed per token in another order), and each rank holds 1/EP of the experts' bytes.
 """
 
@@ -29,13 +29,16 @@ SETTINGS = [
     "data.batch_size=2",
     "select.density=0.1",
     "select.targets=[experts,routers,attention,embeddings,lm_head]",
-    "select.reselect_every=2",  # the reselection is the job's: gathered entries, probes per source rank
+    # the reselection is the job's (each rank probes its own experts' candidates, per source rank; the decision is
+    # gathered), at step 3; its probe window (2 steps) opens at step 2, so step 2's checkpoint holds the probes
+    "select.reselect_every=3",
+    "select.reselect_until=1.0",
     "optim.lr=0.01",
     "log.progress=false",
     "log.tensorboard=false",
     "schedule.warmup_steps=1",
-    "schedule.max_steps=3",
-    "checkpoint.every_steps=3",
+    "schedule.max_steps=4",
+    "checkpoint.every_steps=4",
     "train.seed=3",
 ]
 MICRO_BATCHES = 4  # per optimizer step, over all ranks
@@ -88,6 +91,12 @@ def mxfp4(tmp_path_factory):
     }
 
 
+def _reselected(run: Path) -> dict[int, int]:
+    """{step: entries reselected} of a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["reselected_entries"] for r in rows if "reselected_entries" in r}
+
+
 def _summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
@@ -112,8 +121,9 @@ def _check_against_one_process(runs: dict, ep_of: dict, quant: str) -> None:
         # the selection and every reselection: bit for bit
         a, b = load_file(str(one / "selection.safetensors")), load_file(str(run / "selection.safetensors"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        assert _reselected(run) == _reselected(one) and _reselected(one)[3] > 0, name
         got = losses(run)
-        assert got.keys() == reference.keys() == {1, 2, 3}, name
+        assert got.keys() == reference.keys() == {1, 2, 3, 4}, name
         for step, loss in reference.items():
             assert abs(got[step] - loss) <= 1e-5 * abs(loss), (name, step, got[step], loss)
         delta = _delta(run)
@@ -146,9 +156,9 @@ def test_expert_parallel_on_a_published_mxfp4_checkpoint(mxfp4):
 
 
 def test_a_rank_that_dies_stops_the_job_and_the_run_resumes_exactly_at_its_layout(qwen):
-    """Rank 1 of an EP 2 job dies at the start of step 3 (the test hook of tests/distributed/test_rank_faults.py):
-    the job ends in one line per rank left; the resume reads each rank's shard and ends where the uninterrupted
-    EP 2 run ended, bit for bit."""
+    """Rank 1 of an EP 2 job dies at the start of step 3 (the test hook of tests/distributed/test_rank_faults.py),
+    the reselection's step, inside its probe window: the job ends in one line per rank left; the resume reads each
+    rank's shard (its experts' entries and probes) and ends where the uninterrupted EP 2 run ended, bit for bit."""
     root, run = qwen["ep2"].parent, qwen["ep2"].parent / "killed"
     args = [
         "train",
@@ -165,8 +175,15 @@ def test_a_rank_that_dies_stops_the_job_and_the_run_resumes_exactly_at_its_layou
     assert died.returncode != 0
     said = [line for line in died.stderr.splitlines() if line.startswith("usaf: error:")]
     assert len(said) == 1 and "--resume" in said[0], died.stderr[-2000:]
-    shards = sorted(p.name for p in (run / "checkpoints" / "step-00000002").glob("*-ep*-of-2.safetensors"))
-    assert shards == [f"{kind}-ep{e}-of-2.safetensors" for kind in ("optimizer", "trainable") for e in (0, 1)]
+    saved = run / "checkpoints" / "step-00000002"
+    shards = sorted(p.name for p in saved.glob("*-ep*-of-2.safetensors"))
+    kinds = ("extra", "optimizer", "trainable")
+    assert shards == [f"{kind}-ep{e}-of-2.safetensors" for kind in kinds for e in (0, 1)]
+    # each rank's probes of its experts' candidates are in its shard, none in the replicated extra file
+    for e in (0, 1):
+        probes = load_file(str(saved / f"extra-ep{e}-of-2.safetensors"))
+        assert any(k.endswith("/lines") and v.numel() for k, v in probes.items()), (e, sorted(probes))
+    assert not [k for k in load_file(str(saved / "extra.safetensors")) if ".experts/" in k]
     resumed = torchrun(["train", f"--resume={run}"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert losses(run) == losses(qwen["ep2"])

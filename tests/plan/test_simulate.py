@@ -35,9 +35,11 @@ def test_tiny_step_simulates_with_only_intended_reads():
         == sim.layer_steps * (1 + plan.settings.recompute)
     )
     assert sim.per_step_syncs == 3 and sim.sync_sites[PACKED_CHECK] == 1
-    # the measured step is the last of the first reselection's probe window: its probes live through it
+    # the measured step is the last of the first reselection's probe window: its probes live through it, and the
+    # reselection after it runs through (no read of its data outside usaf.kernels.host, no size from the data)
     assert sim.device_line_max.get("reselection probes", 0) > 0
-    assert "probe window simulated" in sim.reselection
+    assert sim.reselection.startswith("simulated after the measured step ({'reselected_entries': ")
+    assert "'reselected_entries': 0," not in sim.reselection
     report = summary(plan, sim)
     assert report["simulated_peak"] > report["live_bytes_at_peak"] > 0
     assert {row["line"] for row in report["lines"]} >= {"dense weights", "frozen experts", "activations"}
@@ -51,6 +53,8 @@ def test_an_expert_parallel_rank_reads_once_a_layer_forward():
     assert sim.mismatches == [] and sim.rank == "rank 1 of 2"
     assert sim.layer_syncs == sim.layer_steps * (1 + plan.settings.recompute)
     assert all("expert_parallel.py" in site for site in sim.sync_sites if site.endswith(", in a layer)"))
+    # the reselection runs through on the rank: its experts' probes, the job's decision gathered
+    assert sim.reselection.startswith("simulated after the measured step ({'reselected_entries': ")
 
 
 def test_planted_cpu_tensor_and_raw_read_are_caught(monkeypatch):

@@ -10,15 +10,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import make_model_dir
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from usaf.config import RunConfig
+from usaf.engine import expert_parallel
 from usaf.engine.expert_parallel import ExpertLayout, owned_mask
 from usaf.engine.installed import sparse_experts
 from usaf.engine.loss import causal_lm_loss
+from usaf.engine.sparse import LineProbe
 from usaf.errors import RunStateError
 from usaf.export.delta import delta_from_run, export_delta
 from usaf.export.merged import export_merged
+from usaf.selection.reselect import Reselector
 from usaf.train import checkpoint, runtime
 from usaf.train.optim import build_optimizer
 from usaf.train.run_dir import check_resumable
@@ -34,11 +37,11 @@ class Scheduler:
         return {"last_epoch": 1}
 
 
-def save(run_dir, model, optimizer, expert_layout=None, world_size=1):
+def save(run_dir, model, optimizer, expert_layout=None, world_size=1, extra=None, shard=None):
     state = {"rng": runtime.rng_state(), "world_size": world_size}
     return checkpoint.save(
         run_dir, 1, model=model, optimizer=optimizer, scheduler=Scheduler(), state=state, keep_last=1,
-        expert_layout=expert_layout,
+        expert_layout=expert_layout, extra_tensors=extra, shard_tensors=shard,
     )  # fmt: skip
 
 
@@ -240,3 +243,103 @@ def test_a_resume_may_change_the_ep_size():
     recorded = json.loads(json.dumps(RunConfig().to_dict()))
     now = RunConfig().replace({"distributed.expert_parallel": 2})
     assert check_resumable(recorded, now, recorded) == ["distributed.expert_parallel 1 -> 2"]
+
+
+def probed(model, config) -> Reselector:
+    """A Reselector whose expert tensors each hold a probe over lines of every expert, with scores: what one process
+    holds in a probe window (the job's candidates)."""
+    reselector = Reselector(model, config.select, total_steps=10)
+    generator = torch.Generator().manual_seed(1)
+    for path, state in reselector.states.items():
+        for name, axis in reselector.geometry[path].axes.items():
+            store = state.stores[name]
+            lines = torch.randperm(store.shape[0] * store.shape[axis], generator=generator)
+            probe = LineProbe(store.shape, axis, lines[: 4 * store.shape[0]].sort().values)
+            probe.score.copy_(torch.rand(probe.score.shape, generator=generator))
+            state.probes[name] = probe
+    return reselector
+
+
+def probes_among(tensors: dict, model, expert_layout: ExpertLayout | None) -> dict:
+    """The expert probes of a state dict, each kept to the lines of `expert_layout`'s experts (None: all)."""
+    stores = {path: state.stores for path, state in sparse_experts(model)}
+    kept = {}
+    for key, lines in tensors.items():
+        if not (key.startswith("probe/") and key.endswith("/lines")):
+            continue
+        path, name, _ = key[len("probe/") :].rsplit("/", 2)
+        if path not in stores:
+            continue
+        stem, shape = key[: -len("lines")], stores[path][name].shape
+        axis = int(tensors[stem + "axis"])
+        mine = torch.ones(lines.numel(), dtype=torch.bool)
+        if expert_layout is not None:
+            mine = owned_mask(shape, axis, lines, expert_layout.owned(shape[0]))
+        kept.update({stem + "lines": lines[mine], stem + "score": tensors[stem + "score"][mine]})
+        kept[stem + "axis"] = tensors[stem + "axis"]
+    return kept
+
+
+def test_reselection_probes_are_each_ranks_own_in_its_shard_and_resume_exactly(one, tmp_path, monkeypatch):
+    """Under expert parallelism a rank probes only its experts' candidate lines: its probes go into its shard of the
+    checkpoint (EXTRA_SHARD_FILE), the replicated extra file holds none, and a resume gives each rank its own back
+    bit for bit (at another EP size: re-sharded; without EP: the job's). A checkpoint written before the probes were
+    sharded (rank 0 held the job's probes in the extra file, its shards had two files) loads too: each rank keeps
+    its experts' lines."""
+    job = probed(
+        copy.deepcopy(one.model), one.config
+    ).state_dict()  # the job's probes, as one process holds them
+    assert probes_among(job, one.model, None)
+
+    def rank(size, r, tensors):
+        """An EP rank's model, optimizer and Reselector, its state restored from `tensors`."""
+        expert_parallel.set_layout(ep(size, r))
+        try:
+            model, optimizer = rank_view(one, ep(size, r))
+            reselector = Reselector(model, one.config.select, total_steps=10)
+            reselector.load_state_dict(tensors)
+            return model, optimizer, reselector.state_dict(), reselector.shard_state_dict()
+        finally:
+            expert_parallel.set_layout(None)
+
+    views = [rank(2, r, job) for r in range(2)]  # from an old checkpoint's extra file: the job's probes
+    for r, (model, _, replicated, shard) in enumerate(views):
+        assert not probes_among(replicated, model, None)  # the replicated part holds no expert probe
+        assert_same_tensors(shard, probes_among(job, model, ep(2, r)))
+        assert any(v.numel() for k, v in shard.items() if k.endswith("/lines"))
+    # the ranks' shards, concatenated in rank order, are the job's probes
+    for key, value in probes_among(job, one.model, None).items():
+        if value.dim():
+            assert torch.equal(torch.cat([view[3][key] for view in views]), value), key
+
+    def other_ranks_write():
+        (tmp,) = (tmp_path / "ep" / "checkpoints").glob(".tmp-*")
+        model, optimizer, _, shard = views[1]
+        checkpoint.write_shard(tmp, model, optimizer, ep(2, 1), shard_tensors=shard)
+
+    monkeypatch.setattr(checkpoint, "_shards_written", other_ranks_write)
+    model, optimizer, replicated, shard = views[0]
+    saved = save(tmp_path / "ep", model, optimizer, ep(2, 0), 2, extra=replicated, shard=shard)
+    record = checkpoint.read_state(saved)[checkpoint.EXPERT_PARALLEL_KEY]
+    assert [s["files"][2] for s in record["shards"]] == [f"extra-ep{r}-of-2.safetensors" for r in range(2)]
+    assert not probes_among(load_file(saved / "extra.safetensors"), one.model, None)
+    for size in (2, 3):  # its own shard; re-sharded
+        for r in range(size):
+            _, _, replicated, shard = rank(size, r, checkpoint.load(saved, ep(size, r))["extra"])
+            assert_same_tensors(shard, probes_among(job, one.model, ep(size, r)))
+            assert_same_tensors(replicated, views[0][2])
+    gathered = checkpoint.load(saved)["extra"]  # no EP: the job's
+    assert_same_tensors(probes_among(gathered, one.model, None), probes_among(job, one.model, None))
+    # an old checkpoint: two files a shard, the job's probes in the extra file (rank 0's then)
+    meta = checkpoint.read_state(saved)
+    for shard_record in meta[checkpoint.EXPERT_PARALLEL_KEY]["shards"]:
+        name = shard_record["files"].pop()
+        (saved / name).unlink()
+        del meta["files"][name]
+    save_file({**views[0][2], **job}, str(saved / "extra.safetensors"))
+    meta["files"]["extra.safetensors"] = checkpoint.file_sha256(saved / "extra.safetensors")
+    (saved / "state.sha256").unlink()  # (state.json is not checked where no sum was recorded)
+    (saved / "state.json").write_text(json.dumps(meta))
+    for r in range(2):
+        _, _, _, shard = rank(2, r, checkpoint.load(saved, ep(2, r))["extra"])
+        assert_same_tensors(shard, probes_among(job, one.model, ep(2, r)))

@@ -290,7 +290,7 @@ def gather_ragged(values: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     device = _comm_device(ep.ep_group, values)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ep.ep)]
     dist.all_gather(sizes, torch.tensor([values.numel()], device=device), group=ep.ep_group)
-    sizes = [int(s) for s in torch.cat(sizes).tolist()]
+    sizes = read_ints(torch.cat(sizes), [values.numel()] * ep.ep)  # (balanced: every rank holds as many)
     padded = torch.zeros(max(sizes), dtype=values.dtype, device=device)
     padded[: values.numel()] = values.reshape(-1).to(device)
     found = [torch.empty_like(padded) for _ in sizes]

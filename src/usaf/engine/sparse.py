@@ -273,10 +273,13 @@ class LineEntries(_Entries):
         return _add_line_grads(grad, self.values, U, V, rows, first, segments, line, self.axis)
 
 
-def _line_grouping(line_ids: torch.Tensor, shape, axis: int) -> tuple[Segments, torch.Tensor, torch.Tensor]:
-    """(the lines grouped by expert, each line's expert, its index within its expert)."""
+def _line_grouping(
+    line_ids: torch.Tensor, shape, axis: int, among: range | None = None
+) -> tuple[Segments, torch.Tensor, torch.Tensor]:
+    """(the lines grouped by expert, each line's expert, its index within its expert); `among`: the only experts
+    the lines can lie in (an expert-parallel rank's own)."""
     expert = torch.div(line_ids, shape[axis], rounding_mode="floor")
-    return Segments.of(expert, shape[0]), expert, line_ids - expert * shape[axis]
+    return Segments.of(expert, shape[0], among), expert, line_ids - expert * shape[axis]
 
 
 def _add_line_grads(grad, like, U, V, rows: Segments, first: int, segments: Segments, line, axis: int):
@@ -293,13 +296,14 @@ class LineProbe:
     """Gradient magnitudes of candidate lines that are not trained: used to choose what to train next.
 
     Each backward adds |dL/dW| over the candidate lines to `score` (a sum of per-micro-batch magnitudes);
-    nothing is written into the weights and nothing is trained.
+    nothing is written into the weights and nothing is trained. `owned`: under expert parallelism, the experts
+    of this rank, the only ones its lines lie in (None: any).
     """
 
-    def __init__(self, shape, axis: int, line_ids: torch.Tensor):
+    def __init__(self, shape, axis: int, line_ids: torch.Tensor, owned: range | None = None):
         self.shape, self.axis = tuple(shape), axis
         self.line_ids = line_ids.to(torch.int64)
-        self.segments, _, self.line = _line_grouping(self.line_ids, self.shape, axis)
+        self.segments, _, self.line = _line_grouping(self.line_ids, self.shape, axis, owned)
         length = self.shape[3 - axis]
         self.score = torch.zeros(self.line_ids.numel(), length, device=line_ids.device)
 

@@ -28,7 +28,7 @@ from usaf.engine.installed import row_observers, sparse_experts
 from usaf.engine.sparse import LineProbe, line_flat_indices
 from usaf.engine.state import model_state
 from usaf.errors import ConfigError
-from usaf.kernels.host import read_ints
+from usaf.kernels.host import balanced, read_int, read_ints
 from usaf.model.layout import ExpertGeometry, find_moe_layers
 from usaf.selection import across_ranks
 from usaf.selection.candidates import NeuronImportance, best_neurons, best_rows, lines_wanted
@@ -117,7 +117,9 @@ class Reselector:
     # ------------------------------------------------------------------------------------------- element
     def _install_probes(self, step: int) -> None:
         """Probes on the candidate lines of every tensor (`usaf.selection.candidates`) for the reselection at
-        `step`: `oversample` x the entries it will grow."""
+        `step`: `oversample` x the entries it will grow. Under expert parallelism the candidates are the job's (from
+        the global statistics) and each rank probes those of its own experts: the probes of an expert stack are
+        sharded as its entries are (every EP rank holds one for each tensor, empty where it owns no candidate)."""
         fraction, oversample = self.fraction(step), self.config.oversample
         for path, state in self.states.items():
             geometry, score = self.geometry[path], self.importance[path].score
@@ -134,7 +136,11 @@ class Reselector:
                 line_length = geometry.entries_per_line_group(name, store.shape)
                 neurons = best_neurons(score, lines_wanted(oversample, grow, line_length, score.numel()))
                 lines = geometry.line_ids(name, neurons, store.shape[axis])
-                state.probes[name] = LineProbe(store.shape, axis, lines.to(store.device))
+                owned, ep = None, expert_parallel.layout()
+                if ep is not None:  # of the job's candidates, this rank's experts'
+                    owned = ep.owned(store.shape[0])
+                    lines = _lines_among(lines, store.shape, axis, owned)
+                state.probes[name] = LineProbe(store.shape, axis, lines.to(store.device), owned)
         for state in self.weights.values():
             entries, store = state.entries, state.stores["weight"]
             if entries is None or entries.numel() == 0:
@@ -151,9 +157,10 @@ class Reselector:
 
     def _reselect_elements(self, state, name, entries, fraction, optimizer) -> int:
         """Drop the `fraction` of the tensor's entries that moved least, grow as many of the best probed
-        candidates; the entries replaced. Under expert parallelism an expert stack's decision is the job's: the
-        ranks' entries are gathered (their concatenation is the one-process order), and each rank applies its
-        share of the drops and grows."""
+        candidates; the entries replaced. Under expert parallelism an expert stack's decision is the job's: each
+        rank holds its experts' entries and candidates (the job's, in rank order, are the one-process order), and
+        the job's first `count` of each are found from every rank's own first `count` (`_job_first`); each rank
+        applies its share of the drops and grows."""
         probe, store = state.probes[name], state.stores[name]
         flat = entries.flat_indices  # int64, derived: one tensor's transient
         # what dropping an entry changes in the weight the forward reads: back to the kept base on a resident
@@ -161,25 +168,19 @@ class Reselector:
         base = entries.base_values if entries.keeps_base else store.read(flat)
         moved = (entries.values.detach() - base.float()).abs()
         sharded = state.is_expert_stack and expert_parallel.layout() is not None
-        all_flat, sizes = expert_parallel.gather_ragged(flat) if sharded else (flat, [flat.numel()])
-        all_moved = expert_parallel.gather_ragged(moved)[0] if sharded else moved
-        n = all_flat.numel()
-        count = min(round(fraction * n), n)
         candidates = probe.flat_indices()
-        scores = probe.score.reshape(-1)
-        fresh = ~torch.isin(candidates, all_flat)
-        candidates, scores = candidates[fresh], scores[fresh]
-        count = min(count, candidates.numel())
+        # a trained candidate is no entry to grow (a candidate's expert is this rank's: so are its trained entries);
+        # scores are sums of magnitudes (>= 0), so -inf ranks after every fresh one
+        fresh = ~torch.isin(candidates, flat)
+        scores = probe.score.reshape(-1).masked_fill(~fresh, float("-inf"))
+        n, available = _job_counts(flat.numel(), fresh, sharded)
+        count = min(round(fraction * n), n, available)
         if count == 0:
             return 0
         # ties (entries that never moved, candidates without gradient) broken by position: a total order, so the
         # decision does not hang on how a kernel orders equal values
-        drop = torch.argsort(all_moved, stable=True)[:count]
-        grow = candidates[torch.argsort(scores, descending=True, stable=True)[:count]]
-        if sharded:  # this rank's share: its block of the gathered entries, its experts' candidates
-            start = sum(sizes[: expert_parallel.layout().ep_rank])
-            drop = drop[(drop >= start) & (drop < start + flat.numel())] - start
-            grow = grow[expert_parallel.owned_mask(store.shape, None, grow, store.owned)]
+        drop = _job_first(moved, count, descending=False, sharded=sharded)
+        grow = candidates[_job_first(scores, count, descending=True, sharded=sharded)]
         self._replace(state, name, flat, base, drop, grow, optimizer)
         return count
 
@@ -187,16 +188,17 @@ class Reselector:
         """The entries at positions `drop` of tensor `name` reverted and replaced by `grow` (flat indices); the
         others keep their values and moments."""
         entries, store = state[name], state.stores[name]
-        keep = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device)
-        keep[drop] = False
+        dropped = torch.zeros(flat.numel(), dtype=torch.uint8, device=flat.device)
+        dropped[drop] = 1
+        # the kept positions, ascending: their count is known, so no read of the mask (a host sync) is needed
+        keep = torch.argsort(dropped, stable=True)[: flat.numel() - drop.numel()]
+        del dropped
         if store.resident:  # revert the dropped entries in the weights the forward reads
             store.full().view(-1).index_copy_(0, flat[drop], base[drop].to(store.dtype))
         grow_base = self._original(state, name, store, grow)
         merged = torch.cat([flat[keep], grow])
         order = torch.argsort(merged)
-        old_position = torch.cat(
-            [keep.nonzero().squeeze(1), torch.full((grow.numel(),), -1, device=merged.device)]
-        )[order]
+        old_position = torch.cat([keep, torch.full((grow.numel(),), -1, device=merged.device)])[order]
         values = torch.cat([entries.values.detach()[keep], grow_base.float()])[order]
         kept_base = None
         if entries.keeps_base:
@@ -265,23 +267,33 @@ class Reselector:
         return count * sum(geometry.entries_per_line_group(n, state.stores[n].shape) for n in axes)
 
     # ------------------------------------------------------------------------------------------ across ranks
-    # The statistics are sums over micro-batches: rank 0 keeps the running sum, the other ranks only their share
-    # since the last step, and `after_backward` sums them, so every rank holds the global statistics and takes
-    # the same decisions (the 1-process ones).
-    def _statistics(self) -> list[tuple[object, str, bool]]:
-        """(holder, attribute, kept) of every summed statistic, in the same order on every rank; `kept`: a probe's
-        score, zeroed rather than dropped."""
-        slots: list[tuple[object, str, bool]] = [(imp, "score", False) for imp in self.importance.values()]
-        slots += [(state, "row_score", False) for state in self.weights.values()]
+    # The statistics are sums over micro-batches: one rank keeps the running sum, the others only their share since
+    # the last step, and `after_backward` sums them, so every rank holds the global statistics and takes the same
+    # decisions (the 1-process ones). Under expert parallelism an expert stack's probes are an EP rank's share (its
+    # experts' candidates): they are summed over its DP group only (the ranks holding the same experts), whose
+    # first rank keeps the running sum; the rest (the importance of neurons and rows, other probes) over all ranks.
+    def _statistics(self) -> list[tuple[object, str, bool, bool]]:
+        """(holder, attribute, kept, sharded) of every summed statistic, in the same order on every rank; `kept`: a
+        probe's score, zeroed rather than dropped; `sharded`: an EP rank's share, summed over its DP group."""
+        ep = expert_parallel.layout() is not None
+        slots: list[tuple[object, str, bool, bool]] = [
+            (imp, "score", False, False) for imp in self.importance.values()
+        ]
+        slots += [(state, "row_score", False, False) for state in self.weights.values()]
         for state in [*self.states.values(), *self.weights.values()]:
-            slots += [(state.probes[name], "score", True) for name in sorted(state.probes)]
+            sharded = ep and state.is_expert_stack
+            slots += [(state.probes[name], "score", True, sharded) for name in sorted(state.probes)]
         return slots
 
     def _clear_rank_share(self) -> None:
-        """Before a step's micro-batches: ranks other than 0 start their statistics from zero."""
-        if not across_ranks.active() or across_ranks.is_main():
+        """Before a step's micro-batches: the ranks that do not keep a statistic's running sum start it from zero
+        (rank 0 keeps it; a sharded probe's, the first rank of its DP group)."""
+        if not across_ranks.active():
             return
-        for holder, attr, kept in self._statistics():
+        ep = expert_parallel.layout()
+        for holder, attr, kept, sharded in self._statistics():
+            if (ep.dp_rank == 0) if sharded else across_ranks.is_main():
+                continue
             value = getattr(holder, attr)
             if value is not None:
                 if kept:
@@ -290,17 +302,23 @@ class Reselector:
                     setattr(holder, attr, None)
 
     def after_backward(self) -> None:
-        """After a step's backward passes: the statistics summed across ranks. One no rank has stays None; one
-        some ranks lack starts from zeros there."""
+        """After a step's backward passes: the statistics summed across ranks (a sharded probe's over its DP
+        group). One no rank has stays None; one some ranks lack starts from zeros there."""
         if not across_ranks.active():
             return
         slots = self._statistics()
+        # every rank of a DP group holds the same probes, from the same global statistics
+        shards = [getattr(h, a) for h, a, _, sharded in slots if sharded and getattr(h, a).numel()]
+        ep = expert_parallel.layout()
+        if shards and ep.dp > 1:
+            across_ranks.all_reduce_flat(shards, group=ep.dp_group)
+        slots = [slot for slot in slots if not slot[3]]
         if not slots:
             return
         device = across_ranks.comm_device()
         shapes = torch.zeros(len(slots), 5, dtype=torch.int64, device=device)
         where = None
-        for i, (holder, attr, _) in enumerate(slots):
+        for i, (holder, attr, _, _) in enumerate(slots):
             value = getattr(holder, attr)
             if value is not None:
                 where = value.device
@@ -311,7 +329,7 @@ class Reselector:
         flat = read_ints(shapes.reshape(-1), lambda: _shape_rows(slots))
         rows = [flat[i : i + 5] for i in range(0, len(flat), 5)]
         tensors = []
-        for (holder, attr, _), row in zip(slots, rows, strict=True):
+        for (holder, attr, _, _), row in zip(slots, rows, strict=True):
             if row[0] == 0:
                 continue
             if getattr(holder, attr) is None:
@@ -326,6 +344,8 @@ class Reselector:
         return {**self.states, **self.weights}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The statistics every rank holds alike (what rank 0 checkpoints); under expert parallelism without the
+        expert stacks' probes, which are each rank's own (`shard_state_dict`)."""
         tensors = {}
         for path, importance in self.importance.items():
             if importance.score is not None:
@@ -333,14 +353,27 @@ class Reselector:
         for path, state in self.weights.items():
             if state.row_score is not None:
                 tensors[f"rows/{path}"] = state.row_score.cpu()
+        sharded = expert_parallel.layout() is not None
         for path, state in self._all().items():
-            for name, probe in state.probes.items():
-                tensors[f"probe/{path}/{name}/lines"] = probe.line_ids.cpu()
-                tensors[f"probe/{path}/{name}/score"] = probe.score.cpu()
-                tensors[f"probe/{path}/{name}/axis"] = torch.tensor(probe.axis)
+            if not (sharded and state.is_expert_stack):
+                tensors.update(_probe_tensors(path, state))
+        return tensors
+
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        """Under expert parallelism, this rank's share: the probes of its experts' candidates (what its shard of a
+        checkpoint holds; the same keys on every EP rank, in rank order the job's lines); else nothing."""
+        if expert_parallel.layout() is None:
+            return {}
+        tensors = {}
+        for path, state in self.states.items():
+            tensors.update(_probe_tensors(path, state))
         return tensors
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """`state_dict` and `shard_state_dict` put back. A probe of an expert stack holding lines of experts this
+        rank does not own (a checkpoint of another EP size, gathered, or one written before the probes were
+        sharded: rank 0 held the job's) keeps its experts' lines."""
+        ep = expert_parallel.layout()
         for key, value in tensors.items():
             kind, rest = key.split("/", 1)
             if kind == "importance":
@@ -349,18 +382,79 @@ class Reselector:
                 self.weights[rest].row_score = value.to(self.weights[rest].stores["weight"].device)
             elif kind == "probe" and key.endswith("/lines"):
                 path, name, _ = rest.rsplit("/", 2)
-                store = self._all()[path].stores[name]
+                state = self._all()[path]
+                store = state.stores[name]
                 axis = int(tensors[f"probe/{path}/{name}/axis"])
-                probe = LineProbe(store.shape, axis, value.to(store.device))
-                probe.score.copy_(tensors[f"probe/{path}/{name}/score"])
-                self._all()[path].probes[name] = probe
+                lines, score, owned = value, tensors[f"probe/{path}/{name}/score"], None
+                if ep is not None and state.is_expert_stack:
+                    owned = ep.owned(store.shape[0])
+                    mine = expert_parallel.owned_mask(store.shape, axis, lines, owned)
+                    lines, score = lines[mine], score[mine]
+                probe = LineProbe(store.shape, axis, lines.to(store.device), owned)
+                probe.score.copy_(score)
+                state.probes[name] = probe
+
+
+def _probe_tensors(path: str, state) -> dict[str, torch.Tensor]:
+    """A state's probes as checkpoint tensors: each one's line ids, scores and axis."""
+    tensors = {}
+    for name, probe in state.probes.items():
+        tensors[f"probe/{path}/{name}/lines"] = probe.line_ids.cpu()
+        tensors[f"probe/{path}/{name}/score"] = probe.score.cpu()
+        tensors[f"probe/{path}/{name}/axis"] = torch.tensor(probe.axis)
+    return tensors
+
+
+def _lines_among(lines: torch.Tensor, shape, axis: int, owned: range) -> torch.Tensor:
+    """The line ids (sorted, on the host) of `lines` that lie in the `owned` experts: a slice, since the experts'
+    lines are consecutive (two positions read on the host; balanced data spreads them evenly)."""
+    per_expert = shape[axis]
+    bounds = torch.tensor([owned.start * per_expert, owned.stop * per_expert], dtype=lines.dtype)
+    n, experts = lines.numel(), shape[0]
+    start, stop = read_ints(
+        torch.searchsorted(lines, bounds.to(lines.device)),
+        lambda: [n * owned.start // experts, n * owned.stop // experts],
+    )
+    return lines[start:stop]
+
+
+def _job_counts(trained: int, fresh: torch.Tensor, sharded: bool) -> tuple[int, int]:
+    """(the tensor's trained entries, its candidates not yet trained), the job's: under expert parallelism summed
+    over the EP group (one collective); one host read."""
+    counts = torch.stack([torch.tensor(trained, dtype=torch.int64, device=fresh.device), fresh.sum()])
+    ep = expert_parallel.layout() if sharded else None
+    if ep is not None:
+        expert_parallel.expert_sum(counts, from_every_rank=False)
+    ranks = 1 if ep is None else ep.ep
+    n, available = read_ints(counts, lambda: [trained * ranks, fresh.numel() * ranks])
+    return n, available
+
+
+def _job_first(keys: torch.Tensor, count: int, descending: bool, sharded: bool) -> torch.Tensor:
+    """Positions in `keys` (1-d) of this rank's share of the job's first `count` keys in key order (ascending, or
+    `descending`), ties by position: a total order. `sharded`: the job's keys are every EP rank's, concatenated in
+    rank order (the one-process order). Each rank sends only its own first `count` (values): the job's first
+    `count` lie among them, and a rank's share of them is a prefix of its own (one gather, one host read)."""
+    first = torch.argsort(keys, descending=descending, stable=True)[:count]
+    if not sharded:
+        return first
+    ep = expert_parallel.layout()
+    merged, sizes = expert_parallel.gather_ragged(keys[first])
+    # a stable sort of the concatenation breaks ties by rank, then by a rank's own order: by position
+    picked = torch.argsort(merged, descending=descending, stable=True)[:count]
+    start = sum(sizes[: ep.ep_rank])
+    mine = read_int(
+        ((picked >= start) & (picked < start + first.numel())).sum(),
+        lambda: min(first.numel(), balanced(count, ep.ep)[ep.ep_rank]),
+    )
+    return first[:mine]
 
 
 def _shape_rows(slots) -> list[int]:
     """`after_backward`'s shape table of this rank's statistics, flat: per slot its dimensions + 1, then its sizes
     (zeros for one this rank lacks)."""
     flat = []
-    for holder, attr, _ in slots:
+    for holder, attr, *_ in slots:
         value = getattr(holder, attr)
         row = [0] * 5 if value is None else [value.dim() + 1, *value.shape, *[0] * (4 - value.dim())]
         flat += row
@@ -375,8 +469,10 @@ def _remap_optimizer_state(optimizer, param: torch.nn.Parameter, old_position: t
     kept = old_position >= 0
     for key, value in list(state.items()):
         if isinstance(value, torch.Tensor) and value.shape == param.shape:
-            fresh = torch.zeros(
-                (old_position.numel(), *value.shape[1:]), dtype=value.dtype, device=value.device
-            )
-            fresh[kept] = value[old_position[kept]]
-            state[key] = fresh
+            shape = (old_position.numel(), *value.shape[1:])
+            if value.shape[0] == 0:  # nothing was kept
+                state[key] = torch.zeros(shape, dtype=value.dtype, device=value.device)
+                continue
+            # a select, not a masked write: no size read from the data
+            carried = value[old_position.clamp_min(0)]
+            state[key] = torch.where(kept.view(-1, *[1] * (value.dim() - 1)), carried, 0).to(value.dtype)

@@ -7,9 +7,12 @@ pinned host memory, a memory map) is the business of the `parts` object it is gi
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from usaf.errors import ModelError
+from usaf.kernels.host import balanced, read_ints
 from usaf.quant import get_format
 
 
@@ -67,17 +70,30 @@ class QuantizedStore:
 
     @torch.no_grad()
     def read(self, flat_indices: torch.Tensor) -> torch.Tensor:
-        """Dequantized values at flat indices of the [E, A, B] tensor, one expert at a time."""
+        """Dequantized values at flat indices of the [E, A, B] tensor, one expert at a time: the indices grouped by
+        expert with a sort, where each expert's start is read on the host at once (an intended read: on balanced
+        data every expert holds as many); experts without an index are not dequantized."""
         _, rows, cols = self.shape
         per_expert = rows * cols
-        flat = flat_indices.to(self.device)
-        expert = torch.div(flat, per_expert, rounding_mode="floor")
+        flat = flat_indices.to(self.device).reshape(-1)
+        ordered, order = torch.sort(flat)
+        owned, n = self.owned, flat.numel()
+        edges = torch.arange(owned.start, owned.stop + 1, device=flat.device) * per_expert
+        starts = read_ints(
+            torch.searchsorted(ordered, edges),
+            lambda: [0, *itertools.accumulate(balanced(n, len(owned)))],
+        )
+        if starts[0] != 0 or starts[-1] != n:
+            raise ModelError(
+                f"entries outside experts {owned.start} to {owned.stop - 1} asked of a store holding only those "
+                "(expert parallelism: another rank holds the others)."
+            )
         out = torch.empty(flat.shape, dtype=self.dtype, device=self.device)
-        for e in torch.unique(expert).tolist():
-            where = (expert == e).nonzero(as_tuple=True)[0]
-            weight = self.materialize([e]).reshape(-1)
-            out[where] = weight[flat[where] - e * per_expert]
-        return out
+        for e, start, stop in zip(owned, starts[:-1], starts[1:], strict=True):
+            if start < stop:
+                weight = self.materialize([e]).reshape(-1)
+                out[order[start:stop]] = weight[ordered[start:stop] - e * per_expert]
+        return out.view(flat_indices.shape)
 
     def __repr__(self) -> str:
         return f"QuantizedStore({self.format_name}, shape={list(self.shape)}, dtype={self.dtype}, parts={self.parts})"

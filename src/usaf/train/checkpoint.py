@@ -8,7 +8,8 @@ config are run state too); loading verifies them all, so a damaged or truncated 
 
 Under expert parallelism (`usaf.engine.expert_parallel.layout()`) the entries of expert tensors, and their
 optimizer state, live only on the ranks owning their experts: every EP rank of DP group 0 writes its shard
-(TRAINABLE_SHARD_FILE, OPTIMIZER_SHARD_FILE) into rank 0's temporary folder, rank 0 writes the replicated rest as
+(TRAINABLE_SHARD_FILE, OPTIMIZER_SHARD_FILE, and EXTRA_SHARD_FILE: its components' own tensors, the reselector's
+probes of its experts) into rank 0's temporary folder, rank 0 writes the replicated rest as
 above and, once every shard is there (a barrier), records them in state.json ("expert_parallel": the EP size, each
 shard's files and experts, the optimizer index of each expert tensor) with their sha256, and renames the folder into
 place. Indices stay global, so a reader gathers the shards by concatenation (a single-process export) or keeps the
@@ -35,6 +36,7 @@ from usaf.engine.installed import sparse_experts, sparse_modules
 from usaf.errors import ConfigError, RunStateError, UsafError
 from usaf.files import (
     EXTRA_FILE,
+    EXTRA_SHARD_FILE,
     OPTIMIZER_FILE,
     OPTIMIZER_SHARD_FILE,
     RNG_FILE,
@@ -163,17 +165,19 @@ def save(
     extra_tensors: dict[str, torch.Tensor] | None = None,
     expert_layout: ExpertLayout | None = None,
     spare: int | None = None,
+    shard_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path | None:
     """Write checkpoint `step` atomically and keep the newest `keep_last`, and checkpoint `spare` (the best, a
     whole folder: its expert-parallel shards are in it). Under expert parallelism
     (`expert_layout`) every rank calls it: rank 0 writes the checkpoint, the other ranks their shards into it (or
-    nothing: DP groups past the first) and get None."""
+    nothing: DP groups past the first) and get None; `shard_tensors`: the components' tensors of this rank's own
+    (its shard's; `extra_tensors` are rank 0's, replicated)."""
     folder = checkpoints_dir(run_dir)
     final = folder / folder_name(step)
     if expert_layout is not None and not distributed.is_main():
         tmp = folder / f".tmp-{final.name}-{_writer_pid()}"
         if expert_layout.dp_rank == 0:
-            write_shard(tmp, model, optimizer, expert_layout)
+            write_shard(tmp, model, optimizer, expert_layout, shard_tensors=shard_tensors)
         _shards_written()
         return None
     folder.mkdir(parents=True, exist_ok=True)
@@ -184,7 +188,7 @@ def save(
         if expert_layout is not None:
             _writer_pid()  # the folder exists: the other ranks may write into it
             flat = _flatten_optimizer(optimizer)  # once: its shard's part here, the replicated rest in _write
-            write_shard(tmp, model, optimizer, expert_layout, flat[0])
+            write_shard(tmp, model, optimizer, expert_layout, flat[0], shard_tensors)
             _shards_written()
             shards = shard_record(tmp, model, optimizer, expert_layout)
         _write(
@@ -268,8 +272,10 @@ def _prefix_of(key: str) -> str:
 
 
 def shard_files(ep_rank: int, size: int) -> list[str]:
-    """The files of EP rank `ep_rank`'s shard: its experts' trained entries, their optimizer state."""
-    return [name.format(rank=ep_rank, size=size) for name in (TRAINABLE_SHARD_FILE, OPTIMIZER_SHARD_FILE)]
+    """The files of EP rank `ep_rank`'s shard: its experts' trained entries, their optimizer state, its components'
+    own tensors (a shard's record in state.json lists its files: one written before EXTRA_SHARD_FILE has two)."""
+    names = (TRAINABLE_SHARD_FILE, OPTIMIZER_SHARD_FILE, EXTRA_SHARD_FILE)
+    return [name.format(rank=ep_rank, size=size) for name in names]
 
 
 def expert_optimizer_params(model: torch.nn.Module, optimizer) -> dict[str, int]:
@@ -291,10 +297,11 @@ def write_shard(
     optimizer,
     expert_layout: ExpertLayout,
     opt_tensors: dict | None = None,
+    shard_tensors: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """This EP rank's shard into the checkpoint folder `folder`: the entries of the expert tensors it holds (its
-    experts'), and their optimizer state (`opt_tensors`: the optimizer's tensors `_flatten_optimizer` gave, if
-    already flattened)."""
+    experts'), their optimizer state (`opt_tensors`: the optimizer's tensors `_flatten_optimizer` gave, if
+    already flattened), and the components' tensors of its own (`shard_tensors`)."""
     indices = expert_optimizer_params(model, optimizer)
     tensors = {
         k: v.contiguous().cpu() for k, v in trainable_tensors(model).items() if _prefix_of(k) in indices
@@ -303,9 +310,11 @@ def write_shard(
         opt_tensors = _flatten_optimizer(optimizer)[0]
     mine = {str(index) for index in indices.values()}
     opt_tensors = {k: v for k, v in opt_tensors.items() if k.split(".", 1)[0] in mine}
-    trainable_name, optimizer_name = shard_files(expert_layout.ep_rank, expert_layout.ep)
+    trainable_name, optimizer_name, extra_name = shard_files(expert_layout.ep_rank, expert_layout.ep)
     _written(folder / trainable_name, lambda p: save_file(tensors, str(p)))
     _written(folder / optimizer_name, lambda p: save_file(opt_tensors, str(p)))
+    extra = {k: v.contiguous().cpu() for k, v in (shard_tensors or {}).items()}
+    _written(folder / extra_name, lambda p: save_file(extra, str(p)))
 
 
 def shard_record(folder: Path, model: torch.nn.Module, optimizer, expert_layout: ExpertLayout) -> dict:
@@ -440,11 +449,14 @@ def load(path: Path, expert_layout: ExpertLayout | None = None) -> dict:
         rng = load_file(str(path / RNG_FILE))
         meta["extra"] = load_file(str(path / EXTRA_FILE))
         if shards:
-            trainable, optimizer = _gathered(path, shards)
+            trainable, optimizer, extra = _gathered(path, shards)
             if expert_layout is not None and expert_layout.ep != sharded["size"]:  # re-sharded
                 _keep_owned(meta, trainable, optimizer, expert_layout, path)
             meta["trainable"].update(trainable)
             meta["optimizer_tensors"].update(optimizer)
+            # the components' own tensors of the shards read (gathered: every rank's, in rank order; a component
+            # keeps its experts' share, as the reselector its probes)
+            meta["extra"].update(extra)
     except UsafError:
         raise
     except (OSError, ValueError) as err:
@@ -467,20 +479,22 @@ def _shards_to_read(sharded: dict | None, expert_layout: ExpertLayout | None) ->
     return sharded["shards"]
 
 
-def _gathered(path: Path, shards: list[dict]) -> tuple[dict, dict]:
-    """The trained entries and optimizer state of `shards`, concatenated in EP rank order: the experts' blocks are
-    contiguous and in order, so the global indices stay sorted. Per-entry tensors are concatenated, scalars (an
-    optimizer's step) are the same in every shard."""
-    parts: list[tuple[dict, dict]] = []
+def _gathered(path: Path, shards: list[dict]) -> tuple[dict, dict, dict]:
+    """The trained entries, optimizer state and components' tensors of `shards`, concatenated in EP rank order: the
+    experts' blocks are contiguous and in order, so the global indices (and a probe's line ids) stay sorted.
+    Per-entry tensors are concatenated, scalars (an optimizer's step, a probe's axis) are the same in every shard.
+    A shard written before EXTRA_SHARD_FILE has no components' tensors (its checkpoint's EXTRA_FILE holds them)."""
+    parts: list[tuple[dict, dict, dict]] = []
     for shard in shards:
-        trainable_name, optimizer_name = shard["files"]
-        parts.append((load_file(str(path / trainable_name)), load_file(str(path / optimizer_name))))
+        trainable_name, optimizer_name, *extra_name = shard["files"]
+        extra = load_file(str(path / extra_name[0])) if extra_name else {}
+        parts.append((load_file(str(path / trainable_name)), load_file(str(path / optimizer_name)), extra))
     return tuple(
         {
             key: torch.cat([part[which][key] for part in parts]) if tensor.dim() else tensor
             for key, tensor in parts[0][which].items()
         }
-        for which in (0, 1)
+        for which in (0, 1, 2)
     )
 
 

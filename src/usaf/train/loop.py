@@ -469,6 +469,8 @@ class TrainingRun:
                 checkpoint.RUN_CONFIG_KEY: self.run_config,
             },
             "extra_tensors": {k: v for part in self.parts for k, v in part.tensor_state().items()},
+            # expert parallelism: each rank's own, in its shard
+            "shard_tensors": {k: v for part in self.parts for k, v in part.shard_tensor_state().items()},
         }
 
     def restore_values(self, saved: Path, restored: dict) -> dict:

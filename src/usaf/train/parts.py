@@ -18,6 +18,8 @@ A part acts at the hooks it needs and inherits a no-op for the others (from `Par
     finish(state)             after the last step, before the summary is written
     state_dict / tensor_state / load_state   what it checkpoints (plain values at the top of state.json, tensors
                               in extra.safetensors) and restores, before the optimizer is built
+    shard_tensor_state        under expert parallelism, tensors of this rank's own (its experts'): in its shard
+                              of the checkpoint; load_state gets them with the others
 
 A part may end the run after a step by raising `StopRun` (the loop checkpoints and returns its summary).
 
@@ -112,6 +114,8 @@ class LoopPart(Protocol):
 
     def tensor_state(self) -> dict[str, torch.Tensor]: ...
 
+    def shard_tensor_state(self) -> dict[str, torch.Tensor]: ...
+
     def load_state(self, state: dict, tensors: dict[str, torch.Tensor]) -> None: ...
 
 
@@ -175,6 +179,9 @@ class Part:
     def tensor_state(self) -> dict[str, torch.Tensor]:
         return {}
 
+    def shard_tensor_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
     def load_state(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
         pass
 
@@ -219,6 +226,9 @@ class Reselection(Part):
 
     def tensor_state(self) -> dict[str, torch.Tensor]:
         return self.reselector.state_dict()
+
+    def shard_tensor_state(self) -> dict[str, torch.Tensor]:
+        return self.reselector.shard_state_dict()  # its experts' probes, under expert parallelism
 
     def load_state(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
         self.reselector.load_state_dict(tensors)
