@@ -13,6 +13,7 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import usaf
+from usaf.base import writer
 from usaf.base.checkpoint import BaseCheckpoint
 from usaf.base.load import load_prepared, read_store_metadata
 from usaf.base.writer import prepare_store
@@ -306,6 +307,40 @@ def test_prepare_with_quant_given_stores_published_experts_at_that_format(checkp
     kept = tmp_path / "kept"
     assert main(["prepare", str(folder), "--out", str(kept), "--device", "cpu"]) == 0
     assert read_store_metadata(kept)["quant"] == kind
+
+
+def test_prepare_to_nf4_with_workers_stores_bitsandbytes_quantization_of_the_dequantized_experts(
+    checkpoints, tmp_path, monkeypatch
+):
+    """FP8 -> NF4 with experts quantized by two worker threads: every expert's stored bytes are bitsandbytes'
+    `quantize_4bit` of its published values dequantized as transformers does (bf16), expert by expert."""
+    import bitsandbytes.functional as F
+
+    folder = checkpoints["fp8"]
+    monkeypatch.setattr(writer, "PARALLEL_ELEMENTS", 1)  # the tiny experts too
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        store = prepare_store(folder, tmp_path / "store", "nf4", device="cpu", requantize_published=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads
+    metadata = read_store_metadata(store)
+    stored = {}
+    for file in metadata["files"]:
+        entries, _ = read_header(store / file)
+        stored.update({k: read_tensor(e) for k, e in entries.items()})
+    plain = reference(folder, "fp8").state_dict()
+    experts = [n for n, t in metadata["tensors"].items() if t["kind"] == "experts"]
+    assert experts
+    for name in experts:
+        assert metadata["tensors"][name]["format"] == "nf4"
+        weights = plain[name]
+        assert weights.dtype == torch.bfloat16
+        for e, weight in enumerate(weights):
+            data, state = F.quantize_4bit(weight.reshape(-1).contiguous(), blocksize=64, quant_type="nf4")
+            assert torch.equal(stored[f"{name}:data"][e], data.reshape(-1))
+            assert torch.equal(stored[f"{name}:absmax"][e], state.absmax.float().reshape(-1))
 
 
 def test_train_takes_a_store_prepared_from_a_published_checkpoint(checkpoints, tmp_path, monkeypatch, capsys):
