@@ -141,6 +141,18 @@ def test_store_materializes_fresh_tensors_and_reads_entries(name):
     assert torch.equal(store.read(flat), everything[flat])
 
 
+@pytest.mark.parametrize("shape", [(64, 128), (6, 10)])
+def test_nf4_store_reads_entries_from_their_blocks_only_with_the_whole_experts_values(shape):
+    """`read` dequantizes only the blocks holding the entries (NF4's `read_entries`): the values are those of the
+    whole experts' dequantization, bit for bit, in any order and with repeats (shapes of whole blocks and not)."""
+    store, _ = quantized_store("nf4", experts=5, shape=shape)
+    numel = 5 * shape[0] * shape[1]
+    flat = torch.randint(0, numel, (300,), generator=torch.Generator().manual_seed(1))
+    flat = torch.cat([flat, flat[:7], torch.tensor([0, numel - 1])])
+    everything = store.materialize(list(range(5))).reshape(-1)
+    assert torch.equal(store.read(flat).view(torch.int32), everything[flat].view(torch.int32))
+
+
 def streamed(num_layers=3, cache_bytes=0, experts=4):
     streamer = LayerStreamer("cpu", cache_bytes)
     stores = []

@@ -412,14 +412,18 @@ def _nbytes(dtype: torch.dtype, shape) -> int:
 def _check_finite(
     value: torch.Tensor, source: SourceCheckpoint, name: str, keys: list[str], what: str
 ) -> None:
-    # the largest magnitude is NaN or inf exactly when some value is (max propagates NaN): a tenth of the time
-    # of isfinite(value).all()
-    if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value.abs().amax())):
+    # the largest and smallest value are NaN or inf exactly when some value is (max and min propagate NaN): two
+    # reductions, no temporary of the tensor's size (isfinite(value).all() built a bool copy and took ten times as long)
+    if value.is_floating_point() and value.numel() and not _finite_extremes(value):
         files = sorted({str(source.entries[k].file) for k in keys})
         raise ModelError(
             f"Non-finite values in {what}'{name}' (checkpoint tensors {keys[:3]}{'...' if len(keys) > 3 else ''} "
             f"in {', '.join(files)}): the shard is corrupted; re-download it."
         )
+
+
+def _finite_extremes(value: torch.Tensor) -> bool:
+    return bool(torch.isfinite(value.amax())) and bool(torch.isfinite(value.amin()))
 
 
 def _metadata(model_dir, source, tensors, checksums, requested, fmt, quant_dense, tmp: Path) -> dict:

@@ -146,3 +146,18 @@ def dequantize(parts: dict[str, torch.Tensor], rows: int, cols: int, dtype: torc
 
     data, absmax = data.reshape(k, -1), absmax.reshape(k, -1)
     return torch.stack([run(data[i], absmax[i], numel).view(rows, cols) for i in range(k)])
+
+
+def read_entries(
+    parts: dict[str, torch.Tensor], flat: torch.Tensor, rows: int, cols: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Values at flat indices of one stored matrix ([1, ...] parts): only the blocks that hold them dequantized,
+    by the same kernel as `dequantize` (each block on its own, so the values are the same bits)."""
+    if (rows * cols) % BLOCK_SIZE:
+        return dequantize(parts, rows, cols, dtype).reshape(-1)[flat]
+    block = torch.div(flat, BLOCK_SIZE, rounding_mode="floor")
+    needed, slot = torch.unique(block, return_inverse=True)
+    data = parts["data"].reshape(-1, BLOCK_SIZE // 2)[needed].reshape(-1)
+    absmax = parts["absmax"].reshape(-1)[needed]
+    values = dequantize({"data": data, "absmax": absmax}, 1, needed.numel() * BLOCK_SIZE, dtype).reshape(-1)
+    return values[slot * BLOCK_SIZE + flat % BLOCK_SIZE]

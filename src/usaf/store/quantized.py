@@ -67,16 +67,23 @@ class QuantizedStore:
 
     @torch.no_grad()
     def read(self, flat_indices: torch.Tensor) -> torch.Tensor:
-        """Dequantized values at flat indices of the [E, A, B] tensor, one expert at a time."""
+        """Dequantized values at flat indices of the [E, A, B] tensor, one expert at a time: where the format has
+        `read_entries`, only the blocks holding those entries are dequantized (the same values: a block dequantizes
+        on its own), else the whole expert."""
         _, rows, cols = self.shape
         per_expert = rows * cols
         flat = flat_indices.to(self.device)
         expert = torch.div(flat, per_expert, rounding_mode="floor")
         out = torch.empty(flat.shape, dtype=self.dtype, device=self.device)
+        read_entries = getattr(self.format, "read_entries", None)
         for e in torch.unique(expert).tolist():
             where = (expert == e).nonzero(as_tuple=True)[0]
-            weight = self.materialize([e]).reshape(-1)
-            out[where] = weight[flat[where] - e * per_expert]
+            local = flat[where] - e * per_expert
+            if read_entries is not None and e in self.owned:  # only the quantization blocks holding entries
+                parts = self.parts.fetch([e - self.owned.start])
+                out[where] = read_entries(parts, local, rows, cols, self.dtype, **self.constants)
+                continue
+            out[where] = self.materialize([e]).reshape(-1)[local]
         return out
 
     def __repr__(self) -> str:
