@@ -437,3 +437,21 @@ def test_full_size_writer_has_the_tiny_builders_layout_sharded_with_an_index(che
         assert all(torch.equal(got[k].view(torch.uint8), again[k].view(torch.uint8)) for k in got)
         model = reference(folder, kind)  # transformers dequantizes it
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_plan_of_a_store_converted_from_a_published_checkpoint_plans_the_stores_format(
+    checkpoints, tmp_path, capsys
+):
+    """A store of `usaf prepare --quant nf4` on an FP8 checkpoint carries the checkpoint's config.json (its
+    quantization_config fp8): the plan, from --model or a config's model.path, is of NF4 experts, not of FP8 kept
+    as published (which planned Qwen3-30B-A3B's NF4 store at 31 GB, "does not fit", for 19 GB)."""
+    store = prepare_store(
+        checkpoints["fp8"], tmp_path / "store", "nf4", device="cpu", requantize_published=True
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  path: {store}\n  device: cpu\n")
+    for argv in (["plan", "--model", str(store)], ["plan", "--config", str(config)]):
+        capsys.readouterr()
+        assert main(argv) in (0, 1)
+        out = capsys.readouterr().out
+        assert "experts nf4" in out and "experts fp8" not in out and "as published" not in out, out
