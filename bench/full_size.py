@@ -116,7 +116,15 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) if Path(path).exists() else 0
+    """Bytes of the files under `path`, each file once (a merged export hard-links the base's unchanged shards)."""
+    if not Path(path).exists():
+        return 0
+    seen = {}
+    for p in Path(path).rglob("*"):
+        if p.is_file():
+            stat = p.stat()
+            seen[(stat.st_dev, stat.st_ino)] = stat.st_size
+    return sum(seen.values())
 
 
 def disk_read_rate(folder: Path, size_mb: int) -> dict:

@@ -603,3 +603,22 @@ def test_the_metrics_row_counts_the_bytes_streamed_and_routed_only_backward_move
     for r, w in zip(routed, whole, strict=True):
         assert 0 < r["streamed_bytes"] < w["streamed_bytes"], (r["streamed_bytes"], w["streamed_bytes"])
     assert [r["loss"] for r in routed] == [w["loss"] for w in whole]  # the same step, fewer bytes
+
+
+@pytest.mark.parametrize("where", ["experts", "dense"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_prepare_refuses_a_checkpoint_with_non_finite_values_naming_the_tensor(tmp_path, where, bad):
+    src = tmp_path / "src"
+    tiny_model("qwen3_moe").save_pretrained(src)
+    path = next(src.glob("*.safetensors"))
+    tensors = load_file(path)
+    key = next(
+        k
+        for k in tensors
+        if ("experts.1." in k or "experts.gate_up" in k if where == "experts" else "q_proj" in k)
+        and tensors[k].is_floating_point()
+    )
+    tensors[key].view(-1)[7] = bad
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(UsafError, match=r"Non-finite values in .*corrupted"):
+        prepare_store(src, tmp_path / "out", "nf4", device="cpu")

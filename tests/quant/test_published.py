@@ -13,6 +13,7 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import usaf
+from usaf.base import writer
 from usaf.base.checkpoint import BaseCheckpoint
 from usaf.base.load import load_prepared, read_store_metadata
 from usaf.base.writer import prepare_store
@@ -154,7 +155,8 @@ def test_train_then_export_merged_and_apply_a_delta_against_the_published_checkp
         "".join(json.dumps({"prompt": f"copy {w} ->", "completion": f" {w}"}) + "\n" for w in "abcdef")
     )
     sets = ["schedule.max_steps=2", "data.max_seq_len=32", "data.batch_size=3", "select.density=0.05"]
-    sets += ["log.progress=false", "log.tensorboard=false", "data.eval_fraction=0"]
+    # one trained layer: the other layer's experts stay published in the merged checkpoint
+    sets += ["log.progress=false", "log.tensorboard=false", "data.eval_fraction=0", "select.layers=[1]"]
     run = tmp_path / "run"
     assert (
         main(["train", f"--model={folder}", f"--data={data}", f"--out={run}", *[f"--set={s}" for s in sets]])
@@ -163,19 +165,49 @@ def test_train_then_export_merged_and_apply_a_delta_against_the_published_checkp
     assert f"published {method.upper()} checkpoint: its experts stay {method}" in capsys.readouterr().err
     merged, delta_file, applied = tmp_path / "merged", tmp_path / "delta.safetensors", tmp_path / "applied"
     assert main(["export", str(run), "--merged", str(merged), "--delta", str(delta_file)]) == 0
-    assert "the merged checkpoint holds its" in capsys.readouterr().out
+    assert f"keeps it {method.upper()} where the run changed nothing" in capsys.readouterr().out
     assert main(["apply", str(folder), str(delta_file), str(applied)]) == 0
 
+    # the published format kept: quantization_config, with the modules holding trained entries not converted
     config = json.loads((merged / "config.json").read_text())
-    assert "quantization_config" not in config
-    written = tensors_of(merged)
-    assert all(t.dtype in (torch.bfloat16, torch.float32) for t in written.values())
-    assert not any(k.endswith(("_blocks", "_scales", "_scale_inv")) for k in written)
+    base_qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    record = json.loads((merged / "usaf_delta.json").read_text())
+    modules, edited = record["modules_not_converted"], set(record["changed_tensors"])
+    assert modules and all(".layers.1." in m for m in modules) and any(m.endswith("experts") for m in modules)
+    qc = config["quantization_config"]
+    assert qc["modules_to_not_convert"] == [*(base_qc.get("modules_to_not_convert") or []), *modules]
+    assert {k: v for k, v in qc.items() if k != "modules_to_not_convert"} == {
+        k: v for k, v in base_qc.items() if k != "modules_to_not_convert"
+    }
+    # every tensor outside those modules is the base's, byte for byte (published parts included); inside them
+    # the quantized weights are dequantized, their parts gone
+    base_tensors, written = tensors_of(folder), tensors_of(merged)
+    parts = ("_blocks", "_scales", "_scale_inv")
+    assert any(".mlp.experts." in k and ".layers.1." not in k and k.endswith(parts) for k in written)
+
+    def in_changed(key):
+        return any(key.startswith(m + ".") for m in modules)
+
+    for key, value in base_tensors.items():
+        if in_changed(key) and key.endswith(parts):
+            assert key not in written, key
+        elif not in_changed(key) and key not in edited:
+            assert written[key].dtype == value.dtype and torch.equal(
+                written[key].view(torch.uint8), value.view(torch.uint8)
+            ), key
+    # the changed modules' quantized weights (new names for MXFP4, FP8 ones under their names) are bf16 now
+    dequantized = [
+        k for k in written if in_changed(k) and (k not in base_tensors or base_tensors[k].dtype.itemsize == 1)
+    ]
+    assert dequantized and all(written[k].dtype == torch.bfloat16 for k in dequantized)
+    size = lambda d: sum(p.stat().st_size for p in d.glob("*.safetensors"))  # noqa: E731
+    changed_bf16 = sum(written[k].numel() * 2 for k in dequantized)
+    assert size(merged) <= size(folder) + changed_bf16  # the base, plus the changed modules in bf16
 
     want = reference(folder, kind).state_dict()
-    # plain transformers, no quantizer involved (a router transformers keeps in fp32 is fp32 in both loads)
-    got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.bfloat16).state_dict()
-    again = AutoModelForCausalLM.from_pretrained(applied, dtype=torch.bfloat16).state_dict()
+    # transformers' own quantizer loads both (dequantizing on this CPU): the fine-tuned model exactly
+    got = reference(merged, kind).state_dict()
+    again = reference(applied, kind).state_dict()
     changes = read_delta(delta_file).changes
     assert want.keys() == got.keys() == again.keys()
     for name, before in want.items():
@@ -308,6 +340,40 @@ def test_prepare_with_quant_given_stores_published_experts_at_that_format(checkp
     assert read_store_metadata(kept)["quant"] == kind
 
 
+def test_prepare_to_nf4_with_workers_stores_bitsandbytes_quantization_of_the_dequantized_experts(
+    checkpoints, tmp_path, monkeypatch
+):
+    """FP8 -> NF4 with experts quantized by two worker threads: every expert's stored bytes are bitsandbytes'
+    `quantize_4bit` of its published values dequantized as transformers does (bf16), expert by expert."""
+    import bitsandbytes.functional as F
+
+    folder = checkpoints["fp8"]
+    monkeypatch.setattr(writer, "PARALLEL_ELEMENTS", 1)  # the tiny experts too
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        store = prepare_store(folder, tmp_path / "store", "nf4", device="cpu", requantize_published=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads
+    metadata = read_store_metadata(store)
+    stored = {}
+    for file in metadata["files"]:
+        entries, _ = read_header(store / file)
+        stored.update({k: read_tensor(e) for k, e in entries.items()})
+    plain = reference(folder, "fp8").state_dict()
+    experts = [n for n, t in metadata["tensors"].items() if t["kind"] == "experts"]
+    assert experts
+    for name in experts:
+        assert metadata["tensors"][name]["format"] == "nf4"
+        weights = plain[name]
+        assert weights.dtype == torch.bfloat16
+        for e, weight in enumerate(weights):
+            data, state = F.quantize_4bit(weight.reshape(-1).contiguous(), blocksize=64, quant_type="nf4")
+            assert torch.equal(stored[f"{name}:data"][e], data.reshape(-1))
+            assert torch.equal(stored[f"{name}:absmax"][e], state.absmax.float().reshape(-1))
+
+
 def test_train_takes_a_store_prepared_from_a_published_checkpoint(checkpoints, tmp_path, monkeypatch, capsys):
     """A store of published MXFP4 experts is a model of `usaf train` (its format is the store's, which no
     model.quant names: it was refused as `model.quant = 'mxfp4' is not allowed`)."""
@@ -371,3 +437,21 @@ def test_full_size_writer_has_the_tiny_builders_layout_sharded_with_an_index(che
         assert all(torch.equal(got[k].view(torch.uint8), again[k].view(torch.uint8)) for k in got)
         model = reference(folder, kind)  # transformers dequantizes it
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_plan_of_a_store_converted_from_a_published_checkpoint_plans_the_stores_format(
+    checkpoints, tmp_path, capsys
+):
+    """A store of `usaf prepare --quant nf4` on an FP8 checkpoint carries the checkpoint's config.json (its
+    quantization_config fp8): the plan, from --model or a config's model.path, is of NF4 experts, not of FP8 kept
+    as published (which planned Qwen3-30B-A3B's NF4 store at 31 GB, "does not fit", for 19 GB)."""
+    store = prepare_store(
+        checkpoints["fp8"], tmp_path / "store", "nf4", device="cpu", requantize_published=True
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  path: {store}\n  device: cpu\n")
+    for argv in (["plan", "--model", str(store)], ["plan", "--config", str(config)]):
+        capsys.readouterr()
+        assert main(argv) in (0, 1)
+        out = capsys.readouterr().out
+        assert "experts nf4" in out and "experts fp8" not in out and "as published" not in out, out

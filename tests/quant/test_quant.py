@@ -87,6 +87,34 @@ def test_nf4_matches_bitsandbytes_on_whole_blocks():
     assert torch.equal(ours, F.dequantize_4bit(data, state))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nf4_cpu_quantization_is_bitsandbytes_bit_for_bit(dtype):
+    """usaf's CPU NF4 quantization (a code lookup by the top 16 bits of the scaled value) gives bitsandbytes'
+    own bytes and absmax: Gaussian blocks at several scales, blocks of zeros and -0, and values one ulp either
+    side of every midpoint between two codes (where a lookup could go wrong)."""
+    import bitsandbytes.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    code = F.get_4bit_type("nf4", device="cpu").float()
+    midpoints = (code[:-1] + code[1:]) / 2
+    cases = [(torch.randn(512, 64, generator=g) * scale).to(dtype) for scale in (0.02, 1.0, 30.0)]
+    zeros = torch.zeros(4, 64, dtype=dtype)
+    zeros[1] = -0.0
+    cases.append(zeros)
+    if dtype == torch.float32:  # only fp32 holds values this close to a midpoint
+        near = midpoints[torch.randint(0, 15, (512, 63), generator=g)]
+        for ulps in (-1, 0, 1):
+            block = torch.ones(512, 64)
+            block[:, 1:] = (near.view(torch.int32) + ulps).view(torch.float32)
+            cases += [block, block * 3.7, block * -0.3]
+    nf4 = get_format("nf4")
+    for weight in cases:
+        data, state = F.quantize_4bit(weight.contiguous(), blocksize=64, quant_type="nf4")
+        ours = nf4.quantize(weight)
+        assert torch.equal(ours["data"], data.reshape(-1))
+        assert torch.equal(ours["absmax"], state.absmax.float().reshape(-1))
+
+
 def test_format_choice():
     assert resolve_format("nf4", "cpu") == "nf4"  # bitsandbytes 0.50 has CPU kernels
     assert resolve_format("nf4", "meta") == "int4"  # no bitsandbytes kernels: the pure-PyTorch int4
@@ -113,6 +141,18 @@ def test_store_materializes_fresh_tensors_and_reads_entries(name):
     flat = torch.tensor([0, 5, 8 * 64 + 3, 5 * 8 * 64 + 511])
     everything = store.materialize(list(range(6))).reshape(-1)
     assert torch.equal(store.read(flat), everything[flat])
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (6, 10)])
+def test_nf4_store_reads_entries_from_their_blocks_only_with_the_whole_experts_values(shape):
+    """`read` dequantizes only the blocks holding the entries (NF4's `read_entries`): the values are those of the
+    whole experts' dequantization, bit for bit, in any order and with repeats (shapes of whole blocks and not)."""
+    store, _ = quantized_store("nf4", experts=5, shape=shape)
+    numel = 5 * shape[0] * shape[1]
+    flat = torch.randint(0, numel, (300,), generator=torch.Generator().manual_seed(1))
+    flat = torch.cat([flat, flat[:7], torch.tensor([0, numel - 1])])
+    everything = store.materialize(list(range(5))).reshape(-1)
+    assert torch.equal(store.read(flat).view(torch.int32), everything[flat].view(torch.int32))
 
 
 def streamed(num_layers=3, cache_bytes=0, experts=4):

@@ -9,8 +9,11 @@ is `usaf.base.load`.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -258,45 +261,120 @@ def _write_tensors(
 def _write_each(source: SourceCheckpoint, tensors: dict, writers: dict, device, names, convert=False) -> None:
     done: set[str] = set()
     constants = published.format_constants(published.read_config(source.dir)) if convert else {}
-    for name in names:
-        if name in done:
-            continue
-        _release_freed_memory()
-        info = tensors[name]
-        writer = writers[info["file"]]
-        if info["kind"] == "experts":
-            fmt = get_format(info["format"])
-            num_experts = info["shape"][0]
-            expert_bytes = {key: _nbytes(dtype, shape[1:]) for key, (dtype, shape) in info["stored"].items()}
-            for e in range(num_experts):
-                if source.published and not convert:  # copied as published: no re-quantization
-                    for part, value in source.expert_parts(name, e).items():
-                        key = f"{name}:{part}"
-                        writer.write(key, value, e * expert_bytes[key])
-                    continue
-                if convert:  # one published expert dequantized, then stored at the asked format
-                    parts = {p: v.unsqueeze(0) for p, v in source.expert_parts(name, e).items()}
-                    rows, cols = info["shape"][1], info["shape"][2]
-                    published_fmt = get_format(source.published)
-                    weight = published_fmt.dequantize(parts, rows, cols, torch.bfloat16, **constants)[0]
-                else:
-                    weight = source.build_expert(name, e)
-                _check_finite(weight, source, name, source.expert_source_keys(name, e), f"expert {e} of ")
-                offsets = {key: e * size for key, size in expert_bytes.items()}
-                for piece in fmt.pieces(weight, _PIECE_ELEMENTS):
-                    for part, value in fmt.quantize(piece.to(device)).items():
-                        key = f"{name}:{part}"
-                        writer.write(key, value, offsets[key])
-                        offsets[key] += value.numel() * value.element_size()
-            source.release()  # a stack built for this tensor's experts is not needed for the next tensor
-            done.add(name)
-            continue
-        for produced, value in source.build(info["group"]).items():  # a group may produce several tensors
-            if produced not in tensors or produced in done:
+    with _ExpertWorkers(device) as workers:
+        for name in names:
+            if name in done:
                 continue
-            _check_finite(value, source, produced, source.source_keys(produced), "")
-            _write_dense(writers[tensors[produced]["file"]], produced, tensors[produced], value)
-            done.add(produced)
+            _release_freed_memory()
+            info = tensors[name]
+            writer = writers[info["file"]]
+            if info["kind"] == "experts":
+                fmt = get_format(info["format"])
+                num_experts = info["shape"][0]
+                expert_bytes = {
+                    key: _nbytes(dtype, shape[1:]) for key, (dtype, shape) in info["stored"].items()
+                }
+                for e in range(num_experts):
+                    if source.published and not convert:  # copied as published: no re-quantization
+                        for part, value in source.expert_parts(name, e).items():
+                            key = f"{name}:{part}"
+                            writer.write(key, value, e * expert_bytes[key])
+                        continue
+                    # read here, in order (checksums follow the reads); dequantized, checked, quantized and
+                    # written by a worker
+                    if convert:  # one published expert dequantized, then stored at the asked format
+                        parts = {p: v.unsqueeze(0) for p, v in source.expert_parts(name, e).items()}
+                        rows, cols = info["shape"][1], info["shape"][2]
+                        weight = functools.partial(
+                            get_format(source.published).dequantize,
+                            parts,
+                            rows,
+                            cols,
+                            torch.bfloat16,
+                            **constants,
+                        )
+                    else:
+                        weight = source.build_expert(name, e)
+                    offsets = {key: e * size for key, size in expert_bytes.items()}
+                    elements = info["shape"][1] * info["shape"][2]
+                    workers.submit(
+                        elements, _write_expert, source, name, e, weight, fmt, writer, offsets, device
+                    )
+                workers.wait()  # this tensor's experts written before the next tensor's are read
+                source.release()  # a stack built for this tensor's experts is not needed for the next tensor
+                done.add(name)
+                continue
+            for produced, value in source.build(info["group"]).items():  # a group may produce several tensors
+                if produced not in tensors or produced in done:
+                    continue
+                _check_finite(value, source, produced, source.source_keys(produced), "")
+                _write_dense(writers[tensors[produced]["file"]], produced, tensors[produced], value)
+                done.add(produced)
+
+
+def _write_expert(source, name: str, e: int, weight, fmt, writer, offsets: dict, device) -> None:
+    """Expert `e` of `name` quantized at `fmt` and written at `offsets` ({stored key: byte offset}); `weight` is
+    the expert's values, or the call that computes them (a published expert's dequantization)."""
+    if callable(weight):
+        weight = weight()[0]
+    _check_finite(weight, source, name, source.expert_source_keys(name, e), f"expert {e} of ")
+    for piece in fmt.pieces(weight, _PIECE_ELEMENTS):
+        for part, value in fmt.quantize(piece.to(device)).items():
+            key = f"{name}:{part}"
+            writer.write(key, value, offsets[key])
+            offsets[key] += value.numel() * value.element_size()
+
+
+class _ExpertWorkers:
+    """Experts quantized on the CPU in parallel, one per thread, each thread's torch ops single-threaded: the same
+    cores as torch's own intra-op threads, without a barrier per operation (on a loaded machine a two-thread
+    operation waits for its slower thread every time: the quantization of a 256 K-value piece is a dozen such
+    operations). The results are the same: no operation here depends on how many threads run it. Only for experts
+    of `PARALLEL_ELEMENTS` values or more (the threads cost ~30 MB of their own, more than a small model's whole
+    preparation); elsewhere (smaller experts, an accelerator, one thread) each expert is written where it is
+    submitted. At most two experts per worker are in flight (memory: a few experts' values), and a worker's error
+    is raised in the submitting thread."""
+
+    def __init__(self, device):
+        self.count = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
+        self.pool = None
+        self.threads = None
+        self.pending: collections.deque = collections.deque()
+
+    def __enter__(self):
+        return self
+
+    def submit(self, elements: int, fn, *args) -> None:
+        """Run `fn(*args)` (one expert of `elements` values) on a worker, or here."""
+        if self.count < 2 or elements < PARALLEL_ELEMENTS:
+            fn(*args)
+            return
+        if self.pool is None:
+            self.threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            self.pool = concurrent.futures.ThreadPoolExecutor(
+                self.count, "usaf-prepare", initializer=torch.set_num_threads, initargs=(1,)
+            )
+        while len(self.pending) >= 2 * self.count:
+            self.pending.popleft().result()
+        self.pending.append(self.pool.submit(fn, *args))
+
+    def wait(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
+
+    def __exit__(self, kind, err, tb):
+        if self.pool is None:
+            return
+        for future in self.pending:  # after an error: what has not started never runs
+            future.cancel()
+        self.pool.shutdown(wait=True)
+        torch.set_num_threads(self.threads)
+        if err is None:
+            self.wait()
+
+
+PARALLEL_ELEMENTS = 1 << 20
 
 
 def _write_dense(writer: shards.StreamingWriter, name: str, info: dict, value: torch.Tensor) -> None:
@@ -334,12 +412,18 @@ def _nbytes(dtype: torch.dtype, shape) -> int:
 def _check_finite(
     value: torch.Tensor, source: SourceCheckpoint, name: str, keys: list[str], what: str
 ) -> None:
-    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+    # the largest and smallest value are NaN or inf exactly when some value is (max and min propagate NaN): two
+    # reductions, no temporary of the tensor's size (isfinite(value).all() built a bool copy and took ten times as long)
+    if value.is_floating_point() and value.numel() and not _finite_extremes(value):
         files = sorted({str(source.entries[k].file) for k in keys})
         raise ModelError(
             f"Non-finite values in {what}'{name}' (checkpoint tensors {keys[:3]}{'...' if len(keys) > 3 else ''} "
             f"in {', '.join(files)}): the shard is corrupted; re-download it."
         )
+
+
+def _finite_extremes(value: torch.Tensor) -> bool:
+    return bool(torch.isfinite(value.amax())) and bool(torch.isfinite(value.amin()))
 
 
 def _metadata(model_dir, source, tensors, checksums, requested, fmt, quant_dense, tmp: Path) -> dict:

@@ -281,7 +281,7 @@ def _dtype(args, run_config: RunConfig, device) -> str:
 def run(args: argparse.Namespace) -> int:
     from usaf import planner
     from usaf.io.model_source import STORE, model_source
-    from usaf.io.published import keeps_published, published_method
+    from usaf.io.published import METHODS, keeps_published, published_method
 
     _check_numbers(args)
     named = model_source(args.model) if args.model else None  # read once: the run's or the model's
@@ -306,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
         method = (
             None  # told otherwise: its experts are planned at the format asked for, as usaf train stores them
         )
+    if source.kind == STORE:  # its config.json is the checkpoint's: the store's own format says what it holds
+        method = source.quant if source.quant in METHODS else None
     if method is not None:  # its experts are planned as published, as usaf train keeps them
         settings = settings.replace(quant=method)
     shape = planner.model_shape(config, name)

@@ -1,14 +1,19 @@
 """A merged checkpoint is the base's shards streamed tensor by tensor (in bounded chunks) with the trained entries
 replaced: same names, dtypes, shard files and index; nothing else is touched, so a base trained in quantized form
-keeps its original precision everywhere else. A published MXFP4/FP8 base is written dequantized where it is quantized
-(in its config's dtype, bf16, exactly as transformers' dequantized load holds it), without its quantization_config:
-a plain checkpoint every loader reads. Outputs appear atomically: written beside the target under a hidden
-temporary name, fsynced, renamed into place."""
+keeps its original precision everywhere else. A published MXFP4/FP8 base keeps its published format: every tensor of
+a module the delta leaves alone is copied byte for byte (FP8 weight + weight_scale_inv, MXFP4 blocks + scales); the
+quantized weights of a module with trained entries are written dequantized (in the config's dtype, bf16, exactly as
+transformers' dequantized load holds them) with the trained values in, and the module is listed in the config's
+`quantization_config.modules_to_not_convert`, so transformers loads it as it is, never rounding a small update away
+by quantizing it again. Outputs appear atomically: written beside the target under a hidden temporary name,
+fsynced, renamed into place."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -29,6 +34,7 @@ from usaf.io import shards
 from usaf.io.atomic import (
     atomic_dir,
     copy_side_files,
+    fsync_file,
     write_json,
 )
 from usaf.io.guard import MERGED, check_output
@@ -87,20 +93,27 @@ def write_merged(
     check_output(out_dir, MERGED, flag=flag, force=force, inputs=inputs, noun="output directory")
     edits = _edits_by_checkpoint_key(base, delta)
     expected = (delta.base_record or {}).get("tensors")
+    published = base.source.published is not None
+    modules, dequantized = _dequantized_modules(base, edits) if published else ([], {})
     with atomic_dir(out_dir) as tmp:
         report: dict[str, dict] = {}
-        derived = base.source.published is not None
-        for file in base.shard_files():
-            entries = (
-                {k: e for k, e in base.source.entries.items() if e.file.name == file} if derived else None
-            )
+        written: dict[str, str] = {}  # tensor name -> file
+        for file in _shard_files(base):
+            header, _ = shards.read_header(base.dir / file)
+            # a dequantized weight replaces its published parts, in the file of its first part
+            entries = {k: e for k, e in header.items() if k not in _parts_of(dequantized.values())}
+            entries.update({k: e for k, e in dequantized.items() if e.file.name == file})
+            written.update(dict.fromkeys(entries, file))
+            if entries.keys() == header.keys() and not any(k in edits for k in entries):
+                _link_or_copy(base.dir / file, tmp / file)  # nothing changes in it: the base's own file
+                continue
             _write_shard(base.dir / file, tmp / file, edits, expected, report, delta.origin, entries)
         missing = sorted(set(edits) - set(report))
         if missing:
             raise ModelError(f"Tensor '{missing[0]}' was not found in the shards of {base.dir}.")
-        copy_side_files(base.dir, tmp, keep_shard_index=not derived, skip=(MERGED_METADATA_FILE,))
-        if derived:
-            _write_dequantized_config(base, tmp)
+        copy_side_files(base.dir, tmp, keep_shard_index=not dequantized, skip=(MERGED_METADATA_FILE,))
+        if dequantized:
+            _write_unconverted_config(base, tmp, modules, written)
         metadata = {
             "format": "usaf-merged",
             "usaf_version": __version__,
@@ -112,6 +125,7 @@ def write_merged(
                 for name, change in delta.changes.items()
             },
             "changed_tensors": report,
+            **({"modules_not_converted": modules} if published else {}),
         }
         # written last, so that a folder holding it is complete
         write_json(tmp / MERGED_METADATA_FILE, metadata)
@@ -201,27 +215,87 @@ def _chunks(entry: shards.TensorEntry, step: int, hasher):
         yield begin - entry.begin, shards.read_bytes(entry, begin, end, hasher)
 
 
-def _write_dequantized_config(base: BaseCheckpoint, out: Path) -> None:
-    """config.json without its quantization_config, and the shard index of the tensors as written."""
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A shard the delta leaves alone, as the base holds it: a hard link where the output is on the base's file
+    system (no disk: a 31 GB checkpoint whose trained entries lie in two of its seven shards adds those two),
+    else a copy, fsynced. Safetensors files are never written in place (a download replaces a file), so the link
+    keeps the base's bytes whatever later happens to the base's folder."""
+    try:
+        os.link(source, target)
+    except OSError:  # another file system, or links not allowed
+        shutil.copyfile(source, target)
+        fsync_file(target)
+
+
+def _shard_files(base: BaseCheckpoint) -> list[str]:
+    """Every safetensors file of the base (a published weight's parts may lie in files of their own)."""
+    files = set(base.shard_files())
+    for entry in base.source.entries.values():
+        if isinstance(entry, shards.DerivedEntry):
+            files.update(part.file.name for part in entry.parts)
+    return sorted(files)
+
+
+def _parts_of(entries) -> set[str]:
+    return {part.name for entry in entries for part in entry.parts}
+
+
+def _dequantized_modules(
+    base: BaseCheckpoint, edits: dict
+) -> tuple[list[str], dict[str, shards.TensorEntry]]:
+    """The modules of a published base whose quantized weights have trained entries (as the model names them, e.g.
+    `model.layers.23.mlp.experts`), and every quantized (derived) weight of those modules, by name: the weights
+    written dequantized. A whole module, because transformers converts (or not) a module, and because its loader
+    fuses a module's per-expert weights with their scales as one list (a few experts in bf16 would not fuse)."""
+    module_of = {}
+    for group in base.source.groups.values():
+        module = group.name.rsplit(".", 1)[0]
+        for keys in group.sources.values():
+            module_of.update(dict.fromkeys(keys, module))
+    entries = base.source.entries
+    derived = {k: e for k, e in entries.items() if isinstance(e, shards.DerivedEntry)}
+    modules = sorted({module_of[k] for k in edits if k in derived and k in module_of})
+    chosen = set(modules)
+    return modules, {k: e for k, e in derived.items() if module_of.get(k) in chosen}
+
+
+def _write_unconverted_config(base: BaseCheckpoint, out: Path, modules: list[str], written: dict) -> None:
+    """config.json with `modules` added to quantization_config.modules_to_not_convert (the key transformers'
+    FP8 and MXFP4 quantizers read), and the shard index of the tensors as written."""
     config = json.loads((base.dir / "config.json").read_text())
-    config.pop("quantization_config", None)
+    qc = config["quantization_config"]
+    qc["modules_to_not_convert"] = list(dict.fromkeys([*(qc.get("modules_to_not_convert") or []), *modules]))
     write_json(out / "config.json", config)
     if (base.dir / INDEX_FILE).exists():
-        weight_map = {name: e.file.name for name, e in sorted(base.source.entries.items())}
-        total = sum(e.nbytes for e in base.source.entries.values())
-        write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        headers = {file: shards.read_header(out / file)[0] for file in set(written.values())}
+        total = sum(headers[file][name].nbytes for name, file in written.items())
+        write_json(
+            out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(written.items()))}
+        )
 
 
 def dequantized_note(base: BaseCheckpoint, out_dir: Path) -> str | None:
-    """One line saying that a published base's quantized weights were written dequantized, and the size."""
+    """One line saying that a published base kept its format, which modules were written dequantized, and the
+    size."""
     if base.source.published is None:
         return None
-    derived = [e for e in base.source.entries.values() if isinstance(e, shards.DerivedEntry)]
-    dtype = str(derived[0].dtype).removeprefix("torch.") if derived else "full precision"
+    metadata_path = Path(out_dir) / MERGED_METADATA_FILE
+    modules = (
+        json.loads(metadata_path.read_text()).get("modules_not_converted", [])
+        if metadata_path.exists()
+        else []
+    )
     size = sum(p.stat().st_size for p in Path(out_dir).glob("*.safetensors"))
+    method = base.source.published.upper()
+    changed = (
+        f"the {len(modules)} module(s) with trained entries ({', '.join(modules[:3])}"
+        f"{', ...' if len(modules) > 3 else ''}) dequantized, listed in quantization_config.modules_to_not_convert"
+        if modules
+        else "no quantized weight changed"
+    )
     return (
-        f"{base.dir} is a published {base.source.published.upper()} checkpoint: the merged checkpoint holds its "
-        f"{len(derived)} quantized weights as {dtype}, without quantization_config ({format_size(size)})"
+        f"{base.dir} is a published {method} checkpoint: the merged checkpoint keeps it {method} where the run "
+        f"changed nothing, {changed} ({format_size(size)})"
     )
 
 

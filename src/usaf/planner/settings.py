@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from usaf.config import (
     DEFAULT_RESELECT_EVERY,
@@ -19,7 +20,9 @@ from usaf.config import (
 from usaf.config.cards import CARDS, Device
 from usaf.config.sections import DistributedSection
 from usaf.errors import ConfigError
-from usaf.io.published import checkpoint_method, keeps_published
+from usaf.files import STORE_FILE
+from usaf.io.model_source import read_store_metadata
+from usaf.io.published import METHODS, checkpoint_method, keeps_published
 from usaf.planner.sizes import GiB, MiB
 from usaf.quant import PUBLISHED, by_precision
 from usaf.registry import OBJECTIVES
@@ -317,8 +320,17 @@ def settings_for_run(run: PlannedRun, dtype: str) -> PlanSettings:
     """The plan of a run's sections (`usaf plan --config run.yaml`, and `train.recompute=auto`): the same
     sequence, batch, selection, storage, chunking and optimizer state the run will have; a published checkpoint's
     experts keep their own format unless model.quant names another. On the smallest job the run can be: distributed.expert_parallel GPUs."""
-    published = checkpoint_method(run.model.path) if keeps_published(run.model.quant) else None
+    published = _published_format(run.model.path) if keeps_published(run.model.quant) else None
     return PlanSettings(run, dtype=dtype, published=published, gpus=run.distributed.expert_parallel)
+
+
+def _published_format(path: str) -> str | None:
+    """The published format of the experts at `path`: a checkpoint's, or a prepared store's when it kept them
+    (its config.json is the checkpoint's, but a store converted with `usaf prepare --quant` holds usaf's format)."""
+    if path and (Path(path) / STORE_FILE).is_file():
+        quant = read_store_metadata(path)["quant"]
+        return quant if quant in METHODS else None
+    return checkpoint_method(path)
 
 
 def run_optimizer(optim: OptimSection) -> str:

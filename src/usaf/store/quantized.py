@@ -72,7 +72,8 @@ class QuantizedStore:
     def read(self, flat_indices: torch.Tensor) -> torch.Tensor:
         """Dequantized values at flat indices of the [E, A, B] tensor, one expert at a time: the indices grouped by
         expert with a sort, where each expert's start is read on the host at once (an intended read: on balanced
-        data every expert holds as many); experts without an index are not dequantized."""
+        data every expert holds as many); experts without an index are not dequantized, and where the format has
+        `read_entries` only the blocks holding the entries are (the same values: a block dequantizes on its own)."""
         _, rows, cols = self.shape
         per_expert = rows * cols
         flat = flat_indices.to(self.device).reshape(-1)
@@ -89,10 +90,16 @@ class QuantizedStore:
                 "(expert parallelism: another rank holds the others)."
             )
         out = torch.empty(flat.shape, dtype=self.dtype, device=self.device)
+        read_entries = getattr(self.format, "read_entries", None)
         for e, start, stop in zip(owned, starts[:-1], starts[1:], strict=True):
             if start < stop:
-                weight = self.materialize([e]).reshape(-1)
-                out[order[start:stop]] = weight[ordered[start:stop] - e * per_expert]
+                local = ordered[start:stop] - e * per_expert
+                if read_entries is not None:  # only the quantization blocks holding entries
+                    parts = self.parts.fetch([e - owned.start])
+                    values = read_entries(parts, local, rows, cols, self.dtype, **self.constants)
+                else:
+                    values = self.materialize([e]).reshape(-1)[local]
+                out[order[start:stop]] = values
         return out.view(flat_indices.shape)
 
     def __repr__(self) -> str:

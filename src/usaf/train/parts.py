@@ -328,7 +328,7 @@ class Routers(Part):
     def finish(self, state: TrainState) -> None:
         # [usaf.distributed] every rank measures (under expert parallelism a forward needs every rank); rank 0 writes
         measured = self.routers.load_before_after()
-        if distributed.is_main():
+        if measured is not None and distributed.is_main():
             write_router_load(self.run_dir, *measured)
 
     def state_dict(self) -> dict[str, Any]:

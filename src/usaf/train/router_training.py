@@ -45,7 +45,11 @@ class RouterTraining:
         self.guard = CollapseGuard.from_config(section, self.loss, router_params)
         self.router_params = router_params
         self.reference_batch = reference_batch
-        self.health.record_base(model, reference_batch)
+        # the base's routing on the reference batch, what drift and the load heatmaps compare against: a forward
+        # over the whole model (minutes at full size on a CPU), so only where router health is on
+        self.measures = bool(section.health_every_steps)
+        if self.measures:
+            self.health.record_base(model, reference_batch)
         self.parts: dict[str, torch.Tensor] = {}  # summed on the device; read once per step
 
     def capture(self):
@@ -123,8 +127,11 @@ class RouterTraining:
         if saved is not None:
             self.health.window.extend(saved.unbind(0))
 
-    def load_before_after(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Per-layer expert loads on the reference batch: at the start and now (for `usaf report` heatmaps)."""
+    def load_before_after(self) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+        """Per-layer expert loads on the reference batch: at the start and now (for `usaf report` heatmaps); None
+        with router health off (router.health_every_steps=0: no reference forward at the start, none here)."""
+        if not self.measures:
+            return None
         self.health.measure_drift(self.model, self.reference_batch)
         return (
             self.health.load_matrix(self.health.base_counts),
