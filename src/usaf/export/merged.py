@@ -98,10 +98,11 @@ def write_merged(
     with atomic_dir(out_dir) as tmp:
         report: dict[str, dict] = {}
         written: dict[str, str] = {}  # tensor name -> file
+        replaced = _parts_of(dequantized.values())  # the published parts the dequantized weights stand for
         for file in _shard_files(base):
             header, _ = shards.read_header(base.dir / file)
             # a dequantized weight replaces its published parts, in the file of its first part
-            entries = {k: e for k, e in header.items() if k not in _parts_of(dequantized.values())}
+            entries = {k: e for k, e in header.items() if k not in replaced}
             entries.update({k: e for k, e in dequantized.items() if e.file.name == file})
             written.update(dict.fromkeys(entries, file))
             if entries.keys() == header.keys() and not any(k in edits for k in entries):
